@@ -1,0 +1,122 @@
+"""Forward + backward time and peak memory of every objective against lightly's NTXentLoss
+and pytorch-metric-learning's SupConLoss, side by side in one process (issue 2).
+
+    python -m bench.objectives                  # N in 1024 4096 8192, D = 128
+    python -m bench.objectives --sizes 1024     # the smallest case
+
+Targets: every objective within 1.3x of the fastest peer at N = 8192; xclr within 1.1x of
+infonce. Writes bench/results/objectives.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import machine, peak_memory_bytes, print_table, time_call, write_json
+from pretrain.losses import batch_loss
+
+CAPTION_DIM = 384  # all-MiniLM-L6-v2
+NUM_CLASSES = 100
+
+
+def objective_cases(z, ids, labels, captions, graph, text, table):
+    def case(name, **kw):
+        return lambda: batch_loss(name, z, ids, labels, temperature=0.1, **kw)[0]
+
+    return {
+        "infonce": case("infonce"),
+        "supcon": case("supcon"),
+        "sincere": case("sincere"),
+        "eps_supinfonce": case("eps_supinfonce", eps=0.1),
+        "flatnce": case("flatnce"),
+        "holder_flatnce": case("holder_flatnce", gamma=2.0),
+        "xclr[captions]": case("xclr", captions=captions),
+        "xclr[class_graph]": case("xclr", class_graph=graph),
+        "projnce[centroid]": case("projnce"),
+        "projnce[kernel]": case("projnce", projection="kernel"),
+        "projnce[median]": case("projnce", projection="median"),
+        "projnce[learned]": case("projnce", projection="learned", class_embeddings=table),
+        "clip": case("clip", text=text),
+    }
+
+
+def peer_cases(z, labels):
+    from lightly.loss import NTXentLoss
+    from pytorch_metric_learning.losses import SupConLoss
+
+    ntxent, supcon = NTXentLoss(temperature=0.1), SupConLoss(temperature=0.1)
+    half = z.shape[0] // 2
+    return {
+        "lightly NTXentLoss": lambda: ntxent(z[:half], z[half:]),
+        "pml SupConLoss": lambda: supcon(z, labels),
+    }
+
+
+def run_size(n: int, dim: int, repeats: int, device: torch.device) -> list[dict]:
+    gen = torch.Generator().manual_seed(n)
+    images = n // 2
+    z = torch.randn(n, dim, generator=gen).to(device).requires_grad_()
+    ids = torch.arange(images).repeat(2).to(device)  # view 1 rows, then view 2 rows
+    labels = (ids % NUM_CLASSES).to(device)
+    captions = torch.randn(images, CAPTION_DIM, generator=gen).half().to(device)[ids]
+    names = torch.nn.functional.normalize(torch.randn(NUM_CLASSES, CAPTION_DIM, generator=gen), dim=1)
+    graph = (names @ names.T).to(device)
+    text = torch.randn(n, dim, generator=gen).to(device).requires_grad_()
+    table = torch.randn(NUM_CLASSES, dim, generator=gen).to(device).requires_grad_()
+
+    def step(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            z.grad = None
+            loss_fn().backward()
+        return run
+
+    cases = {**peer_cases(z, labels), **objective_cases(z, ids, labels, captions, graph,
+                                                        text, table)}
+    rows = []
+    for name, fn in cases.items():
+        seconds = time_call(step(fn), repeats=repeats)
+        peak = peak_memory_bytes(step(fn), device) if n <= 8192 else None
+        rows.append({"N": n, "loss": name, "fwd_bwd_ms": seconds * 1e3,
+                     "peak_mib": None if peak is None else peak / 2**20,
+                     "peer": name.startswith(("lightly", "pml"))})
+        print(f"  N={n} {name}: {seconds * 1e3:.1f} ms", flush=True)
+    fastest_peer = min(r["fwd_bwd_ms"] for r in rows if r["peer"])
+    infonce_ms = next(r["fwd_bwd_ms"] for r in rows if r["loss"] == "infonce")
+    for row in rows:
+        row["vs_fastest_peer"] = row["fwd_bwd_ms"] / fastest_peer
+        if row["loss"].startswith("xclr"):
+            row["vs_infonce"] = row["fwd_bwd_ms"] / infonce_ms
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/objectives.json"))
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    rows = [row for n in args.sizes for row in run_size(n, args.dim, args.repeats, device)]
+    largest = max(args.sizes)
+    at_largest = [r for r in rows if r["N"] == largest and not r["peer"]]
+    checks = {
+        f"every objective <= 1.3x fastest peer at N={largest}":
+            all(r["vs_fastest_peer"] <= 1.3 for r in at_largest),
+        f"xclr <= 1.1x infonce at N={largest}":
+            all(r["vs_infonce"] <= 1.1 for r in at_largest if "vs_infonce" in r),
+    }
+    write_json(args.out, {"machine": machine(), "dim": args.dim, "rows": rows,
+                          "targets": checks})
+    print_table(rows, ["N", "loss", "fwd_bwd_ms", "peak_mib", "vs_fastest_peer", "vs_infonce"])
+    for name, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+
+
+if __name__ == "__main__":
+    main()

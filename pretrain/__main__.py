@@ -1,0 +1,3 @@
+from pretrain.train import main
+
+main()

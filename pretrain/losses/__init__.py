@@ -1,0 +1,95 @@
+"""The objective library (SPEC section 3).
+
+Every objective is a pure function ``(batch: ContrastiveBatch, temperature, **hparams) ->
+ObjectiveOutput(loss, metrics)``; none touches torch.distributed. The gathering boundary
+builds a distributed :class:`ContrastiveBatch`; :func:`batch_loss` builds the
+single-process one, so both paths run the same code.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from torch import Tensor
+
+from pretrain.losses.batch import ContrastiveBatch, make_batch
+from pretrain.losses.clip import clip
+from pretrain.losses.common import ObjectiveOutput, Temperature
+from pretrain.losses.config import OBJECTIVE_NAMES, ObjectiveConfig
+from pretrain.losses.eps_supinfonce import eps_supinfonce
+from pretrain.losses.flatnce import flatnce
+from pretrain.losses.holder_flatnce import holder_flatnce
+from pretrain.losses.infonce import infonce
+from pretrain.losses.projnce import projnce
+from pretrain.losses.sincere import sincere
+from pretrain.losses.supcon import supcon
+from pretrain.losses.temperature import EssControlConfig, EssTemperatureController
+from pretrain.losses.xclr import xclr
+
+Objective = Callable[..., ObjectiveOutput]
+
+OBJECTIVES: dict[str, Objective] = {
+    "infonce": infonce,
+    "supcon": supcon,
+    "sincere": sincere,
+    "eps_supinfonce": eps_supinfonce,
+    "flatnce": flatnce,
+    "holder_flatnce": holder_flatnce,
+    "xclr": xclr,
+    "projnce": projnce,
+    "clip": clip,
+}
+assert tuple(OBJECTIVES) == OBJECTIVE_NAMES
+
+
+def get_objective(name: str, **hparams: object) -> Callable[[ContrastiveBatch, Temperature],
+                                                            ObjectiveOutput]:
+    """The objective ``name`` with its hyperparameters bound."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
+    return functools.partial(OBJECTIVES[name], **hparams)
+
+
+def objective_from_config(config: ObjectiveConfig) -> Callable[..., ObjectiveOutput]:
+    return get_objective(config.name, **config.hparams())
+
+
+def batch_loss(
+    name: str,
+    z: Tensor,
+    ids: Tensor,
+    labels: Tensor | None = None,
+    captions: Tensor | None = None,
+    class_graph: Tensor | None = None,
+    text: Tensor | None = None,
+    temperature: Temperature = 0.1,
+    num_negatives: int | None = None,
+    negatives_seed: int = 0,
+    **hparams: object,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Objective ``name`` on one whole multiviewed batch in a single process.
+
+    Args:
+        z: [N, D] un-normalised embeddings (all views of all images).
+        ids: [N] instance ids; the views of one image share an id.
+        labels: [N] class labels (supervised objectives, class graph lookup).
+        captions: [N, E] caption embeddings (``xclr``).
+        class_graph: [C, C] class-similarity matrix (``xclr``, ImageNet recipe).
+        text: [N, D] text embeddings paired row by row with ``z`` (``clip``).
+        temperature: float or a 0-dim tensor (learnable temperature / logit scale).
+        num_negatives: per-anchor seeded random subset of k negatives; None keeps all.
+        hparams: the objective's own keyword arguments (``eps``, ``gamma``, ...).
+    Returns:
+        (loss, metrics), equal to what the distributed path computes on the same batch.
+    """
+    batch = make_batch(z, ids, labels=labels, captions=captions, class_graph=class_graph,
+                       text=text, num_negatives=num_negatives, negatives_seed=negatives_seed)
+    return tuple(get_objective(name, **hparams)(batch, temperature))
+
+
+__all__ = [
+    "OBJECTIVES", "ContrastiveBatch", "EssControlConfig", "EssTemperatureController",
+    "ObjectiveConfig", "ObjectiveOutput", "batch_loss", "get_objective", "make_batch",
+    "objective_from_config",
+]

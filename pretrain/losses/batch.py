@@ -1,0 +1,176 @@
+"""The description of one global batch that every objective reads (SPEC section 3 and 4).
+
+Rows are this rank's anchors, columns are all candidates of the global batch (every rank's
+samples, in rank order). One process on the whole batch is the special case
+``anchor_index = arange(N)``, ``world_size = 1``; the gathering boundary builds the
+distributed case, so both run the same objective code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+PositiveKind = Literal["instance", "label"]
+
+_HASH_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39, 0x7FEB352D)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash on int64 tensors; every product stays below 2**63."""
+    for mult in _HASH_MULTIPLIERS:
+        x = x ^ (x >> 16)
+        x = (x * mult) & _MASK32
+    return x ^ (x >> 16)
+
+
+def pair_hash(seed: int, rows: Tensor, cols: Tensor) -> Tensor:
+    """Deterministic pseudo-random int per (seed, global row, global column), [n, N]."""
+    row_key = _mix32((rows.long() * 0x01000193 + seed * 0x9E3779B) & _MASK32)
+    return _mix32((row_key[:, None] * 0x01000193 + cols.long()[None, :]) & _MASK32)
+
+
+@dataclass(frozen=True, eq=False)
+class ContrastiveBatch:
+    """One global batch as seen by one rank.
+
+    Attributes:
+        candidates: [N, D] L2-normalised embeddings of the global batch, carrying gradient.
+        anchor_index: [n] long, positions of this rank's anchors among the candidates.
+        ids: [N] long instance ids; the augmented views of one image share an id.
+        labels: [N] long class labels, or None (then label positives fall back to ids).
+        captions: [N, E] L2-normalised caption embeddings, or None.
+        class_graph: [C, C] class-similarity matrix looked up by labels, or None.
+        text: [N, D] L2-normalised second-modality embeddings (``clip``), or None.
+        num_negatives: keep a seeded random subset of k negatives per anchor; None keeps all.
+        negatives_seed: seed of that subset (vary it per step for fresh subsets).
+        world_size: number of ranks whose anchors partition the candidates; per-rank means
+            are scaled by it so that gradient averaging across ranks gives the global mean.
+    """
+
+    candidates: Tensor
+    anchor_index: Tensor
+    ids: Tensor
+    labels: Tensor | None = None
+    captions: Tensor | None = None
+    class_graph: Tensor | None = None
+    text: Tensor | None = None
+    num_negatives: int | None = None
+    negatives_seed: int = 0
+    world_size: int = 1
+    _cache: dict = field(default_factory=dict, init=False, repr=False)
+
+    @cached_property
+    def anchors(self) -> Tensor:
+        """[n, D] this rank's anchor embeddings (rows of ``candidates``)."""
+        return self.candidates[self.anchor_index]
+
+    @property
+    def num_candidates(self) -> int:
+        return self.candidates.shape[0]
+
+    @cached_property
+    def self_mask(self) -> Tensor:
+        """[n, N] bool, True at each anchor's own column."""
+        cols = torch.arange(self.num_candidates, device=self.candidates.device)
+        return self.anchor_index[:, None] == cols[None, :]
+
+    def keys(self, kind: PositiveKind) -> Tensor:
+        """[N] the key that defines positives: instance ids, or labels (ids without labels)."""
+        return self.labels if kind == "label" and self.labels is not None else self.ids
+
+    def group_index(self, kind: PositiveKind) -> tuple[Tensor, Tensor, Tensor]:
+        """([G] sorted distinct keys, [N] group of each candidate, [G] group sizes)."""
+        if ("groups", kind) not in self._cache:
+            self._cache["groups", kind] = torch.unique(
+                self.keys(kind), return_inverse=True, return_counts=True)
+        return self._cache["groups", kind]
+
+    def positive_mask(self, kind: PositiveKind) -> Tensor:
+        """[n, N] bool: same key as the anchor, excluding the anchor itself."""
+        if ("pos", kind) not in self._cache:
+            keys = self.keys(kind)
+            same = keys[self.anchor_index][:, None] == keys[None, :]
+            self._cache["pos", kind] = same & ~self.self_mask
+        return self._cache["pos", kind]
+
+    def negative_mask(self, kind: PositiveKind) -> Tensor:
+        """[n, N] bool: the negatives each anchor uses (a seeded subset if num_negatives)."""
+        if ("neg", kind) not in self._cache:
+            keys = self.keys(kind)
+            negatives = keys[self.anchor_index][:, None] != keys[None, :]
+            if self.num_negatives is not None:
+                negatives = self._subsample(negatives)
+            self._cache["neg", kind] = negatives
+        return self._cache["neg", kind]
+
+    def candidate_mask(self, kind: PositiveKind) -> Tensor:
+        """[n, N] bool: columns in each anchor's softmax (positives and kept negatives)."""
+        if self.num_negatives is None:
+            return ~self.self_mask
+        return self.positive_mask(kind) | self.negative_mask(kind)
+
+    def _subsample(self, negatives: Tensor) -> Tensor:
+        k = self.num_negatives
+        if k >= negatives.shape[1]:
+            return negatives
+        cols = torch.arange(self.num_candidates, device=negatives.device)
+        scores = pair_hash(self.negatives_seed, self.anchor_index, cols)
+        scores = scores.masked_fill(~negatives, 1 << 40)
+        chosen = scores.topk(k, dim=1, largest=False).indices
+        kept = torch.zeros_like(negatives).scatter_(1, chosen, True)
+        return kept & negatives
+
+    def anchor_mean(self, values: Tensor, kind: PositiveKind | None,
+                    need_negative: bool = False) -> Tensor:
+        """Mean of per-anchor ``values`` [n] over qualifying anchors of the *global* batch.
+
+        An anchor qualifies when it has a positive of ``kind`` (``None``: every anchor)
+        and, with ``need_negative``, a negative. The count is taken over all N candidates,
+        each of which is some rank's anchor, so no communication is needed; multiplying by
+        ``world_size`` makes the mean over ranks of these per-rank values the global mean.
+        """
+        qualifies = torch.ones(self.num_candidates, dtype=torch.bool,
+                               device=values.device)
+        if kind is not None:
+            _, inverse, counts = self.group_index(kind)
+            group_size = counts[inverse]
+            qualifies = group_size >= 2
+            if need_negative:
+                qualifies &= group_size < self.num_candidates
+        local = qualifies[self.anchor_index]
+        total = torch.where(local, values, torch.zeros_like(values)).sum()
+        return total * self.world_size / qualifies.sum().clamp(min=1)
+
+
+def make_batch(
+    z: Tensor,
+    ids: Tensor,
+    labels: Tensor | None = None,
+    captions: Tensor | None = None,
+    class_graph: Tensor | None = None,
+    text: Tensor | None = None,
+    num_negatives: int | None = None,
+    negatives_seed: int = 0,
+) -> ContrastiveBatch:
+    """A single-process :class:`ContrastiveBatch` over the whole batch (every row an anchor).
+
+    ``z`` [N, D], ``text`` [N, D] and ``captions`` [N, E] are L2-normalised here.
+    """
+    normalize = torch.nn.functional.normalize
+    return ContrastiveBatch(
+        candidates=normalize(z, dim=1),
+        anchor_index=torch.arange(z.shape[0], device=z.device),
+        ids=ids,
+        labels=labels,
+        captions=None if captions is None else normalize(captions, dim=1),
+        class_graph=class_graph,
+        text=None if text is None else normalize(text, dim=1),
+        num_negatives=num_negatives,
+        negatives_seed=negatives_seed,
+    )

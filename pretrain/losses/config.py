@@ -1,0 +1,58 @@
+"""Configuration of the training objective (``objective.*`` in the run config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pretrain.config import InvalidValue
+from pretrain.losses.temperature import EssControlConfig
+
+OBJECTIVE_NAMES = ("infonce", "supcon", "sincere", "eps_supinfonce", "flatnce",
+                   "holder_flatnce", "xclr", "projnce", "clip")
+
+
+@dataclass
+class ObjectiveConfig:
+    """Which objective, its temperature, the negatives it sees and its hyperparameters.
+
+    Objective-specific keys are read only by the objective named in the comment.
+    """
+
+    name: str = "xclr"
+    temperature: float = 0.1
+    learnable_temperature: bool = False
+    num_negatives: int | None = None  # per-anchor random subset of k negatives; None = all
+    negatives_seed: int = 0  # the subset is reseeded from (seed, step) every step
+    eps: float = 0.1  # eps_supinfonce: margin on the positive's denominator term
+    gamma: float = 2.0  # holder_flatnce: scale of the logits
+    target_temperature: float = 0.1  # xclr: tau_s of the soft targets
+    projection: Literal["centroid", "kernel", "median", "learned"] = "centroid"  # projnce
+    bandwidth: float = 0.5  # projnce kernel: Nadaraya-Watson bandwidth h
+    kernel_metric: Literal["l1", "l2", "cos"] = "l1"  # projnce kernel: distance
+    ess_control: EssControlConfig = field(default_factory=EssControlConfig)
+
+    def validate(self) -> None:
+        if self.name not in OBJECTIVE_NAMES:
+            raise InvalidValue("name", f"unknown objective {self.name!r}; "
+                                       f"choose one of {', '.join(OBJECTIVE_NAMES)}")
+        for key in ("temperature", "gamma", "target_temperature", "bandwidth"):
+            if not getattr(self, key) > 0:
+                raise InvalidValue(key, f"must be > 0, got {getattr(self, key)}")
+        if self.eps < 0:
+            raise InvalidValue("eps", f"must be >= 0, got {self.eps}")
+        if self.num_negatives is not None and self.num_negatives < 1:
+            raise InvalidValue("num_negatives", f"must be >= 1 or null, got {self.num_negatives}")
+        if self.ess_control.enabled and self.learnable_temperature:
+            raise InvalidValue("ess_control.enabled",
+                               "cannot steer a learnable temperature; choose one")
+
+    def hparams(self) -> dict[str, Any]:
+        """Keyword arguments of the chosen objective function."""
+        return {
+            "eps_supinfonce": {"eps": self.eps},
+            "holder_flatnce": {"gamma": self.gamma},
+            "xclr": {"target_temperature": self.target_temperature},
+            "projnce": {"projection": self.projection, "bandwidth": self.bandwidth,
+                        "kernel_metric": self.kernel_metric},
+        }.get(self.name, {})

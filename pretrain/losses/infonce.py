@@ -1,0 +1,16 @@
+"""InfoNCE / SimCLR NT-Xent (Chen et al. 2020, eq. 1); SPEC section 3 ``infonce``.
+
+per anchor i: -log( exp(s_ip/tau) / sum_{j != i} exp(s_ij/tau) ), p = the other view.
+With more than two views per image the positives are averaged (SupCon with id labels).
+"""
+
+from __future__ import annotations
+
+from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.common import ObjectiveOutput, Temperature
+from pretrain.losses.supcon import multi_positive_nce
+
+
+def infonce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
+    """NT-Xent over instance positives; labels are ignored."""
+    return multi_positive_nce(batch, temperature, "instance")

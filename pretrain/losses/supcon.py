@@ -1,0 +1,34 @@
+"""SupCon, Khosla et al. 2020, L_out (eq. 2); SPEC section 3 ``supcon``.
+
+per anchor i: -1/|P(i)| sum_{p in P(i)} log( exp(s_ip/tau) / sum_{a != i} exp(s_ia/tau) )
+            = logsumexp_{a != i}(s_ia/tau) - mean_{p in P(i)} s_ip/tau
+"""
+
+from __future__ import annotations
+
+from pretrain.losses.batch import ContrastiveBatch, PositiveKind
+from pretrain.losses.common import (
+    ObjectiveOutput,
+    Temperature,
+    finish,
+    full_precision,
+    masked_logsumexp,
+    positive_logit_mean,
+    similarity_logits,
+)
+
+
+def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,
+                       kind: PositiveKind) -> ObjectiveOutput:
+    """Softmax cross-entropy averaged over each anchor's positives of ``kind``."""
+    with full_precision(batch):
+        logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
+        lse = masked_logsumexp(logits, batch.candidate_mask(kind))  # [n]
+        pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
+        loss = batch.anchor_mean(lse - pos_mean, kind)
+        return finish(batch, loss, logits, kind, temperature, lse_all=lse)
+
+
+def supcon(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
+    """SupCon L_out with label positives (instance ids when the batch has no labels)."""
+    return multi_positive_nce(batch, temperature, "label")

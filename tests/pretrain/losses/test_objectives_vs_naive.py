@@ -1,0 +1,140 @@
+"""Every objective against a literal per-anchor loop from SPEC section 3: values and
+gradients in float64 on batches with repeated labels, anchors without positives, D = 7."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.losses import batch_loss
+from tests.pretrain.losses import naive
+
+TAU = 0.3
+
+
+def assert_same(batch, loss, reference) -> None:
+    torch.testing.assert_close(loss, reference, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(batch.grad_of(loss), batch.grad_of(reference),
+                               rtol=1e-9, atol=1e-12)
+
+
+def test_infonce(batch):
+    loss, _ = batch_loss("infonce", batch.z, batch.ids, batch.labels, temperature=TAU)
+    assert_same(batch, loss, naive.supcon(batch.z, batch.ids, TAU))
+
+
+def test_supcon(batch):
+    loss, _ = batch_loss("supcon", batch.z, batch.ids, batch.labels, temperature=TAU)
+    assert_same(batch, loss, naive.supcon(batch.z, batch.labels, TAU))
+
+
+def test_sincere(batch):
+    loss, _ = batch_loss("sincere", batch.z, batch.ids, batch.labels, temperature=TAU)
+    assert_same(batch, loss, naive.sincere(batch.z, batch.labels, TAU))
+
+
+@pytest.mark.parametrize("eps", [0.05, 0.5])
+def test_eps_supinfonce(batch, eps):
+    loss, _ = batch_loss("eps_supinfonce", batch.z, batch.ids, batch.labels,
+                         temperature=TAU, eps=eps)
+    assert_same(batch, loss, naive.sincere(batch.z, batch.labels, TAU, eps=eps))
+
+
+def test_flatnce_value_is_zero_and_gradient_is_infonce_without_positive(batch):
+    loss, metrics = batch_loss("flatnce", batch.z, batch.ids, temperature=TAU)
+    assert loss.item() == 0.0
+    reference = naive.infonce_without_positive(batch.z, batch.ids, TAU)
+    torch.testing.assert_close(batch.grad_of(loss), batch.grad_of(reference),
+                               rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(metrics["loss"], naive.supcon(batch.z, batch.ids, TAU).detach())
+
+
+@pytest.mark.parametrize("gamma", [0.5, 2.0, 3.0])
+def test_holder_flatnce_is_flatnce_on_scaled_logits_and_paper_form(batch, gamma):
+    loss, _ = batch_loss("holder_flatnce", batch.z, batch.ids, temperature=TAU, gamma=gamma)
+    flat_scaled, _ = batch_loss("flatnce", batch.z, batch.ids, temperature=TAU / gamma)
+    grad = batch.grad_of(loss)
+    torch.testing.assert_close(grad, batch.grad_of(flat_scaled), rtol=1e-9, atol=1e-12)
+    # The paper's m_gamma / detach(m_gamma) form has exactly 1/gamma of that gradient.
+    paper = naive.holder_mean_flatnce(batch.z, batch.ids, TAU, gamma)
+    torch.testing.assert_close(grad / gamma, batch.grad_of(paper), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("tau_s", [0.1, 0.5])
+def test_xclr_from_captions(batch, tau_s):
+    loss, _ = batch_loss("xclr", batch.z, batch.ids, captions=batch.captions,
+                         temperature=TAU, target_temperature=tau_s)
+    caps = naive.unit(batch.captions)
+    assert_same(batch, loss, naive.xclr(batch.z, caps @ caps.T, TAU, tau_s))
+
+
+def test_xclr_from_class_graph(batch):
+    gen = torch.Generator().manual_seed(3)
+    names = naive.unit(torch.randn(6, 5, generator=gen, dtype=torch.float64))
+    graph = names @ names.T
+    loss, _ = batch_loss("xclr", batch.z, batch.ids, batch.labels, class_graph=graph,
+                         temperature=TAU, target_temperature=0.2)
+    similarity = graph[batch.labels][:, batch.labels]
+    assert_same(batch, loss, naive.xclr(batch.z, similarity, TAU, 0.2))
+
+
+def test_clip(batch):
+    text = batch.text.clone().requires_grad_()
+    loss, _ = batch_loss("clip", batch.z, batch.ids, text=text, temperature=TAU)
+    reference = naive.clip(batch.z, text, batch.ids, TAU)
+    torch.testing.assert_close(loss, reference, rtol=1e-10, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(loss, [batch.z, text]),
+                         torch.autograd.grad(reference, [batch.z, text]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_projnce_centroid(batch):
+    loss, metrics = batch_loss("projnce", batch.z, batch.ids, batch.labels, temperature=TAU)
+    plus, minus = naive.centroid_projections(batch.z, batch.labels)
+    reference, adjustment = naive.projnce(batch.z, batch.labels, TAU, plus, minus)
+    assert_same(batch, loss, reference)
+    torch.testing.assert_close(metrics["adjustment"], adjustment.detach())
+
+
+@pytest.mark.parametrize(("metric", "bandwidth"), [("l1", 2.0), ("l2", 1.2), ("cos", 0.6)])
+def test_projnce_kernel(batch, metric, bandwidth):
+    loss, _ = batch_loss("projnce", batch.z, batch.ids, batch.labels, temperature=TAU,
+                         projection="kernel", bandwidth=bandwidth, kernel_metric=metric)
+    g = naive.kernel_projections(batch.z, batch.labels, bandwidth, metric)
+    assert_same(batch, loss, naive.projnce(batch.z, batch.labels, TAU, g, g)[0])
+
+
+def test_projnce_kernel_support_is_neither_empty_nor_full(batch):
+    """The bandwidths above give some, but not all, pairs kernel weight."""
+    z = naive.unit(batch.z.detach())
+    l1 = torch.cdist(z, z, p=1)
+    inside = (l1 < 2.0).sum() - len(z)
+    assert 0 < inside < len(z) * (len(z) - 1)
+
+
+def test_projnce_median(batch):
+    loss, _ = batch_loss("projnce", batch.z, batch.ids, batch.labels, temperature=TAU,
+                         projection="median")
+    g = naive.median_projections(batch.z, batch.labels)
+    assert_same(batch, loss, naive.projnce(batch.z, batch.labels, TAU, g, g)[0])
+
+
+def test_projnce_learned_gradients_reach_class_embeddings(batch):
+    table = torch.randn(6, batch.z.shape[1], dtype=torch.float64).requires_grad_()
+    loss, _ = batch_loss("projnce", batch.z, batch.ids, batch.labels, temperature=TAU,
+                         projection="learned", class_embeddings=table)
+    g = [F.normalize(table[int(y)], dim=0) for y in batch.labels]
+    reference, _ = naive.projnce(batch.z, batch.labels, TAU, g, g)
+    torch.testing.assert_close(loss, reference, rtol=1e-10, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(loss, [batch.z, table]),
+                         torch.autograd.grad(reference, [batch.z, table]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_learnable_temperature_gradient_matches_naive(batch):
+    tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
+    loss, _ = batch_loss("supcon", batch.z, batch.ids, batch.labels, temperature=tau)
+    reference = naive.supcon(batch.z, batch.labels, tau)
+    torch.testing.assert_close(torch.autograd.grad(loss, tau)[0],
+                               torch.autograd.grad(reference, tau)[0])
