@@ -40,7 +40,9 @@ def objective_cases(z, ids, labels, captions, graph, text, table):
         "projnce[kernel]": case("projnce", projection="kernel"),
         "projnce[median]": case("projnce", projection="median"),
         "projnce[learned]": case("projnce", projection="learned", class_embeddings=table),
-        "clip": case("clip", text=text),
+        # N embeddings = N/2 images + N/2 texts, as N counts both views for the others
+        "clip": lambda: batch_loss("clip", z[: len(z) // 2], ids[: len(z) // 2],
+                                   text=text[: len(z) // 2], temperature=0.1)[0],
     }
 
 

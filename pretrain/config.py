@@ -100,7 +100,9 @@ def from_dict(cls: type[T], tree: dict[str, Any], sources: dict[str, str] | None
         return f"key '{path}' ({sources.get(path, 'defaults')})"
 
     if not isinstance(tree, dict):
-        raise ConfigError(f"{where(prefix.rstrip('.') or '<root>')}: expected a mapping")
+        path = prefix.rstrip(".") or "<root>"
+        raise ConfigError(f"key '{path}' ({sources.get(path, 'defaults')}): expected a "
+                          f"mapping for {cls.__name__}, got {type(tree).__name__} {tree!r}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = get_type_hints(cls)
     unknown = sorted(set(tree) - set(fields))

@@ -35,6 +35,25 @@ def pair_hash(seed: int, rows: Tensor, cols: Tensor) -> Tensor:
     return _mix32((row_key[:, None] * 0x01000193 + cols.long()[None, :]) & _MASK32)
 
 
+@dataclass(frozen=True)
+class Columns:
+    """The columns of a row-wise softmax: a dense [n, N] ``keep`` mask, or sparse ``drop``
+    positions (rows, cols) to leave out; neither means every column."""
+
+    keep: Tensor | None = None
+    drop: tuple[Tensor, Tensor] | None = None
+
+    def apply(self, logits: Tensor, fill: float) -> Tensor:
+        """A copy of ``logits`` [n, N] with the left-out entries set to ``fill``."""
+        if self.keep is not None:
+            return torch.where(self.keep, logits, torch.full((), fill, dtype=logits.dtype,
+                                                            device=logits.device))
+        out = logits.clone()
+        if self.drop is not None:
+            out[self.drop] = fill
+        return out
+
+
 @dataclass(frozen=True, eq=False)
 class ContrastiveBatch:
     """One global batch as seen by one rank.
@@ -108,6 +127,49 @@ class ContrastiveBatch:
                 negatives = self._subsample(negatives)
             self._cache["neg", kind] = negatives
         return self._cache["neg", kind]
+
+    def positive_pairs(self, kind: PositiveKind) -> tuple[Tensor, Tensor]:
+        """([P] anchor rows, [P] candidate columns) of every positive pair, sorted by row.
+
+        Built from the group structure in O(P), without an [n, N] comparison.
+        """
+        if ("pairs", kind) not in self._cache:
+            _, groups, counts = self.group_index(kind)
+            members = torch.argsort(groups, stable=True)  # candidates sorted by group
+            starts = torch.cumsum(counts, 0) - counts
+            anchor_group = groups[self.anchor_index]
+            sizes = counts[anchor_group]
+            rows = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes)
+            first = torch.cumsum(sizes, 0) - sizes
+            offset = torch.arange(len(rows), device=rows.device) - first[rows]
+            cols = members[starts[anchor_group][rows] + offset]
+            keep = cols != self.anchor_index[rows]
+            self._cache["pairs", kind] = (rows[keep], cols[keep])
+        return self._cache["pairs", kind]
+
+    def self_pairs(self) -> tuple[Tensor, Tensor]:
+        """([n] rows, [n] columns) of each anchor's own column."""
+        rows = torch.arange(self.anchor_index.shape[0], device=self.anchor_index.device)
+        return rows, self.anchor_index
+
+    def softmax_columns(self, kind: PositiveKind, negatives_only: bool = False) -> Columns:
+        """Which columns enter each anchor's softmax: all but self (and, with
+        ``negatives_only``, but the positives), restricted to the kept negatives."""
+        if self.num_negatives is not None:
+            keep = self.negative_mask(kind) if negatives_only else self.candidate_mask(kind)
+            return Columns(keep=keep)
+        rows, cols = self.self_pairs()
+        if negatives_only:
+            pos_rows, pos_cols = self.positive_pairs(kind)
+            rows, cols = torch.cat([rows, pos_rows]), torch.cat([cols, pos_cols])
+        return Columns(drop=(rows, cols))
+
+    def num_negatives_per_anchor(self, kind: PositiveKind) -> Tensor:
+        """[n] how many negatives each anchor's softmax holds."""
+        if self.num_negatives is not None:
+            return self.negative_mask(kind).sum(1)
+        _, groups, counts = self.group_index(kind)
+        return self.num_candidates - counts[groups[self.anchor_index]]
 
     def candidate_mask(self, kind: PositiveKind) -> Tensor:
         """[n, N] bool: columns in each anchor's softmax (positives and kept negatives)."""

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import Columns, ContrastiveBatch
 from pretrain.losses.common import (
     ObjectiveOutput,
     Temperature,
-    finish,
+    as_float,
     full_precision,
-    masked_logsumexp,
+    row_softmax,
+    scalar,
     similarity_logits,
+    summarize_metrics,
 )
 
 
@@ -28,14 +30,30 @@ def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     with full_precision(batch):
         index = batch.anchor_index
         rows = torch.arange(index.shape[0], device=index.device)
-        # the match plus every other instance's (kept) negative
-        columns = batch.self_mask | batch.negative_mask("instance")
-        image_to_text = similarity_logits(batch.anchors, batch.text, temperature)
+        if batch.num_negatives is None:  # all but the other views of the same instance
+            columns = Columns(drop=batch.positive_pairs("instance"))
+        else:
+            columns = Columns(keep=batch.self_mask | batch.negative_mask("instance"))
+        image_to_text = similarity_logits(batch.anchors, batch.text, temperature)  # [n, N]
         text_to_image = similarity_logits(batch.text[index], batch.candidates, temperature)
-        pos_logit = image_to_text[rows, index]  # == text_to_image[rows, index]
-        per_anchor = 0.5 * (masked_logsumexp(image_to_text, columns) - pos_logit
-                            + masked_logsumexp(text_to_image, columns)
-                            - text_to_image[rows, index])
+        lse_i2t, probs = row_softmax(image_to_text, columns)
+        lse_t2i, _ = row_softmax(text_to_image, columns)
+        pos_logit = image_to_text[rows, index]  # equals text_to_image[rows, index]
+        per_anchor = 0.5 * (lse_i2t - pos_logit + lse_t2i - text_to_image[rows, index])
         loss = batch.anchor_mean(per_anchor, None)
-        return finish(batch, loss, image_to_text, None, temperature, pos_mean=pos_logit,
-                      columns=columns, negatives=columns & ~batch.self_mask)
+        with torch.no_grad():
+            tau = scalar(temperature)
+            if batch.num_negatives is None:  # all texts minus those of the same instance
+                text = as_float(batch.text)
+                _, groups, counts = batch.group_index("instance")
+                same = text.new_zeros(len(counts), text.shape[1]).index_add(0, groups, text)
+                neg_cos = (as_float(batch.anchors) * (text.sum(0) - same[groups[index]])).sum(1)
+            else:
+                neg_cos = torch.where(batch.negative_mask("instance"), image_to_text,
+                                      image_to_text.new_zeros(())).sum(1) * tau
+            metrics = summarize_metrics(
+                batch, None, infonce=(lse_i2t - pos_logit).detach(), probs=probs,
+                positives=(rows, index), num_positives=torch.ones_like(index),
+                pos_cos=pos_logit.detach() * tau, neg_cos_sum=neg_cos)
+        metrics.update(loss=loss.detach(), temperature=torch.as_tensor(tau))
+        return ObjectiveOutput(loss, metrics)

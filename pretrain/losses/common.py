@@ -1,8 +1,11 @@
-"""Pieces shared by the objectives: logits, masked log-sum-exp, positive terms, metrics.
+"""Pieces shared by the objectives: logits, the fused masked row softmax, positive terms,
+and the metrics every objective reports.
 
 All loss arithmetic runs in float32 (float64 when given float64) with autocast disabled,
-and every log-softmax goes through logsumexp, so objectives stay finite at tau = 0.01
-under bf16/fp16 autocast (SPEC section 3).
+and every log-softmax is max-shifted, so objectives stay finite at tau = 0.01 under
+bf16/fp16 autocast (SPEC section 3). At large N the cost is passes over the [n, N] logits
+(each as dear as the matmul on a CPU), so the code below keeps them few: masks are sparse
+where they can be, and one softmax per objective serves both its gradient and its metrics.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch, PositiveKind
+from pretrain.losses.batch import Columns, ContrastiveBatch, PositiveKind
 
 Temperature = float | Tensor
 
@@ -33,8 +36,7 @@ class ObjectiveOutput(NamedTuple):
 @contextlib.contextmanager
 def full_precision(batch: ContrastiveBatch) -> Iterator[None]:
     """Disable autocast on the batch's device so loss math runs in float32."""
-    device_type = batch.candidates.device.type
-    with torch.autocast(device_type=device_type, enabled=False):
+    with torch.autocast(device_type=batch.candidates.device.type, enabled=False):
         yield
 
 
@@ -49,13 +51,52 @@ def scalar(value: Temperature) -> float:
 
 
 def similarity_logits(anchors: Tensor, candidates: Tensor, temperature: Temperature) -> Tensor:
-    """[n, N] = anchors [n, D] @ candidates[N, D].T / temperature, in full precision."""
-    return as_float(anchors) @ as_float(candidates).T / temperature
+    """[n, N] = (anchors [n, D] / tau) @ candidates [N, D].T; tau folded in before the matmul."""
+    return (as_float(anchors) / temperature) @ as_float(candidates).T
 
 
-def masked_logsumexp(logits: Tensor, mask: Tensor) -> Tensor:
-    """[n] logsumexp over the True entries of each row; a row with none gives ~MASKED_LOGIT."""
-    return torch.logsumexp(logits.masked_fill(~mask, MASKED_LOGIT), dim=1)
+class _RowSoftmax(torch.autograd.Function):
+    """logsumexp over the kept columns of each row, and that row softmax (no gradient).
+
+    Forward: one masked copy, one fused log_softmax, one exp. Backward: softmax * grad.
+    Masked entries get probability exactly 0, hence no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, columns: Columns) -> tuple[Tensor, Tensor]:
+        masked = columns.apply(logits, MASKED_LOGIT)
+        row_max, argmax = masked.max(dim=1)
+        log_probs = torch.log_softmax(masked, dim=1)
+        lse = row_max - log_probs.gather(1, argmax[:, None]).squeeze(1)
+        probs = log_probs.exp_()
+        ctx.save_for_backward(probs)
+        ctx.mark_non_differentiable(probs)
+        return lse, probs
+
+    @staticmethod
+    def backward(ctx, grad_lse: Tensor, grad_probs: Tensor) -> tuple[Tensor, None]:
+        (probs,) = ctx.saved_tensors
+        return probs * grad_lse[:, None], None
+
+
+def row_softmax(logits: Tensor, columns: Columns) -> tuple[Tensor, Tensor]:
+    """([n] logsumexp over each row's columns, with gradient; [n, N] its softmax, detached)."""
+    return _RowSoftmax.apply(logits, columns)
+
+
+def segment_logsumexp(values: Tensor, rows: Tensor, num_rows: int) -> Tensor:
+    """[num_rows] logsumexp of ``values`` [P] grouped by ``rows`` [P]; MASKED_LOGIT if empty."""
+    top = values.new_full((num_rows,), MASKED_LOGIT).scatter_reduce(
+        0, rows, values, reduce="amax", include_self=True)
+    sums = values.new_zeros(num_rows).index_add(0, rows, torch.exp(values - top[rows]))
+    return top + torch.log(sums.clamp(min=torch.finfo(values.dtype).tiny))
+
+
+def group_sums(batch: ContrastiveBatch, kind: PositiveKind) -> Tensor:
+    """[G, D] sum of the candidates of each group of ``kind``."""
+    _, groups, counts = batch.group_index(kind)
+    cand = as_float(batch.candidates)
+    return cand.new_zeros(counts.shape[0], cand.shape[1]).index_add(0, groups, cand)
 
 
 def positive_logit_mean(batch: ContrastiveBatch, kind: PositiveKind,
@@ -64,59 +105,86 @@ def positive_logit_mean(batch: ContrastiveBatch, kind: PositiveKind,
 
     sum_{p in P(i)} z_i . z_p = z_i . (sum of the group's z) - z_i . z_i.
     """
-    _, inverse, counts = batch.group_index(kind)
-    cand = as_float(batch.candidates)
-    group_sums = cand.new_zeros(counts.shape[0], cand.shape[1]).index_add(0, inverse, cand)
+    _, groups, counts = batch.group_index(kind)
     anchors = as_float(batch.anchors)
-    anchor_group = inverse[batch.anchor_index]
-    total = (anchors * group_sums[anchor_group]).sum(1) - (anchors * anchors).sum(1)
+    anchor_group = groups[batch.anchor_index]
+    sums = group_sums(batch, kind)
+    total = (anchors * sums[anchor_group]).sum(1) - (anchors * anchors).sum(1)
     num_pos = (counts[anchor_group] - 1).to(total.dtype)
     return total / num_pos.clamp(min=1) / temperature, num_pos
 
 
 def contrastive_metrics(batch: ContrastiveBatch, logits: Tensor, kind: PositiveKind | None,
-                        temperature: Temperature, *, lse_all: Tensor | None = None,
-                        pos_mean: Tensor | None = None, columns: Tensor | None = None,
-                        negatives: Tensor | None = None) -> dict[str, Tensor]:
+                        temperature: Temperature, *, lse: Tensor | None = None,
+                        probs: Tensor | None = None, negatives_only: bool = False,
+                        pos_mean: Tensor | None = None) -> dict[str, Tensor]:
     """Monitors every objective reports, on the plain similarity logits s_ij / tau [n, N].
 
-    ``infonce``: mean_i [logsumexp over the softmax columns - mean_p s_ip/tau];
-    ``mi_bound``: mean_i log(columns_i) - infonce_i; ``ess``: 1 / (K sum_j w_j^2) with
-    w = softmax over the negatives (FlatNCE Sec. 3, SPEC section 3); ``pos_sim`` and
-    ``neg_sim``: mean cosine similarity of positive and (kept) negative pairs.
-    ``kind=None`` (xclr, clip) measures with instance positives. The keyword arguments
-    reuse what the objective already computed, or redefine the pairs (``clip``).
+    ``kind=None`` (xclr) measures with instance positives. ``lse`` and ``probs`` reuse the
+    objective's own row softmax: over all columns, or over the negatives alone with
+    ``negatives_only``. See :func:`summarize_metrics` for the definitions.
     """
     kind = kind or "instance"
     with torch.no_grad():
         logits = logits.detach()
-        columns = batch.candidate_mask(kind) if columns is None else columns
-        negatives = batch.negative_mask(kind) if negatives is None else negatives
+        pos_rows, pos_cols = batch.positive_pairs(kind)
         if pos_mean is None:
             pos_mean, _ = positive_logit_mean(batch, kind, temperature)
-        pos_mean = pos_mean.detach()
-        lse_all = masked_logsumexp(logits, columns) if lse_all is None else lse_all.detach()
-        infonce = lse_all - pos_mean
-        neg_logits = logits.masked_fill(~negatives, MASKED_LOGIT)
-        lse_neg = torch.logsumexp(neg_logits, dim=1)
-        lse_neg2 = torch.logsumexp(2 * neg_logits, dim=1)
-        num_neg = negatives.sum(1).to(logits.dtype).clamp(min=1)
-        ess = torch.exp(2 * lse_neg - lse_neg2) / num_neg
-        neg_sum = torch.where(negatives, logits, torch.zeros((), dtype=logits.dtype)).sum(1)
+        if probs is None:
+            lse, probs = row_softmax(logits, batch.softmax_columns(kind, negatives_only))
+        lse = lse.detach()
+        if negatives_only:  # add the positives back for the InfoNCE value
+            pos_lse = segment_logsumexp(logits[pos_rows, pos_cols], pos_rows, len(lse))
+            lse = torch.logaddexp(lse, pos_lse)
         tau = scalar(temperature)
-        mi_bound = torch.log(columns.sum(1).to(logits.dtype).clamp(min=1)) - infonce
-        return {
-            "infonce": batch.anchor_mean(infonce, kind),
-            "mi_bound": batch.anchor_mean(mi_bound, kind),
-            "ess": batch.anchor_mean(ess, kind, need_negative=True),
-            "pos_sim": batch.anchor_mean(pos_mean * tau, kind),
-            "neg_sim": batch.anchor_mean(neg_sum * tau / num_neg, kind, need_negative=True),
-        }
+        return summarize_metrics(
+            batch, kind, infonce=lse - pos_mean.detach(), probs=probs,
+            positives=None if negatives_only else (pos_rows, pos_cols),
+            num_positives=pos_rows.bincount(minlength=len(lse)),
+            pos_cos=pos_mean.detach() * tau,
+            neg_cos_sum=negative_cosine_sum(batch, logits, kind, tau))
+
+
+def summarize_metrics(batch: ContrastiveBatch, kind: PositiveKind | None, *, infonce: Tensor,
+                      probs: Tensor, positives: tuple[Tensor, Tensor] | None,
+                      num_positives: Tensor, pos_cos: Tensor,
+                      neg_cos_sum: Tensor) -> dict[str, Tensor]:
+    """Batch means of the per-anchor monitors (SPEC sections 3 and 5).
+
+    ``infonce`` [n]: logsumexp over the softmax columns minus the mean positive logit;
+    ``mi_bound``: log(number of columns) - infonce; ``ess`` = 1 / (K sum_j w_j^2) with w the
+    softmax over the K negatives (FlatNCE eq. 10), from ``probs`` [n, N] with the
+    ``positives`` entries zeroed (``None``: probs already covers the negatives alone);
+    ``pos_sim``/``neg_sim``: mean cosine of positive and negative pairs.
+    """
+    num_neg = batch.num_negatives_per_anchor(kind or "instance").to(probs.dtype).clamp(min=1)
+    if positives is not None:
+        probs = probs.index_put(positives, probs.new_zeros(()))
+    ess = (probs.sum(1) / torch.linalg.vector_norm(probs, dim=1)).square() / num_neg
+    num_columns = num_neg + num_positives.to(num_neg.dtype)
+    return {
+        "infonce": batch.anchor_mean(infonce, kind),
+        "mi_bound": batch.anchor_mean(torch.log(num_columns) - infonce, kind),
+        "ess": batch.anchor_mean(ess, kind, need_negative=True),
+        "pos_sim": batch.anchor_mean(pos_cos, kind),
+        "neg_sim": batch.anchor_mean(neg_cos_sum / num_neg, kind, need_negative=True),
+    }
+
+
+def negative_cosine_sum(batch: ContrastiveBatch, logits: Tensor, kind: PositiveKind,
+                        tau: float) -> Tensor:
+    """[n] sum of s_ij over each anchor's negatives; O(N D) when all negatives are kept."""
+    if batch.num_negatives is not None:
+        return torch.where(batch.negative_mask(kind), logits, logits.new_zeros(())).sum(1) * tau
+    _, groups, _ = batch.group_index(kind)
+    anchors, cand = as_float(batch.anchors), as_float(batch.candidates)
+    same_group = (anchors * group_sums(batch, kind)[groups[batch.anchor_index]]).sum(1)
+    return anchors @ cand.sum(0) - same_group
 
 
 def finish(batch: ContrastiveBatch, loss: Tensor, logits: Tensor, kind: PositiveKind | None,
            temperature: Temperature, *, report_infonce: bool = False,
-           extra: dict[str, Tensor] | None = None, **reuse: Tensor) -> ObjectiveOutput:
+           extra: dict[str, Tensor] | None = None, **reuse: Tensor | bool) -> ObjectiveOutput:
     """Bundle a loss with the common metrics and objective-specific ``extra`` ones.
 
     ``metrics["loss"]`` is the value to log: the loss itself, or with ``report_infonce``

@@ -12,44 +12,41 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import Columns, ContrastiveBatch
 from pretrain.losses.common import (
+    MASKED_LOGIT,
     ObjectiveOutput,
     Temperature,
     finish,
     full_precision,
-    masked_logsumexp,
     positive_logit_mean,
+    row_softmax,
     similarity_logits,
 )
 
 
-def flat_nce_from_logits(pos_logit: Tensor, logits: Tensor, negatives: Tensor) -> Tensor:
-    """Per-anchor FlatNCE, [n]: exp(v - detach v) - 1 with v = lse_neg(logits) - pos_logit.
+def flat_nce_from_logits(pos_logit: Tensor, logits: Tensor,
+                         negatives: Columns) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-anchor FlatNCE [n]: exp(v - detach v) - 1 with v = lse_neg(logits) - pos_logit.
 
-    ``pos_logit`` [n], ``logits`` [n, N], ``negatives`` [n, N] bool. Anchors without a
-    negative give 0 with zero gradient.
+    ``pos_logit`` [n], ``logits`` [n, N], ``negatives`` the columns of each anchor's
+    negatives. Anchors without a negative give 0 with zero gradient. Also returns the
+    negatives' logsumexp [n] and softmax [n, N] for the metrics.
     """
-    has_negative = negatives.any(dim=1)
-    v = masked_logsumexp(logits, negatives) - pos_logit
-    v = torch.where(has_negative, v, torch.zeros_like(v))
-    return torch.exp(v - v.detach()) - 1
-
-
-def flat_family(batch: ContrastiveBatch, temperature: Temperature,
-                gamma: float = 1.0) -> ObjectiveOutput:
-    """FlatNCE on gamma * (s / tau); gamma = 1 is plain FlatNCE."""
-    kind = "instance"
-    with full_precision(batch):
-        logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
-        per_anchor = flat_nce_from_logits(gamma * pos_mean, gamma * logits,
-                                          batch.negative_mask(kind))
-        loss = batch.anchor_mean(per_anchor, kind)
-        return finish(batch, loss, logits, kind, temperature, report_infonce=True,
-                      pos_mean=pos_mean)
+    lse_neg, neg_probs = row_softmax(logits, negatives)
+    has_negative = lse_neg > MASKED_LOGIT / 2
+    v = torch.where(has_negative, lse_neg - pos_logit, torch.zeros_like(lse_neg))
+    return torch.exp(v - v.detach()) - 1, lse_neg, neg_probs
 
 
 def flatnce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """FlatNCE with instance positives (the FlatCLR objective)."""
-    return flat_family(batch, temperature, gamma=1.0)
+    kind = "instance"
+    with full_precision(batch):
+        logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
+        pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
+        columns = batch.softmax_columns(kind, negatives_only=True)
+        per_anchor, lse_neg, neg_probs = flat_nce_from_logits(pos_mean, logits, columns)
+        loss = batch.anchor_mean(per_anchor, kind)
+        return finish(batch, loss, logits, kind, temperature, report_infonce=True,
+                      pos_mean=pos_mean, negatives_only=True, lse=lse_neg, probs=neg_probs)

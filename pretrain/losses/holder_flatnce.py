@@ -3,17 +3,19 @@
 The project follows SPEC: FlatNCE applied to gamma * logits. The paper's form,
 m_gamma / detach(m_gamma) with the Hoelder mean m_gamma of exp(g_j - g+), has exactly
 1/gamma times this gradient (appendix eq. 30-34); the tests check that identity.
-gamma > 1 sharpens the weighting of hard negatives, like a lower temperature.
+gamma > 1 sharpens the weighting of hard negatives: gamma * s / tau = s / (tau / gamma),
+so this is FlatNCE at temperature tau / gamma, and its metrics (InfoNCE value, ESS) are
+those of that effective temperature, the one its gradient sees.
 """
 
 from __future__ import annotations
 
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.common import ObjectiveOutput, Temperature
-from pretrain.losses.flatnce import flat_family
+from pretrain.losses.flatnce import flatnce
 
 
 def holder_flatnce(batch: ContrastiveBatch, temperature: Temperature, *,
                    gamma: float = 2.0) -> ObjectiveOutput:
-    """FlatNCE on gamma * s / tau; metrics stay on the plain s / tau."""
-    return flat_family(batch, temperature, gamma=gamma)
+    """FlatNCE on gamma * s / tau, i.e. at the effective temperature tau / gamma."""
+    return flatnce(batch, temperature / gamma)

@@ -18,12 +18,14 @@ from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.common import (
+    MASKED_LOGIT,
     ObjectiveOutput,
     Temperature,
     as_float,
     finish,
     full_precision,
-    masked_logsumexp,
+    group_sums,
+    row_softmax,
     similarity_logits,
 )
 from pretrain.losses.projections import (
@@ -36,15 +38,26 @@ from pretrain.losses.projections import (
 Projection = Literal["centroid", "kernel", "median", "learned"]
 
 
-def _centroid_plus_logits(batch: ContrastiveBatch, logits: Tensor,
-                          temperature: Temperature) -> Tensor:
-    """[n, N] psi(z_i, g+(y_k)) with g+(y_k) = (S_{y_k} - z_k) / (n_{y_k} - 1)."""
+def _centroid_plus(batch: ContrastiveBatch) -> Tensor:
+    """[N, D] g+(y_k) = (S_{y_k} - z_k) / (n_{y_k} - 1) per candidate k; z_k if alone."""
     _, groups, counts = batch.group_index("label")
     cand = as_float(batch.candidates)
-    sums = cand.new_zeros(counts.shape[0], cand.shape[1]).index_add(0, groups, cand)
-    to_sums = (as_float(batch.anchors) @ sums.T / temperature)[:, groups]  # [n, N]
-    size = counts[groups].to(logits.dtype)  # [N]
-    return torch.where(size >= 2, (to_sums - logits) / (size - 1).clamp(min=1), logits)
+    alone = (counts[groups] == 1)[:, None]
+    others = (group_sums(batch, "label")[groups] - cand) / (counts[groups] - 1).clamp(min=1)[:, None]
+    return torch.where(alone, cand, others)
+
+
+def _group_lse(batch: ContrastiveBatch, group_logits: Tensor) -> Tensor:
+    """[n] log sum_{j != i} exp psi(z_i, g(y_j)) from [n, G] logits and group sizes."""
+    _, groups, counts = batch.group_index("label")
+    anchor_group = groups[batch.anchor_index]
+    rows = torch.arange(len(anchor_group), device=group_logits.device)
+    log_members = torch.log(counts.to(group_logits.dtype)).expand_as(group_logits).clone()
+    own = counts[anchor_group] - 1
+    log_members[rows, anchor_group] = torch.where(
+        own > 0, torch.log(own.clamp(min=1).to(group_logits.dtype)),
+        torch.full_like(log_members[:, 0], MASKED_LOGIT))
+    return torch.logsumexp(group_logits + log_members, dim=1)
 
 
 def _group_projection(batch: ContrastiveBatch, projection: Projection, bandwidth: float,
@@ -71,19 +84,29 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
     kind = "label"
     with full_precision(batch):
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        if projection == "centroid":
-            plus, minus = _centroid_plus_logits(batch, logits, temperature), logits
-        else:
+        columns = batch.softmax_columns(kind)
+        rows = torch.arange(batch.anchor_index.shape[0], device=logits.device)
+        reuse = {}
+        if projection == "centroid":  # g- = z: minus logits are the similarity logits
+            plus = similarity_logits(batch.anchors, _centroid_plus(batch), temperature)
+            lse_minus, minus_probs = row_softmax(logits, columns)
+            lse_plus = row_softmax(plus, columns)[0]
+            plus_own = plus[rows, batch.anchor_index]
+            reuse = {"lse": lse_minus, "probs": minus_probs}
+        else:  # g+ = g- per label group: [n, G] logits suffice
             projected = _group_projection(batch, projection, bandwidth, kernel_metric,
                                           class_embeddings)
             _, groups, _ = batch.group_index(kind)
-            plus = minus = (as_float(batch.anchors) @ projected.T / temperature)[:, groups]
-        columns = batch.candidate_mask(kind)
-        rows = torch.arange(plus.shape[0], device=plus.device)
-        lse_minus = masked_logsumexp(minus, columns)
-        i_proj = lse_minus - plus[rows, batch.anchor_index]  # [n]
-        adjustment = torch.exp(masked_logsumexp(plus, columns) - lse_minus)  # [n]
+            group_logits = similarity_logits(batch.anchors, projected, temperature)  # [n, G]
+            plus_own = group_logits[rows, groups[batch.anchor_index]]
+            if batch.num_negatives is None:
+                lse_minus = _group_lse(batch, group_logits)
+            else:
+                lse_minus = row_softmax(group_logits[:, groups], columns)[0]
+            lse_plus = lse_minus  # the same projection on both sides
+        i_proj = lse_minus - plus_own  # [n]
+        adjustment = torch.exp(lse_plus - lse_minus)  # [n]; exactly 1 when g+ = g-
         loss = batch.anchor_mean(i_proj + adjustment, kind)
         extra = {"adjustment": batch.anchor_mean(adjustment, kind),
                  "i_proj": batch.anchor_mean(i_proj, kind)}
-        return finish(batch, loss, logits, kind, temperature, extra=extra)
+        return finish(batch, loss, logits, kind, temperature, extra=extra, **reuse)

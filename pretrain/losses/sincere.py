@@ -18,7 +18,7 @@ from pretrain.losses.common import (
     Temperature,
     finish,
     full_precision,
-    masked_logsumexp,
+    row_softmax,
     similarity_logits,
 )
 
@@ -29,14 +29,15 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
     kind = "label"
     with full_precision(batch):
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        lse_neg = masked_logsumexp(logits, batch.negative_mask(kind))  # [n]
-        positives = batch.positive_mask(kind)
-        rows, cols = positives.nonzero(as_tuple=True)  # [P] positive pairs
+        columns = batch.softmax_columns(kind, negatives_only=True)
+        lse_neg, neg_probs = row_softmax(logits, columns)  # [n], [n, N]
+        rows, cols = batch.positive_pairs(kind)  # [P] positive pairs
         pair_loss = F.softplus(lse_neg[rows] - logits[rows, cols] + eps) - eps  # [P]
         per_anchor = torch.zeros_like(lse_neg).index_add(0, rows, pair_loss)
-        per_anchor = per_anchor / positives.sum(1).clamp(min=1)
-        loss = batch.anchor_mean(per_anchor, kind)
-        return finish(batch, loss, logits, kind, temperature)
+        num_pos = rows.bincount(minlength=len(lse_neg)).clamp(min=1)
+        loss = batch.anchor_mean(per_anchor / num_pos, kind)
+        return finish(batch, loss, logits, kind, temperature, lse=lse_neg, probs=neg_probs,
+                      negatives_only=True)
 
 
 def sincere(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:

@@ -12,8 +12,8 @@ from pretrain.losses.common import (
     Temperature,
     finish,
     full_precision,
-    masked_logsumexp,
     positive_logit_mean,
+    row_softmax,
     similarity_logits,
 )
 
@@ -23,10 +23,11 @@ def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,
     """Softmax cross-entropy averaged over each anchor's positives of ``kind``."""
     with full_precision(batch):
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        lse = masked_logsumexp(logits, batch.candidate_mask(kind))  # [n]
+        lse, probs = row_softmax(logits, batch.softmax_columns(kind))  # [n], [n, N]
         pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
         loss = batch.anchor_mean(lse - pos_mean, kind)
-        return finish(batch, loss, logits, kind, temperature, lse_all=lse)
+        return finish(batch, loss, logits, kind, temperature, lse=lse, probs=probs,
+                      pos_mean=pos_mean)
 
 
 def supcon(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:

@@ -4,8 +4,13 @@ targets     t_ij = softmax_{j != i} (c_i . c_j / tau_s)
 predictions q_ij = softmax_{j != i} (s_ij / tau)
 loss_i      = -sum_j t_ij log q_ij = logsumexp_{j != i}(s_ij/tau) - sum_j t_ij s_ij/tau.
 c_i . c_j comes from caption embeddings [N, E] or, for the ImageNet recipe, from the
-C x C class graph looked up by the label pair. Targets are built per batch and carry no
-gradient. The mean runs over all anchors (every anchor has a soft positive).
+C x C class graph looked up by the label pair. Targets carry no gradient; the mean runs
+over all anchors (every anchor has a soft positive).
+
+Cost: t_ij is constant over a group of candidates that share a caption (the views of one
+image) or a label (class graph), so sum_j t_ij s_ij = sum_g w_ig z_i . S_g with S_g the
+group's sum of embeddings: [n, G] work instead of another pass over [n, N]. With the
+class graph the soft targets cost O(n C D); see docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import Columns, ContrastiveBatch, PositiveKind
 from pretrain.losses.common import (
     MASKED_LOGIT,
     ObjectiveOutput,
@@ -21,46 +26,102 @@ from pretrain.losses.common import (
     as_float,
     finish,
     full_precision,
-    masked_logsumexp,
+    group_sums,
+    row_softmax,
     similarity_logits,
 )
 
 
-def target_similarity(batch: ContrastiveBatch) -> Tensor:
-    """[n, N] c_i . c_j between anchors and candidates, from the class graph or captions."""
+def target_groups(batch: ContrastiveBatch,
+                  target_temperature: float) -> tuple[PositiveKind | None, Tensor]:
+    """(group kind, [n, G] c_i . c_g / tau_s) for the groups within which targets are constant.
+
+    Class graph: label groups. Captions: instance groups when every view of an instance
+    carries the same caption; otherwise (kind None) one group per candidate.
+    """
     if batch.class_graph is not None:
         if batch.labels is None:
             raise ValueError("xclr: a class_graph needs labels to look up class pairs")
         graph = as_float(batch.class_graph)
-        labels = batch.labels
-        if int(labels.max()) >= graph.shape[0] or int(labels.min()) < 0:
+        values, _, _ = batch.group_index("label")
+        if int(values.max()) >= graph.shape[0] or int(values.min()) < 0:
             raise ValueError(f"xclr: labels must lie in [0, {graph.shape[0]}) of class_graph")
-        rows = graph.index_select(0, labels[batch.anchor_index])
-        return rows.index_select(1, labels)
+        rows = graph.index_select(0, batch.labels[batch.anchor_index])
+        return "label", rows.index_select(1, values) / target_temperature
     if batch.captions is None:
         raise ValueError("xclr: needs caption embeddings (captions=) or a class_graph")
     captions = as_float(batch.captions)
-    return captions[batch.anchor_index] @ captions.T
+    anchors = captions[batch.anchor_index] / target_temperature
+    _, groups, counts = batch.group_index("instance")
+    first = torch.full_like(counts, captions.shape[0]).scatter_reduce(
+        0, groups, torch.arange(len(groups), device=groups.device), reduce="amin")
+    if torch.equal(captions, captions[first[groups]]):
+        return "instance", anchors @ captions[first].T
+    return None, anchors @ captions.T
 
 
-def soft_targets(batch: ContrastiveBatch, target_temperature: float,
-                 columns: Tensor) -> Tensor:
-    """[n, N] rows of t_ij, zero outside ``columns`` (self and dropped negatives)."""
+def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: Tensor,
+                         temperature: Temperature) -> tuple[Tensor, Tensor]:
+    """([n] sum_j t_ij s_ij / tau, [n] target entropy) when every column but self is kept.
+
+    ``sim`` [n, G] (overwritten) holds c_i . c_g / tau_s. With m_ig members of group g in
+    anchor i's columns, P_ig = softmax_g(sim_ig + log m_ig) is the target mass of group g
+    and each member gets t_ij = P_ig / m_ig.
+    """
+    if kind is None:  # one group per candidate
+        groups = torch.arange(batch.num_candidates, device=sim.device)
+        counts, sums = torch.ones_like(groups), as_float(batch.candidates)
+    else:
+        _, groups, counts = batch.group_index(kind)
+        sums = group_sums(batch, kind)
+    anchor_group = groups[batch.anchor_index]
+    rows = torch.arange(len(anchor_group), device=sim.device)
     with torch.no_grad():
-        sim = target_similarity(batch) / target_temperature
-        return torch.softmax(sim.masked_fill(~columns, MASKED_LOGIT), dim=1)
+        members = counts.to(sim.dtype)
+        own = members[anchor_group] - 1  # [n] the anchor's own group, minus itself
+        log_members = torch.log(members)
+        sim.add_(log_members)
+        sim[rows, anchor_group] += torch.where(own > 0, torch.log(own.clamp(min=1)),
+                                               torch.full_like(own, MASKED_LOGIT)) \
+            - log_members[anchor_group]
+        log_mass = torch.log_softmax(sim, dim=1)  # [n, G]
+        mass = log_mass.exp()
+        own_mass = mass[rows, anchor_group]
+        entropy = (mass @ log_members - torch.linalg.vecdot(mass, log_mass, dim=1)
+                   + own_mass * (torch.log(own.clamp(min=1)) - log_members[anchor_group]))
+        weights = mass.div_(members)  # [n, G] target of each member
+        own_weight = own_mass / own.clamp(min=1)
+        weights[rows, anchor_group] = own_weight
+    anchors = as_float(batch.anchors)
+    self_sim = (anchors * as_float(batch.candidates)[batch.anchor_index]).sum(1)
+    term = (anchors * (weights @ sums)).sum(1) - own_weight * self_sim
+    return term / temperature, entropy
+
+
+def _dense_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: Tensor,
+                       logits: Tensor, columns: Columns) -> tuple[Tensor, Tensor]:
+    """The same for per-anchor column subsets (``num_negatives``): [n, N] targets."""
+    with torch.no_grad():
+        if kind is not None:
+            sim = sim[:, batch.group_index(kind)[1]]
+        log_targets = torch.log_softmax(columns.apply(sim, MASKED_LOGIT), dim=1)
+        targets = log_targets.exp()
+        entropy = -torch.linalg.vecdot(targets, log_targets, dim=1)
+    return (targets * logits).sum(1), entropy
 
 
 def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
          target_temperature: float = 0.1) -> ObjectiveOutput:
     """Soft-target contrastive loss; ``target_temperature`` is the paper's tau_s."""
     with full_precision(batch):
-        columns = batch.candidate_mask("instance")
-        targets = soft_targets(batch, target_temperature, columns)  # [n, N]
+        kind, sim = target_groups(batch, target_temperature)
+        columns = batch.softmax_columns("instance")
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        lse = masked_logsumexp(logits, columns)
-        per_anchor = lse - (targets * logits).sum(dim=1)
-        loss = batch.anchor_mean(per_anchor, None)
-        entropy = -(targets * torch.log(targets.clamp(min=1e-30))).sum(1)
-        return finish(batch, loss, logits, None, temperature, lse_all=lse,
+        lse, probs = row_softmax(logits, columns)
+        if batch.num_negatives is None:
+            term, entropy = _grouped_target_term(batch, kind, sim, temperature)
+        else:
+            term, entropy = _dense_target_term(batch, kind, sim, logits, columns)
+        loss = batch.anchor_mean(lse - term, None)
+        return finish(batch, loss, logits, None, temperature, lse=lse, probs=probs,
                       extra={"target_entropy": batch.anchor_mean(entropy, None)})

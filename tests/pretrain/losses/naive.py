@@ -85,12 +85,13 @@ def holder_mean_flatnce(z: Tensor, ids: Tensor, tau: float, gamma: float) -> Ten
         1 for i in range(n) if any(ids[p] == ids[i] for p in range(n) if p != i))
 
 
-def xclr(z: Tensor, similarity: Tensor, tau: float, tau_s: float) -> Tensor:
+def xclr(z: Tensor, similarity: Tensor, tau: float, tau_s: float,
+         columns_kept=_keep_all) -> Tensor:
     """``similarity`` [N, N]: c_i . c_j (captions, or the class graph at the label pair)."""
     z, n = unit(z), len(z)
     losses = []
     for i in range(n):
-        others = [j for j in range(n) if j != i]
+        others = [j for j in range(n) if j != i and columns_kept(i, j)]
         t_den = sum(torch.exp(similarity[i, k] / tau_s) for k in others)
         q_den = sum(torch.exp(z[i] @ z[k] / tau) for k in others)
         losses.append(-sum(torch.exp(similarity[i, j] / tau_s) / t_den

@@ -69,6 +69,27 @@ def test_xclr_from_captions(batch, tau_s):
     assert_same(batch, loss, naive.xclr(batch.z, caps @ caps.T, TAU, tau_s))
 
 
+def test_xclr_with_a_different_caption_per_view(batch):
+    captions = torch.randn(len(batch.ids), 5, dtype=torch.float64)
+    captions[3] = captions[7]  # and one caption shared by unrelated rows
+    loss, _ = batch_loss("xclr", batch.z, batch.ids, captions=captions, temperature=TAU)
+    caps = naive.unit(captions)
+    assert_same(batch, loss, naive.xclr(batch.z, caps @ caps.T, TAU, 0.1))
+
+
+def test_xclr_on_a_subset_of_negatives(batch):
+    from pretrain.losses import make_batch
+
+    kept = make_batch(batch.z, batch.ids, num_negatives=4,
+                      negatives_seed=2).candidate_mask("instance")
+    loss, _ = batch_loss("xclr", batch.z, batch.ids, captions=batch.captions, temperature=TAU,
+                         num_negatives=4, negatives_seed=2)
+    caps = naive.unit(batch.captions)
+    reference = naive.xclr(batch.z, caps @ caps.T, TAU, 0.1,
+                           columns_kept=lambda i, j: bool(kept[i, j]))
+    assert_same(batch, loss, reference)
+
+
 def test_xclr_from_class_graph(batch):
     gen = torch.Generator().manual_seed(3)
     names = naive.unit(torch.randn(6, 5, generator=gen, dtype=torch.float64))
@@ -138,3 +159,23 @@ def test_learnable_temperature_gradient_matches_naive(batch):
     reference = naive.supcon(batch.z, batch.labels, tau)
     torch.testing.assert_close(torch.autograd.grad(loss, tau)[0],
                                torch.autograd.grad(reference, tau)[0])
+
+
+@pytest.mark.parametrize("source", ["captions", "class_graph", "per_view"])
+def test_xclr_target_entropy_matches_dense_targets(batch, source):
+    """metrics["target_entropy"] = mean_i -sum_j t_ij log t_ij of the dense targets."""
+    gen = torch.Generator().manual_seed(5)
+    names = naive.unit(torch.randn(6, 5, generator=gen, dtype=torch.float64))
+    captions = {"captions": batch.captions, "per_view": torch.randn(19, 4, generator=gen,
+                                                                   dtype=torch.float64)}
+    if source == "class_graph":
+        kwargs, sim = {"class_graph": names @ names.T}, (names @ names.T)[batch.labels][:, batch.labels]
+    else:
+        caps = naive.unit(captions[source])
+        kwargs, sim = {"captions": captions[source]}, caps @ caps.T
+    _, metrics = batch_loss("xclr", batch.z, batch.ids, batch.labels, temperature=TAU,
+                            target_temperature=0.2, **kwargs)
+    logits = (sim / 0.2).masked_fill(torch.eye(len(sim), dtype=torch.bool), float("-inf"))
+    targets = torch.softmax(logits, dim=1)
+    entropy = -(targets * torch.log(targets.clamp(min=1e-300))).sum(1).mean()
+    torch.testing.assert_close(metrics["target_entropy"], entropy)
