@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
@@ -16,19 +17,38 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler quiet
 import torch  # noqa: E402
 
 
-def time_call(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` in seconds (CUDA synchronised when present)."""
+def keep_freed_memory() -> bool:
+    """Make glibc reuse freed large blocks instead of unmapping them (for every case alike).
+
+    By default each [N, N] float32 tensor above 32 MiB is a fresh mmap whose pages fault in
+    on first touch; on these CPUs that costs more than the arithmetic and swamps the
+    comparison. A GPU's caching allocator, or ``MALLOC_MMAP_THRESHOLD_``/jemalloc on a CPU
+    host, behaves like this setting. Returns whether it took effect.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(
+        libc.mallopt(m_trim_threshold, 1 << 31))
+
+
+def time_interleaved(cases: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median wall time in seconds of each case, timed round-robin after one warm-up call
+    each, so that drift in the machine's speed hits every case alike (CUDA synchronised)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
+    for fn in cases.values():
         fn()
     sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def peak_memory_bytes(fn: Callable[[], Any], device: torch.device) -> int:

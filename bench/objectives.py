@@ -4,8 +4,12 @@ and pytorch-metric-learning's SupConLoss, side by side in one process (issue 2).
     python -m bench.objectives                  # N in 1024 4096 8192, D = 128
     python -m bench.objectives --sizes 1024     # the smallest case
 
+N counts all embeddings: N/2 images x 2 views (lightly gets the two views as out0/out1;
+clip gets N/2 images and N/2 texts). 100 classes; captions are 384-d (all-MiniLM-L6-v2).
+
 Targets: every objective within 1.3x of the fastest peer at N = 8192; xclr within 1.1x of
-infonce. Writes bench/results/objectives.json and prints a table.
+infonce (checked for the class-graph and the caption path separately). Writes
+bench/results/objectives.json and prints a table.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ from pathlib import Path
 
 import torch
 
-from bench.common import machine, peak_memory_bytes, print_table, time_call, write_json
+from bench.common import (
+    keep_freed_memory,
+    machine,
+    peak_memory_bytes,
+    print_table,
+    time_interleaved,
+    write_json,
+)
 from pretrain.losses import batch_loss
 
 CAPTION_DIM = 384  # all-MiniLM-L6-v2
@@ -65,7 +76,8 @@ def run_size(n: int, dim: int, repeats: int, device: torch.device) -> list[dict]
     ids = torch.arange(images).repeat(2).to(device)  # view 1 rows, then view 2 rows
     labels = (ids % NUM_CLASSES).to(device)
     captions = torch.randn(images, CAPTION_DIM, generator=gen).half().to(device)[ids]
-    names = torch.nn.functional.normalize(torch.randn(NUM_CLASSES, CAPTION_DIM, generator=gen), dim=1)
+    names = torch.randn(NUM_CLASSES, CAPTION_DIM, generator=gen)
+    names = torch.nn.functional.normalize(names, dim=1)
     graph = (names @ names.T).to(device)
     text = torch.randn(n, dim, generator=gen).to(device).requires_grad_()
     table = torch.randn(NUM_CLASSES, dim, generator=gen).to(device).requires_grad_()
@@ -78,14 +90,14 @@ def run_size(n: int, dim: int, repeats: int, device: torch.device) -> list[dict]
 
     cases = {**peer_cases(z, labels), **objective_cases(z, ids, labels, captions, graph,
                                                         text, table)}
+    cases = {name: step(fn) for name, fn in cases.items()}
+    seconds = time_interleaved(cases, rounds=repeats)
     rows = []
     for name, fn in cases.items():
-        seconds = time_call(step(fn), repeats=repeats)
-        peak = peak_memory_bytes(step(fn), device) if n <= 8192 else None
-        rows.append({"N": n, "loss": name, "fwd_bwd_ms": seconds * 1e3,
-                     "peak_mib": None if peak is None else peak / 2**20,
-                     "peer": name.startswith(("lightly", "pml"))})
-        print(f"  N={n} {name}: {seconds * 1e3:.1f} ms", flush=True)
+        peak = peak_memory_bytes(fn, device)
+        rows.append({"N": n, "loss": name, "fwd_bwd_ms": seconds[name] * 1e3,
+                     "peak_mib": peak / 2**20, "peer": name.startswith(("lightly", "pml"))})
+        print(f"  N={n} {name}: {seconds[name] * 1e3:.1f} ms", flush=True)
     fastest_peer = min(r["fwd_bwd_ms"] for r in rows if r["peer"])
     infonce_ms = next(r["fwd_bwd_ms"] for r in rows if r["loss"] == "infonce")
     for row in rows:
@@ -99,22 +111,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("bench/results/objectives.json"))
     args = parser.parse_args()
     device = torch.device(args.device)
+    allocator_tuned = device.type == "cpu" and keep_freed_memory()
     rows = [row for n in args.sizes for row in run_size(n, args.dim, args.repeats, device)]
     largest = max(args.sizes)
     at_largest = [r for r in rows if r["N"] == largest and not r["peer"]]
     checks = {
         f"every objective <= 1.3x fastest peer at N={largest}":
             all(r["vs_fastest_peer"] <= 1.3 for r in at_largest),
-        f"xclr <= 1.1x infonce at N={largest}":
-            all(r["vs_infonce"] <= 1.1 for r in at_largest if "vs_infonce" in r),
     }
+    for row in at_largest:
+        if "vs_infonce" in row:
+            checks[f"{row['loss']} <= 1.1x infonce at N={largest}"] = row["vs_infonce"] <= 1.1
     write_json(args.out, {"machine": machine(), "dim": args.dim, "rows": rows,
-                          "targets": checks})
+                          "targets": checks, "cpu_allocator_keeps_freed_memory": allocator_tuned})
     print_table(rows, ["N", "loss", "fwd_bwd_ms", "peak_mib", "vs_fastest_peer", "vs_infonce"])
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")

@@ -1,4 +1,7 @@
-"""``graph-precompute``: caption embeddings and similarity graphs (``python -m data_pipeline.graph_precompute``)."""
+"""``graph-precompute``: caption embeddings and similarity graphs.
+
+Also ``python -m data_pipeline.graph_precompute``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""``make-shards``: write WebDataset shards and their manifest (``python -m data_pipeline.make_shards``)."""
+"""``make-shards``: write WebDataset shards and their manifest.
+
+Also ``python -m data_pipeline.make_shards``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""``evaluate``: kNN, linear probe and diagnostics of an encoder (``python -m evaluation.evaluate``)."""
+"""``evaluate``: kNN, linear probe and diagnostics of an encoder.
+
+Also ``python -m evaluation.evaluate``.
+"""
 
 from __future__ import annotations
 

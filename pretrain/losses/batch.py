@@ -43,6 +43,14 @@ class Columns:
     keep: Tensor | None = None
     drop: tuple[Tensor, Tensor] | None = None
 
+    def fill_(self, logits: Tensor, fill: float) -> Tensor:
+        """Set the left-out entries of ``logits`` [n, N] to ``fill`` in place."""
+        if self.keep is not None:
+            logits.masked_fill_(~self.keep, fill)
+        elif self.drop is not None:
+            logits[self.drop] = fill
+        return logits
+
     def apply(self, logits: Tensor, fill: float) -> Tensor:
         """A copy of ``logits`` [n, N] with the left-out entries set to ``fill``."""
         if self.keep is not None:

@@ -16,7 +16,7 @@ from pretrain.losses.common import (
     Temperature,
     as_float,
     full_precision,
-    row_softmax,
+    row_softmax_,
     scalar,
     similarity_logits,
     summarize_metrics,
@@ -36,10 +36,11 @@ def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
             columns = Columns(keep=batch.self_mask | batch.negative_mask("instance"))
         image_to_text = similarity_logits(batch.anchors, batch.text, temperature)  # [n, N]
         text_to_image = similarity_logits(batch.text[index], batch.candidates, temperature)
-        lse_i2t, probs = row_softmax(image_to_text, columns)
-        lse_t2i, _ = row_softmax(text_to_image, columns)
         pos_logit = image_to_text[rows, index]  # equals text_to_image[rows, index]
-        per_anchor = 0.5 * (lse_i2t - pos_logit + lse_t2i - text_to_image[rows, index])
+        pos_logit_t2i = text_to_image[rows, index]
+        lse_i2t, probs = row_softmax_(image_to_text, columns)
+        lse_t2i, _ = row_softmax_(text_to_image, columns)
+        per_anchor = 0.5 * (lse_i2t - pos_logit + lse_t2i - pos_logit_t2i)
         loss = batch.anchor_mean(per_anchor, None)
         with torch.no_grad():
             tau = scalar(temperature)

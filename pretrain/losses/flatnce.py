@@ -20,7 +20,7 @@ from pretrain.losses.common import (
     finish,
     full_precision,
     positive_logit_mean,
-    row_softmax,
+    row_softmax_,
     similarity_logits,
 )
 
@@ -31,9 +31,10 @@ def flat_nce_from_logits(pos_logit: Tensor, logits: Tensor,
 
     ``pos_logit`` [n], ``logits`` [n, N], ``negatives`` the columns of each anchor's
     negatives. Anchors without a negative give 0 with zero gradient. Also returns the
-    negatives' logsumexp [n] and softmax [n, N] for the metrics.
+    negatives' logsumexp [n] and softmax [n, N] for the metrics. ``logits`` is masked in
+    place (see :func:`row_softmax_`).
     """
-    lse_neg, neg_probs = row_softmax(logits, negatives)
+    lse_neg, neg_probs = row_softmax_(logits, negatives)
     has_negative = lse_neg > MASKED_LOGIT / 2
     v = torch.where(has_negative, lse_neg - pos_logit, torch.zeros_like(lse_neg))
     return torch.exp(v - v.detach()) - 1, lse_neg, neg_probs
@@ -45,8 +46,11 @@ def flatnce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutpu
     with full_precision(batch):
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
         pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
+        pos_rows, pos_cols = batch.positive_pairs(kind)
+        pos_logits = logits[pos_rows, pos_cols].detach()  # for the metrics, before masking
         columns = batch.softmax_columns(kind, negatives_only=True)
         per_anchor, lse_neg, neg_probs = flat_nce_from_logits(pos_mean, logits, columns)
         loss = batch.anchor_mean(per_anchor, kind)
         return finish(batch, loss, logits, kind, temperature, report_infonce=True,
-                      pos_mean=pos_mean, negatives_only=True, lse=lse_neg, probs=neg_probs)
+                      pos_mean=pos_mean, negatives_only=True, lse=lse_neg, probs=neg_probs,
+                      pos_logits=pos_logits)

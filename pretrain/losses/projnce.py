@@ -25,7 +25,7 @@ from pretrain.losses.common import (
     finish,
     full_precision,
     group_sums,
-    row_softmax,
+    row_softmax_,
     similarity_logits,
 )
 from pretrain.losses.projections import (
@@ -43,7 +43,8 @@ def _centroid_plus(batch: ContrastiveBatch) -> Tensor:
     _, groups, counts = batch.group_index("label")
     cand = as_float(batch.candidates)
     alone = (counts[groups] == 1)[:, None]
-    others = (group_sums(batch, "label")[groups] - cand) / (counts[groups] - 1).clamp(min=1)[:, None]
+    others = group_sums(batch, "label")[groups] - cand
+    others = others / (counts[groups] - 1).clamp(min=1)[:, None]
     return torch.where(alone, cand, others)
 
 
@@ -89,9 +90,9 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
         reuse = {}
         if projection == "centroid":  # g- = z: minus logits are the similarity logits
             plus = similarity_logits(batch.anchors, _centroid_plus(batch), temperature)
-            lse_minus, minus_probs = row_softmax(logits, columns)
-            lse_plus = row_softmax(plus, columns)[0]
-            plus_own = plus[rows, batch.anchor_index]
+            plus_own = plus[rows, batch.anchor_index]  # before the softmax masks self
+            lse_minus, minus_probs = row_softmax_(logits, columns)
+            lse_plus = row_softmax_(plus, columns)[0]
             reuse = {"lse": lse_minus, "probs": minus_probs}
         else:  # g+ = g- per label group: [n, G] logits suffice
             projected = _group_projection(batch, projection, bandwidth, kernel_metric,
@@ -102,7 +103,7 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
             if batch.num_negatives is None:
                 lse_minus = _group_lse(batch, group_logits)
             else:
-                lse_minus = row_softmax(group_logits[:, groups], columns)[0]
+                lse_minus = row_softmax_(group_logits[:, groups], columns)[0]
             lse_plus = lse_minus  # the same projection on both sides
         i_proj = lse_minus - plus_own  # [n]
         adjustment = torch.exp(lse_plus - lse_minus)  # [n]; exactly 1 when g+ = g-

@@ -18,7 +18,7 @@ from pretrain.losses.common import (
     Temperature,
     finish,
     full_precision,
-    row_softmax,
+    row_softmax_,
     similarity_logits,
 )
 
@@ -29,15 +29,16 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
     kind = "label"
     with full_precision(batch):
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        columns = batch.softmax_columns(kind, negatives_only=True)
-        lse_neg, neg_probs = row_softmax(logits, columns)  # [n], [n, N]
         rows, cols = batch.positive_pairs(kind)  # [P] positive pairs
-        pair_loss = F.softplus(lse_neg[rows] - logits[rows, cols] + eps) - eps  # [P]
+        pos_logits = logits[rows, cols]  # read before the softmax masks them
+        columns = batch.softmax_columns(kind, negatives_only=True)
+        lse_neg, neg_probs = row_softmax_(logits, columns)  # [n], [n, N]
+        pair_loss = F.softplus(lse_neg[rows] - pos_logits + eps) - eps  # [P]
         per_anchor = torch.zeros_like(lse_neg).index_add(0, rows, pair_loss)
         num_pos = rows.bincount(minlength=len(lse_neg)).clamp(min=1)
         loss = batch.anchor_mean(per_anchor / num_pos, kind)
         return finish(batch, loss, logits, kind, temperature, lse=lse_neg, probs=neg_probs,
-                      negatives_only=True)
+                      negatives_only=True, pos_logits=pos_logits)
 
 
 def sincere(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:

@@ -13,7 +13,7 @@ from pretrain.losses.common import (
     finish,
     full_precision,
     positive_logit_mean,
-    row_softmax,
+    row_softmax_,
     similarity_logits,
 )
 
@@ -23,7 +23,7 @@ def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,
     """Softmax cross-entropy averaged over each anchor's positives of ``kind``."""
     with full_precision(batch):
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        lse, probs = row_softmax(logits, batch.softmax_columns(kind))  # [n], [n, N]
+        lse, probs = row_softmax_(logits, batch.softmax_columns(kind))  # [n], [n, N]
         pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
         loss = batch.anchor_mean(lse - pos_mean, kind)
         return finish(batch, loss, logits, kind, temperature, lse=lse, probs=probs,

@@ -27,7 +27,7 @@ from pretrain.losses.common import (
     finish,
     full_precision,
     group_sums,
-    row_softmax,
+    row_softmax_,
     similarity_logits,
 )
 
@@ -117,7 +117,7 @@ def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
         kind, sim = target_groups(batch, target_temperature)
         columns = batch.softmax_columns("instance")
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        lse, probs = row_softmax(logits, columns)
+        lse, probs = row_softmax_(logits, columns)  # masks self in place
         if batch.num_negatives is None:
             term, entropy = _grouped_target_term(batch, kind, sim, temperature)
         else:

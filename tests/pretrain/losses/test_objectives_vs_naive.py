@@ -169,7 +169,8 @@ def test_xclr_target_entropy_matches_dense_targets(batch, source):
     captions = {"captions": batch.captions, "per_view": torch.randn(19, 4, generator=gen,
                                                                    dtype=torch.float64)}
     if source == "class_graph":
-        kwargs, sim = {"class_graph": names @ names.T}, (names @ names.T)[batch.labels][:, batch.labels]
+        graph = names @ names.T
+        kwargs, sim = {"class_graph": graph}, graph[batch.labels][:, batch.labels]
     else:
         caps = naive.unit(captions[source])
         kwargs, sim = {"captions": captions[source]}, caps @ caps.T

@@ -1,0 +1,79 @@
+"""Session-wide fixtures: a 2-rank gloo process group that runs test functions."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+
+TASK_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    while (task := inbox.get()) is not None:
+        fn, args = task
+        try:
+            outbox.put((rank, True, fn(*args)))
+        except Exception:  # reported to the test, which fails with the traceback
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class GlooGroup:
+    """Worker processes joined in one gloo group; ``run(fn, *args)`` calls ``fn`` on each
+    rank (``fn`` must be importable, e.g. a module-level test helper) and returns the
+    results in rank order."""
+
+    def __init__(self, world: int = 2) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_serve, args=(r, world, port, q, self.outbox),
+                                  daemon=True) for r, q in enumerate(self.inboxes)]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        results: dict[int, Any] = {}
+        for _ in self.inboxes:
+            rank, ok, value = self.outbox.get(timeout=TASK_TIMEOUT_S)
+            if not ok:
+                self.close()
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+        return [results[r] for r in range(len(self.inboxes))]
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+
+
+@pytest.fixture(scope="session")
+def gloo2() -> GlooGroup:
+    group = GlooGroup(world=2)
+    yield group
+    group.close()

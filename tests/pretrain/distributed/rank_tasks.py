@@ -1,0 +1,40 @@
+"""Functions the 2-rank gloo group runs (importable, so the spawned workers can load them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pretrain.distributed import all_gather_rows, build_global_batch
+from pretrain.losses import get_objective
+from tests.pretrain.losses.conftest import make_multiview_batch
+
+SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19): uneven and asymmetric
+
+
+def local_rows(n: int) -> slice:
+    return slice(0, SPLIT) if dist.get_rank() == 0 else slice(SPLIT, n)
+
+
+def objective_on_rank(name: str, hparams: dict, num_negatives: int | None) -> dict:
+    """Loss, metrics and gradients of this rank's share of the fixed test batch."""
+    b = make_multiview_batch(seed=4)
+    rows = local_rows(len(b.ids))
+    z = b.z.detach()[rows].clone().requires_grad_()
+    tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    batch = build_global_batch(z, b.ids[rows], labels=b.labels[rows], captions=b.captions[rows],
+                               text=b.text[rows], num_negatives=num_negatives, negatives_seed=7)
+    out = get_objective(name, **hparams)(batch, tau)
+    grad_z, grad_tau = torch.autograd.grad(out.loss, [z, tau])
+    return {"loss": out.loss.detach(), "grad_z": grad_z, "grad_tau": grad_tau,
+            "metrics": {k: v.detach() for k, v in out.metrics.items()}}
+
+
+def gather_rows_on_rank() -> dict:
+    """Uneven all-gather of rows with gradient; backward sums every rank's use of a row."""
+    rank = dist.get_rank()
+    local = torch.full((rank + 2, 3), float(rank + 1), requires_grad=True)
+    gathered = all_gather_rows(local)
+    weights = torch.arange(gathered.numel(), dtype=gathered.dtype).view_as(gathered)
+    (gathered * weights * (rank + 1)).sum().backward()
+    return {"gathered": gathered.detach(), "grad": local.grad}

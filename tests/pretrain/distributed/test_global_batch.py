@@ -1,0 +1,53 @@
+"""2 gloo ranks with different, uneven data reproduce one process on the whole batch:
+the same loss (mean over ranks), the same metrics and the same gradients, for every
+objective (SPEC section 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pretrain.losses import OBJECTIVES, get_objective, make_batch
+from tests.pretrain.distributed import rank_tasks
+from tests.pretrain.losses.conftest import make_multiview_batch
+
+CASES = [(name, {}) for name in OBJECTIVES if name != "projnce"] + [
+    ("projnce", {"projection": "centroid"}), ("projnce", {"projection": "median"}),
+    ("projnce", {"projection": "kernel", "bandwidth": 2.0})]
+
+
+def test_uneven_gather_and_its_backward(gloo2):
+    r0, r1 = gloo2.run(rank_tasks.gather_rows_on_rank)
+    expected = torch.cat([torch.full((2, 3), 1.0), torch.full((3, 3), 2.0)])
+    torch.testing.assert_close(r0["gathered"], expected)
+    torch.testing.assert_close(r1["gathered"], expected)
+    weights = torch.arange(15.0).view(5, 3)
+    total = weights * (1 + 2)  # both ranks used every row, with factors 1 and 2
+    torch.testing.assert_close(r0["grad"], total[:2])
+    torch.testing.assert_close(r1["grad"], total[2:])
+
+
+@pytest.mark.parametrize("num_negatives", [None, 5])
+@pytest.mark.parametrize(("name", "hparams"), CASES,
+                         ids=[f"{n}-{h.get('projection', '')}".rstrip("-") for n, h in CASES])
+def test_two_ranks_equal_one_process(gloo2, name, hparams, num_negatives):
+    ranks = gloo2.run(rank_tasks.objective_on_rank, name, hparams, num_negatives)
+    b = make_multiview_batch(seed=4)
+    tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    whole = get_objective(name, **hparams)(
+        make_batch(b.z, b.ids, b.labels, captions=b.captions, text=b.text,
+                   num_negatives=num_negatives, negatives_seed=7), tau)
+    grad_z, grad_tau = torch.autograd.grad(whole.loss, [b.z, tau])
+    world = len(ranks)
+    # DDP averages gradients over ranks; per-rank losses average to the global loss.
+    torch.testing.assert_close(sum(r["loss"] for r in ranks) / world, whole.loss.detach(),
+                               rtol=1e-12, atol=1e-12)
+    got_z = torch.cat([r["grad_z"] for r in ranks]) / world
+    torch.testing.assert_close(got_z, grad_z, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(sum(r["grad_tau"] for r in ranks) / world, grad_tau,
+                               rtol=1e-10, atol=1e-12)
+    for key, value in whole.metrics.items():
+        if key == "temperature":
+            continue
+        mean = sum(r["metrics"][key] for r in ranks) / world
+        torch.testing.assert_close(mean, value.detach(), rtol=1e-9, atol=1e-12, msg=key)
