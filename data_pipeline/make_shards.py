@@ -1,13 +1,148 @@
 """``make-shards``: write WebDataset shards and their manifest.
 
-Also ``python -m data_pipeline.make_shards``.
+    make-shards --config launch/configs/demo.yaml shards.source=digits
+    python -m data_pipeline.make_shards shards.source=captions shards.input=cc3m.tsv \
+        shards.caption_column=0 shards.image_column=1 shards.has_header=false
+
+Shard i holds samples [i * shard_size, (i + 1) * shard_size) of the source, written by a
+pool of processes. Each finished shard leaves a sidecar ``shard-XXXXXX.json`` (count,
+bytes, checksum, skipped samples); a re-run skips shards whose sidecar matches the file, so
+an interrupted job resumes and ends with the same manifest. img2dataset output is indexed
+where it lies, never rewritten.
 """
 
 from __future__ import annotations
 
-from pretrain.cli import stage_main
+import json
+import multiprocessing as mp
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
-main = stage_main("make-shards", __doc__, run=None, lands_with="the data-pipeline issue (#3)")
+from tqdm import tqdm
+
+from data_pipeline.config import ShardsConfig
+from data_pipeline.manifest import Manifest, ShardInfo, file_sha256
+from data_pipeline.sources import Sample, SkipSample, build_source
+from data_pipeline.tario import TruncatedShard, iter_shard, write_shard
+from pretrain.cli import stage_main
+from pretrain.run_config import RunConfig
+
+_SOURCE = None  # the source, set once per worker process
+
+
+def _init_worker(source: object) -> None:
+    global _SOURCE
+    _SOURCE = source
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _finished(path: Path) -> dict | None:
+    """The sidecar of a completed shard, or None when the shard must be (re)written."""
+    try:
+        info = json.loads(_sidecar(path).read_text())
+        return info if path.stat().st_size == info["bytes"] else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _write_one(job: tuple[Path, int, int]) -> dict:
+    path, start, stop = job
+    skipped: Counter[str] = Counter()
+
+    def samples() -> Iterator[Sample]:
+        for i in range(start, stop):
+            try:
+                yield _SOURCE.load(i)
+            except SkipSample as skip:
+                skipped[skip.reason] += 1
+
+    count = write_shard(path, samples())
+    info = {"name": path.name, "samples": count, "bytes": path.stat().st_size,
+            "sha256": file_sha256(path), "skipped": dict(skipped)}
+    tmp = _sidecar(path).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, _sidecar(path))
+    return info
+
+
+def write_source_shards(cfg: ShardsConfig) -> Manifest:
+    """Cut the configured source into shards under ``cfg.output`` and write the manifest."""
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    source = build_source(cfg)
+    total = len(source)
+    paths = [out / f"shard-{i:06d}.tar" for i in range((total + cfg.shard_size - 1)
+                                                        // cfg.shard_size)]
+    infos = {p: _finished(p) for p in paths}
+    jobs = [(p, i * cfg.shard_size, min(total, (i + 1) * cfg.shard_size))
+            for i, p in enumerate(paths) if infos[p] is None]
+    bar = tqdm(total=len(paths), initial=len(paths) - len(jobs), unit="shard",
+               desc=f"make-shards {cfg.source}")
+    if jobs:
+        ctx = mp.get_context("spawn" if cfg.workers > 1 else "fork")
+        with ctx.Pool(min(cfg.workers, len(jobs)), initializer=_init_worker,
+                      initargs=(source,)) as pool:
+            for info in pool.imap_unordered(_write_one, jobs):
+                infos[out / info["name"]] = info
+                bar.update()
+    bar.close()
+    skipped: Counter[str] = Counter()
+    shards = []
+    for path in paths:
+        info = infos[path]
+        skipped.update(info["skipped"])
+        shards.append(ShardInfo(info["name"], info["samples"], info["bytes"], info["sha256"]))
+    manifest = Manifest(source=cfg.source, shards=shards, class_names=source.class_names,
+                        skipped=dict(skipped))
+    manifest.write(out)
+    return manifest
+
+
+def index_img2dataset(cfg: ShardsConfig) -> Manifest:
+    """Validate img2dataset's shards in place and write a manifest that points at them."""
+    root = Path(cfg.input)
+    tars = sorted(root.glob("*.tar"))
+    if not tars:
+        raise FileNotFoundError(f"img2dataset output {root}: no .tar shards")
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    skipped: Counter[str] = Counter()
+    shards = []
+    for tar in tqdm(tars, unit="shard", desc="index img2dataset"):
+        count = 0
+        try:
+            for sample in iter_shard(tar):
+                if any(ext in sample for ext in ("jpg", "jpeg", "png", "webp")):
+                    count += 1
+                else:
+                    skipped["missing_image"] += 1
+        except TruncatedShard:
+            skipped["truncated_shard"] += 1
+        shards.append(ShardInfo(str(tar.resolve()), count, tar.stat().st_size,
+                                file_sha256(tar)))
+    manifest = Manifest(source="img2dataset", shards=shards, skipped=dict(skipped))
+    manifest.write(out)
+    return manifest
+
+
+def make_shards(cfg: ShardsConfig) -> Manifest:
+    if cfg.source == "img2dataset":
+        return index_img2dataset(cfg)
+    return write_source_shards(cfg)
+
+
+def _run(config: RunConfig) -> None:
+    manifest = make_shards(config.shards)
+    print(f"make-shards: {manifest.total_samples} samples in {len(manifest.shards)} shards "
+          f"under {config.shards.output}; skipped {manifest.skipped or 'none'}")
+
+
+main = stage_main("make-shards", __doc__, run=_run)
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from data_pipeline.config import DataConfig, ShardsConfig
 from pretrain.config import InvalidValue
 from pretrain.losses.config import ObjectiveConfig
 
@@ -19,6 +20,8 @@ class RunConfig:
     name: str = "digits-xclr-demo"
     seed: int = 0
     output_dir: str = "runs"
+    shards: ShardsConfig = field(default_factory=ShardsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     def validate(self) -> None:

@@ -1,0 +1,82 @@
+"""The shard manifest: names, sample counts, checksums, class names, totals (SPEC section 2).
+
+A loader refuses shards that disagree with their manifest before any work starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+
+
+class ManifestError(ValueError):
+    """The manifest or a shard it lists is missing, malformed or does not match."""
+
+
+@dataclass
+class ShardInfo:
+    name: str  # file name relative to the manifest's directory
+    samples: int
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    source: str
+    shards: list[ShardInfo]
+    class_names: list[str] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count, at ingestion
+
+    @property
+    def total_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def write(self, directory: Path) -> Path:
+        payload = asdict(self) | {"total_samples": self.total_samples,
+                                  "num_shards": len(self.shards)}
+        path = Path(directory) / MANIFEST
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, directory: str | Path) -> Manifest:
+        path = Path(directory) / MANIFEST
+        if not path.is_file():
+            raise ManifestError(f"{path}: no manifest (run make-shards first)")
+        try:
+            raw = json.loads(path.read_text())
+            shards = [ShardInfo(**s) for s in raw["shards"]]
+            return cls(source=raw["source"], shards=shards,
+                       class_names=list(raw.get("class_names", [])),
+                       skipped=dict(raw.get("skipped", {})))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ManifestError(f"{path}: malformed manifest: {err}") from None
+
+    def verify(self, directory: str | Path, checksums: bool = False) -> None:
+        """Fail naming the shard if a file is missing or its size (or hash) differs."""
+        directory = Path(directory)
+        for shard in self.shards:
+            path = directory / shard.name
+            if not path.is_file():
+                raise ManifestError(f"{path}: listed in {directory / MANIFEST} but missing")
+            size = path.stat().st_size
+            if size != shard.bytes:
+                raise ManifestError(f"{path}: {size} bytes, the manifest says {shard.bytes}")
+            if checksums and file_sha256(path) != shard.sha256:
+                raise ManifestError(f"{path}: checksum differs from {directory / MANIFEST}")
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,107 @@
+"""Validation of raw shard samples and the per-reason accounting of what is skipped."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data_pipeline.manifest import Manifest
+from data_pipeline.sources import SkipSample
+
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+MIN_SEEN_FOR_LIMIT = 20  # the skip fraction is judged once this many samples were seen
+
+
+class SkipLimitExceeded(RuntimeError):
+    """More than ``data.max_skip_fraction`` of the samples were bad."""
+
+
+def stable_int(*parts: object, bits: int = 63) -> int:
+    """A stable non-negative integer hash of ``parts`` (seeds, instance ids)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << bits) - 1)
+
+
+@dataclass
+class RawSample:
+    key: str
+    shard: str
+    image: bytes
+    label: int | None
+    caption: str | None
+
+
+@dataclass
+class SkipLog:
+    """Skips met while one batch was assembled: counts per reason and undecodable keys."""
+
+    counts: Counter = field(default_factory=Counter)
+    bad_keys: list[str] = field(default_factory=list)
+
+
+class SampleChecker:
+    """Turns a raw ``{"__key__", "jpg", "cls", "txt"}`` dict into a :class:`RawSample`,
+    raising SkipSample for a missing image, a bad caption or a label outside the class list,
+    and keeps the seen/skipped totals that enforce ``max_skip_fraction``."""
+
+    def __init__(self, num_classes: int, max_skip_fraction: float) -> None:
+        self.num_classes = num_classes
+        self.max_skip_fraction = max_skip_fraction
+        self.seen = 0
+        self.skipped = 0
+
+    def parse(self, raw: dict, shard: str) -> RawSample:
+        self.seen += 1
+        key = str(raw["__key__"])
+        image = next((raw[f] for f in IMAGE_FIELDS if f in raw), None)
+        if not image:
+            raise SkipSample("missing_image", key)
+        label = None
+        if "cls" in raw:
+            try:
+                label = int(raw["cls"])
+            except ValueError:
+                raise SkipSample("bad_label", f"{key}: {raw['cls']!r}") from None
+        if self.num_classes and (label is None or not 0 <= label < self.num_classes):
+            raise SkipSample("bad_label", f"{key}: {label} outside {self.num_classes} classes")
+        caption = None
+        if "txt" in raw:
+            try:
+                caption = raw["txt"].decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise SkipSample("bad_caption", f"{key}: not UTF-8") from None
+            if not caption:
+                raise SkipSample("bad_caption", f"{key}: empty")
+        return RawSample(key, shard, image, label, caption)
+
+    def skip(self, log: SkipLog, reason: str, shard: str) -> None:
+        """Count one skip; abort when the bad fraction exceeds the limit."""
+        self.skipped += 1
+        log.counts[reason] += 1
+        if (self.seen >= MIN_SEEN_FOR_LIMIT
+                and self.skipped > self.max_skip_fraction * self.seen):
+            raise SkipLimitExceeded(
+                f"{self.skipped} of {self.seen} samples skipped (> data.max_skip_fraction="
+                f"{self.max_skip_fraction}); last in shard {shard} ({reason})")
+
+
+@dataclass
+class ShardSet:
+    """The shards a manifest lists, verified against the files before any work."""
+
+    paths: list[Path]
+    counts: list[int]
+    class_names: list[str]
+
+    @classmethod
+    def open(cls, directory: str | Path, verify_checksums: bool = False) -> ShardSet:
+        manifest = Manifest.read(directory)
+        manifest.verify(directory, checksums=verify_checksums)
+        return cls([Path(directory) / s.name for s in manifest.shards],
+                   [s.samples for s in manifest.shards], manifest.class_names)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)

@@ -1,0 +1,53 @@
+"""Real JPEGs of the bundled digits and small shard sets with planted bad samples."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from PIL import Image
+
+from data_pipeline.manifest import Manifest, ShardInfo, file_sha256
+from data_pipeline.sources import DigitsSource, Sample
+from data_pipeline.tario import write_shard
+
+_DIGITS = DigitsSource(size=24)
+
+
+def digit_sample(i: int, key: str | None = None, label: int | None = None,
+                 caption: str | None = "auto") -> Sample:
+    base = _DIGITS.load(i % len(_DIGITS))
+    return Sample(key=key or f"s{i:05d}", image=base.image, ext="jpg",
+                  label=base.label if label is None else label,
+                  caption=base.caption if caption == "auto" else caption)
+
+
+def digit_jpeg(i: int) -> bytes:
+    return _DIGITS.load(i % len(_DIGITS)).image
+
+
+def write_set(directory: Path, shards: list[list[Sample]], class_names: list[str] | None = None,
+              ) -> Manifest:
+    """Write ``shards`` as tar files plus a manifest under ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    infos = []
+    for index, samples in enumerate(shards):
+        path = directory / f"shard-{index:06d}.tar"
+        count = write_shard(path, samples)
+        infos.append(ShardInfo(path.name, count, path.stat().st_size, file_sha256(path)))
+    manifest = Manifest("test", infos, class_names or [str(c) for c in range(10)])
+    manifest.write(directory)
+    return manifest
+
+
+def uneven_set(directory: Path, sizes: list[int]) -> Manifest:
+    start, shards = 0, []
+    for size in sizes:
+        shards.append([digit_sample(i) for i in range(start, start + size)])
+        start += size
+    return write_set(directory, shards)
+
+
+def save_image(path: Path, i: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.open(io.BytesIO(digit_jpeg(i))).save(path)

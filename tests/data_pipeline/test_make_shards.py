@@ -1,0 +1,150 @@
+"""make-shards: round trip of every ingestion format, stable keys, resumable runs."""
+
+from __future__ import annotations
+
+import csv
+import tarfile
+
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+from data_pipeline.config import ShardsConfig
+from data_pipeline.make_shards import make_shards
+from data_pipeline.manifest import Manifest, ManifestError
+from data_pipeline.tario import iter_shard
+from tests.data_pipeline.helpers import digit_jpeg, save_image
+
+
+def read_all(directory):
+    manifest = Manifest.read(directory)
+    manifest.verify(directory, checksums=True)
+    return manifest, [s for info in manifest.shards for s in iter_shard(directory / info.name)]
+
+
+def test_digits_round_trip_and_resume(tmp_path):
+    cfg = ShardsConfig(output=str(tmp_path / "d"), shard_size=500, workers=2, digits_size=32)
+    manifest = make_shards(cfg)
+    again, samples = read_all(tmp_path / "d")
+    assert manifest.total_samples == 1797 == len(samples)
+    assert [s.samples for s in manifest.shards] == [500, 500, 500, 297]
+    keys = [s["__key__"] for s in samples]
+    assert len(set(keys)) == 1797
+    targets = load_digits().target
+    labels = np.array([int(s["cls"]) for s in samples])
+    order = [int(k.split("_")[1]) for k in keys]
+    assert (labels == targets[order]).all()
+    assert samples[0]["txt"].decode().startswith("a photo of the digit ")
+    assert manifest.class_names[7] == "seven"
+    # Interrupted run: one shard and its sidecar lost; the re-run redoes only that one.
+    first = tmp_path / "d" / "shard-000001.tar"
+    untouched = (tmp_path / "d" / "shard-000000.tar").stat().st_mtime_ns
+    first.unlink()
+    (tmp_path / "d" / "shard-000001.json").unlink()
+    resumed = make_shards(cfg)
+    assert resumed == manifest
+    assert (tmp_path / "d" / "shard-000000.tar").stat().st_mtime_ns == untouched
+
+
+def test_digit_splits_are_disjoint(tmp_path):
+    train = make_shards(ShardsConfig(output=str(tmp_path / "tr"), split="train", workers=1))
+    test = make_shards(ShardsConfig(output=str(tmp_path / "te"), split="test", workers=1))
+    assert train.total_samples + test.total_samples == 1797
+    train_keys = {s["__key__"] for s in read_all(tmp_path / "tr")[1]}
+    test_keys = {s["__key__"] for s in read_all(tmp_path / "te")[1]}
+    assert not train_keys & test_keys
+
+
+def test_imagenet_tree_with_names_file_and_a_corrupt_image(tmp_path):
+    root = tmp_path / "train"
+    for c, wnid in enumerate(["n02", "n01", "n03"]):
+        for j in range(4):
+            save_image(root / wnid / f"{wnid}_{j}.JPEG", c * 4 + j)
+    (root / "n01" / "broken.JPEG").write_bytes(b"\xff\xd8 not really a jpeg")
+    (tmp_path / "names.txt").write_text("goldfish\ntabby cat\nbasketball\n")
+    cfg = ShardsConfig(source="imagenet", input=str(root), class_names=str(tmp_path / "names.txt"),
+                       output=str(tmp_path / "s"), shard_size=5, workers=2)
+    manifest = make_shards(cfg)
+    _, samples = read_all(tmp_path / "s")
+    assert manifest.total_samples == 12 and manifest.skipped == {"corrupt_image": 1}
+    by_key = {s["__key__"]: s for s in samples}
+    assert int(by_key["n01_n01_0"]["cls"]) == 0  # sorted folders: n01, n02, n03
+    assert int(by_key["n03_n03_2"]["cls"]) == 2
+    assert by_key["n02_n02_1"]["txt"] == b"a photo of a tabby cat"
+    assert manifest.class_names == ["goldfish", "tabby cat", "basketball"]
+
+
+def test_imagenet_names_must_match_the_folders(tmp_path):
+    save_image(tmp_path / "train" / "n01" / "a.JPEG", 0)
+    (tmp_path / "names.txt").write_text("one\ntwo\n")
+    cfg = ShardsConfig(source="imagenet", input=str(tmp_path / "train"),
+                       class_names=str(tmp_path / "names.txt"), output=str(tmp_path / "s"))
+    with pytest.raises(ValueError, match="names.txt: 2 names for 1 class folders"):
+        make_shards(cfg)
+
+
+@pytest.mark.parametrize("layout", ["csv_header", "tsv_cc3m"])
+def test_caption_tables(tmp_path, layout):
+    images = tmp_path / "images"
+    rows = []
+    for i in range(7):
+        save_image(images / f"{i}.jpg", i)
+        rows.append((f"caption number {i}", f"images/{i}.jpg"))
+    rows.append(("", "images/0.jpg"))  # empty caption
+    rows.append(("a caption without its image", "images/missing.jpg"))
+    if layout == "csv_header":
+        table = tmp_path / "cc12m.csv"
+        with open(table, "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["url", "image", "caption"])
+            writer.writerows([("http://x", path, cap) for cap, path in rows])
+        cfg = ShardsConfig(source="captions", input=str(table), output=str(tmp_path / "s"),
+                           caption_column="caption", image_column="image", shard_size=3)
+    else:  # CC3M order: caption, then path; no header
+        table = tmp_path / "cc3m.tsv"
+        table.write_text("".join(f"{cap}\t{path}\n" for cap, path in rows))
+        cfg = ShardsConfig(source="captions", input=str(table), output=str(tmp_path / "s"),
+                           caption_column="0", image_column="1", has_header=False, shard_size=3)
+    manifest = make_shards(cfg)
+    _, samples = read_all(tmp_path / "s")
+    assert manifest.total_samples == 7
+    assert manifest.skipped == {"bad_caption": 1, "missing_image": 1}
+    assert [s["txt"].decode() for s in samples] == [f"caption number {i}" for i in range(7)]
+    assert samples[3]["jpg"] == (images / "3.jpg").read_bytes()
+
+
+def test_img2dataset_output_is_indexed_in_place(tmp_path):
+    raw = tmp_path / "img2dataset"
+    raw.mkdir()
+    for shard in range(2):
+        with tarfile.open(raw / f"{shard:05d}.tar", "w") as tar:
+            for j in range(3):
+                key = f"{shard:05d}{j:04d}"
+                for ext, data in (("jpg", digit_jpeg(j)), ("txt", b"a caption"),
+                                  ("json", b"{}")):
+                    if shard == 1 and j == 2 and ext == "jpg":
+                        continue  # a sample without its image
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    import io
+                    tar.addfile(info, io.BytesIO(data))
+    before = {p.name: p.read_bytes() for p in raw.iterdir()}
+    manifest = make_shards(ShardsConfig(source="img2dataset", input=str(raw),
+                                        output=str(tmp_path / "index")))
+    assert [s.samples for s in manifest.shards] == [3, 2]
+    assert manifest.skipped == {"missing_image": 1}
+    assert {p.name: p.read_bytes() for p in raw.iterdir()} == before  # never rewritten
+    assert not list((tmp_path / "index").glob("*.tar"))
+    Manifest.read(tmp_path / "index").verify(tmp_path / "index", checksums=True)
+
+
+def test_manifest_mismatch_names_the_shard(tmp_path):
+    make_shards(ShardsConfig(output=str(tmp_path / "d"), shard_size=1000, workers=1))
+    manifest = Manifest.read(tmp_path / "d")
+    shard = tmp_path / "d" / manifest.shards[1].name
+    shard.write_bytes(shard.read_bytes()[:-512])
+    with pytest.raises(ManifestError, match="shard-000001.tar: .* bytes, the manifest says"):
+        manifest.verify(tmp_path / "d")
+    shard.unlink()
+    with pytest.raises(ManifestError, match="shard-000001.tar: listed in .* but missing"):
+        manifest.verify(tmp_path / "d")
