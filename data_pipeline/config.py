@@ -68,6 +68,7 @@ class DataConfig:
         if self.workers < 0:
             raise InvalidValue("workers", f"must be >= 0, got {self.workers}")
         if not 0 <= self.max_skip_fraction <= 1:
-            raise InvalidValue("max_skip_fraction", f"must lie in [0, 1], got {self.max_skip_fraction}")
+            raise InvalidValue("max_skip_fraction",
+                               f"must lie in [0, 1], got {self.max_skip_fraction}")
         if not 0 < self.crop_min_scale <= 1:
             raise InvalidValue("crop_min_scale", f"must lie in (0, 1], got {self.crop_min_scale}")

@@ -21,6 +21,7 @@ every sample is read exactly once across ranks and workers, with no padding.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -35,6 +36,8 @@ from data_pipeline.samples import RawSample, SampleChecker, ShardSet, SkipLog, s
 from data_pipeline.sources import SkipSample
 from data_pipeline.tario import TruncatedShard, iter_shard
 from data_pipeline.transforms import decode, eval_view, view_transform
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -243,9 +246,14 @@ def train_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
                          state)
     loader = DataLoader(stream, batch_size=None, num_workers=cfg.workers,
                         persistent_workers=False)
+    epoch_skips: Counter = Counter()
     for batch in loader:
         state.record(batch)
+        epoch_skips.update(batch["skipped"])
         yield batch
+    if epoch_skips:
+        log.warning("data: epoch %d skipped %s (totals so far %s)", state.epoch,
+                    dict(epoch_skips), state.skipped)
     state.next_epoch()
 
 
@@ -253,8 +261,12 @@ def eval_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
                  skipped: Counter | None = None) -> Iterator[dict[str, Any]]:
     """Evaluation batches of this rank; per-reason skips are added to ``skipped``."""
     stream = EvalStream(cfg, ShardSet.open(cfg.shards, cfg.verify_checksums), rank, world)
+    seen: Counter = Counter()
     for batch in DataLoader(stream, batch_size=None, num_workers=cfg.workers):
-        if skipped is not None:
-            skipped.update(batch["skipped"])
+        seen.update(batch["skipped"])
         if batch["keys"]:
             yield batch
+    if skipped is not None:
+        skipped.update(seen)
+    if seen:
+        log.warning("data: evaluation of %s skipped %s", cfg.shards, dict(seen))
