@@ -60,6 +60,7 @@ class DataConfig:
     seed: int = 0
     max_skip_fraction: float = 0.01
     verify_checksums: bool = False
+    caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
 
     def validate(self) -> None:
         for key in ("batch_size", "resolution"):

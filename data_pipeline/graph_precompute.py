@@ -1,14 +1,40 @@
-"""``graph-precompute``: caption embeddings and similarity graphs.
+"""``graph-precompute``: caption embeddings and similarity graphs (issue #5).
 
-Also ``python -m data_pipeline.graph_precompute``.
+    graph-precompute --config launch/configs/demo.yaml                 # embed every caption
+    torchrun --nproc-per-node 4 -m data_pipeline.graph_precompute ...  # 4 parts in parallel
+    graph-precompute graph.task=class_graph graph.class_names=imagenet1k
+    graph-precompute graph.task=neighbours graph.neighbours=10
+    graph-precompute graph.task=show graph.key=digits_00007
 """
 
 from __future__ import annotations
 
+from data_pipeline.graph.class_graph import build_class_graph
+from data_pipeline.graph.job import run_captions
+from data_pipeline.graph.neighbours import build_neighbours, describe
 from pretrain.cli import stage_main
+from pretrain.run_config import RunConfig
 
-main = stage_main("graph-precompute", __doc__, run=None,
-                  lands_with="the caption-graph issue (#5)")
+
+def _run(config: RunConfig) -> None:
+    cfg = config.graph
+    if cfg.task == "captions":
+        store = run_captions(cfg)
+        if store is not None:
+            meta = store.meta
+            print(f"graph-precompute: {meta['num_keys']} captions, {meta['num_unique']} "
+                  f"distinct ({meta['duplicate_rate']:.1%} duplicates), "
+                  f"{meta['truncated']} truncated, skipped {meta['skipped'] or 'none'} "
+                  f"-> {cfg.output}")
+    elif cfg.task == "class_graph":
+        print(f"graph-precompute: class graph -> {build_class_graph(cfg)}")
+    elif cfg.task == "neighbours":
+        print(f"graph-precompute: caption-neighbour graph -> {build_neighbours(cfg)}")
+    else:
+        print(describe(cfg))
+
+
+main = stage_main("graph-precompute", __doc__, run=_run)
 
 if __name__ == "__main__":
     main()

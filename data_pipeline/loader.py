@@ -28,10 +28,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline.config import DataConfig
+from data_pipeline.graph.store import CaptionStore
 from data_pipeline.samples import RawSample, SampleChecker, ShardSet, SkipLog, stable_int
 from data_pipeline.sources import SkipSample
 from data_pipeline.tario import TruncatedShard, iter_shard
@@ -74,6 +76,13 @@ def _worker() -> tuple[int, int]:
 class _Stream(IterableDataset):
     def __init__(self, cfg: DataConfig, shards: ShardSet, rank: int, world: int) -> None:
         self.cfg, self.shards, self.rank, self.world = cfg, shards, rank, world
+        self.store: CaptionStore | None = None
+        if cfg.caption_store:  # fail at start on a broken store; workers re-open (mmap)
+            CaptionStore.open(cfg.caption_store)
+
+    def _open_store(self) -> None:
+        if self.cfg.caption_store and self.store is None:
+            self.store = CaptionStore.open(self.cfg.caption_store)
 
     def _read(self, index: int, checker: SampleChecker,
               log: list[SkipLog]) -> Iterator[RawSample]:
@@ -82,7 +91,13 @@ class _Stream(IterableDataset):
         try:
             for raw in iter_shard(path):
                 try:
-                    yield checker.parse(raw, path.name)
+                    sample = checker.parse(raw, path.name)
+                    if self.store is not None:
+                        rows, found = self.store.find([sample.key])
+                        if not found[0]:
+                            raise SkipSample("missing_embedding", sample.key)
+                        sample.row = int(rows[0])
+                    yield sample
                 except SkipSample as skip:
                     checker.skip(log[0], skip.reason, path.name)
         except TruncatedShard:
@@ -105,6 +120,7 @@ class TrainStream(_Stream):
         return self.batches_per_epoch - self.state.batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._open_store()
         epoch, start = self.state.epoch, self.state.batches
         worker_id, workers = _worker()
         # The DataLoader polls workers round-robin from worker 0, and batch `start` belongs
@@ -201,6 +217,10 @@ class TrainStream(_Stream):
         }
         if heads[0].label is not None:
             batch["labels"] = torch.tensor([s.label for s in heads]).repeat(2)
+        if self.store is not None:  # [2B, E] float16, the views share their caption's row
+            rows = [s.row for s in heads]
+            batch["caption_embeddings"] = torch.from_numpy(
+                np.asarray(self.store.embeddings[rows])).repeat(2, 1)
         return batch
 
 
@@ -208,6 +228,7 @@ class EvalStream(_Stream):
     """Every sample once across ranks and workers: (images, keys, labels) batches."""
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._open_store()
         worker, workers = _worker()
         slot, slots = self.rank * workers + worker, self.world * workers
         checker = SampleChecker(len(self.shards.class_names), self.cfg.max_skip_fraction)

@@ -31,6 +31,7 @@ class RawSample:
     image: bytes
     label: int | None
     caption: str | None
+    row: int = -1  # the caption store's embedding row, when a store is joined
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from data_pipeline.config import DataConfig, ShardsConfig
+from data_pipeline.graph.config import GraphConfig
 from pretrain.config import InvalidValue
 from pretrain.losses.config import ObjectiveConfig
 
@@ -22,6 +23,7 @@ class RunConfig:
     output_dir: str = "runs"
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     def validate(self) -> None:

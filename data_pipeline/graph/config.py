@@ -1,0 +1,48 @@
+"""Configuration of ``graph-precompute`` (``graph.*`` in the run config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pretrain.config import InvalidValue
+
+
+@dataclass
+class GraphConfig:
+    """``task``: ``captions`` (embed every sample's caption into a store), ``class_graph``
+    (C x C cosine matrix of class-name templates), ``neighbours`` (top-k caption graph of a
+    store), ``show`` (print ``key``'s caption beside its nearest captions).
+
+    ``captions`` runs in phases ``collect`` (read this part's shards), ``encode`` (embed this
+    part's share of the distinct captions), ``merge`` (write the store); ``all`` runs them
+    in order, with every torchrun rank as one part. ``part``/``num_parts`` default to
+    torchrun's RANK/WORLD_SIZE (a slurm array sets them explicitly per task).
+    """
+
+    task: Literal["captions", "class_graph", "neighbours", "show"] = "captions"
+    phase: Literal["all", "collect", "encode", "merge"] = "all"
+    shards: str = "data/shards/digits-train"
+    output: str = "data/captions/digits-train"
+    model: str = "bundled"  # the bundled all-MiniLM-L6-v2, or a local model directory
+    batch_size: int = 256
+    device: str = "auto"
+    part: int | None = None
+    num_parts: int | None = None
+    class_names: str = ""  # class_graph: "" (the manifest's), "imagenet1k", or a file
+    templates: list[str] = field(default_factory=lambda: ["a photo of a {name}."])
+    neighbours: int = 10
+    index: Literal["auto", "exact", "ivf"] = "auto"
+    key: str = ""  # show: the sample to inspect
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise InvalidValue("batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.neighbours < 1:
+            raise InvalidValue("neighbours", f"must be >= 1, got {self.neighbours}")
+        if not self.templates or any("{name}" not in t for t in self.templates):
+            raise InvalidValue("templates", "each template needs a {name} placeholder")
+        if self.num_parts is not None and not 0 <= (self.part or 0) < self.num_parts:
+            raise InvalidValue("part", f"must lie in [0, {self.num_parts}), got {self.part}")
+        if self.task == "show" and not self.key:
+            raise InvalidValue("key", "task=show needs the key of a sample")

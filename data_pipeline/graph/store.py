@@ -1,0 +1,71 @@
+"""The caption-embedding store: float16 rows of the distinct captions, a sorted key index
+and the row of each key, all memory-mapped, so a loader worker joins a sample to its row by
+``__key__`` without holding the store in memory (SPEC section 2).
+
+Files: ``keys.npy`` [N] sorted fixed-width bytes, ``rows.npy`` [N] int32, ``embeddings.npy``
+[U, E] float16, ``captions.jsonl`` (the U distinct captions, for inspection), ``meta.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FILES = ("keys.npy", "rows.npy", "embeddings.npy")
+
+
+class StoreError(ValueError):
+    """A store whose files are missing or disagree with each other."""
+
+
+@dataclass
+class CaptionStore:
+    directory: Path
+    keys: np.ndarray
+    rows: np.ndarray
+    embeddings: np.ndarray
+    meta: dict
+
+    @classmethod
+    def open(cls, directory: str | Path) -> CaptionStore:
+        directory = Path(directory)
+        meta_path = directory / "meta.json"
+        if not meta_path.is_file():
+            raise StoreError(f"{meta_path}: missing (run graph-precompute)")
+        meta = json.loads(meta_path.read_text())
+        try:
+            keys, rows, embeddings = (np.load(directory / f, mmap_mode="r") for f in FILES)
+        except (OSError, ValueError) as err:
+            raise StoreError(f"{directory}: unreadable store file: {err}") from None
+        if len(keys) != len(rows) or len(keys) != meta["num_keys"]:
+            raise StoreError(f"{directory / 'rows.npy'}: {len(rows)} rows for {len(keys)} keys "
+                             f"(meta.json says {meta['num_keys']})")
+        if embeddings.shape != (meta["num_unique"], meta["dim"]):
+            raise StoreError(f"{directory / 'embeddings.npy'}: shape {embeddings.shape}, "
+                             f"meta.json says ({meta['num_unique']}, {meta['dim']})")
+        if len(rows) and int(rows.max()) >= len(embeddings):
+            raise StoreError(f"{directory / 'rows.npy'}: a row beyond the "
+                             f"{len(embeddings)} embeddings")
+        return cls(directory, keys, rows, embeddings, meta)
+
+    def find(self, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """([n] embedding row of each key, [n] bool found)."""
+        wanted = np.array([k.encode() for k in keys], dtype=self.keys.dtype)
+        pos = np.searchsorted(self.keys, wanted).clip(max=max(len(self.keys) - 1, 0))
+        found = self.keys[pos] == wanted if len(self.keys) else np.zeros(len(keys), bool)
+        return np.where(found, self.rows[pos], -1), found
+
+    def lookup(self, keys: list[str]) -> np.ndarray:
+        """[n, E] float16 embeddings of ``keys``; KeyError naming the first missing one."""
+        rows, found = self.find(keys)
+        if not found.all():
+            missing = keys[int(np.argmin(found))]
+            raise KeyError(f"{missing}: not in the caption store {self.directory}")
+        return np.asarray(self.embeddings[rows])
+
+    def captions(self) -> list[str]:
+        lines = (self.directory / "captions.jsonl").read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines]

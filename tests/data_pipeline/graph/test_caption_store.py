@@ -1,0 +1,167 @@
+"""The caption job: one row per distinct caption, 2 parts equal 1, kill and restart equals
+an uninterrupted run, the loader joins the right row, bad input is counted or refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipeline.config import DataConfig
+from data_pipeline.graph.config import GraphConfig
+from data_pipeline.graph.encoder import encode, load_encoder
+from data_pipeline.graph.job import collect, encode_part, merge, run_captions
+from data_pipeline.graph.neighbours import build_neighbours, describe, exact_topk, ivf_topk
+from data_pipeline.graph.store import CaptionStore, StoreError
+from data_pipeline.loader import LoaderState, eval_batches, train_batches
+from data_pipeline.sources import Sample
+from tests.data_pipeline.helpers import digit_sample, write_set
+
+NAMES = ["tabby cat", "golden retriever", "violin", "soccer ball", "cello", "banjo", "pug"]
+
+
+def caption_set(directory, distinct: int = 40, repeats: int = 3):
+    """Shards whose captions repeat, plus an empty, a whitespace and a very long caption."""
+    captions = [f"a photo of a {NAMES[i % 7]} number {i}" for i in range(distinct)]
+    samples = [digit_sample(i, key=f"k{i:04d}", caption=captions[i % distinct])
+               for i in range(distinct * repeats)]
+    samples += [digit_sample(0, key="empty", caption=""),
+                digit_sample(1, key="blank", caption="   "),
+                digit_sample(2, key="long", caption="word " * 400)]
+    write_set(directory, [samples[i::3] for i in range(3)])
+    return captions
+
+
+def store_bytes(directory):
+    return {n: (directory / n).read_bytes() for n in ("keys.npy", "rows.npy", "embeddings.npy")}
+
+
+def test_duplicates_share_a_row_and_bad_captions_are_counted(tmp_path):
+    captions = caption_set(tmp_path / "shards")
+    store = run_captions(GraphConfig(shards=str(tmp_path / "shards"),
+                                     output=str(tmp_path / "store"), batch_size=16))
+    assert store.meta["num_keys"] == 121 and store.meta["num_unique"] == 41
+    assert store.meta["skipped"] == {"empty_caption": 2}  # "" is written as no caption at all
+    assert store.meta["truncated"] == 1
+    rows, found = store.find(["k0003", "k0043", "k0083", "k0004", "nope"])
+    assert list(found) == [True, True, True, True, False]
+    assert rows[0] == rows[1] == rows[2] != rows[3]
+    model = load_encoder("bundled")
+    fresh, _ = encode(model, [captions[3]], 8)
+    cos = float(store.lookup(["k0043"]).astype(np.float32)[0] @ fresh[0].astype(np.float32))
+    assert cos > 0.999
+
+
+def test_two_parts_equal_one(tmp_path):
+    caption_set(tmp_path / "shards")
+    one = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "one"),
+                      batch_size=8)
+    run_captions(one)
+    two = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "two"),
+                      batch_size=8, num_parts=2)
+    for part in (0, 1):
+        collect(two, part, 2)
+    for part in (1, 0):
+        encode_part(two, part, 2)
+    merge(two, 2)
+    assert store_bytes(tmp_path / "one") == store_bytes(tmp_path / "two")
+
+
+def test_encode_refuses_to_start_before_every_part_is_collected(tmp_path):
+    caption_set(tmp_path / "shards")
+    cfg = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "s"), num_parts=2)
+    collect(cfg, 0, 2)
+    with pytest.raises(RuntimeError, match="collect part 1 of 2 is not finished"):
+        encode_part(cfg, 0, 2)
+
+
+def test_killed_job_restarts_and_equals_an_uninterrupted_run(tmp_path):
+    caption_set(tmp_path / "shards", distinct=160, repeats=1)
+    run_captions(GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "whole"),
+                             batch_size=4))
+    args = [sys.executable, "-m", "data_pipeline.graph_precompute",
+            f"graph.shards={tmp_path / 'shards'}", f"graph.output={tmp_path / 'killed'}",
+            "graph.batch_size=4"]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    chunks = tmp_path / "killed" / "chunks"
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(chunks.glob("chunk-*.json"))) < 3:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = len(list(chunks.glob("chunk-*.json")))
+    assert 3 <= finished < 41, "the job was not interrupted mid-encode"
+    assert not (tmp_path / "killed" / "meta.json").exists()
+    rerun = subprocess.run(args, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert store_bytes(tmp_path / "whole") == store_bytes(tmp_path / "killed")
+
+
+def test_loader_joins_each_key_to_its_row_and_counts_missing_ones(tmp_path):
+    caption_set(tmp_path / "shards", distinct=20, repeats=2)
+    store = run_captions(GraphConfig(shards=str(tmp_path / "shards"),
+                                     output=str(tmp_path / "store"), batch_size=16))
+    # shards with two extra samples that the store has never seen
+    extra = [Sample(f"new{i}", digit_sample(i).image, "jpg", 1, "an unseen caption")
+             for i in range(2)]
+    write_set(tmp_path / "more", [[digit_sample(i, key=f"k{i:04d}",
+                                                caption=f"c{i}") for i in range(30)] + extra])
+    cfg = DataConfig(shards=str(tmp_path / "more"), caption_store=str(tmp_path / "store"),
+                     batch_size=6, workers=2, resolution=16, max_skip_fraction=0.5)
+    state = LoaderState()
+    for batch in train_batches(cfg, state=state):
+        heads = batch["keys"]
+        want = torch.from_numpy(store.lookup(heads))
+        assert torch.equal(batch["caption_embeddings"][:6], want)
+        assert torch.equal(batch["caption_embeddings"][6:], want)
+    skipped = Counter()
+    keys = [k for b in eval_batches(cfg, skipped=skipped) for k in b["keys"]]
+    assert skipped == {"missing_embedding": 2} and len(keys) == 30
+
+
+def test_store_whose_index_and_rows_disagree_names_the_file(tmp_path):
+    caption_set(tmp_path / "shards", distinct=10, repeats=1)
+    run_captions(GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "s")))
+    rows = np.load(tmp_path / "s" / "rows.npy")
+    np.save(tmp_path / "s" / "rows.npy", rows[:-1])
+    with pytest.raises(StoreError, match="rows.npy"):
+        CaptionStore.open(tmp_path / "s")
+    with pytest.raises(StoreError, match="rows.npy"):
+        next(iter(train_batches(DataConfig(shards=str(tmp_path / "shards"),
+                                           caption_store=str(tmp_path / "s")))))
+
+
+def test_neighbour_graph_and_inspection(tmp_path):
+    caption_set(tmp_path / "shards", distinct=30, repeats=1)
+    cfg = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "s"), neighbours=4)
+    store = run_captions(cfg)
+    build_neighbours(cfg)
+    vectors = np.asarray(store.embeddings, dtype=np.float32)
+    with np.load(tmp_path / "s" / "neighbours.npz") as graph:
+        ids, sims = graph["ids"], graph["similarities"]
+    brute = vectors @ vectors.T
+    np.fill_diagonal(brute, -np.inf)
+    assert (np.sort(ids, 1) == np.sort(np.argsort(-brute, 1)[:, :4], 1)).all()
+    np.testing.assert_allclose(sims, -np.sort(-brute, 1)[:, :4], atol=2e-3)
+    text = describe(GraphConfig(output=str(tmp_path / "s"), task="show", key="k0007"))
+    assert text.splitlines()[0] == "k0007: a photo of a tabby cat number 7"
+    assert len(text.splitlines()) == 5
+
+
+def test_ivf_recall_against_exact():
+    gen = np.random.default_rng(0)
+    centres = gen.normal(size=(50, 32))
+    data = centres[gen.integers(0, 50, 5000)] + 0.3 * gen.normal(size=(5000, 32))
+    data /= np.linalg.norm(data, axis=1, keepdims=True)
+    _, exact = exact_topk(data, 10)
+    _, approx = ivf_topk(data, 10)
+    recall = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx, exact, strict=True)])
+    assert recall > 0.9
