@@ -37,12 +37,14 @@ def target_groups(batch: ContrastiveBatch,
     """(group kind, [n, G] c_i . c_g / tau_s) for the groups within which targets are constant.
 
     Class graph: label groups. Captions: instance groups when every view of an instance
-    carries the same caption; otherwise (kind None) one group per candidate.
+    carries the same caption; otherwise (kind None) one group per candidate. Computed in the
+    embeddings' precision, whatever the graph's or captions' dtype.
     """
+    dtype = as_float(batch.candidates).dtype
     if batch.class_graph is not None:
         if batch.labels is None:
             raise ValueError("xclr: a class_graph needs labels to look up class pairs")
-        graph = as_float(batch.class_graph)
+        graph = batch.class_graph.to(dtype)
         values, _, _ = batch.group_index("label")
         if int(values.max()) >= graph.shape[0] or int(values.min()) < 0:
             raise ValueError(f"xclr: labels must lie in [0, {graph.shape[0]}) of class_graph")
@@ -50,7 +52,7 @@ def target_groups(batch: ContrastiveBatch,
         return "label", rows.index_select(1, values) / target_temperature
     if batch.captions is None:
         raise ValueError("xclr: needs caption embeddings (captions=) or a class_graph")
-    captions = as_float(batch.captions)
+    captions = batch.captions.to(dtype)
     anchors = captions[batch.anchor_index] / target_temperature
     _, groups, counts = batch.group_index("instance")
     first = torch.full_like(counts, captions.shape[0]).scatter_reduce(

@@ -90,6 +90,19 @@ def test_xclr_on_a_subset_of_negatives(batch):
     assert_same(batch, loss, reference)
 
 
+def test_xclr_targets_follow_the_embeddings_precision():
+    z = torch.randn(12, 5)
+    ids = torch.arange(6).repeat(2)
+    labels = ids % 3
+    graph64 = torch.eye(3, dtype=torch.float64)
+    loss64, _ = batch_loss("xclr", z, ids, labels, class_graph=graph64)
+    loss32, _ = batch_loss("xclr", z, ids, labels, class_graph=graph64.float())
+    assert loss64.dtype == torch.float32
+    torch.testing.assert_close(loss64, loss32)
+    captions = torch.randn(6, 4, dtype=torch.float64)[ids]
+    assert batch_loss("xclr", z, ids, captions=captions)[0].dtype == torch.float32
+
+
 def test_xclr_from_class_graph(batch):
     gen = torch.Generator().manual_seed(3)
     names = naive.unit(torch.randn(6, 5, generator=gen, dtype=torch.float64))
