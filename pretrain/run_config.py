@@ -12,6 +12,8 @@ from data_pipeline.config import DataConfig, ShardsConfig
 from data_pipeline.graph.config import GraphConfig
 from pretrain.config import InvalidValue
 from pretrain.losses.config import ObjectiveConfig
+from pretrain.model import ModelConfig
+from pretrain.optim import OptimConfig
 
 
 @dataclass
@@ -24,6 +26,8 @@ class RunConfig:
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     def validate(self) -> None:
