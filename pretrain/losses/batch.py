@@ -118,6 +118,16 @@ class ContrastiveBatch:
                 self.keys(kind), return_inverse=True, return_counts=True)
         return self._cache["groups", kind]
 
+    def group_sums(self, kind: PositiveKind) -> Tensor:
+        """[G, D] sum of the candidates of each group (float32 or float64), with gradient."""
+        if ("sums", kind) not in self._cache:
+            _, groups, counts = self.group_index(kind)
+            cand = self.candidates
+            cand = cand if cand.dtype in (torch.float32, torch.float64) else cand.float()
+            self._cache["sums", kind] = cand.new_zeros(
+                counts.shape[0], cand.shape[1]).index_add(0, groups, cand)
+        return self._cache["sums", kind]
+
     def positive_mask(self, kind: PositiveKind) -> Tensor:
         """[n, N] bool: same key as the anchor, excluding the anchor itself."""
         if ("pos", kind) not in self._cache:

@@ -108,11 +108,18 @@ def segment_logsumexp(values: Tensor, rows: Tensor, num_rows: int) -> Tensor:
     return top + torch.log(sums.clamp(min=torch.finfo(values.dtype).tiny))
 
 
-def group_sums(batch: ContrastiveBatch, kind: PositiveKind) -> Tensor:
-    """[G, D] sum of the candidates of each group of ``kind``."""
-    _, groups, counts = batch.group_index(kind)
-    cand = as_float(batch.candidates)
-    return cand.new_zeros(counts.shape[0], cand.shape[1]).index_add(0, groups, cand)
+def add_log_columns_(values: Tensor, anchor_group: Tensor, counts: Tensor) -> Tensor:
+    """values [n, G] += log m_ig in place, m_ig = how many of anchor i's columns lie in
+    group g: the group's size, less the anchor itself in its own group (MASKED_LOGIT when
+    that leaves none). Turns per-group logits into sums over the group's columns."""
+    rows = torch.arange(len(anchor_group), device=values.device)
+    log_counts = torch.log(counts.to(values.dtype))
+    own = (counts[anchor_group] - 1).to(values.dtype)
+    values.add_(log_counts)
+    own_group = values[rows, anchor_group] - log_counts[anchor_group]
+    values[rows, anchor_group] = torch.where(own > 0, own_group + torch.log(own.clamp(min=1)),
+                                             torch.full_like(own, MASKED_LOGIT))
+    return values
 
 
 def positive_logit_mean(batch: ContrastiveBatch, kind: PositiveKind,
@@ -124,7 +131,7 @@ def positive_logit_mean(batch: ContrastiveBatch, kind: PositiveKind,
     _, groups, counts = batch.group_index(kind)
     anchors = as_float(batch.anchors)
     anchor_group = groups[batch.anchor_index]
-    sums = group_sums(batch, kind)
+    sums = batch.group_sums(kind)
     total = (anchors * sums[anchor_group]).sum(1) - (anchors * anchors).sum(1)
     num_pos = (counts[anchor_group] - 1).to(total.dtype)
     return total / num_pos.clamp(min=1) / temperature, num_pos
@@ -197,7 +204,7 @@ def negative_cosine_sum(batch: ContrastiveBatch, logits: Tensor, kind: PositiveK
         return torch.where(batch.negative_mask(kind), logits, logits.new_zeros(())).sum(1) * tau
     _, groups, _ = batch.group_index(kind)
     anchors, cand = as_float(batch.anchors), as_float(batch.candidates)
-    same_group = (anchors * group_sums(batch, kind)[groups[batch.anchor_index]]).sum(1)
+    same_group = (anchors * batch.group_sums(kind)[groups[batch.anchor_index]]).sum(1)
     return anchors @ cand.sum(0) - same_group
 
 

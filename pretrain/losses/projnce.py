@@ -18,13 +18,12 @@ from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.common import (
-    MASKED_LOGIT,
     ObjectiveOutput,
     Temperature,
+    add_log_columns_,
     as_float,
     finish,
     full_precision,
-    group_sums,
     row_softmax_,
     similarity_logits,
 )
@@ -43,7 +42,7 @@ def _centroid_plus(batch: ContrastiveBatch) -> Tensor:
     _, groups, counts = batch.group_index("label")
     cand = as_float(batch.candidates)
     alone = (counts[groups] == 1)[:, None]
-    others = group_sums(batch, "label")[groups] - cand
+    others = batch.group_sums("label")[groups] - cand
     others = others / (counts[groups] - 1).clamp(min=1)[:, None]
     return torch.where(alone, cand, others)
 
@@ -51,14 +50,8 @@ def _centroid_plus(batch: ContrastiveBatch) -> Tensor:
 def _group_lse(batch: ContrastiveBatch, group_logits: Tensor) -> Tensor:
     """[n] log sum_{j != i} exp psi(z_i, g(y_j)) from [n, G] logits and group sizes."""
     _, groups, counts = batch.group_index("label")
-    anchor_group = groups[batch.anchor_index]
-    rows = torch.arange(len(anchor_group), device=group_logits.device)
-    log_members = torch.log(counts.to(group_logits.dtype)).expand_as(group_logits).clone()
-    own = counts[anchor_group] - 1
-    log_members[rows, anchor_group] = torch.where(
-        own > 0, torch.log(own.clamp(min=1).to(group_logits.dtype)),
-        torch.full_like(log_members[:, 0], MASKED_LOGIT))
-    return torch.logsumexp(group_logits + log_members, dim=1)
+    summed = add_log_columns_(group_logits.clone(), groups[batch.anchor_index], counts)
+    return torch.logsumexp(summed, dim=1)
 
 
 def _group_projection(batch: ContrastiveBatch, projection: Projection, bandwidth: float,

@@ -23,10 +23,10 @@ from pretrain.losses.common import (
     MASKED_LOGIT,
     ObjectiveOutput,
     Temperature,
+    add_log_columns_,
     as_float,
     finish,
     full_precision,
-    group_sums,
     row_softmax_,
     similarity_logits,
 )
@@ -75,17 +75,14 @@ def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim
         counts, sums = torch.ones_like(groups), as_float(batch.candidates)
     else:
         _, groups, counts = batch.group_index(kind)
-        sums = group_sums(batch, kind)
+        sums = batch.group_sums(kind)
     anchor_group = groups[batch.anchor_index]
     rows = torch.arange(len(anchor_group), device=sim.device)
     with torch.no_grad():
         members = counts.to(sim.dtype)
         own = members[anchor_group] - 1  # [n] the anchor's own group, minus itself
         log_members = torch.log(members)
-        sim.add_(log_members)
-        sim[rows, anchor_group] += torch.where(own > 0, torch.log(own.clamp(min=1)),
-                                               torch.full_like(own, MASKED_LOGIT)) \
-            - log_members[anchor_group]
+        add_log_columns_(sim, anchor_group, counts)
         log_mass = torch.log_softmax(sim, dim=1)  # [n, G]
         mass = log_mass.exp()
         own_mass = mass[rows, anchor_group]
