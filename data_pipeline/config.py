@@ -61,6 +61,8 @@ class DataConfig:
     max_skip_fraction: float = 0.01
     verify_checksums: bool = False
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
+    tokenizer: str = ""  # clip: tokenise captions in the workers ("bundled" or a model dir)
+    text_length: int = 32  # tokens per caption
 
     def validate(self) -> None:
         for key in ("batch_size", "resolution"):

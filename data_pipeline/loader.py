@@ -77,6 +77,7 @@ class _Stream(IterableDataset):
     def __init__(self, cfg: DataConfig, shards: ShardSet, rank: int, world: int) -> None:
         self.cfg, self.shards, self.rank, self.world = cfg, shards, rank, world
         self.store: CaptionStore | None = None
+        self.tokenizer = None
         if cfg.caption_store:  # fail at start on a broken store; workers re-open (mmap)
             CaptionStore.open(cfg.caption_store)
 
@@ -217,11 +218,25 @@ class TrainStream(_Stream):
         }
         if heads[0].label is not None:
             batch["labels"] = torch.tensor([s.label for s in heads]).repeat(2)
+        if self.cfg.tokenizer:  # [2B, L] token ids and mask, the views share the caption
+            batch.update({k: v.repeat(2, 1) for k, v in self._tokens(heads).items()})
         if self.store is not None:  # [2B, E] float16, the views share their caption's row
             rows = [s.row for s in heads]
             batch["caption_embeddings"] = torch.from_numpy(
                 np.asarray(self.store.embeddings[rows])).repeat(2, 1)
         return batch
+
+
+    def _tokens(self, heads: list[RawSample]) -> dict[str, torch.Tensor]:
+        from pretrain.text_tower import load_tokenizer, tokenize
+
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.cfg.tokenizer)
+        for sample in heads:
+            if sample.caption is None:
+                raise ValueError(f"data.tokenizer is set (clip) but {sample.key} in "
+                                 f"{sample.shard} has no caption")
+        return tokenize(self.tokenizer, [s.caption for s in heads], self.cfg.text_length)
 
 
 class EvalStream(_Stream):

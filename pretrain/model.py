@@ -8,14 +8,16 @@ objectives normalise the projections, evaluation uses the features.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import torch
 import torchvision
 from torch import Tensor, nn
 
 from pretrain.config import InvalidValue
+from pretrain.text_tower import TextConfig, TextTower
 
 
 @dataclass
@@ -26,7 +28,10 @@ class ModelConfig:
     small_stem: bool = True  # 3x3/1 stem without max-pool, for 32-64 px images
     projector_hidden: int = 512
     projector_dim: int = 128
+    norm: Literal["batch", "group"] = "batch"  # group: independent of the batch split
+    sync_batchnorm: bool = True  # batch norm over the global batch on multi-GPU runs
     channels_last: bool = True  # on GPU
+    text: TextConfig = field(default_factory=TextConfig)  # clip's text tower
 
     def validate(self) -> None:
         for key in ("projector_hidden", "projector_dim"):
@@ -34,20 +39,26 @@ class ModelConfig:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
 
 
-def small_cnn(width: int = 64) -> tuple[nn.Module, int]:
-    """Four conv-BN-ReLU blocks with pooling: a few million MACs per 32 px image."""
+def norm_layer(kind: str) -> Callable[[int], nn.Module]:
+    """Batch norm, or group norm (8 groups), which gives every sample the same output
+    however the global batch is split over ranks (no SyncBatchNorm on CPU/gloo)."""
+    return nn.BatchNorm2d if kind == "batch" else (lambda channels: nn.GroupNorm(8, channels))
+
+
+def small_cnn(width: int = 64, norm: str = "batch") -> tuple[nn.Module, int]:
+    """Four conv-norm-ReLU blocks with pooling: a few million MACs per 32 px image."""
     layers: list[nn.Module] = []
     channels = 3
     for out in (width, width * 2, width * 4, width * 4):
-        layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), nn.BatchNorm2d(out),
+        layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), norm_layer(norm)(out),
                    nn.ReLU(inplace=True), nn.MaxPool2d(2)]
         channels = out
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
     return nn.Sequential(*layers), channels
 
 
-def resnet(name: str, small_stem: bool) -> tuple[nn.Module, int]:
-    net = getattr(torchvision.models, name)(weights=None)
+def resnet(name: str, small_stem: bool, norm: str = "batch") -> tuple[nn.Module, int]:
+    net = getattr(torchvision.models, name)(weights=None, norm_layer=norm_layer(norm))
     if small_stem:
         net.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
         net.maxpool = nn.Identity()
@@ -60,13 +71,14 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.backbone == "small_cnn":
-            self.backbone, features = small_cnn()
+            self.backbone, features = small_cnn(norm=cfg.norm)
         else:
-            self.backbone, features = resnet(cfg.backbone, cfg.small_stem)
+            self.backbone, features = resnet(cfg.backbone, cfg.small_stem, cfg.norm)
         self.feature_dim = features
         self.projector = nn.Sequential(
             nn.Linear(features, cfg.projector_hidden, bias=False),
-            nn.BatchNorm1d(cfg.projector_hidden), nn.ReLU(inplace=True),
+            nn.BatchNorm1d(cfg.projector_hidden) if cfg.norm == "batch"
+            else nn.GroupNorm(8, cfg.projector_hidden), nn.ReLU(inplace=True),
             nn.Linear(cfg.projector_hidden, cfg.projector_dim))
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
@@ -75,8 +87,43 @@ class Encoder(nn.Module):
         return features, self.projector(features)
 
 
-def build_encoder(cfg: ModelConfig, device: torch.device) -> Encoder:
-    model = Encoder(cfg).to(device)
-    if cfg.channels_last and device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
+class ModelOutput(NamedTuple):
+    """features [B, F], projections [B, P], text [B, P] (clip), learnable temperature []."""
+
+    features: Tensor
+    projections: Tensor
+    text: Tensor | None
+    temperature: Tensor | None
+
+
+class ContrastiveModel(nn.Module):
+    """Everything the engine trains: the encoder, CLIP's text tower when the objective
+    needs one, and a learnable temperature (stored as log tau) when asked for. The
+    temperature comes out of ``forward`` so wrappers (DDP) see it used there."""
+
+    def __init__(self, cfg: ModelConfig, with_text: bool = False,
+                 learnable_temperature: float | None = None) -> None:
+        super().__init__()
+        self.encoder = Encoder(cfg)
+        self.text = TextTower(cfg.text, cfg.projector_dim) if with_text else None
+        self.log_temperature = None
+        if learnable_temperature is not None:
+            self.log_temperature = nn.Parameter(torch.tensor(learnable_temperature).log())
+
+    def forward(self, images: Tensor, input_ids: Tensor | None = None,
+                attention_mask: Tensor | None = None) -> ModelOutput:
+        features, projections = self.encoder(images)
+        text = None if self.text is None else self.text(input_ids, attention_mask)
+        temperature = None if self.log_temperature is None else self.log_temperature.exp()
+        return ModelOutput(features, projections, text, temperature)
+
+
+def build_model(cfg: ModelConfig, device: torch.device, with_text: bool = False,
+                learnable_temperature: float | None = None) -> ContrastiveModel:
+    model = ContrastiveModel(cfg, with_text, learnable_temperature).to(device)
+    if device.type == "cuda":
+        if cfg.channels_last:
+            model.encoder = model.encoder.to(memory_format=torch.channels_last)
+        if cfg.sync_batchnorm and cfg.norm == "batch":
+            model.encoder = nn.SyncBatchNorm.convert_sync_batchnorm(model.encoder)
     return model

@@ -27,6 +27,8 @@ class ObjectiveConfig:
     eps: float = 0.1  # eps_supinfonce: margin on the positive's denominator term
     gamma: float = 2.0  # holder_flatnce: scale of the logits
     target_temperature: float = 0.1  # xclr: tau_s of the soft targets
+    # xclr: class_graph.npz of graph-precompute (ImageNet recipe); "" = caption targets
+    class_graph: str = "data/captions/digits-train/class_graph.npz"
     projection: Literal["centroid", "kernel", "median", "learned"] = "centroid"  # projnce
     bandwidth: float = 0.5  # projnce kernel: Nadaraya-Watson bandwidth h
     kernel_metric: Literal["l1", "l2", "cos"] = "l1"  # projnce kernel: distance

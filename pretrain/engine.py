@@ -1,0 +1,162 @@
+"""Training engines behind one small interface: DDP (gloo on CPU, NCCL on GPU) and
+DeepSpeed ZeRO-1/2.
+
+An engine owns the wrapped model and the optimiser and offers ``forward`` (``engine(...)``),
+``backward(loss)``, ``step()`` (clip, update, zero the gradients), ``set_lr(factor)``,
+``state_dict()``/``load_state_dict()`` in a form ``torch.load(weights_only=True)`` reads,
+and ``full_gradients()`` (what the step is about to apply, for tests). Both average
+gradients over ranks, which with the gathering boundary's scaling gives the gradient of
+the global-batch loss (SPEC section 4); shared scalars such as a learnable temperature are
+averaged once, like every other parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pretrain.config import InvalidValue
+
+
+@dataclass
+class EngineConfig:
+    """``engine.*``. DeepSpeed reads its JSON (``deepspeed_config``, under launch/deepspeed/),
+    which must set ``gradient_clipping`` explicitly; DDP clips at ``gradient_clipping``."""
+
+    name: Literal["ddp", "deepspeed"] = "ddp"
+    deepspeed_config: str = "launch/deepspeed/zero1.json"
+    gradient_clipping: float = 0.0  # ddp: max global gradient norm, 0 = off
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    def validate(self) -> None:
+        if self.gradient_clipping < 0:
+            raise InvalidValue("gradient_clipping", f"must be >= 0, got {self.gradient_clipping}")
+        if self.name == "deepspeed":
+            read_deepspeed_config(self.deepspeed_config)
+
+
+def read_deepspeed_config(path: str) -> dict[str, Any]:
+    """The DeepSpeed JSON at ``path``; it must set gradient_clipping (DeepSpeed would
+    otherwise clip silently at 1.0) and a ZeRO stage of 1 or 2."""
+    file = Path(path)
+    if not file.is_file():
+        raise InvalidValue("deepspeed_config", f"{path}: no such file")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise InvalidValue("deepspeed_config", f"{path}: not valid JSON ({err})") from err
+    if "gradient_clipping" not in config:
+        raise InvalidValue("deepspeed_config", f"{path}: set \"gradient_clipping\" explicitly "
+                                               "(0.0 turns clipping off)")
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (1, 2):
+        raise InvalidValue("deepspeed_config", f"{path}: zero_optimization.stage must be 1 or "
+                                               f"2, got {stage}")
+    return config
+
+
+class Engine:
+    """Shared parts; subclasses set ``wrapped`` and ``optimizer``."""
+
+    optimizer_sharded = False  # True when each rank holds only its share of the state
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module = model
+        self.optimizer = optimizer
+        self.wrapped: nn.Module = model
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapped(*args, **kwargs)
+
+    def set_lr(self, factor: float) -> float:
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
+        return self.base_lrs[0] * factor
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        return {name: p.grad.detach().clone() for name, p in self.module.named_parameters()
+                if p.grad is not None}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class DDPEngine(Engine):
+    """torch DistributedDataParallel; a plain module when there is one process."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 cfg: EngineConfig, device: torch.device) -> None:
+        super().__init__(model, optimizer)
+        self.clip = cfg.gradient_clipping
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            ids = [device.index] if device.type == "cuda" else None
+            self.wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        if self.clip > 0:
+            nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class DeepSpeedEngine(Engine):
+    """DeepSpeed ZeRO stage 1 or 2 around our optimiser (LARS included)."""
+
+    optimizer_sharded = True
+    _UNSAFE_KEYS = ("loss_scaler", "param_slice_mappings", "zero_stage")  # live objects
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 cfg: EngineConfig, micro_batch: int) -> None:
+        import deepspeed
+
+        config = read_deepspeed_config(cfg.deepspeed_config)
+        config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1)
+        self.ds, zero_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False)
+        super().__init__(model, zero_optimizer)
+        self.wrapped = self.ds
+
+    def backward(self, loss: Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> None:
+        self.ds.step()
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {name: safe_get_full_grad(p) for name, p in self.module.named_parameters()}
+        return {name: g.detach().clone() for name, g in grads.items() if g is not None}
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizer = {k: v for k, v in self.optimizer.state_dict().items()
+                     if k not in self._UNSAFE_KEYS}
+        return {"model": self.module.state_dict(), "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        live = self.optimizer.state_dict()
+        live.update(state["optimizer"])
+        # ZeRO reads entry [dp_rank] of a per-rank list; this rank's own state fills it.
+        self.optimizer.load_state_dict([live] * dist.get_world_size())
+
+
+def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig,
+                 device: torch.device, micro_batch: int) -> Engine:
+    if cfg.name == "deepspeed":
+        return DeepSpeedEngine(model, optimizer, cfg, micro_batch)
+    return DDPEngine(model, optimizer, cfg, device)

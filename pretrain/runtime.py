@@ -1,0 +1,89 @@
+"""Process setup for a run: rank, world, device, process group and autocast.
+
+Under torchrun (or srun + torchrun) the environment names the rank and world; a plain
+``python -m pretrain.train`` is one process. DeepSpeed needs a process group even for one
+process, so one is created on a free local port. Backend ``auto`` is NCCL on GPU, gloo on
+CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_runtime(device: str = "auto", backend: str = "auto",
+                 need_group: bool = False) -> Runtime:
+    """Join torchrun's process group (or make a 1-process one when ``need_group``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(f"cuda:{local_rank}" if device == "cuda" else device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if (world > 1 or need_group) and not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                device_id=dev if dev.type == "cuda" else None)
+    return Runtime(rank, world, local_rank, dev)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto``: bf16 autocast on GPUs that support it, fp32 elsewhere."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+@contextlib.contextmanager
+def autocast(precision: str, device: torch.device) -> Iterator[None]:
+    if precision == "bf16":
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            yield
+    else:
+        yield
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak allocated GPU memory, or this process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

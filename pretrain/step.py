@@ -1,0 +1,48 @@
+"""One training step's forward: model outputs -> global batch -> objective.
+
+The trainer and the distributed equivalence tests both call :func:`forward_loss`, so the
+tests check the code that trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from data_pipeline.samples import stable_int
+from pretrain.distributed import build_global_batch
+from pretrain.losses import ObjectiveConfig, ObjectiveOutput
+
+
+def step_seed(objective: ObjectiveConfig, step: int) -> int:
+    """The negatives subset is redrawn every step, reproducibly (and on resume)."""
+    return stable_int(objective.negatives_seed, step) % 2**31
+
+
+def forward_loss(model: Callable[..., Any], batch: dict[str, Any], objective: Callable,
+                 cfg: ObjectiveConfig, temperature: float, step: int,
+                 class_graph: Tensor | None = None) -> ObjectiveOutput:
+    """Objective output of this rank's anchors against the global batch.
+
+    ``batch`` holds this rank's tensors on the model's device: ``images`` [2B, 3, R, R],
+    ``ids`` [2B], optional ``labels`` [2B], ``caption_embeddings`` [2B, E],
+    ``input_ids``/``attention_mask`` [2B, L] (clip). ``temperature`` is used unless the
+    model learns its own.
+    """
+    out = model(batch["images"], batch.get("input_ids"), batch.get("attention_mask"))
+    captions = batch.get("caption_embeddings")
+    global_batch = build_global_batch(
+        out.projections, batch["ids"], labels=batch.get("labels"),
+        captions=None if captions is None else captions.float(),
+        text=out.text, class_graph=class_graph, num_negatives=cfg.num_negatives,
+        negatives_seed=step_seed(cfg, step))
+    tau = temperature if out.temperature is None else out.temperature
+    return objective(global_batch, tau)
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v
+            for k, v in batch.items()}

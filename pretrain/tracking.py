@@ -1,0 +1,160 @@
+"""MLflow tracking from rank 0: params, metrics, system metrics, artifacts, the model.
+
+The default store is SQLite inside the run directory (``sqlite:///<run_dir>/mlflow.db``);
+any server URI works through ``tracking.uri``. Metrics go to a local journal
+(``<run_dir>/mlflow_pending.jsonl``) first and are sent from there; when the tracking server
+cannot be reached the run goes on, the journal keeps every metric (across restarts too),
+and the next successful contact sends the backlog, in step order, then empties the journal.
+The log says which of the two happened. A resumed run continues its MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pretrain.config import InvalidValue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrackingConfig:
+    """``tracking.*``."""
+
+    enabled: bool = True
+    uri: str = ""  # "" = sqlite:///<run_dir>/mlflow.db; or http://host:port
+    experiment: str = "contrastive-pretraining"
+    registered_model: str = ""  # "" = "<run name>-encoder"
+    system_metrics: bool = True  # CPU/GPU/memory sampled by MLflow during the run
+    log_model: bool = True  # log and register the encoder at the end
+    retry_every_s: float = 30.0  # while the server is unreachable
+    request_timeout_s: float = 5.0
+
+    def validate(self) -> None:
+        if self.retry_every_s < 0 or self.request_timeout_s <= 0:
+            raise InvalidValue("retry_every_s", "retry_every_s >= 0, request_timeout_s > 0")
+
+
+def tracking_uri(cfg: TrackingConfig, run_dir: Path) -> str:
+    return cfg.uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
+class Tracker:
+    """Rank 0's MLflow run; every call survives an unreachable server."""
+
+    def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str) -> None:
+        import mlflow
+
+        self.cfg, self.run_dir, self.run_name = cfg, run_dir, run_name
+        self.uri = tracking_uri(cfg, run_dir)
+        if self.uri.startswith("http"):  # fail fast instead of MLflow's minutes of retries
+            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+            os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(cfg.request_timeout_s))
+        self.client = mlflow.MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+        self.journal = run_dir / "mlflow_pending.jsonl"
+        self.id_file = run_dir / "mlflow_run_id"
+        self.run_id = self.id_file.read_text().strip() if self.id_file.is_file() else None
+        self.params: dict[str, str] = {}
+        self.monitor = None
+        self.last_try = -float("inf")
+        self.reachable: bool | None = None
+
+    # -- connection -----------------------------------------------------------------
+    def _ensure_run(self) -> None:
+        if self.run_id is None:
+            experiment = self.client.get_experiment_by_name(self.cfg.experiment)
+            experiment_id = (experiment.experiment_id if experiment else
+                             self.client.create_experiment(self.cfg.experiment))
+            self.run_id = self.client.create_run(experiment_id,
+                                                 run_name=self.run_name).info.run_id
+            self.id_file.write_text(self.run_id)
+        if self.params:
+            from mlflow.entities import Param
+
+            items = [Param(k, v[:6000]) for k, v in self.params.items()]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(self.run_id, params=items[i:i + 100])
+            self.params = {}
+        if self.cfg.system_metrics and self.monitor is None:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self.monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.uri,
+                                                resume_logging=True)
+            self.monitor.start()
+
+    def _contact(self, force: bool = False) -> bool:
+        """Try to reach the server (at most every retry_every_s) and send the backlog."""
+        if not force and self.reachable is False and \
+                time.monotonic() - self.last_try < self.cfg.retry_every_s:
+            return False
+        self.last_try = time.monotonic()
+        try:
+            self._ensure_run()
+            sent = self._send_journal()
+        except Exception as err:  # unreachable or failing server: keep going, keep data
+            if self.reachable is not False:
+                log.warning("tracking: %s unreachable (%s); training goes on, metrics kept "
+                            "in %s and sent when it is back", self.uri,
+                            str(err).splitlines()[0][:160], self.journal)
+            self.reachable = False
+            return False
+        if self.reachable is False:
+            log.warning("tracking: %s is back; sent %d buffered metric rows", self.uri, sent)
+        self.reachable = True
+        return True
+
+    def _send_journal(self) -> int:
+        if not self.journal.is_file():
+            return 0
+        from mlflow.entities import Metric
+
+        rows = [json.loads(line) for line in self.journal.read_text().splitlines() if line]
+        metrics = [Metric(k, float(v), int(row["t"]), int(row["step"]))
+                   for row in rows for k, v in row["metrics"].items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+        self.journal.unlink()
+        return len(rows)
+
+    # -- logging --------------------------------------------------------------------
+    def start(self, params: dict[str, Any]) -> None:
+        self.params = {k: str(v) for k, v in params.items()}
+        self._contact(force=True)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, "t": int(time.time() * 1000), "metrics": metrics}
+        with open(self.journal, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self._contact()
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        if self._contact(force=True):
+            try:
+                self.client.log_artifact(self.run_id, str(path), artifact_path)
+            except Exception as err:
+                log.warning("tracking: artifact %s not logged (%s)", path, err)
+
+    def log_model(self, model: Any, example: Any, registered_model: str) -> str | None:
+        """Log ``model`` with a signature inferred from ``example`` and register a version;
+        returns the version, or None when the server is unreachable."""
+        if not self._contact(force=True):
+            return None
+        from pretrain.model_logging import log_encoder
+
+        return log_encoder(self.uri, self.run_id, model, example, registered_model)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.monitor is not None:
+            self.monitor.finish()
+        if self._contact(force=True):
+            self.client.set_terminated(self.run_id, status)
+        else:
+            log.warning("tracking: %s still unreachable at the end; %s holds the unsent "
+                        "metrics (sent by the next run resuming in %s)", self.uri,
+                        self.journal, self.run_dir)

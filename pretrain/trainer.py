@@ -1,0 +1,199 @@
+"""The training loop: steps, non-finite guard, monitors, checkpoints, progress.
+
+Per step: set the learning rate from the schedule, forward under autocast, build the
+global batch and the objective (:func:`pretrain.step.forward_loss`), then backward and
+update through the engine. A non-finite loss on any rank skips the update on every rank
+and is counted; ``max_nonfinite`` in a row stops the run with a message. Every
+``log_every`` steps the monitors of SPEC section 5 (averaged over ranks and steps) go to
+MLflow and the progress bar; checkpoints follow :mod:`pretrain.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from tqdm import tqdm
+
+from data_pipeline.config import DataConfig
+from data_pipeline.loader import LoaderState, train_batches
+from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state
+from pretrain.config import InvalidValue
+from pretrain.distributed import all_ranks_agree, mean_over_ranks, sum_over_ranks
+from pretrain.engine import Engine
+from pretrain.losses import EssTemperatureController, ObjectiveConfig
+from pretrain.runtime import Runtime, autocast, peak_memory_mib
+from pretrain.step import forward_loss, to_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """``train.*``: length of the run and how it is watched."""
+
+    epochs: int = 1
+    max_steps: int = 0  # > 0: stop after this many steps (overrides epochs)
+    log_every: int = 10  # steps between metric rows
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_nonfinite: int = 5  # consecutive non-finite losses that stop the run
+    progress: bool = True  # tqdm bar on rank 0
+
+    def validate(self) -> None:
+        for key in ("epochs", "log_every", "max_nonfinite"):
+            if getattr(self, key) < 1:
+                raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.max_steps < 0:
+            raise InvalidValue("max_steps", f"must be >= 0, got {self.max_steps}")
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+@dataclass
+class Parts:
+    """What the loop drives, assembled by :mod:`pretrain.train`."""
+
+    engine: Engine
+    objective: Callable
+    objective_cfg: ObjectiveConfig
+    data_cfg: DataConfig
+    runtime: Runtime
+    checkpointer: Checkpointer
+    schedule: Callable[[int], float]
+    total_steps: int
+    class_graph: torch.Tensor | None = None
+    tracker: Any = None  # pretrain.tracking.Tracker on rank 0
+    config_yaml: str = ""
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, parts: Parts, precision: str) -> None:
+        self.cfg, self.p, self.precision = cfg, parts, precision
+        self.step = 0
+        self.loader_state = LoaderState()
+        self.nonfinite_in_row = self.nonfinite_total = 0
+        ess = parts.objective_cfg.ess_control
+        self.controller = (EssTemperatureController(ess, parts.objective_cfg.temperature)
+                           if ess.enabled else None)
+        self.window: dict[str, float] = {}
+        self.window_steps, self.window_start = 0, time.perf_counter()
+        self.last_saved = -1
+
+    # -- state ------------------------------------------------------------------------
+    def save(self) -> None:
+        engine = self.p.engine.state_dict()
+        shared = {"step": self.step, "world": self.p.runtime.world, "model": engine["model"],
+                  "nonfinite_total": self.nonfinite_total, "config": self.p.config_yaml,
+                  "controller": self.controller.state_dict() if self.controller else {}}
+        own = {"rng": rng_state(), "loader": self.loader_state.state_dict()}
+        (own if self.p.engine.optimizer_sharded else shared)["optimizer"] = engine["optimizer"]
+        path = self.p.checkpointer.save(self.step, shared, own)
+        self.last_saved = self.step
+        log.info("checkpoint: %s", path)
+
+    def resume(self) -> bool:
+        loaded = self.p.checkpointer.load()
+        if loaded is None:
+            return False
+        shared, own, path = loaded
+        optimizer = own["optimizer"] if self.p.engine.optimizer_sharded else shared["optimizer"]
+        self.p.engine.load_state_dict({"model": shared["model"], "optimizer": optimizer})
+        self.step = self.last_saved = shared["step"]
+        self.nonfinite_total = shared["nonfinite_total"]
+        if self.controller:
+            self.controller.load_state_dict(shared["controller"])
+        self.loader_state = LoaderState.from_state_dict(own["loader"])
+        set_rng_state(own["rng"])
+        log.info("resumed from %s at step %d", path, self.step)
+        return True
+
+    # -- loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        rt = self.p.runtime
+        bar = tqdm(total=self.p.total_steps, initial=self.step, unit="step",
+                   disable=not (self.cfg.progress and rt.is_main), dynamic_ncols=True)
+        self.window_start = time.perf_counter()
+        while self.step < self.p.total_steps:
+            for batch in train_batches(self.p.data_cfg, rt.rank, rt.world, self.loader_state):
+                self.train_step(batch, bar)
+                if self.step >= self.p.total_steps:
+                    break
+        bar.close()
+        if self.last_saved != self.step:
+            self.save()
+
+    def train_step(self, batch: dict[str, Any], bar: tqdm) -> None:
+        p, rt = self.p, self.p.runtime
+        batch = to_device(batch, rt.device)
+        lr = p.engine.set_lr(p.schedule(self.step))
+        tau = self.controller.temperature if self.controller else p.objective_cfg.temperature
+        with autocast(self.precision, rt.device):
+            out = forward_loss(p.engine, batch, p.objective, p.objective_cfg, tau, self.step,
+                               p.class_graph)
+        if all_ranks_agree(bool(torch.isfinite(out.loss)), rt.device):
+            p.engine.backward(out.loss)
+            p.engine.step()
+            self.nonfinite_in_row = 0
+        else:
+            self._nonfinite(float(out.loss))
+        metrics = {k: float(v) for k, v in out.metrics.items()}
+        if self.controller:
+            ess = mean_over_ranks({"ess": metrics["ess"]}, rt.device)["ess"]
+            self.controller.update(ess, self.step / max(1, p.total_steps))
+        self.step += 1
+        self._accumulate(metrics, lr, len(batch["images"]))
+        bar.update(1)
+        if self.step % self.cfg.log_every == 0 or self.step == p.total_steps:
+            self._report(bar)
+        if p.checkpointer.due(self.step):
+            self.save()
+
+    def _nonfinite(self, loss: float) -> None:
+        self.nonfinite_in_row += 1
+        self.nonfinite_total += 1
+        log.warning("step %d: non-finite loss (%s on this rank); update skipped (%d in a row, "
+                    "%d in total)", self.step, loss, self.nonfinite_in_row, self.nonfinite_total)
+        if self.nonfinite_in_row >= self.cfg.max_nonfinite:
+            raise NonFiniteLoss(
+                f"{self.nonfinite_in_row} non-finite losses in a row (train.max_nonfinite="
+                f"{self.cfg.max_nonfinite}) at step {self.step}: lower optim.lr, raise "
+                f"objective.temperature or use train.precision=fp32")
+
+    def _accumulate(self, metrics: dict[str, float], lr: float, views: int) -> None:
+        for key, value in metrics.items():
+            if math.isfinite(value):
+                self.window[key] = self.window.get(key, 0.0) + value
+        self.window["lr"] = lr
+        self.window["views"] = self.window.get("views", 0.0) + views
+        self.window_steps += 1
+
+    def _report(self, bar: tqdm) -> None:
+        rt = self.p.runtime
+        elapsed = time.perf_counter() - self.window_start
+        views = sum_over_ranks(self.window.pop("views"), rt.device)
+        lr = self.window.pop("lr")
+        means = {k: v / self.window_steps for k, v in self.window.items()}
+        row = mean_over_ranks(means, rt.device)
+        row.update(lr=lr, images_per_s=views / elapsed, memory_mib=peak_memory_mib(rt.device),
+                   skipped_samples=sum_over_ranks(sum(self.loader_state.skipped.values()),
+                                                  rt.device),
+                   nonfinite_steps=float(self.nonfinite_total))
+        if self.controller:
+            row["temperature"] = self.controller.temperature
+        if rt.is_main:
+            bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
+                            img_s=f"{row['images_per_s']:.0f}", refresh=False)
+            if self.p.tracker is not None:
+                self.p.tracker.log_metrics(self.step, row)
+            log.info("step %d %s", self.step,
+                     " ".join(f"{k}={v:.4g}" for k, v in sorted(row.items())))
+        self.window, self.window_steps = {}, 0
+        self.window_start = time.perf_counter()
