@@ -108,13 +108,15 @@ class ContrastiveModel(nn.Module):
         self.text = TextTower(cfg.text, cfg.projector_dim) if with_text else None
         self.log_temperature = None
         if learnable_temperature is not None:
-            self.log_temperature = nn.Parameter(torch.tensor(learnable_temperature).log())
+            # shape [1], not [] (DeepSpeed cannot flatten 0-dim parameters)
+            self.log_temperature = nn.Parameter(torch.tensor([learnable_temperature]).log())
 
     def forward(self, images: Tensor, input_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None) -> ModelOutput:
         features, projections = self.encoder(images)
         text = None if self.text is None else self.text(input_ids, attention_mask)
-        temperature = None if self.log_temperature is None else self.log_temperature.exp()
+        temperature = (None if self.log_temperature is None
+                       else self.log_temperature.exp().squeeze(0))
         return ModelOutput(features, projections, text, temperature)
 
 

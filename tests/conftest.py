@@ -25,7 +25,8 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
     dist.init_process_group("gloo", rank=rank, world_size=world)
     while (task := inbox.get()) is not None:
         fn, args = task

@@ -1,0 +1,69 @@
+"""Work for the 2-rank gloo group and for the single-process reference: one training
+forward/backward through the real engines on a fixed, asymmetric batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pretrain.engine import EngineConfig, build_engine
+from pretrain.losses import ObjectiveConfig, objective_from_config
+from pretrain.model import ModelConfig, build_model
+from pretrain.optim import OptimConfig, build_optimizer
+from pretrain.step import forward_loss
+from tests.pretrain.losses.conftest import make_multiview_batch
+
+SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19)
+CAPTIONS = ["a photo of the digit zero", "a small dog on grass", "two red apples",
+            "a photo of the digit three", "a boat at sea", "a city at night", "an old car",
+            "the digit seven, handwritten", "a cat asleep", "snow on a mountain", "a violin"]
+MODEL = ModelConfig(backbone="small_cnn", norm="group", projector_hidden=32, projector_dim=16)
+
+
+def training_batch() -> dict[str, Any]:
+    """19 rows: 8 images x 2 views + 3 single views, labels with gaps, shuffled."""
+    b = make_multiview_batch(seed=3)
+    gen = torch.Generator().manual_seed(11)
+    images = torch.randn(len(b.ids), 3, 16, 16, generator=gen)
+    batch = {"images": images, "ids": b.ids, "labels": b.labels,
+             "caption_embeddings": b.captions.to(torch.float16)}
+    return batch
+
+
+def add_tokens(batch: dict[str, Any]) -> None:
+    from pretrain.text_tower import load_tokenizer, tokenize
+
+    tokens = tokenize(load_tokenizer("bundled"), [CAPTIONS[i] for i in batch["ids"]], 12)
+    batch.update(tokens)
+
+
+def objective_config(name: str, hparams: dict) -> ObjectiveConfig:
+    cfg = ObjectiveConfig(name=name, temperature=0.2, learnable_temperature=True,
+                          class_graph="", **hparams)
+    return cfg
+
+
+def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
+             rows: slice | None = None) -> dict[str, Any]:
+    """Loss and full parameter gradients of one step on ``rows`` of the batch (the
+    rank's own rows under a process group, every row in the reference)."""
+    torch.manual_seed(0)
+    cfg = objective_config(name, hparams)
+    model = build_model(MODEL, torch.device("cpu"), with_text=name == "clip",
+                        learnable_temperature=cfg.temperature)
+    optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.1), 19)
+    engine = build_engine(model, optimizer, EngineConfig(name=engine_name,
+                                                         deepspeed_config=zero_config),
+                          torch.device("cpu"), micro_batch=19)
+    batch = training_batch()
+    if name == "clip":
+        add_tokens(batch)
+    if rows is None and dist.is_initialized():
+        rows = slice(0, SPLIT) if dist.get_rank() == 0 else slice(SPLIT, 19)
+    batch = {k: v[rows] for k, v in batch.items()} if rows is not None else batch
+    out = forward_loss(engine, batch, objective_from_config(cfg), cfg, cfg.temperature,
+                       step=5)
+    engine.backward(out.loss)
+    return {"loss": out.loss.detach(), "grads": engine.full_gradients()}

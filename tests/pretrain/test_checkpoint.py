@@ -1,0 +1,91 @@
+"""Checkpoints: atomic, pruned, weights_only-loadable, corrupt-file fallback, and a run
+killed with SIGKILL that resumes to exactly the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+
+import torch
+
+from pretrain.checkpoint import CheckpointConfig, Checkpointer, rng_state, set_rng_state
+from tests.pretrain.conftest import REPO, pretrain_command, run_pretrain, train_overrides
+
+
+def saved(step: int) -> tuple[dict, dict]:
+    return ({"step": step, "world": 1, "model": {"w": torch.full((3,), float(step))}},
+            {"rng": rng_state(), "loader": {"epoch": 0, "batches": step}})
+
+
+def test_save_keeps_the_newest_k_in_weights_only_files(tmp_path):
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(every=2, keep=2), 0, 1, torch.device("cpu"))
+    for step in (2, 4, 6):
+        ckpt.save(step, *saved(step))
+    names = [p.name for p in ckpt.checkpoints()]
+    assert names == ["step_00000006", "step_00000004"]
+    assert not list((tmp_path / "checkpoints").glob(".*"))  # no temporary left behind
+    for file in (tmp_path / "checkpoints" / "step_00000006").iterdir():
+        torch.load(file, weights_only=True)
+    shared, own, path = ckpt.load()
+    assert shared["step"] == 6 and own["loader"]["batches"] == 6
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(keep=3), 0, 1, torch.device("cpu"))
+    for step in (1, 2, 3):
+        ckpt.save(step, *saved(step))
+    newest = tmp_path / "checkpoints" / "step_00000003" / "shared.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    (tmp_path / "checkpoints" / ".step_00000004.tmp").mkdir()  # an interrupted write
+    with caplog.at_level(logging.WARNING):
+        shared, _, path = ckpt.load()
+    assert shared["step"] == 2 and path.name == "step_00000002"
+    assert "step_00000003 is unreadable" in caplog.text
+
+
+def test_rng_state_round_trip():
+    state = rng_state()
+    first = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    set_rng_state(state)
+    again = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
+
+
+def final_model(run_dir) -> dict:
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    return torch.load(last / "shared.pt", weights_only=True)
+
+
+def test_sigkill_and_resume_equals_uninterrupted_run(digits_shards, tmp_path):
+    steps = "train.max_steps=30"
+    reference = train_overrides(digits_shards, tmp_path / "a", **{"checkpoint.every": 4})
+    result = run_pretrain([*reference, steps])
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    overrides = [*train_overrides(digits_shards, tmp_path / "b", **{"checkpoint.every": 4}),
+                 steps]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(pretrain_command(overrides), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = tmp_path / "b" / "run" / "checkpoints" / "step_00000008"
+    deadline = time.monotonic() + 300
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(int(p.name[5:]) for p in first.parent.glob("step_*"))
+    assert killed_at < 30
+    result = run_pretrain(overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"at step {killed_at}" in result.stderr
+
+    a, b = final_model(tmp_path / "a" / "run"), final_model(tmp_path / "b" / "run")
+    assert a["step"] == b["step"] == 30
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    for key, value in a["optimizer"]["state"].items():
+        assert torch.equal(value["velocity"], b["optimizer"]["state"][key]["velocity"])
