@@ -12,6 +12,7 @@ one of its own fields; the loader prefixes the dotted path and the source.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -19,6 +20,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 import yaml
 
 T = TypeVar("T")
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
@@ -161,6 +163,8 @@ def _coerce(tp: Any, value: Any, sources: dict[str, str], prefix: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
     if tp in (int, float, str, bool) and (type(value) is not tp):
         raise TypeError(f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
     return value

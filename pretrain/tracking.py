@@ -69,8 +69,10 @@ class Tracker:
     def _ensure_run(self) -> None:
         if self.run_id is None:
             experiment = self.client.get_experiment_by_name(self.cfg.experiment)
+            # the embedded store keeps its artifacts in the run directory too
+            location = None if self.cfg.uri else (self.run_dir / "mlartifacts").resolve().as_uri()
             experiment_id = (experiment.experiment_id if experiment else
-                             self.client.create_experiment(self.cfg.experiment))
+                             self.client.create_experiment(self.cfg.experiment, location))
             self.run_id = self.client.create_run(experiment_id,
                                                  run_name=self.run_name).info.run_id
             self.id_file.write_text(self.run_id)

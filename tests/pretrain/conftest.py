@@ -38,11 +38,11 @@ def pretrain_command(overrides: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "pretrain.train", *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", "0", "-m", "pretrain.train", *overrides]
+            "--standalone", "-m", "pretrain.train", *overrides]
 
 
 def run_pretrain(overrides: list[str], nproc: int = 1, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(pretrain_command(overrides, nproc), cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=600, **kwargs)
+                            capture_output=True, text=True, timeout=300, **kwargs)
     return result

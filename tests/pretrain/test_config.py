@@ -94,3 +94,10 @@ def test_stage_commands_validate_before_any_work(module):
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "objective.temprature" in bad.stderr and "command-line override" in bad.stderr
+
+
+def test_exponent_floats_without_a_dot_are_floats():
+    cfg = load_config(RunConfig, None, ["objective.temperature=1e-3", "optim.lr=2E-1"])
+    assert cfg.objective.temperature == 1e-3 and cfg.optim.lr == 0.2
+    with pytest.raises(ConfigError, match="objective.temperature"):
+        load_config(RunConfig, None, ["objective.temperature=1e-3x"])

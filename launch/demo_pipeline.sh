@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The main job on the embedded defaults, in the current directory (or DEMO_DIR):
+# bundled digits -> WebDataset shards -> class-template graph (bundled sentence model) ->
+# 2-process CPU X-CLR training with DDP over gloo -> encoder registered in the run's SQLite
+# MLflow store. Extra key=value arguments go to every stage (CI passes a smaller setting).
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "${DEMO_DIR:-$repo}"
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+bin="$repo/.venv/bin"
+config="$repo/launch/configs/demo.yaml"
+"$bin/make-shards" --config "$config" "$@"
+"$bin/graph-precompute" --config "$config" graph.task=class_graph "$@"
+"$bin/torchrun" --standalone --nproc_per_node "${NPROC:-2}" -m pretrain.train \
+    --config "$config" "$@"

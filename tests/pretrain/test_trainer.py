@@ -1,0 +1,43 @@
+"""Training loop behaviour that needs a whole run: non-finite losses, 2 ranks, DeepSpeed,
+missing inputs named before work starts."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.pretrain.conftest import run_pretrain, train_overrides
+
+
+def test_nonfinite_losses_skip_updates_then_stop_the_run(digits_shards, tmp_path):
+    # tau = 1e-45 is a float32 denormal: 1/tau overflows, every loss is NaN.
+    overrides = train_overrides(digits_shards, tmp_path, **{
+        "objective.temperature": 1e-45, "train.max_nonfinite": 3, "train.max_steps": 10})
+    result = run_pretrain(overrides)
+    assert result.returncode != 0
+    assert result.stderr.count("update skipped") == 3
+    assert "3 non-finite losses in a row (train.max_nonfinite=3) at step 2" in result.stderr
+
+
+def test_two_ranks_deepspeed_run_resumes_where_it_stopped(digits_shards, tmp_path):
+    common = train_overrides(digits_shards, tmp_path, **{
+        "engine.name": "deepspeed", "engine.deepspeed_config": "launch/deepspeed/zero2.json",
+        "objective.name": "sincere", "checkpoint.every": 3, "data.workers": 1})
+    first = run_pretrain([*common, "train.max_steps=3"], nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_pretrain([*common, "train.max_steps=6"], nproc=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "at step 3" in second.stderr
+    step6 = tmp_path / "run" / "checkpoints" / "step_00000006"
+    assert sorted(p.name for p in step6.iterdir()) == ["rank_000.pt", "rank_001.pt",
+                                                       "shared.pt"]
+    own = torch.load(step6 / "rank_001.pt", weights_only=True)
+    assert "optimizer" in own  # ZeRO: each rank keeps its optimizer partition
+
+
+def test_missing_class_graph_is_named_before_training(digits_shards, tmp_path):
+    overrides = train_overrides(digits_shards, tmp_path, **{
+        "objective.name": "xclr", "objective.class_graph": tmp_path / "missing.npz"})
+    result = run_pretrain(overrides)
+    assert result.returncode != 0
+    assert "objective.class_graph=" in result.stderr and "missing.npz" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
