@@ -18,7 +18,16 @@ from pretrain.run_config import RunConfig
 def parse_run_config(prog: str, description: str,
                      argv: Sequence[str] | None = None) -> RunConfig:
     """Parse the stage's arguments into a validated :class:`RunConfig` or exit with 2."""
+    return parse_run_args(prog, description, argv)[0]
+
+
+def parse_run_args(prog: str, description: str, argv: Sequence[str] | None = None,
+                   add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                   ) -> tuple[RunConfig, argparse.Namespace]:
+    """Like :func:`parse_run_config`, with the stage's own options (``add_arguments``)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
+    if add_arguments is not None:
+        add_arguments(parser)
     parser.add_argument("--config", type=Path, help="YAML file, e.g. launch/configs/demo.yaml")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration as YAML and exit")
@@ -32,7 +41,7 @@ def parse_run_config(prog: str, description: str,
     if args.print_config:
         sys.stdout.write(to_yaml(config))
         parser.exit(0)
-    return config
+    return config, args
 
 
 def stage_main(prog: str, description: str, run: Callable[[RunConfig], None] | None,

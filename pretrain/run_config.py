@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from data_pipeline.config import DataConfig, ShardsConfig
 from data_pipeline.graph.config import GraphConfig
+from evaluation.config import EvalConfig
 from pretrain.checkpoint import CheckpointConfig
 from pretrain.config import InvalidValue
 from pretrain.engine import EngineConfig
@@ -37,6 +38,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
         if not self.name or "/" in self.name:

@@ -1,4 +1,5 @@
-"""Session-wide fixtures: a 2-rank gloo process group that runs test functions."""
+"""Session-wide fixtures: a 2-rank gloo process group that runs test functions, and a
+small real digits shard set."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
 
+from tests.data_pipeline.helpers import digit_sample, write_set
+
 TASK_TIMEOUT_S = 300
+DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 def _free_port() -> int:
@@ -78,3 +83,12 @@ def gloo2() -> GlooGroup:
     group = GlooGroup(world=2)
     yield group
     group.close()
+
+
+@pytest.fixture(scope="session")
+def digits_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 shards of 120 real digits (24 px JPEGs with labels and captions)."""
+    directory = tmp_path_factory.mktemp("digits") / "shards"
+    write_set(directory, [[digit_sample(i) for i in range(s * 120, (s + 1) * 120)]
+                          for s in range(3)], DIGIT_NAMES)
+    return directory

@@ -1,4 +1,4 @@
-"""Training fixtures: a small real digits shard set, shared by the session."""
+"""Helpers to run the real ``pretrain`` command on the session's digits shards."""
 
 from __future__ import annotations
 
@@ -7,21 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from tests.data_pipeline.helpers import digit_sample, write_set
-
 REPO = Path(__file__).resolve().parents[2]
-DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-
-
-@pytest.fixture(scope="session")
-def digits_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """3 shards of 120 real digits (24 px JPEGs with labels and captions)."""
-    directory = tmp_path_factory.mktemp("digits") / "shards"
-    write_set(directory, [[digit_sample(i) for i in range(s * 120, (s + 1) * 120)]
-                          for s in range(3)], DIGIT_NAMES)
-    return directory
 
 
 def train_overrides(shards: Path, out: Path, **extra: object) -> list[str]:

@@ -1,0 +1,141 @@
+"""Training throughput and the cost of X-CLR's soft targets (issue 4).
+
+    python -m bench.training                      # both parts
+    python -m bench.training --part step          # X-CLR vs SimCLR step time only
+
+Part ``throughput``: the real ``pretrain`` command on the digits shards (32 px, 64 images
+per rank, SimCLR) for 1 process and for 2 processes (torchrun, DDP over gloo), with the
+small CNN and ResNet-18; images/s (augmented views through the encoder, all ranks) from
+the run's own monitor, first window dropped as warm-up.
+
+Part ``step``: one whole training step (forward, global batch, objective, backward, LARS
+update) timed interleaved in this process for SimCLR (infonce), X-CLR with a class graph
+and X-CLR with 384-d caption embeddings, on the same model and batch. Target: X-CLR at
+most 2% slower than SimCLR (the paper: 0.3%).
+
+Writes bench/results/training.json and prints tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.common import machine, print_table, time_interleaved, write_json
+from pretrain.engine import DDPEngine, EngineConfig
+from pretrain.losses import ObjectiveConfig, objective_from_config
+from pretrain.model import ModelConfig, build_model
+from pretrain.optim import OptimConfig, build_optimizer
+from pretrain.step import forward_loss
+
+RESULTS = Path("bench/results/training.json")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_shards(directory: Path) -> Path:
+    shards = directory / "digits"
+    subprocess.run([sys.executable, "-m", "data_pipeline.make_shards", "shards.source=digits",
+                    f"shards.output={shards}", "shards.shard_size=300"], check=True, cwd=REPO,
+                   capture_output=True)
+    return shards
+
+
+def run_throughput(shards: Path, out: Path, backbone: str, nproc: int, steps: int) -> float:
+    overrides = [f"output_dir={out}", f"name={backbone}-{nproc}", f"data.shards={shards}",
+                 "data.batch_size=64", "data.resolution=32", f"data.workers={2 // nproc}",
+                 f"model.backbone={backbone}", "objective.name=infonce",
+                 f"train.max_steps={steps}", f"train.log_every={steps // 4}",
+                 "train.progress=false", "tracking.enabled=false", "checkpoint.every=0"]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc_per_node", str(nproc), "-m", "pretrain.train"] if nproc > 1 else
+                [sys.executable, "-m", "pretrain.train"])
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
+    result = subprocess.run([*launcher, *overrides], cwd=REPO, env=env, capture_output=True,
+                            text=True)
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
+    rates = [float(m) for m in re.findall(r"images_per_s=([\d.]+)", result.stderr)]
+    return sum(rates[1:]) / len(rates[1:])
+
+
+def throughput(steps: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        shards = make_shards(Path(tmp))
+        for backbone in ("small_cnn", "resnet18"):
+            n = steps if backbone == "small_cnn" else max(8, steps // 4)
+            single = run_throughput(shards, Path(tmp) / "runs", backbone, 1, n)
+            double = run_throughput(shards, Path(tmp) / "runs", backbone, 2, n)
+            rows.append({"backbone": backbone, "steps": n, "images_s_1proc": single,
+                         "images_s_2proc": double, "ratio_2_over_1": double / single})
+    return rows
+
+
+def step_cases(batch_images: int, backbone: str) -> dict:
+    torch.manual_seed(0)
+    views = 2 * batch_images
+    gen = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 100, (batch_images,), generator=gen).repeat(2)
+    batch = {"images": torch.randn(views, 3, 32, 32, generator=gen),
+             "ids": torch.arange(batch_images).repeat(2), "labels": labels,
+             "caption_embeddings": torch.randn(batch_images, 384, generator=gen).repeat(2, 1)}
+    graph = torch.nn.functional.normalize(torch.randn(100, 64, generator=gen), dim=1)
+    graph = graph @ graph.T
+    cases = {}
+    for label, name, class_graph, captions in (
+            ("simclr", "infonce", None, False), ("xclr_class_graph", "xclr", graph, False),
+            ("xclr_captions", "xclr", None, True)):
+        model = build_model(ModelConfig(backbone=backbone), torch.device("cpu"))
+        engine = DDPEngine(model, build_optimizer(model, OptimConfig(), views), EngineConfig(),
+                           torch.device("cpu"))
+        cfg = ObjectiveConfig(name=name, class_graph="")
+        objective = objective_from_config(cfg)
+        inputs = dict(batch) if captions else {k: v for k, v in batch.items()
+                                               if k != "caption_embeddings"}
+
+        def step(engine=engine, objective=objective, cfg=cfg, inputs=inputs, graph=class_graph):
+            out = forward_loss(engine, inputs, objective, cfg, 0.1, 0, graph)
+            engine.backward(out.loss)
+            engine.step()
+
+        cases[label] = step
+    return cases
+
+
+def step_times(batch_images: int, rounds: int) -> list[dict]:
+    rows = []
+    for backbone in ("small_cnn", "resnet18"):
+        times = time_interleaved(step_cases(batch_images, backbone), rounds)
+        for label, seconds in times.items():
+            rows.append({"backbone": backbone, "objective": label, "batch": batch_images,
+                         "step_s": seconds, "vs_simclr": seconds / times["simclr"]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["all", "throughput", "step"], default="all")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=256, help="images per step (x2 views)")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    payload = {"machine": machine()}
+    if args.part in ("all", "throughput"):
+        payload["throughput"] = throughput(args.steps)
+        print_table(payload["throughput"], ["backbone", "steps", "images_s_1proc",
+                                            "images_s_2proc", "ratio_2_over_1"])
+    if args.part in ("all", "step"):
+        payload["step"] = step_times(args.batch, args.rounds)
+        print_table(payload["step"], ["backbone", "objective", "batch", "step_s", "vs_simclr"])
+    write_json(RESULTS, payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Configuration of ``evaluate`` (``eval.*`` in the run config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pretrain.config import InvalidValue
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate, on which shards, and how.
+
+    ``model``: a checkpoint directory or ``shared.pt`` file, ``runs:/<run_id>/encoder``, or a
+    registry URI ``models:/<name>/<version>`` / ``models:/<name>@<alias>``; "" takes the
+    newest checkpoint of this run's directory. Registry URIs resolve against
+    ``tracking.uri`` (default: the run directory's SQLite store).
+    """
+
+    model: str = ""
+    train_shards: str = "data/shards/digits-train"  # the kNN bank / probe training set
+    test_shards: str = "data/shards/digits-test"
+    batch_size: int = 256
+    ks: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 50, 100, 200])
+    knn_temperature: float = 0.07
+    index: Literal["exact", "faiss_flat", "ivf"] = "exact"  # see evaluation/knn.py
+    ivf_lists: int = 0  # 0: about 4 sqrt(bank size)
+    ivf_probe: int = 16
+    save_index: bool = True  # write the bank's index next to the report (reused if present)
+    promote_k: int = 20  # the kNN top-1 that decides --promote (backbone features)
+    probe_epochs: int = 100
+    probe_lr: float = 0.1
+    class_groups: list[list[int]] = field(default_factory=lambda: [[0, 1, 2, 3, 4, 5, 6, 7,
+                                                                      8, 9]])
+    samples_per_class: int = 100  # learned vs target similarity: samples per class
+    max_diagnostic_samples: int = 10000  # uniformity and MI estimates subsample to this
+    mi_neighbours: int = 3
+    output: str = ""  # "" = <run_dir>/eval
+
+    def validate(self) -> None:
+        if not self.ks or min(self.ks) < 1:
+            raise InvalidValue("ks", f"need positive neighbour counts, got {self.ks}")
+        if self.knn_temperature <= 0:
+            raise InvalidValue("knn_temperature", "must be > 0")
+        for key in ("batch_size", "probe_epochs", "samples_per_class", "mi_neighbours",
+                    "promote_k"):
+            if getattr(self, key) < 1:
+                raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.promote_k not in self.ks:
+            raise InvalidValue("promote_k", f"{self.promote_k} is not one of ks={self.ks}")

@@ -1,0 +1,72 @@
+"""Feature extraction with the evaluation loader, distributed over ranks.
+
+Every sample is read exactly once across ranks and workers (``eval_batches``); each rank
+embeds its share, the rows are gathered to every rank (uneven counts allowed) and sorted
+by key, so the result does not depend on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from tqdm import tqdm
+
+from data_pipeline.config import DataConfig
+from data_pipeline.loader import eval_batches
+from data_pipeline.samples import ShardSet
+from pretrain.distributed import all_gather_rows
+from pretrain.model_logging import EmbeddingModel
+
+
+@dataclass
+class Features:
+    keys: list[str]
+    labels: Tensor  # [n] int64 (-1: unlabelled)
+    backbone: Tensor  # [n, F] float32
+    projector: Tensor  # [n, P] float32
+    class_names: list[str]
+
+
+def _gather_keys(keys: list[str]) -> list[str]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return keys
+    parts: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, keys)
+    return [key for part in parts for key in part]
+
+
+@torch.no_grad()
+def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.device,
+            rank: int = 0, world: int = 1, progress: bool = True) -> Features:
+    """Backbone and projector features of every sample of ``shards``."""
+    cfg = dataclasses.replace(data, shards=shards)
+    shard_set = ShardSet.open(shards)
+    model = model.to(device).eval()
+    keys, labels, backbone, projector = [], [], [], []
+    bar = tqdm(total=shard_set.total // world, desc=f"features {shards}", unit="img",
+               disable=not (progress and rank == 0), dynamic_ncols=True)
+    for batch in eval_batches(cfg, rank, world):
+        features, projections = model.encoder(batch["images"].to(device))
+        keys += batch["keys"]
+        labels.append(batch["labels"])
+        backbone.append(features.float().cpu())
+        projector.append(projections.float().cpu())
+        bar.update(len(batch["keys"]))
+    bar.close()
+    local = {"labels": torch.cat(labels) if labels else torch.empty(0, dtype=torch.long),
+             "backbone": torch.cat(backbone) if backbone else torch.empty(0, model.encoder
+                                                                           .feature_dim),
+             "projector": torch.cat(projector) if projector else torch.empty(0, 0)}
+    if not projector:
+        local["projector"] = torch.empty(0, model.encoder.projector[-1].out_features)
+    gathered = {k: all_gather_rows(v) for k, v in local.items()}
+    all_keys = _gather_keys(keys)
+    order = sorted(range(len(all_keys)), key=all_keys.__getitem__)
+    index = torch.tensor(order, dtype=torch.long)
+    return Features([all_keys[i] for i in order], gathered["labels"][index],
+                    gathered["backbone"][index], gathered["projector"][index],
+                    shard_set.class_names)

@@ -1,0 +1,55 @@
+"""Evaluation results to MLflow: a child run of the training run (``mlflow.parentRunId``)
+with every number as a metric and the plots, JSON and report as artifacts; optional
+registry promotion."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from evaluation.load import ModelRef
+from evaluation.promote import promote
+from evaluation.report import scalars
+from pretrain.config import flatten
+
+log = logging.getLogger(__name__)
+
+
+def log_evaluation(uri: str, config: Any, ref: ModelRef, results: dict[str, Any],
+                   promote_alias: str | None) -> tuple[Any, str]:
+    """Create the evaluation run, log the numbers, promote; returns (client, run id) for
+    :func:`upload_outputs` once the files are written."""
+    import mlflow
+    from mlflow.entities import Metric, Param
+
+    client = mlflow.MlflowClient(uri, registry_uri=uri)
+    if ref.run_id is not None:
+        experiment_id = client.get_run(ref.run_id).info.experiment_id
+    else:
+        experiment = client.get_experiment_by_name(config.tracking.experiment)
+        experiment_id = (experiment.experiment_id if experiment
+                         else client.create_experiment(config.tracking.experiment))
+    tags = {"evaluated_model": ref.source}
+    if ref.run_id is not None:
+        tags["mlflow.parentRunId"] = ref.run_id
+    run = client.create_run(experiment_id, run_name=f"eval-{config.name}", tags=tags)
+    score = results["knn"]["backbone"][f"k{config.eval.promote_k}"]["top1"]
+    if promote_alias:
+        if ref.name is None:
+            raise ValueError("--promote needs a registry model: eval.model=models:/name/N")
+        results["promotion"] = promote(client, ref.name, ref.version, promote_alias, score)
+        log.info("promotion: %s", results["promotion"])
+    elif ref.name is not None:
+        client.set_model_version_tag(ref.name, ref.version, "knn_top1", f"{score:.6f}")
+    params = {k: str(v)[:6000] for k, v in flatten(config.eval).items()}
+    metrics = [Metric(k.replace("@", "_"), v, 0, 0) for k, v in scalars(results).items()]
+    client.log_batch(run.info.run_id, metrics=metrics,
+                     params=[Param(f"eval.{k}", v) for k, v in params.items()])
+    results["mlflow_run_id"] = run.info.run_id
+    return client, run.info.run_id
+
+
+def upload_outputs(client: Any, run_id: str, out: Path) -> None:
+    client.log_artifacts(run_id, str(out))
+    client.set_terminated(run_id)

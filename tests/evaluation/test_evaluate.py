@@ -1,0 +1,91 @@
+"""``evaluate`` end to end on the digits: a trained, registered encoder evaluated from its
+registry URI (with promotion), and from its checkpoint with 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlflow
+import numpy as np
+import pytest
+
+from tests.conftest import DIGIT_NAMES
+from tests.data_pipeline.helpers import digit_sample, write_set
+from tests.pretrain.conftest import REPO, run_pretrain, train_overrides
+
+
+@pytest.fixture(scope="module")
+def trained(digits_shards, tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate")
+    test_shards = root / "test-shards"
+    write_set(test_shards, [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
+    graph = root / "class_graph.npz"
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(10, 8))
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    np.savez(graph, graph=vectors @ vectors.T, class_names=np.array(DIGIT_NAMES))
+    overrides = train_overrides(digits_shards, root, **{
+        "tracking.enabled": True, "tracking.system_metrics": False, "train.max_steps": 4,
+        "tracking.registered_model": "digits-eval-test", "objective.class_graph": graph,
+        "eval.train_shards": digits_shards, "eval.test_shards": test_shards,
+        "eval.probe_epochs": 5, "eval.class_groups": "[[0,1,2,3],[4,5,6,7,8,9]]"})
+    result = run_pretrain(overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, overrides
+
+
+def evaluate(overrides: list[str], *extra: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable])
+    return subprocess.run([*launcher, "-m", "evaluation.evaluate", *overrides, *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_registry_uri_end_to_end_with_promotion(trained):
+    root, overrides = trained
+    result = evaluate(overrides, "eval.model=models:/digits-eval-test/1",
+                      "eval.output=" + str(root / "eval-registry"), "--promote", "champion")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = root / "eval-registry"
+    results = json.loads((out / "results.json").read_text())
+    assert results["samples"] == {"train": 360, "test": 100}
+    for space in ("backbone", "projector"):
+        assert list(results["knn"][space]) == [f"k{k}" for k in (1, 5, 10, 20, 50, 100, 200)]
+        for value in results["knn"][space].values():
+            assert 0 <= value["top1"] <= value["top5"] <= 1
+        diag = results["diagnostics"][space]
+        assert diag["etf_cosine"] == pytest.approx(-1 / 9)
+        assert -1 <= diag["rank_correlation"] <= 1
+    assert results["linear_probe"]["top1"] > 0.1
+    for plot in results["plots"]:
+        assert (out / plot).stat().st_size > 1000
+    assert "| backbone top-1 |" in (out / "report.md").read_text()
+    assert results["promotion"]["promoted"] is True
+
+    uri = f"sqlite:///{root / 'run' / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri, registry_uri=uri)
+    training_run = (root / "run" / "mlflow_run_id").read_text()
+    eval_run = client.get_run(results["mlflow_run_id"])
+    assert eval_run.data.tags["mlflow.parentRunId"] == training_run
+    top1 = results["knn"]["backbone"]["k20"]["top1"]
+    assert eval_run.data.metrics["knn.backbone.k20.top1"] == pytest.approx(top1)
+    assert {a.path for a in client.list_artifacts(eval_run.info.run_id)} >= {
+        "results.json", "report.md", "knn_accuracy.png"}
+    assert str(client.get_model_version_by_alias("digits-eval-test", "champion").version) == "1"
+
+
+def test_checkpoint_with_two_ranks_equals_one(trained):
+    root, overrides = trained
+    plain = [*overrides, "tracking.enabled=false", "eval.save_index=false"]
+    one = evaluate(plain, "eval.output=" + str(root / "eval-1"))
+    two = evaluate(plain, "eval.output=" + str(root / "eval-2"), nproc=2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = json.loads((root / "eval-1" / "results.json").read_text())
+    b = json.loads((root / "eval-2" / "results.json").read_text())
+    assert a["model"]["source"].endswith("step_00000004")
+    for space in ("backbone", "projector"):
+        for k, value in a["knn"][space].items():
+            assert b["knn"][space][k]["top1"] == pytest.approx(value["top1"])

@@ -1,0 +1,20 @@
+"""Features extracted by 2 ranks (each sample exactly once) equal those of 1 process."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.data_pipeline.helpers import uneven_set
+from tests.evaluation import rank_tasks
+
+
+def test_two_ranks_extract_what_one_process_does(gloo2, tmp_path):
+    uneven_set(tmp_path / "shards", [23, 9, 31, 5, 17])  # 85 samples in 5 uneven shards
+    ranks = gloo2.run(rank_tasks.features_on_rank, str(tmp_path / "shards"))
+    single = rank_tasks.features_on_rank(str(tmp_path / "shards"), 0, 1)
+    assert len(single["keys"]) == 85 and len(set(single["keys"])) == 85
+    for got in ranks:  # every rank holds the whole, key-sorted set
+        assert got["keys"] == single["keys"]
+        assert torch.equal(got["labels"], single["labels"])
+        torch.testing.assert_close(got["backbone"], single["backbone"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["projector"], single["projector"], rtol=1e-5, atol=1e-5)

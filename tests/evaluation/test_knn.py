@@ -1,0 +1,85 @@
+"""Weighted kNN against a brute-force numpy reference; saved indexes; IVF vs exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from evaluation.knn import build_index, knn_accuracy
+
+KS = [1, 5, 10, 20, 50, 100, 200]
+
+
+def naive_knn(bank, bank_labels, queries, k, temperature, num_classes):
+    """Per query: cosine to every bank row, sort, vote exp(sim / T) per class."""
+    bank = bank / np.linalg.norm(bank, axis=1, keepdims=True)
+    predictions, top5 = [], []
+    for q in queries:
+        q = q / np.linalg.norm(q)
+        sims = bank @ q
+        order = np.argsort(-sims, kind="stable")[:k]
+        votes = np.zeros(num_classes)
+        for j in order:
+            votes[bank_labels[j]] += np.exp(sims[j] / temperature)
+        predictions.append(int(np.argmax(votes)))
+        top5.append([c for c in np.argsort(-votes, kind="stable")[:5] if votes[c] > 0])
+    return np.array(predictions), top5
+
+
+@pytest.fixture
+def data():
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(12, 16))
+    bank_labels = rng.integers(0, 12, 1500)
+    query_labels = rng.integers(0, 12, 300)
+    bank = centres[bank_labels] + 1.5 * rng.normal(size=(1500, 16))
+    queries = centres[query_labels] + 1.5 * rng.normal(size=(300, 16))
+    return bank, bank_labels, queries, query_labels
+
+
+def test_exact_knn_equals_brute_force(data):
+    bank, bank_labels, queries, query_labels = data
+    index = build_index(torch.from_numpy(bank), "exact")
+    results, predictions = knn_accuracy(index, torch.from_numpy(bank_labels),
+                                        torch.from_numpy(queries), torch.from_numpy(query_labels),
+                                        KS, 0.07, 12)
+    for k in KS:
+        expected, top5 = naive_knn(bank, bank_labels, queries, k, 0.07, 12)
+        np.testing.assert_array_equal(predictions[k].numpy(), expected)
+        assert results[f"k{k}"]["top1"] == pytest.approx(np.mean(expected == query_labels))
+        in_top5 = np.mean([label in t for label, t in zip(query_labels, top5, strict=True)])
+        assert results[f"k{k}"]["top5"] == pytest.approx(in_top5)
+    assert 0.2 < results["k20"]["top1"] < 1.0  # a task that is neither trivial nor hopeless
+
+
+def test_faiss_flat_agrees_with_exact(data):
+    bank, bank_labels, queries, query_labels = (torch.from_numpy(x) for x in data)
+    exact, pred_exact = knn_accuracy(build_index(bank.float(), "exact"), bank_labels,
+                                     queries.float(), query_labels, KS, 0.07, 12)
+    flat, pred_flat = knn_accuracy(build_index(bank.float(), "faiss_flat"), bank_labels,
+                                   queries.float(), query_labels, KS, 0.07, 12)
+    for k in KS:
+        assert (pred_exact[k] == pred_flat[k]).float().mean() >= 0.99
+        assert flat[f"k{k}"]["top1"] == pytest.approx(exact[f"k{k}"]["top1"], abs=0.01)
+
+
+def test_indexes_are_saved_and_reused(data, tmp_path):
+    bank = torch.from_numpy(data[0]).float()
+    for kind in ("exact", "ivf"):
+        index = build_index(bank, kind, lists=16, probe=16, path=tmp_path / kind)
+        index.save(tmp_path / kind)
+        again = build_index(bank, kind, lists=16, probe=16, path=tmp_path / kind)
+        sims, rows = index.search(bank[:20], 5)
+        sims2, rows2 = again.search(bank[:20], 5)
+        assert torch.equal(rows, rows2)
+    assert (tmp_path / "exact.pt").is_file() and (tmp_path / "ivf.faiss").is_file()
+
+
+def test_ivf_probing_every_list_is_exact(data):
+    bank, bank_labels, queries, query_labels = (torch.from_numpy(x) for x in data)
+    exact = build_index(bank.float(), "exact")
+    ivf = build_index(bank.float(), "ivf", lists=8, probe=8)
+    _, rows_exact = exact.search(queries.float(), 10)
+    _, rows_ivf = ivf.search(queries.float(), 10)
+    assert (rows_exact == rows_ivf).float().mean() > 0.99

@@ -1,0 +1,30 @@
+"""Promotion against a real SQLite model registry."""
+
+from __future__ import annotations
+
+import mlflow
+
+from evaluation.promote import promote
+
+
+def test_better_version_takes_the_alias_worse_does_not(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'registry.db'}"
+    client = mlflow.MlflowClient(uri, registry_uri=uri)
+    client.create_registered_model("enc")
+    for _ in range(3):
+        client.create_model_version("enc", source=str(tmp_path), run_id=None)
+
+    first = promote(client, "enc", "1", "champion", 0.80)
+    assert first["promoted"] and first["reason"] == "alias was unset"
+    worse = promote(client, "enc", "2", "champion", 0.75)
+    assert not worse["promoted"]
+    assert (worse["holder"], worse["holder_score"]) == ("1", 0.80)
+    assert str(client.get_model_version_by_alias("enc", "champion").version) == "1"
+    better = promote(client, "enc", "3", "champion", 0.90)
+    assert better["promoted"]
+    assert str(client.get_model_version_by_alias("enc", "champion").version) == "3"
+    tags = client.get_model_version("enc", "2").tags
+    assert tags["knn_top1"] == "0.750000"
+    assert tags["promotion.champion"] == "not promoted: 0.7500 <= 0.8000 of version 1"
+    assert client.get_model_version("enc", "3").tags["promotion.champion"].startswith(
+        "promoted: 0.9000 > 0.8000")
