@@ -41,13 +41,16 @@ def _gather_keys(keys: list[str]) -> list[str]:
 
 @torch.no_grad()
 def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.device,
-            rank: int = 0, world: int = 1, progress: bool = True) -> Features:
-    """Backbone and projector features of every sample of ``shards``."""
+            rank: int = 0, world: int = 1, progress: bool = True,
+            limit: int = 0) -> Features:
+    """Backbone and projector features of every sample of ``shards`` (with ``limit``: of
+    the first ``limit // world`` samples each rank reads, a fixed subset for monitors)."""
     cfg = dataclasses.replace(data, shards=shards)
     shard_set = ShardSet.open(shards)
     model = model.to(device).eval()
     keys, labels, backbone, projector = [], [], [], []
-    bar = tqdm(total=shard_set.total // world, desc=f"features {shards}", unit="img",
+    per_rank = limit // world if limit else shard_set.total
+    bar = tqdm(total=min(per_rank, shard_set.total // world), desc=f"features {shards}", unit="img",
                disable=not (progress and rank == 0), dynamic_ncols=True)
     for batch in eval_batches(cfg, rank, world):
         features, projections = model.encoder(batch["images"].to(device))
@@ -56,6 +59,8 @@ def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.
         backbone.append(features.float().cpu())
         projector.append(projections.float().cpu())
         bar.update(len(batch["keys"]))
+        if limit and len(keys) >= per_rank:
+            break
     bar.close()
     local = {"labels": torch.cat(labels) if labels else torch.empty(0, dtype=torch.long),
              "backbone": torch.cat(backbone) if backbone else torch.empty(0, model.encoder

@@ -70,7 +70,13 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
             raise FileNotFoundError(f"objective.class_graph={objective.class_graph}: no such "
                                     "file (run graph-precompute graph.task=class_graph)")
         graph = torch.from_numpy(load_class_graph(objective.class_graph)[0]).to(rt.device)
-    return Parts(engine=engine, objective=objective_from_config(objective),
+    monitor = None
+    if config.train.knn_every:
+        from evaluation.monitor import KnnMonitor
+
+        monitor = KnnMonitor(data, config.eval, config.train.knn_samples, rt.device, rt.rank,
+                             rt.world)
+    return Parts(engine=engine, monitor=monitor, objective=objective_from_config(objective),
                  objective_cfg=objective, data_cfg=data, runtime=rt,
                  checkpointer=Checkpointer(run_dir, config.checkpoint, rt.rank, rt.world,
                                            rt.device),

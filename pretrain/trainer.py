@@ -44,13 +44,16 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_nonfinite: int = 5  # consecutive non-finite losses that stop the run
     progress: bool = True  # tqdm bar on rank 0
+    knn_every: int = 0  # > 0: kNN monitor on a fixed subset of eval.* shards every N steps
+    knn_samples: int = 2000  # size of that subset (bank and queries each)
 
     def validate(self) -> None:
         for key in ("epochs", "log_every", "max_nonfinite"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
-        if self.max_steps < 0:
-            raise InvalidValue("max_steps", f"must be >= 0, got {self.max_steps}")
+        for key in ("max_steps", "knn_every"):
+            if getattr(self, key) < 0:
+                raise InvalidValue(key, f"must be >= 0, got {getattr(self, key)}")
 
 
 class NonFiniteLoss(RuntimeError):
@@ -71,6 +74,7 @@ class Parts:
     total_steps: int
     class_graph: torch.Tensor | None = None
     tracker: Any = None  # pretrain.tracking.Tracker on rank 0
+    monitor: Callable[[torch.nn.Module], dict[str, float]] | None = None  # kNN monitor
     config_yaml: str = ""
 
 
@@ -153,8 +157,17 @@ class Trainer:
         bar.update(1)
         if self.step % self.cfg.log_every == 0 or self.step == p.total_steps:
             self._report(bar)
+        if p.monitor is not None and self.step % self.cfg.knn_every == 0:
+            self._monitor()
         if p.checkpointer.due(self.step):
             self.save()
+
+    def _monitor(self) -> None:
+        result = self.p.monitor(self.p.engine.module.encoder)
+        if self.p.runtime.is_main:
+            log.info("step %d knn monitor: top-1 %.4f", self.step, result["knn_top1"])
+            if self.p.tracker is not None:
+                self.p.tracker.log_metrics(self.step, result)
 
     def _nonfinite(self, loss: float) -> None:
         self.nonfinite_in_row += 1

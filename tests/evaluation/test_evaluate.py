@@ -31,8 +31,10 @@ def trained(digits_shards, tmp_path_factory):
         "tracking.registered_model": "digits-eval-test", "objective.class_graph": graph,
         "eval.train_shards": digits_shards, "eval.test_shards": test_shards,
         "eval.probe_epochs": 5, "eval.class_groups": "[[0,1,2,3],[4,5,6,7,8,9]]"})
-    result = run_pretrain(overrides)
+    monitor = ["train.knn_every=2", "train.knn_samples=64"]
+    result = run_pretrain([*overrides, *monitor])
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("knn monitor: top-1") == 2  # steps 2 and 4
     return root, overrides
 
 
@@ -71,6 +73,8 @@ def test_registry_uri_end_to_end_with_promotion(trained):
     assert eval_run.data.tags["mlflow.parentRunId"] == training_run
     top1 = results["knn"]["backbone"]["k20"]["top1"]
     assert eval_run.data.metrics["knn.backbone.k20.top1"] == pytest.approx(top1)
+    monitored = client.get_metric_history(training_run, "knn_top1")
+    assert [m.step for m in monitored] == [2, 4]
     assert {a.path for a in client.list_artifacts(eval_run.info.run_id)} >= {
         "results.json", "report.md", "knn_accuracy.png"}
     assert str(client.get_model_version_by_alias("digits-eval-test", "champion").version) == "1"

@@ -1,0 +1,94 @@
+"""Exact kNN against the machine's own matrix-multiply throughput (issue 6).
+
+    python -m bench.knn                          # 10,000 queries x 100,000 x 512 bank, k = 200
+    python -m bench.knn --queries 2000 --bank 20000
+
+Measured in one process on the same random data: torch.mm of the queries against the bank
+(the floor every exact search pays), our exact index (``evaluation.knn.ExactIndex``: block
+matmul + top-k, then the weighted vote), faiss ``IndexFlatIP``, and scikit-learn's
+``KNeighborsClassifier`` (brute force, cosine). Target: exact kNN at >= 70% of the matmul
+throughput. Also projects the ImageNet kNN evaluation (50,000 x 1,281,167, 2048-d ResNet-50
+features) from the measured rate here, and for one H100 from an assumed sustained
+matmul rate (no GPU in this task; stated in the table). Writes bench/results/knn.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench.common import machine, print_table, write_json
+from evaluation.knn import BLOCK_BYTES, build_index, knn_accuracy
+
+RESULTS = Path("bench/results/knn.json")
+H100_TFLOPS_ASSUMED = 50.0  # sustained fp32 (TF32 off) GEMM; an assumption, not measured
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def matmul_only(queries: torch.Tensor, bank: torch.Tensor) -> None:
+    rows = max(1, BLOCK_BYTES // (bank.shape[0] * bank.element_size()))
+    for start in range(0, len(queries), rows):
+        queries[start:start + rows] @ bank.T
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--queries", type=int, default=10_000)
+    parser.add_argument("--bank", type=int, default=100_000)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--k", type=int, default=200)
+    parser.add_argument("--skip-sklearn", action="store_true")
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    bank = F.normalize(torch.randn(args.bank, args.dim, generator=gen), dim=1)
+    queries = F.normalize(torch.randn(args.queries, args.dim, generator=gen), dim=1)
+    bank_labels = torch.randint(0, 1000, (args.bank,), generator=gen)
+    labels = torch.randint(0, 1000, (args.queries,), generator=gen)
+    flops = 2.0 * args.queries * args.bank * args.dim
+    matmul_only(queries[:1000], bank)  # warm-up
+    rows = []
+
+    def add(name: str, seconds: float, mm_seconds: float) -> None:
+        rows.append({"method": name, "seconds": seconds, "gflops": flops / seconds / 1e9,
+                     "vs_matmul": mm_seconds / seconds})
+
+    mm = timed(lambda: matmul_only(queries, bank))
+    add("torch.mm (floor)", mm, mm)
+    exact = build_index(bank, "exact")
+    add("exact index (mm + topk + vote)",
+        timed(lambda: knn_accuracy(exact, bank_labels, queries, labels, [args.k], 0.07, 1000)),
+        mm)
+    flat = build_index(bank, "faiss_flat")
+    add("faiss IndexFlatIP", timed(lambda: flat.search(queries, args.k)), mm)
+    if not args.skip_sklearn:
+        from sklearn.neighbors import KNeighborsClassifier
+
+        clf = KNeighborsClassifier(args.k, algorithm="brute", metric="cosine", n_jobs=-1)
+        x, y, xq = bank.numpy(), bank_labels.numpy(), queries.numpy()
+        add("sklearn KNeighborsClassifier", timed(lambda: clf.fit(x, y).predict(xq)), mm)
+    print_table(rows, ["method", "seconds", "gflops", "vs_matmul"])
+    imagenet_flops = 2.0 * 50_000 * 1_281_167 * 2048
+    rate = rows[1]["gflops"] * 1e9
+    projection = {"imagenet_flops": imagenet_flops,
+                  "this_cpu_hours": imagenet_flops / rate / 3600,
+                  "h100_seconds_assumed": imagenet_flops / (H100_TFLOPS_ASSUMED * 1e12),
+                  "h100_assumption_tflops": H100_TFLOPS_ASSUMED}
+    print(f"ImageNet kNN (50,000 x 1,281,167 x 2048): {projection['this_cpu_hours']:.2f} h on "
+          f"this CPU at the measured rate; ~{projection['h100_seconds_assumed']:.0f} s on one "
+          f"H100 at an assumed {H100_TFLOPS_ASSUMED:.0f} TFLOP/s (not measured here)")
+    write_json(RESULTS, {"machine": machine(), "shape": vars(args), "rows": rows,
+                         "imagenet_projection": projection})
+
+
+if __name__ == "__main__":
+    main()
