@@ -33,7 +33,7 @@ def parse_run_args(prog: str, description: str, argv: Sequence[str] | None = Non
                         help="print the resolved configuration as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="overrides, nested keys with dots (objective.temperature=0.2)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         config = load_config(RunConfig, args.config, args.overrides)
     except ConfigError as err:
