@@ -24,7 +24,7 @@ class EvalConfig:
     batch_size: int = 256
     ks: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 50, 100, 200])
     knn_temperature: float = 0.07
-    index: Literal["exact", "faiss_flat", "ivf"] = "exact"  # see evaluation/knn.py
+    index: Literal["faiss_flat", "exact", "ivf"] = "faiss_flat"  # see evaluation/knn.py
     ivf_lists: int = 0  # 0: about 4 sqrt(bank size)
     ivf_probe: int = 16
     save_index: bool = True  # write the bank's index next to the report (reused if present)

@@ -6,10 +6,11 @@ largest k. A class counts towards top-5 only if it received a vote (with k < 5 t
 zero-vote classes would otherwise fill the list in arbitrary order).
 
 Indexes (``eval.index``):
-- ``exact`` (default): blockwise ``queries @ bank.T`` with ``torch.topk`` per block, on the
-  GPU when there is one. On 2 CPU cores torch's matmul runs at ~130 GFLOP/s against ~20 for
-  faiss's flat search, so this is the fast exact path here (``bench/knn.py``).
-- ``faiss_flat``: faiss ``IndexFlatIP`` (exact; on the GPU with faiss-gpu).
+- ``faiss_flat`` (default): faiss ``IndexFlatIP``, exact; on the GPU with faiss-gpu. Searching
+  all queries in one call it runs at 96% of this machine's torch.mm rate on the benchmark
+  shape (``bench/knn.py``; one query at a time it would not use BLAS and be far slower).
+- ``exact``: blockwise ``queries @ bank.T`` with ``torch.topk`` per block, on the GPU when
+  there is one without faiss-gpu (72% of torch.mm on 2 CPU cores: top-k costs the rest).
 - ``ivf``: faiss ``IndexIVFFlat`` (inner product) for banks too large for exact search;
   ``ivf_lists`` cells, ``ivf_probe`` probed; the report gives its accuracy next to exact.
 Indexes are saved (``.pt`` for exact, ``.faiss`` otherwise) and reused when present.
@@ -36,9 +37,12 @@ class ExactIndex:
         queries = F.normalize(queries.to(self.bank.device, self.bank.dtype), dim=1)
         k = min(k, self.bank.shape[0])
         rows = max(1, BLOCK_BYTES // (self.bank.shape[0] * self.bank.element_size()))
+        # one reused output block: fresh 256 MiB buffers page-fault on every block (~30%)
+        out = queries.new_empty(min(rows, queries.shape[0]), self.bank.shape[0])
         sims, index = [], []
         for start in range(0, queries.shape[0], rows):
-            block = queries[start:start + rows] @ self.bank.T
+            chunk = queries[start:start + rows]
+            block = torch.mm(chunk, self.bank.T, out=out[: len(chunk)])
             top = torch.topk(block, k, dim=1)
             sims.append(top.values)
             index.append(top.indices)

@@ -89,3 +89,37 @@ def test_sigkill_and_resume_equals_uninterrupted_run(digits_shards, tmp_path):
         assert torch.equal(value, b["model"][key]), key
     for key, value in a["optimizer"]["state"].items():
         assert torch.equal(value["velocity"], b["optimizer"]["state"][key]["velocity"])
+
+
+def test_torchrun_restarts_a_killed_worker_and_resumes(digits_shards, tmp_path):
+    """2 DDP ranks under torchrun --max-restarts 1: SIGKILL one worker mid-run; torchrun
+    restarts the group, which resumes from the newest checkpoint and ends with the weights
+    of an uninterrupted 2-rank run."""
+    import psutil
+
+    common = {"checkpoint.every": 4, "data.workers": 1, "train.max_steps": 24}
+    reference = run_pretrain(train_overrides(digits_shards, tmp_path / "a", **common), nproc=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    overrides = train_overrides(digits_shards, tmp_path / "b", **common)
+    command = pretrain_command(overrides, nproc=2)
+    command.insert(command.index("--standalone"), "--max-restarts=1")
+    log = open(tmp_path / "b.log", "w")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    first = tmp_path / "b" / "run" / "checkpoints" / "step_00000008"
+    deadline = time.monotonic() + 300
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    workers = [p for p in psutil.Process(proc.pid).children()
+               if "pretrain.train" in " ".join(p.cmdline())]
+    assert proc.poll() is None and len(workers) == 2
+    workers[1].send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0
+    text = (tmp_path / "b.log").read_text()
+    assert "resumed from" in text
+
+    a, b = final_model(tmp_path / "a" / "run"), final_model(tmp_path / "b" / "run")
+    assert a["step"] == b["step"] == 24
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key

@@ -3,6 +3,7 @@ missing inputs named before work starts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.pretrain.conftest import run_pretrain, train_overrides
@@ -41,3 +42,17 @@ def test_missing_class_graph_is_named_before_training(digits_shards, tmp_path):
     assert result.returncode != 0
     assert "objective.class_graph=" in result.stderr and "missing.npz" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_bf16_autocast_and_learnable_temperature_run(digits_shards, tmp_path):
+    overrides = train_overrides(digits_shards, tmp_path, **{
+        "train.precision": "bf16", "objective.name": "clip",
+        "objective.learnable_temperature": True, "train.max_steps": 2,
+        "data.caption_store": ""})
+    result = run_pretrain(overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cpu, bf16, 2 steps" in result.stderr
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000002" / "shared.pt",
+                       weights_only=True)
+    assert state["model"]["log_temperature"].item() != pytest.approx(torch.tensor(0.1).log())
+    assert any(key.startswith("text.projection") for key in state["model"])
