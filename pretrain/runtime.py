@@ -13,6 +13,7 @@ import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _store(rank: int, world: int) -> dist.Store:
+    """The rendezvous store, with keys private to this torchrun restart: after a restart the
+    previous attempt's keys (e.g. gloo's peer addresses) would otherwise be read as current
+    and the new group could not connect."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store,
+                          timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                            store)
+
+
 def init_runtime(device: str = "auto", backend: str = "auto",
                  need_group: bool = False) -> Runtime:
     """Join torchrun's process group (or make a 1-process one when ``need_group``)."""
@@ -52,7 +65,7 @@ def init_runtime(device: str = "auto", backend: str = "auto",
     if (world > 1 or need_group) and not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group(backend, rank=rank, world_size=world,
+        dist.init_process_group(backend, rank=rank, world_size=world, store=_store(rank, world),
                                 device_id=dev if dev.type == "cuda" else None)
     return Runtime(rank, world, local_rank, dev)
 
