@@ -47,8 +47,7 @@ def test_missing_class_graph_is_named_before_training(digits_shards, tmp_path):
 def test_bf16_autocast_and_learnable_temperature_run(digits_shards, tmp_path):
     overrides = train_overrides(digits_shards, tmp_path, **{
         "train.precision": "bf16", "objective.name": "clip",
-        "objective.learnable_temperature": True, "train.max_steps": 2,
-        "data.caption_store": ""})
+        "objective.learnable_temperature": True, "train.max_steps": 2})
     result = run_pretrain(overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cpu, bf16, 2 steps" in result.stderr
