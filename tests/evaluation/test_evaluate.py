@@ -83,13 +83,37 @@ def test_registry_uri_end_to_end_with_promotion(trained):
 def test_checkpoint_with_two_ranks_equals_one(trained):
     root, overrides = trained
     plain = [*overrides, "tracking.enabled=false", "eval.save_index=false"]
-    one = evaluate(plain, "eval.output=" + str(root / "eval-1"))
+    # 1 process with an IVF index probing every list (so: exact), 2 with faiss's flat index
+    one = evaluate(plain, "eval.output=" + str(root / "eval-1"), "eval.index=ivf",
+                   "eval.ivf_lists=8", "eval.ivf_probe=8")
     two = evaluate(plain, "eval.output=" + str(root / "eval-2"), nproc=2)
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
     a = json.loads((root / "eval-1" / "results.json").read_text())
     b = json.loads((root / "eval-2" / "results.json").read_text())
     assert a["model"]["source"].endswith("step_00000004")
+    assert a["ivf"]["top1"] == pytest.approx(a["ivf"]["exact_top1"])
     for space in ("backbone", "projector"):
         for k, value in a["knn"][space].items():
             assert b["knn"][space][k]["top1"] == pytest.approx(value["top1"])
+
+
+def test_checkpoint_run_and_registry_sources_load_the_same_encoder(trained):
+    import torch
+
+    from evaluation.load import load_model
+
+    root, _ = trained
+    run_dir = root / "run"
+    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    run_id = (run_dir / "mlflow_run_id").read_text()
+    image = torch.rand(2, 3, 16, 16)
+    outputs = []
+    for source in ("", f"runs:/{run_id}/encoder", "models:/digits-eval-test/latest"):
+        model, ref = load_model(source, run_dir, uri)
+        assert ref.run_id == run_id
+        with torch.no_grad():
+            outputs.append((model.eval()(image), model.features(image)))
+    for projections, features in outputs[1:]:
+        torch.testing.assert_close(projections, outputs[0][0])
+        torch.testing.assert_close(features, outputs[0][1])

@@ -3,6 +3,8 @@ missing inputs named before work starts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -55,3 +57,15 @@ def test_bf16_autocast_and_learnable_temperature_run(digits_shards, tmp_path):
                        weights_only=True)
     assert state["model"]["log_temperature"].item() != pytest.approx(torch.tensor(0.1).log())
     assert any(key.startswith("text.projection") for key in state["model"])
+
+
+def test_ess_controller_steers_the_temperature(digits_shards, tmp_path):
+    overrides = train_overrides(digits_shards, tmp_path, **{
+        "objective.name": "flatnce", "objective.ess_control.enabled": True,
+        "objective.ess_control.target": 0.05, "objective.ess_control.rate": 0.2,
+        "train.max_steps": 4, "train.log_every": 1})
+    result = run_pretrain(overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    temperatures = [float(t) for t in re.findall(r" temperature=([\d.e-]+)", result.stderr)]
+    # ESS starts far above 0.05, so beta rises by 20% a step: tau = 0.1 / 1.2^step
+    assert temperatures == pytest.approx([0.1 / 1.2 ** s for s in range(1, 5)], rel=1e-3)
