@@ -2,7 +2,8 @@
 DeepSpeed ZeRO-1/2.
 
 An engine owns the wrapped model and the optimiser and offers ``forward`` (``engine(...)``),
-``backward(loss)``, ``step()`` (clip, update, zero the gradients), ``set_lr(factor)``,
+``backward(loss)``, ``step()`` (clip, update, zero the gradients), ``skip(loss)`` (drop a
+step whose loss is not finite), ``set_lr(factor)``,
 ``state_dict()``/``load_state_dict()`` in a form ``torch.load(weights_only=True)`` reads,
 and ``full_gradients()`` (what the step is about to apply, for tests). Both average
 gradients over ranks, which with the gathering boundary's scaling gives the gradient of
@@ -106,6 +107,13 @@ class DDPEngine(Engine):
     def backward(self, loss: Tensor) -> None:
         loss.backward()
 
+    def skip(self, loss: Tensor) -> None:
+        """Drop this step's update. A DDP forward expects its backward (the reducer would
+        refuse the next forward), so run it and throw the non-finite gradients away."""
+        if self.wrapped is not self.module:
+            loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def step(self) -> None:
         if self.clip > 0:
             nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
@@ -132,6 +140,9 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss: Tensor) -> None:
         self.ds.backward(loss)
+
+    def skip(self, loss: Tensor) -> None:
+        """Drop this step's update: no backward, so nothing reaches ZeRO's buffers."""
 
     def step(self) -> None:
         self.ds.step()

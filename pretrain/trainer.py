@@ -147,6 +147,7 @@ class Trainer:
             p.engine.step()
             self.nonfinite_in_row = 0
         else:
+            p.engine.skip(out.loss)
             self._nonfinite(float(out.loss))
         metrics = {k: float(v) for k, v in out.metrics.items()}
         if self.controller:

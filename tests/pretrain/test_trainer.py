@@ -11,13 +11,17 @@ import torch
 from tests.pretrain.conftest import run_pretrain, train_overrides
 
 
-def test_nonfinite_losses_skip_updates_then_stop_the_run(digits_shards, tmp_path):
+@pytest.mark.parametrize(("engine", "nproc"), [("ddp", 1), ("ddp", 2), ("deepspeed", 2)])
+def test_nonfinite_losses_skip_updates_then_stop_the_run(digits_shards, tmp_path, engine,
+                                                         nproc):
     # tau = 1e-45 is a float32 denormal: 1/tau overflows, every loss is NaN.
     overrides = train_overrides(digits_shards, tmp_path, **{
-        "objective.temperature": 1e-45, "train.max_nonfinite": 3, "train.max_steps": 10})
-    result = run_pretrain(overrides)
+        "objective.temperature": 1e-45, "train.max_nonfinite": 3, "train.max_steps": 10,
+        "engine.name": engine, "engine.deepspeed_config": "launch/deepspeed/zero2.json",
+        "data.workers": 1})
+    result = run_pretrain(overrides, nproc=nproc)
     assert result.returncode != 0
-    assert result.stderr.count("update skipped") == 3
+    assert result.stderr.count("update skipped") == 3 * nproc  # every rank skips together
     assert "3 non-finite losses in a row (train.max_nonfinite=3) at step 2" in result.stderr
 
 
