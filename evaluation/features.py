@@ -50,8 +50,8 @@ def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.
     model = model.to(device).eval()
     keys, labels, backbone, projector = [], [], [], []
     per_rank = limit // world if limit else shard_set.total
-    bar = tqdm(total=min(per_rank, shard_set.total // world), desc=f"features {shards}", unit="img",
-               disable=not (progress and rank == 0), dynamic_ncols=True)
+    bar = tqdm(total=min(per_rank, shard_set.total // world), desc=f"features {shards}",
+               unit="img", disable=not (progress and rank == 0), dynamic_ncols=True)
     for batch in eval_batches(cfg, rank, world):
         features, projections = model.encoder(batch["images"].to(device))
         keys += batch["keys"]
@@ -62,12 +62,11 @@ def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.
         if limit and len(keys) >= per_rank:
             break
     bar.close()
-    local = {"labels": torch.cat(labels) if labels else torch.empty(0, dtype=torch.long),
-             "backbone": torch.cat(backbone) if backbone else torch.empty(0, model.encoder
-                                                                           .feature_dim),
-             "projector": torch.cat(projector) if projector else torch.empty(0, 0)}
-    if not projector:
-        local["projector"] = torch.empty(0, model.encoder.projector[-1].out_features)
+    widths = {"backbone": model.encoder.feature_dim,
+              "projector": model.encoder.projector[-1].out_features}
+    local = {"labels": torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)}
+    for name, parts in (("backbone", backbone), ("projector", projector)):
+        local[name] = torch.cat(parts) if parts else torch.empty(0, widths[name])
     gathered = {k: all_gather_rows(v) for k, v in local.items()}
     all_keys = _gather_keys(keys)
     order = sorted(range(len(all_keys)), key=all_keys.__getitem__)

@@ -12,6 +12,7 @@ from evaluation.load import ModelRef
 from evaluation.promote import promote
 from evaluation.report import scalars
 from pretrain.config import flatten
+from pretrain.tracking import experiment_id
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +25,12 @@ def log_evaluation(uri: str, config: Any, ref: ModelRef, results: dict[str, Any]
     from mlflow.entities import Metric, Param
 
     client = mlflow.MlflowClient(uri, registry_uri=uri)
-    if ref.run_id is not None:
-        experiment_id = client.get_run(ref.run_id).info.experiment_id
-    else:
-        experiment = client.get_experiment_by_name(config.tracking.experiment)
-        experiment_id = (experiment.experiment_id if experiment
-                         else client.create_experiment(config.tracking.experiment))
+    experiment = (client.get_run(ref.run_id).info.experiment_id if ref.run_id is not None
+                  else experiment_id(client, config.tracking.experiment))
     tags = {"evaluated_model": ref.source}
     if ref.run_id is not None:
         tags["mlflow.parentRunId"] = ref.run_id
-    run = client.create_run(experiment_id, run_name=f"eval-{config.name}", tags=tags)
+    run = client.create_run(experiment, run_name=f"eval-{config.name}", tags=tags)
     score = results["knn"]["backbone"][f"k{config.eval.promote_k}"]["top1"]
     if promote_alias:
         if ref.name is None:

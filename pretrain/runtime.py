@@ -31,7 +31,8 @@ class Runtime:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -64,7 +65,7 @@ def init_runtime(device: str = "auto", backend: str = "auto",
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if (world > 1 or need_group) and not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group(backend, rank=rank, world_size=world, store=_store(rank, world),
                                 device_id=dev if dev.type == "cuda" else None)
     return Runtime(rank, world, local_rank, dev)

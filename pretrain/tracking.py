@@ -45,6 +45,14 @@ def tracking_uri(cfg: TrackingConfig, run_dir: Path) -> str:
     return cfg.uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
 
 
+def experiment_id(client: Any, name: str, artifact_location: str | None = None) -> str:
+    """The id of experiment ``name``, created (with ``artifact_location``) if missing."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    return client.create_experiment(name, artifact_location)
+
+
 class Tracker:
     """Rank 0's MLflow run; every call survives an unreachable server."""
 
@@ -68,12 +76,10 @@ class Tracker:
     # -- connection -----------------------------------------------------------------
     def _ensure_run(self) -> None:
         if self.run_id is None:
-            experiment = self.client.get_experiment_by_name(self.cfg.experiment)
             # the embedded store keeps its artifacts in the run directory too
             location = None if self.cfg.uri else (self.run_dir / "mlartifacts").resolve().as_uri()
-            experiment_id = (experiment.experiment_id if experiment else
-                             self.client.create_experiment(self.cfg.experiment, location))
-            self.run_id = self.client.create_run(experiment_id,
+            experiment = experiment_id(self.client, self.cfg.experiment, location)
+            self.run_id = self.client.create_run(experiment,
                                                  run_name=self.run_name).info.run_id
             self.id_file.write_text(self.run_id)
         if self.params:

@@ -4,7 +4,6 @@ small real digits shard set."""
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -13,16 +12,11 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
+from pretrain.runtime import free_port
 from tests.data_pipeline.helpers import digit_sample, write_set
 
 TASK_TIMEOUT_S = 300
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
@@ -49,7 +43,7 @@ class GlooGroup:
 
     def __init__(self, world: int = 2) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.procs = [ctx.Process(target=_serve, args=(r, world, port, q, self.outbox),

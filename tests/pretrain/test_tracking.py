@@ -4,7 +4,6 @@ real ``mlflow server`` that is down for part of the run."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,9 @@ import pytest
 import torch
 
 from pretrain.model import ModelConfig, build_model
+from pretrain.runtime import free_port
 from pretrain.tracking import Tracker, TrackingConfig
 from tests.pretrain.conftest import run_pretrain, train_overrides
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_sqlite_store_holds_params_metrics_artifacts_and_a_loadable_model(digits_shards,
