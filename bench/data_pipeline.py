@@ -1,6 +1,6 @@
 """Decode + two-view augmentation throughput of the training loader against torchvision's
 ``ImageFolder`` with a ``DataLoader`` and the same transforms on the same JPEGs, plus the
-raw tar read rate (issue #3).
+raw tar read rate.
 
     python -m bench.data_pipeline                    # 600 JPEGs of ~400 x 350 px, 224 px views
     python -m bench.data_pipeline --images 200       # quicker

@@ -1,6 +1,6 @@
 """Captions/s of the graph-precompute job against calling ``SentenceTransformer.encode``
 directly on the same captions, plus the gain from encoding each distinct caption once
-(issue #5).
+.
 
     python -m bench.graph                      # 2,000 distinct captions, then 50% duplicates
 

@@ -54,8 +54,8 @@ def run_throughput(shards: Path, out: Path, backbone: str, nproc: int, steps: in
                  f"train.max_steps={steps}", f"train.log_every={steps // 4}",
                  "train.progress=false", "tracking.enabled=false", "checkpoint.every=0"]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc_per_node", str(nproc), "-m", "pretrain.train"] if nproc > 1 else
-                [sys.executable, "-m", "pretrain.train"])
+                 "--nproc_per_node", str(nproc), "-m", "app.pretrain"] if nproc > 1 else
+                [sys.executable, "-m", "app.pretrain"])
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
     result = subprocess.run([*launcher, *overrides], cwd=REPO, env=env, capture_output=True,
                             text=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pretrain.config import InvalidValue
+from core.config import InvalidValue
 
 Source = Literal["digits", "imagenet", "captions", "img2dataset"]
 
@@ -20,18 +20,18 @@ class ShardsConfig:
     ``img2dataset`` (``input`` holds img2dataset's tar shards: validated and indexed in place).
     """
 
-    source: Source = "digits"
-    input: str = ""
-    output: str = "data/shards/digits"
+    source: Source | None = None  # digits, imagenet, captions or img2dataset
+    input: str = ""  # the source's input: image tree, caption table or img2dataset folder
+    output: str = ""  # directory for the shards and manifest.json
     class_names: str = ""  # file with one name per line, or "imagenet1k" (torchvision's list)
     caption_column: str = "caption"  # a header name, or a 0-based column number as text
-    image_column: str = "image"
-    delimiter: str | None = None  # None: tab for .tsv, comma otherwise
-    has_header: bool = True
+    image_column: str = "image"  # a header name, or a 0-based column number as text
+    delimiter: str | None = None  # caption table delimiter; null: tab for .tsv, else comma
+    has_header: bool = True  # the caption table's first row names the columns
     image_root: str = ""  # relative image paths in a table are resolved against this
-    shard_size: int = 1000
-    workers: int = 2
-    digits_size: int = 64  # digits are upsampled from 8x8 to this many pixels
+    shard_size: int = 1000  # samples per shard
+    workers: int = 2  # processes writing shards
+    digits_size: int = 64  # digits: pixels of the upsampled 8x8 images
     split: Literal["all", "train", "test"] = "all"  # digits: every 5th image is test
 
     def validate(self) -> None:
@@ -39,7 +39,7 @@ class ShardsConfig:
             raise InvalidValue("shard_size", f"must be >= 1, got {self.shard_size}")
         if self.workers < 1:
             raise InvalidValue("workers", f"must be >= 1, got {self.workers}")
-        if self.source != "digits" and not self.input:
+        if self.source not in (None, "digits") and not self.input:
             raise InvalidValue("input", f"source {self.source!r} needs an input path")
         if self.digits_size < 8:
             raise InvalidValue("digits_size", f"must be >= 8, got {self.digits_size}")
@@ -49,20 +49,18 @@ class ShardsConfig:
 class DataConfig:
     """The training and evaluation loaders (``data.*``)."""
 
-    shards: str = "data/shards/digits"  # a directory holding manifest.json and the shards
+    shards: str = ""  # training shards: a directory holding manifest.json and the shards
     batch_size: int = 64  # images per rank per step; each yields two views
-    workers: int = 2
-    resolution: int = 32
-    augment: Literal["simclr", "autoaugment", "none"] = "simclr"
-    pairing: Literal["views", "same_label"] = "views"
-    crop_min_scale: float = 0.2
-    shuffle_buffer: int = 512
-    seed: int = 0
-    max_skip_fraction: float = 0.01
-    verify_checksums: bool = False
+    workers: int = 2  # loader worker processes per rank
+    resolution: int = 32  # side of the square views, in pixels
+    augment: Literal["simclr", "autoaugment", "none"] = "simclr"  # view augmentation recipe
+    pairing: Literal["views", "same_label"] = "views"  # 2 views of an image, or 2 images of a class
+    crop_min_scale: float = 0.2  # smallest random-resized-crop area fraction
+    shuffle_buffer: int = 512  # samples in each worker's shuffle buffer
+    seed: int = 0  # seed of shard order, shuffling and augmentation
+    max_skip_fraction: float = 0.01  # fail when more than this fraction of samples is bad
+    verify_checksums: bool = False  # hash every shard against the manifest before reading
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
-    tokenizer: str = ""  # clip: tokenise captions in the workers ("bundled" or a model dir)
-    text_length: int = 32  # tokens per caption
 
     def validate(self) -> None:
         for key in ("batch_size", "resolution"):

@@ -1,8 +1,4 @@
-"""``make-shards``: write WebDataset shards and their manifest.
-
-    make-shards --config launch/configs/demo.yaml shards.source=digits
-    python -m data_pipeline.make_shards shards.source=captions shards.input=cc3m.tsv \
-        shards.caption_column=0 shards.image_column=1 shards.has_header=false
+"""Write WebDataset shards and their manifest (the ``make-shards`` stage).
 
 Shard i holds samples [i * shard_size, (i + 1) * shard_size) of the source, written by a
 pool of processes. Each finished shard leaves a sidecar ``shard-XXXXXX.json`` (count,
@@ -23,11 +19,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data_pipeline.config import ShardsConfig
+from data_pipeline.formats import SkipSample, image_of
 from data_pipeline.manifest import Manifest, ShardInfo, file_sha256
-from data_pipeline.sources import Sample, SkipSample, build_source
+from data_pipeline.sources import Sample, build_source
 from data_pipeline.tario import TruncatedShard, iter_shard, write_shard
-from pretrain.cli import stage_main
-from pretrain.run_config import RunConfig
 
 _SOURCE = None  # the source, set once per worker process
 
@@ -117,7 +112,7 @@ def index_img2dataset(cfg: ShardsConfig) -> Manifest:
         count = 0
         try:
             for sample in iter_shard(tar):
-                if any(ext in sample for ext in ("jpg", "jpeg", "png", "webp")):
+                if image_of(sample):
                     count += 1
                 else:
                     skipped["missing_image"] += 1
@@ -134,15 +129,3 @@ def make_shards(cfg: ShardsConfig) -> Manifest:
     if cfg.source == "img2dataset":
         return index_img2dataset(cfg)
     return write_source_shards(cfg)
-
-
-def _run(config: RunConfig) -> None:
-    manifest = make_shards(config.shards)
-    print(f"make-shards: {manifest.total_samples} samples in {len(manifest.shards)} shards "
-          f"under {config.shards.output}; skipped {manifest.skipped or 'none'}")
-
-
-main = stage_main("make-shards", __doc__, run=_run)
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The shard manifest: names, sample counts, checksums, class names, totals (SPEC section 2).
+"""The shard manifest: names, sample counts, checksums, class names, totals (docs/data_pipeline.md).
 
 A loader refuses shards that disagree with their manifest before any work starts.
 """

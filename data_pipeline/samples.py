@@ -7,10 +7,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_pipeline.formats import SkipSample, image_of
 from data_pipeline.manifest import Manifest
-from data_pipeline.sources import SkipSample
 
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 MIN_SEEN_FOR_LIMIT = 20  # the skip fraction is judged once this many samples were seen
 
 
@@ -41,22 +40,30 @@ class SkipLog:
     counts: Counter = field(default_factory=Counter)
     bad_keys: list[str] = field(default_factory=list)
 
+    def take(self) -> SkipLog:
+        """What was logged so far, leaving this log empty for the next batch."""
+        taken = SkipLog(self.counts, self.bad_keys)
+        self.counts, self.bad_keys = Counter(), []
+        return taken
+
 
 class SampleChecker:
     """Turns a raw ``{"__key__", "jpg", "cls", "txt"}`` dict into a :class:`RawSample`,
-    raising SkipSample for a missing image, a bad caption or a label outside the class list,
-    and keeps the seen/skipped totals that enforce ``max_skip_fraction``."""
+    raising SkipSample for a missing image, a bad caption or a label outside the class list.
+    Every skip is counted in ``log`` (taken per batch) and in the seen/skipped totals that
+    enforce ``max_skip_fraction``."""
 
     def __init__(self, num_classes: int, max_skip_fraction: float) -> None:
         self.num_classes = num_classes
         self.max_skip_fraction = max_skip_fraction
         self.seen = 0
         self.skipped = 0
+        self.log = SkipLog()
 
     def parse(self, raw: dict, shard: str) -> RawSample:
         self.seen += 1
         key = str(raw["__key__"])
-        image = next((raw[f] for f in IMAGE_FIELDS if f in raw), None)
+        image = image_of(raw)
         if not image:
             raise SkipSample("missing_image", key)
         label = None
@@ -77,10 +84,13 @@ class SampleChecker:
                 raise SkipSample("bad_caption", f"{key}: empty")
         return RawSample(key, shard, image, label, caption)
 
-    def skip(self, log: SkipLog, reason: str, shard: str) -> None:
-        """Count one skip; abort when the bad fraction exceeds the limit."""
+    def skip(self, reason: str, shard: str, bad_key: str | None = None) -> None:
+        """Count one skip (``bad_key``: an undecodable sample, remembered for replays);
+        abort when the bad fraction exceeds the limit."""
         self.skipped += 1
-        log.counts[reason] += 1
+        self.log.counts[reason] += 1
+        if bad_key is not None:
+            self.log.bad_keys.append(bad_key)
         if (self.seen >= MIN_SEEN_FOR_LIMIT
                 and self.skipped > self.max_skip_fraction * self.seen):
             raise SkipLimitExceeded(

@@ -17,17 +17,9 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from data_pipeline.config import ShardsConfig
+from data_pipeline.formats import IMAGE_SUFFIXES, SkipSample
 
-IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-
-
-class SkipSample(Exception):
-    """A sample that cannot be used; ``reason`` is the counter it goes to."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -118,7 +110,7 @@ class ImageFolderSource:
                             else class_dirs)
         self.items = [(path, label) for label, name in enumerate(class_dirs)
                       for path in sorted((root_path / name).iterdir())
-                      if path.suffix.lower() in IMAGE_EXTENSIONS]
+                      if path.suffix.lower() in IMAGE_SUFFIXES]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -128,7 +120,7 @@ class ImageFolderSource:
         data = path.read_bytes()
         check_image(data, str(path))
         return Sample(key=safe_key(f"{path.parent.name}_{path.stem}"), image=data,
-                      ext=IMAGE_EXTENSIONS[path.suffix.lower()], label=label,
+                      ext=IMAGE_SUFFIXES[path.suffix.lower()], label=label,
                       caption=f"a photo of a {self.class_names[label]}")
 
 
@@ -169,11 +161,11 @@ class CaptionTableSource:
             raise SkipSample("bad_caption", f"{where}: not valid UTF-8")
         path = Path(row[self.image_col])
         path = path if path.is_absolute() else self.root / path
-        if path.suffix.lower() not in IMAGE_EXTENSIONS or not path.is_file():
+        if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
             raise SkipSample("missing_image", f"{where}: {path}")
         data = path.read_bytes()
         check_image(data, str(path))
-        return Sample(key=f"row_{i:09d}", image=data, ext=IMAGE_EXTENSIONS[path.suffix.lower()],
+        return Sample(key=f"row_{i:09d}", image=data, ext=IMAGE_SUFFIXES[path.suffix.lower()],
                       caption=caption)
 
 

@@ -10,7 +10,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torchvision.transforms import v2
 
-from data_pipeline.sources import SkipSample
+from data_pipeline.formats import SkipSample
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

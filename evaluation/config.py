@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pretrain.config import InvalidValue
+from core.config import InvalidValue
 
 
 @dataclass
@@ -18,25 +18,24 @@ class EvalConfig:
     ``tracking.uri`` (default: the run directory's SQLite store).
     """
 
-    model: str = ""
-    train_shards: str = "data/shards/digits-train"  # the kNN bank / probe training set
-    test_shards: str = "data/shards/digits-test"
-    batch_size: int = 256
-    ks: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 50, 100, 200])
-    knn_temperature: float = 0.07
+    model: str = ""  # checkpoint dir, runs:/<id>/encoder or models:/...; "" = newest checkpoint
+    train_shards: str = ""  # labelled shards: the kNN bank and the probe's training set
+    test_shards: str = ""  # labelled shards: the kNN queries and the probe's test set
+    batch_size: int = 256  # images per feature-extraction batch
+    ks: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 50, 100, 200])  # kNN k values
+    knn_temperature: float = 0.07  # T of the exp(sim / T) neighbour votes
     index: Literal["faiss_flat", "exact", "ivf"] = "faiss_flat"  # see evaluation/knn.py
-    ivf_lists: int = 0  # 0: about 4 sqrt(bank size)
-    ivf_probe: int = 16
+    ivf_lists: int = 0  # ivf: cells; 0 = about 4 sqrt(bank size)
+    ivf_probe: int = 16  # ivf: cells searched per query
     save_index: bool = True  # write the bank's index next to the report (reused if present)
     promote_k: int = 20  # the kNN top-1 that decides --promote (backbone features)
-    probe_epochs: int = 100
-    probe_lr: float = 0.1
-    class_groups: list[list[int]] = field(default_factory=lambda: [[0, 1, 2, 3, 4, 5, 6, 7,
-                                                                      8, 9]])
+    probe_epochs: int = 100  # linear probe: epochs over the bank
+    probe_lr: float = 0.1  # linear probe: AdamW learning rate
+    class_groups: list[list[int]] = field(default_factory=list)  # heatmap groups; [] = all (<= 50)
     samples_per_class: int = 100  # learned vs target similarity: samples per class
     max_diagnostic_samples: int = 10000  # uniformity and MI estimates subsample to this
-    mi_neighbours: int = 3
-    output: str = ""  # "" = <run_dir>/eval
+    mi_neighbours: int = 3  # k of the nearest-neighbour mutual-information estimate
+    output: str = ""  # report directory; "" = <run_dir>/eval
 
     def validate(self) -> None:
         if not self.ks or min(self.ks) < 1:

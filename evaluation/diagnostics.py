@@ -1,4 +1,4 @@
-"""Representation diagnostics (SPEC section 5). Inputs are feature matrices [n, d] and
+"""Representation diagnostics (docs/evaluation.md). Inputs are feature matrices [n, d] and
 integer labels [n]; every function L2-normalises the features first."""
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""``evaluate``: weighted kNN, linear probe and diagnostics of an encoder (issue #6).
-
-    evaluate --config launch/configs/demo.yaml eval.model=models:/digits-encoder/1
-    torchrun --nproc_per_node 2 -m evaluation.evaluate --config ... --promote champion
+"""Evaluation of an encoder: weighted kNN, linear probe and diagnostics (``evaluate``).
 
 Features are extracted by every rank (each sample once); rank 0 computes the numbers,
 writes ``results.json``, PNG plots and ``report.md`` to ``eval.output`` (default
@@ -10,14 +7,16 @@ writes ``results.json``, PNG plots and ``report.md`` to ``eval.output`` (default
 
 from __future__ import annotations
 
-import argparse
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from core.runtime import Runtime
+from data_pipeline.config import DataConfig
+from evaluation.config import EvalConfig
 from evaluation.diagnostics import (
     alignment_uniformity,
     class_geometry,
@@ -32,26 +31,30 @@ from evaluation.load import ModelRef, load_model
 from evaluation.probe import linear_probe
 from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json, write_markdown
 from evaluation.tracking import log_evaluation, upload_outputs
-from pretrain.cli import parse_run_args
-from pretrain.run_config import RunConfig
-from pretrain.runtime import init_runtime, shutdown
-from pretrain.tracking import tracking_uri
+from pretrain.tracking import TrackingConfig, tracking_uri
 
 log = logging.getLogger("evaluate")
+MAX_HEATMAP_CLASSES = 50  # eval.class_groups = []: one group of all classes up to this many
 
 
-def class_graph(config: RunConfig) -> np.ndarray | None:
-    path = Path(config.objective.class_graph)
-    if not path.is_file():
-        return None
-    from data_pipeline.graph.class_graph import load_class_graph
+@dataclass
+class EvalContext:
+    """Where an evaluation reads its model and writes its results."""
 
-    return load_class_graph(path)[0]
+    run_dir: Path  # the training run's directory (checkpoints, MLflow store)
+    run_name: str  # names the evaluation's MLflow run
+    tracking: TrackingConfig
+    target_graph: np.ndarray | None = None  # [C, C] class similarity to compare with
 
 
-def diagnostics(space: str, train: Features, test: Features, config: RunConfig,
-                out: Path, plots: list[str]) -> dict[str, Any]:
-    cfg = config.eval
+def class_groups(cfg: EvalConfig, num_classes: int) -> list[list[int]]:
+    if cfg.class_groups:
+        return cfg.class_groups
+    return [list(range(num_classes))] if 1 < num_classes <= MAX_HEATMAP_CLASSES else []
+
+
+def diagnostics(space: str, train: Features, test: Features, cfg: EvalConfig,
+                target: np.ndarray | None, out: Path, plots: list[str]) -> dict[str, Any]:
     bank, queries = getattr(train, space), getattr(test, space)
     margin = target_noise_margin(bank, train.labels, queries, test.labels)
     plot_margin(margin.pop("same"), margin.pop("other"), margin["margin"],
@@ -63,9 +66,9 @@ def diagnostics(space: str, train: Features, test: Features, config: RunConfig,
               **alignment_uniformity(queries, test.labels, cfg.max_diagnostic_samples),
               "mutual_information": knn_mutual_information(
                   queries, test.labels, cfg.mi_neighbours, cfg.max_diagnostic_samples)}
-    target = class_graph(config)
     correlations = []
-    for number, group in enumerate(cfg.class_groups):
+    groups = class_groups(cfg, max(len(test.class_names), int(test.labels.max()) + 1))
+    for number, group in enumerate(groups):
         learned = learned_similarity(queries, test.labels, group, cfg.samples_per_class)
         sub = target[np.ix_(group, group)] if target is not None else None
         corr = rank_correlation(learned, sub) if sub is not None else float("nan")
@@ -73,15 +76,14 @@ def diagnostics(space: str, train: Features, test: Features, config: RunConfig,
         names = [test.class_names[c] if c < len(test.class_names) else str(c) for c in group]
         plot_similarity(learned, sub, names, corr, out / f"similarity_{space}_{number}.png")
         plots.append(f"similarity_{space}_{number}.png")
-    result["rank_correlation"] = float(np.nanmean(correlations)) if target is not None \
-        else None
+    result["rank_correlation"] = (float(np.nanmean(correlations))
+                                  if target is not None and correlations else None)
     plots.append(f"margin_{space}.png")
     return result
 
 
-def knn_results(train: Features, test: Features, config: RunConfig, out: Path,
+def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
                 results: dict[str, Any]) -> None:
-    cfg = config.eval
     num_classes = max(len(train.class_names), int(train.labels.max()) + 1)
     results["knn"] = {}
     for space in ("backbone", "projector"):
@@ -106,59 +108,38 @@ def knn_results(train: Features, test: Features, config: RunConfig, out: Path,
                                            cfg.probe_lr)
 
 
-def evaluate_features(train: Features, test: Features, config: RunConfig, ref: ModelRef,
-                      out: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {"model": vars(ref), "train_shards": config.eval.train_shards,
-                               "test_shards": config.eval.test_shards,
+def evaluate_features(train: Features, test: Features, cfg: EvalConfig,
+                      target: np.ndarray | None, ref: ModelRef, out: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {"model": vars(ref), "train_shards": cfg.train_shards,
+                               "test_shards": cfg.test_shards,
                                "samples": {"train": len(train.keys), "test": len(test.keys)}}
-    knn_results(train, test, config, out, results)
+    knn_results(train, test, cfg, out, results)
     plots = ["knn_accuracy.png"]
     plot_knn(results, out / "knn_accuracy.png")
-    results["diagnostics"] = {space: diagnostics(space, train, test, config, out, plots)
+    results["diagnostics"] = {space: diagnostics(space, train, test, cfg, target, out, plots)
                               for space in ("backbone", "projector")}
     results["plots"] = plots
     return results
 
 
-def run(config: RunConfig, promote_alias: str | None = None) -> dict[str, Any] | None:
-    rt = init_runtime(config.train.device, config.engine.backend)
-    run_dir = Path(config.output_dir) / config.name
-    out = Path(config.eval.output) if config.eval.output else run_dir / "eval"
-    uri = tracking_uri(config.tracking, run_dir)
-    try:
-        model, ref = load_model(config.eval.model, run_dir, uri)
-        train = extract(model, config.data, config.eval.train_shards, rt.device, rt.rank,
-                        rt.world)
-        test = extract(model, config.data, config.eval.test_shards, rt.device, rt.rank,
-                       rt.world)
-        if not rt.is_main:
-            return None
-        out.mkdir(parents=True, exist_ok=True)
-        results = evaluate_features(train, test, config, ref, out)
-        tracked = (log_evaluation(uri, config, ref, results, promote_alias)
-                   if config.tracking.enabled else None)
-        write_json(results, out / "results.json")
-        write_markdown(results, out / "report.md")
-        if tracked is not None:
-            upload_outputs(*tracked, out)
-        log.info("evaluation written to %s:\n%s", out, (out / "report.md").read_text())
-        return results
-    finally:
-        shutdown()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--promote", metavar="ALIAS", help="set this registry alias on the "
-                        "evaluated model version if its kNN top-1 beats the alias holder")
-
-
-def main(argv: list[str] | None = None) -> None:
-    config, args = parse_run_args("evaluate", __doc__, argv, add_arguments)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: "
-                                                   "%(message)s")
-    torch.manual_seed(config.seed)
-    run(config, args.promote)
-
-
-if __name__ == "__main__":
-    main()
+def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtime,
+             promote_alias: str | None = None) -> dict[str, Any] | None:
+    """Evaluate ``cfg.model`` on every rank; rank 0 returns (and writes) the results."""
+    out = Path(cfg.output) if cfg.output else context.run_dir / "eval"
+    uri = tracking_uri(context.tracking, context.run_dir)
+    model, ref = load_model(cfg.model, context.run_dir, uri)
+    train = extract(model, data, cfg.train_shards, rt.device, rt.rank, rt.world)
+    test = extract(model, data, cfg.test_shards, rt.device, rt.rank, rt.world)
+    if not rt.is_main:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    results = evaluate_features(train, test, cfg, context.target_graph, ref, out)
+    tracked = (log_evaluation(uri, cfg, context.tracking.experiment, context.run_name, ref,
+                              results, promote_alias)
+               if context.tracking.enabled else None)
+    write_json(results, out / "results.json")
+    write_markdown(results, out / "report.md")
+    if tracked is not None:
+        upload_outputs(*tracked, out)
+    log.info("evaluation written to %s:\n%s", out, (out / "report.md").read_text())
+    return results

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
+from core.collectives import all_gather_rows
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import eval_batches
 from data_pipeline.samples import ShardSet
-from pretrain.distributed import all_gather_rows
 from pretrain.model_logging import EmbeddingModel
 
 

@@ -1,4 +1,4 @@
-"""Weighted kNN classification (Wu et al. 2018; SPEC section 5) over a bank of features.
+"""Weighted kNN classification (Wu et al. 2018; docs/evaluation.md) over a bank of features.
 
 Cosine similarity on L2-normalised features; each of the k nearest bank entries votes
 exp(sim / T) for its class (T = 0.07); top-1 and top-5 for every k from one search at the

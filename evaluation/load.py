@@ -8,9 +8,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from pretrain.config import from_dict
-from pretrain.model import ContrastiveModel
+from core.config import from_dict
+from pretrain.checkpoint import list_checkpoints
+from pretrain.model import ModelConfig, encoder_from_state
 from pretrain.model_logging import EmbeddingModel
+from pretrain.tracking import run_id_of
 
 
 @dataclass
@@ -24,22 +26,17 @@ class ModelRef:
 
 
 def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
-    """A checkpoint directory (or its ``shared.pt``) -> the encoder, the run's config dict."""
-    from pretrain.run_config import RunConfig
+    """A checkpoint directory (or its ``shared.pt``) -> the encoder, the run's config dict.
 
+    Only the checkpoint's ``model`` section is needed to rebuild the encoder.
+    """
     file = path / "shared.pt" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"eval.model={path}: no checkpoint (shared.pt) there")
     state = torch.load(file, map_location="cpu", weights_only=True)
     tree = yaml.safe_load(state["config"])
-    config = from_dict(RunConfig, tree)
-    objective = config.objective
-    model = ContrastiveModel(config.model, with_text=objective.name == "clip",
-                             learnable_temperature=(objective.temperature
-                                                    if objective.learnable_temperature
-                                                    else None))
-    model.load_state_dict(state["model"])
-    return EmbeddingModel(model.encoder), tree
+    model_cfg = from_dict(ModelConfig, tree.get("model", {}), prefix="model.")
+    return EmbeddingModel(encoder_from_state(model_cfg, state["model"])), tree
 
 
 def resolve(source: str, uri: str) -> ModelRef:
@@ -76,13 +73,11 @@ def load_model(source: str, run_dir: Path, uri: str) -> tuple[EmbeddingModel, Mo
         return model, ref
     path = Path(source) if source else _newest(run_dir)
     model, _ = from_checkpoint(path)
-    run_id_file = run_dir / "mlflow_run_id"
-    run_id = run_id_file.read_text().strip() if run_id_file.is_file() else None
-    return model, ModelRef(str(path), run_id=run_id)
+    return model, ModelRef(str(path), run_id=run_id_of(run_dir))
 
 
 def _newest(run_dir: Path) -> Path:
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         raise FileNotFoundError(f"eval.model is empty and {run_dir}/checkpoints has none")
-    return checkpoints[-1]
+    return checkpoints[0]

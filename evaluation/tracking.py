@@ -8,17 +8,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from core.config import flatten
+from evaluation.config import EvalConfig
 from evaluation.load import ModelRef
 from evaluation.promote import promote
 from evaluation.report import scalars
-from pretrain.config import flatten
 from pretrain.tracking import experiment_id
 
 log = logging.getLogger(__name__)
 
 
-def log_evaluation(uri: str, config: Any, ref: ModelRef, results: dict[str, Any],
-                   promote_alias: str | None) -> tuple[Any, str]:
+def log_evaluation(uri: str, cfg: EvalConfig, experiment: str, run_name: str, ref: ModelRef,
+                   results: dict[str, Any], promote_alias: str | None) -> tuple[Any, str]:
     """Create the evaluation run, log the numbers, promote; returns (client, run id) for
     :func:`upload_outputs` once the files are written."""
     import mlflow
@@ -26,12 +27,12 @@ def log_evaluation(uri: str, config: Any, ref: ModelRef, results: dict[str, Any]
 
     client = mlflow.MlflowClient(uri, registry_uri=uri)
     experiment = (client.get_run(ref.run_id).info.experiment_id if ref.run_id is not None
-                  else experiment_id(client, config.tracking.experiment))
+                  else experiment_id(client, experiment))
     tags = {"evaluated_model": ref.source}
     if ref.run_id is not None:
         tags["mlflow.parentRunId"] = ref.run_id
-    run = client.create_run(experiment, run_name=f"eval-{config.name}", tags=tags)
-    score = results["knn"]["backbone"][f"k{config.eval.promote_k}"]["top1"]
+    run = client.create_run(experiment, run_name=f"eval-{run_name}", tags=tags)
+    score = results["knn"]["backbone"][f"k{cfg.promote_k}"]["top1"]
     if promote_alias:
         if ref.name is None:
             raise ValueError("--promote needs a registry model: eval.model=models:/name/N")
@@ -39,7 +40,7 @@ def log_evaluation(uri: str, config: Any, ref: ModelRef, results: dict[str, Any]
         log.info("promotion: %s", results["promotion"])
     elif ref.name is not None:
         client.set_model_version_tag(ref.name, ref.version, "knn_top1", f"{score:.6f}")
-    params = {k: str(v)[:6000] for k, v in flatten(config.eval).items()}
+    params = {k: str(v)[:6000] for k, v in flatten(cfg).items()}
     metrics = [Metric(k.replace("@", "_"), v, 0, 0) for k, v in scalars(results).items()]
     client.log_batch(run.info.run_id, metrics=metrics,
                      params=[Param(f"eval.{k}", v) for k, v in params.items()])

@@ -12,6 +12,6 @@ config="$repo/launch/configs/demo.yaml"
 "$bin/make-shards" --config "$config" "$@"
 "$bin/make-shards" --config "$config" shards.split=test shards.output=data/shards/digits-test "$@"
 "$bin/graph-precompute" --config "$config" graph.task=class_graph "$@"
-"$bin/torchrun" --standalone --nproc_per_node "${NPROC:-2}" -m pretrain.train \
+"$bin/torchrun" --standalone --nproc_per_node "${NPROC:-2}" -m app.pretrain \
     --config "$config" "$@"
 "$bin/evaluate" --config "$config" eval.model=models:/digits-encoder/latest --promote champion "$@"

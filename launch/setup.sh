@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv with pip and install the project into it, editable.
+# Create (or reuse) .venv with pip and install the project into it, editable, at the
+# versions pinned in launch/constraints.txt (refresh them with launch/lock.sh).
 #   launch/setup.sh            runtime dependencies
 #   launch/setup.sh dev        plus test tools
 #   launch/setup.sh dev,bench  plus benchmark-only peers (lightly, pytorch-metric-learning)
-# Idempotent: re-running reuses the venv and installs only what is missing.
+# Idempotent: re-running reuses the venv and installs only what is missing. Quiet unless an
+# install fails; the whole pip output is in .venv/setup.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -12,12 +14,22 @@ command -v "$python" >/dev/null || python=python3
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
-# pip, not uv/poetry: pip takes torch and torchvision from this machine's local wheel cache.
-.venv/bin/python -m pip install --quiet --upgrade "pip>=24" setuptools wheel
-# torch first, so DeepSpeed (an sdist that imports torch to build) finds it without an isolated
-# build environment that would fetch a second copy of torch.
-.venv/bin/python -m pip install --quiet torch torchvision
+log=.venv/setup.log
+: > "$log"
+pip() {
+    if ! .venv/bin/python -m pip --disable-pip-version-check install --quiet \
+            --constraint launch/constraints.txt "$@" >>"$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        echo "setup: pip install $* failed; full output in $log" >&2
+        exit 1
+    fi
+}
+# pip, not uv/poetry: pip also sees this machine's local wheel cache.
+pip --upgrade pip setuptools wheel
+# torch first, so DeepSpeed (an sdist that imports torch to build) finds it without an
+# isolated build environment that would fetch a second copy of torch.
+pip torch torchvision
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-.venv/bin/python -m pip install --quiet --no-build-isolation -e "$spec"
+pip --no-build-isolation --editable "$spec"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

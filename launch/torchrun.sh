@@ -12,4 +12,4 @@ gpus=$(.venv/bin/python -c 'import torch; print(torch.cuda.device_count())')
 nproc="${NPROC:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}"
 [ "$gpus" -eq 0 ] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/torchrun --standalone --nproc_per_node "$nproc" \
-    --max-restarts "${MAX_RESTARTS:-3}" -m pretrain.train --config "$config" "$@"
+    --max-restarts "${MAX_RESTARTS:-3}" -m app.pretrain --config "$config" "$@"

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.config import InvalidValue
-from pretrain.distributed import all_ranks_agree, barrier
+from core.collectives import all_ranks_agree, barrier
+from core.config import InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run directory, newest first."""
+    root = run_dir / "checkpoints"
+    return sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []
+
+
 def _save(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -79,7 +85,7 @@ def _save(obj: Any, path: Path) -> None:
 class Checkpointer:
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world: int,
                  device: torch.device) -> None:
-        self.root = run_dir / "checkpoints"
+        self.run_dir, self.root = run_dir, run_dir / "checkpoints"
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
 
     def due(self, step: int) -> bool:
@@ -87,9 +93,7 @@ class Checkpointer:
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, newest first."""
-        if not self.root.is_dir():
-            return []
-        return sorted(self.root.glob("step_*"), reverse=True)
+        return list_checkpoints(self.run_dir)
 
     def save(self, step: int, shared: dict[str, Any], own: dict[str, Any]) -> Path:
         """Write this step's checkpoint (a collective: every rank calls it)."""

@@ -3,11 +3,10 @@ DeepSpeed ZeRO-1/2.
 
 An engine owns the wrapped model and the optimiser and offers ``forward`` (``engine(...)``),
 ``backward(loss)``, ``step()`` (clip, update, zero the gradients), ``skip(loss)`` (drop a
-step whose loss is not finite), ``set_lr(factor)``,
-``state_dict()``/``load_state_dict()`` in a form ``torch.load(weights_only=True)`` reads,
-and ``full_gradients()`` (what the step is about to apply, for tests). Both average
-gradients over ranks, which with the gathering boundary's scaling gives the gradient of
-the global-batch loss (SPEC section 4); shared scalars such as a learnable temperature are
+step whose loss is not finite), ``set_lr(factor)``, and
+``state_dict()``/``load_state_dict()`` in a form ``torch.load(weights_only=True)`` reads.
+Both average gradients over ranks, which with the gathering boundary's scaling gives the
+gradient of the global-batch loss; shared scalars such as a learnable temperature are
 averaged once, like every other parameter.
 """
 
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pretrain.config import InvalidValue
+from core.config import InvalidValue
 
 
 @dataclass
@@ -30,10 +29,10 @@ class EngineConfig:
     """``engine.*``. DeepSpeed reads its JSON (``deepspeed_config``, under launch/deepspeed/),
     which must set ``gradient_clipping`` explicitly; DDP clips at ``gradient_clipping``."""
 
-    name: Literal["ddp", "deepspeed"] = "ddp"
-    deepspeed_config: str = "launch/deepspeed/zero1.json"
+    name: Literal["ddp", "deepspeed"] = "ddp"  # the training engine
+    deepspeed_config: str = "launch/deepspeed/zero1.json"  # deepspeed: its JSON config
     gradient_clipping: float = 0.0  # ddp: max global gradient norm, 0 = off
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on GPU, gloo on CPU
 
     def validate(self) -> None:
         if self.gradient_clipping < 0:
@@ -80,10 +79,6 @@ class Engine:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * factor
         return self.base_lrs[0] * factor
-
-    def full_gradients(self) -> dict[str, Tensor]:
-        return {name: p.grad.detach().clone() for name, p in self.module.named_parameters()
-                if p.grad is not None}
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -146,12 +141,6 @@ class DeepSpeedEngine(Engine):
 
     def step(self) -> None:
         self.ds.step()
-
-    def full_gradients(self) -> dict[str, Tensor]:
-        from deepspeed.utils import safe_get_full_grad
-
-        grads = {name: safe_get_full_grad(p) for name, p in self.module.named_parameters()}
-        return {name: g.detach().clone() for name, g in grads.items() if g is not None}
 
     def state_dict(self) -> dict[str, Any]:
         optimizer = {k: v for k, v in self.optimizer.state_dict().items()

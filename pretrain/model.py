@@ -16,25 +16,27 @@ import torch
 import torchvision
 from torch import Tensor, nn
 
-from pretrain.config import InvalidValue
-from pretrain.text_tower import TextConfig, TextTower
+from core.config import InvalidValue
+from pretrain.losses.config import ObjectiveConfig
+from pretrain.text_tower import TextTower, TextTowerConfig
 
 
 @dataclass
 class ModelConfig:
     """``model.*``: the backbone and the projector."""
 
-    backbone: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"
-    small_stem: bool = True  # 3x3/1 stem without max-pool, for 32-64 px images
-    projector_hidden: int = 512
-    projector_dim: int = 128
+    backbone: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"  # the encoder network
+    width: int = 64  # small_cnn: channels of the first block (then x2, x4, x4)
+    small_stem: bool = True  # resnet: 3x3/1 stem without max-pool, for 32-64 px images
+    projector_hidden: int = 512  # hidden width of the 2-layer projector
+    projector_dim: int = 128  # output width of the projector (the contrastive embedding)
     norm: Literal["batch", "group"] = "batch"  # group: independent of the batch split
     sync_batchnorm: bool = True  # batch norm over the global batch on multi-GPU runs
-    channels_last: bool = True  # on GPU
-    text: TextConfig = field(default_factory=TextConfig)  # clip's text tower
+    channels_last: bool = True  # channels-last memory format on GPU
+    text: TextTowerConfig = field(default_factory=TextTowerConfig)  # clip's text tower
 
     def validate(self) -> None:
-        for key in ("projector_hidden", "projector_dim"):
+        for key in ("width", "projector_hidden", "projector_dim"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
 
@@ -71,7 +73,7 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.backbone == "small_cnn":
-            self.backbone, features = small_cnn(norm=cfg.norm)
+            self.backbone, features = small_cnn(cfg.width, cfg.norm)
         else:
             self.backbone, features = resnet(cfg.backbone, cfg.small_stem, cfg.norm)
         self.feature_dim = features
@@ -120,12 +122,25 @@ class ContrastiveModel(nn.Module):
         return ModelOutput(features, projections, text, temperature)
 
 
-def build_model(cfg: ModelConfig, device: torch.device, with_text: bool = False,
-                learnable_temperature: float | None = None) -> ContrastiveModel:
-    model = ContrastiveModel(cfg, with_text, learnable_temperature).to(device)
+def build_model(cfg: ModelConfig, objective: ObjectiveConfig,
+                device: torch.device) -> ContrastiveModel:
+    """The model a run trains: the encoder, plus the text tower for ``clip`` and a
+    learnable temperature (initialised at ``objective.temperature``) when asked for."""
+    temperature = objective.temperature if objective.learnable_temperature else None
+    model = ContrastiveModel(cfg, objective.name == "clip", temperature).to(device)
     if device.type == "cuda":
         if cfg.channels_last:
             model.encoder = model.encoder.to(memory_format=torch.channels_last)
         if cfg.sync_batchnorm and cfg.norm == "batch":
             model.encoder = nn.SyncBatchNorm.convert_sync_batchnorm(model.encoder)
     return model
+
+
+def encoder_from_state(cfg: ModelConfig, model_state: dict[str, Tensor]) -> Encoder:
+    """The encoder of a trained :class:`ContrastiveModel`, from that model's state dict
+    (text tower and temperature, if any, are left out)."""
+    encoder = Encoder(cfg)
+    prefix = "encoder."
+    encoder.load_state_dict({key[len(prefix):]: value for key, value in model_state.items()
+                             if key.startswith(prefix)})
+    return encoder

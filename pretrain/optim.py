@@ -15,20 +15,20 @@ from typing import Literal
 import torch
 from torch import nn
 
-from pretrain.config import InvalidValue
+from core.config import InvalidValue
 
 
 @dataclass
 class OptimConfig:
     """``optim.*``. ``lr`` is per 256 images (scaled by global batch / 256, SimCLR's rule)."""
 
-    name: Literal["lars", "sgd", "adamw"] = "lars"
-    lr: float = 0.3
-    weight_decay: float = 1e-6
-    momentum: float = 0.9
-    trust_coefficient: float = 0.001  # LARS eta
-    warmup_steps: int = 10
-    betas: tuple[float, float] = (0.9, 0.999)  # adamw
+    name: Literal["lars", "sgd", "adamw"] = "lars"  # the optimiser
+    lr: float = 0.3  # learning rate per 256 images of global batch
+    weight_decay: float = 1e-6  # on weights (>= 2 dims); biases and norms get none
+    momentum: float = 0.9  # lars, sgd: momentum
+    trust_coefficient: float = 0.001  # lars: eta of the layer-wise trust ratio
+    warmup_steps: int = 10  # linear warmup steps before the cosine decay
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw: moment decay rates
 
     def validate(self) -> None:
         if not self.lr > 0:

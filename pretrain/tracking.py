@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import InvalidValue
+from core.config import InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +27,27 @@ log = logging.getLogger(__name__)
 class TrackingConfig:
     """``tracking.*``."""
 
-    enabled: bool = True
+    enabled: bool = True  # track the run in MLflow (rank 0)
     uri: str = ""  # "" = sqlite:///<run_dir>/mlflow.db; or http://host:port
-    experiment: str = "contrastive-pretraining"
+    experiment: str = "contrastive-pretraining"  # MLflow experiment name
     registered_model: str = ""  # "" = "<run name>-encoder"
     system_metrics: bool = True  # CPU/GPU/memory sampled by MLflow during the run
     log_model: bool = True  # log and register the encoder at the end
-    retry_every_s: float = 30.0  # while the server is unreachable
-    request_timeout_s: float = 5.0
+    retry_every_s: float = 30.0  # seconds between contact attempts while unreachable
+    request_timeout_s: float = 5.0  # seconds before a tracking request counts as failed
 
     def validate(self) -> None:
         if self.retry_every_s < 0 or self.request_timeout_s <= 0:
             raise InvalidValue("retry_every_s", "retry_every_s >= 0, request_timeout_s > 0")
+
+
+RUN_ID_FILE = "mlflow_run_id"  # in the run directory: the run's MLflow run id
+
+
+def run_id_of(run_dir: Path) -> str | None:
+    """The MLflow run id a training run in ``run_dir`` logged to, if any."""
+    path = run_dir / RUN_ID_FILE
+    return path.read_text().strip() if path.is_file() else None
 
 
 def tracking_uri(cfg: TrackingConfig, run_dir: Path) -> str:
@@ -66,8 +75,7 @@ class Tracker:
             os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(cfg.request_timeout_s))
         self.client = mlflow.MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
         self.journal = run_dir / "mlflow_pending.jsonl"
-        self.id_file = run_dir / "mlflow_run_id"
-        self.run_id = self.id_file.read_text().strip() if self.id_file.is_file() else None
+        self.run_id = run_id_of(run_dir)
         self.params: dict[str, str] = {}
         self.monitor = None
         self.last_try = -float("inf")
@@ -81,7 +89,7 @@ class Tracker:
             experiment = experiment_id(self.client, self.cfg.experiment, location)
             self.run_id = self.client.create_run(experiment,
                                                  run_name=self.run_name).info.run_id
-            self.id_file.write_text(self.run_id)
+            (self.run_dir / RUN_ID_FILE).write_text(self.run_id)
         if self.params:
             from mlflow.entities import Param
 

@@ -4,7 +4,7 @@ Per step: set the learning rate from the schedule, forward under autocast, build
 global batch and the objective (:func:`pretrain.step.forward_loss`), then backward and
 update through the engine. A non-finite loss on any rank skips the update on every rank
 and is counted; ``max_nonfinite`` in a row stops the run with a message. Every
-``log_every`` steps the monitors of SPEC section 5 (averaged over ranks and steps) go to
+``log_every`` steps the training monitors (averaged over ranks and steps) go to
 MLflow and the progress bar; checkpoints follow :mod:`pretrain.checkpoint`.
 """
 
@@ -20,14 +20,15 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
+from core.collectives import all_ranks_agree, mean_over_ranks, sum_over_ranks
+from core.config import InvalidValue
+from core.runtime import Runtime, autocast, peak_memory_mib
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import LoaderState, train_batches
+from data_pipeline.text import TextConfig
 from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state
-from pretrain.config import InvalidValue
-from pretrain.distributed import all_ranks_agree, mean_over_ranks, sum_over_ranks
 from pretrain.engine import Engine
 from pretrain.losses import EssTemperatureController, ObjectiveConfig
-from pretrain.runtime import Runtime, autocast, peak_memory_mib
 from pretrain.step import forward_loss, to_device
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,11 @@ log = logging.getLogger(__name__)
 class TrainConfig:
     """``train.*``: length of the run and how it is watched."""
 
-    epochs: int = 1
+    epochs: int = 1  # passes over the training shards
     max_steps: int = 0  # > 0: stop after this many steps (overrides epochs)
     log_every: int = 10  # steps between metric rows
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     max_nonfinite: int = 5  # consecutive non-finite losses that stop the run
     progress: bool = True  # tqdm bar on rank 0
     knn_every: int = 0  # > 0: kNN monitor on a fixed subset of eval.* shards every N steps
@@ -62,12 +63,13 @@ class NonFiniteLoss(RuntimeError):
 
 @dataclass
 class Parts:
-    """What the loop drives, assembled by :mod:`pretrain.train`."""
+    """What the loop drives, assembled by :mod:`app.pretrain`."""
 
     engine: Engine
     objective: Callable
     objective_cfg: ObjectiveConfig
     data_cfg: DataConfig
+    text: TextConfig | None  # tokenise captions with this model (clip)
     runtime: Runtime
     checkpointer: Checkpointer
     schedule: Callable[[int], float]
@@ -126,7 +128,8 @@ class Trainer:
                    disable=not (self.cfg.progress and rt.is_main), dynamic_ncols=True)
         self.window_start = time.perf_counter()
         while self.step < self.p.total_steps:
-            for batch in train_batches(self.p.data_cfg, rt.rank, rt.world, self.loader_state):
+            for batch in train_batches(self.p.data_cfg, rt.rank, rt.world, self.loader_state,
+                                       self.p.text):
                 self.train_step(batch, bar)
                 if self.step >= self.p.total_steps:
                     break

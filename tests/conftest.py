@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
-from pretrain.runtime import free_port
+from core.runtime import free_port
 from tests.data_pipeline.helpers import digit_sample, write_set
 
 TASK_TIMEOUT_S = 300

@@ -1,2 +1,2 @@
-"""The offline caption-similarity job (issue #5): caption embeddings keyed by ``__key__``,
+"""The offline caption-similarity job: caption embeddings keyed by ``__key__``,
 class-template graphs and caption-neighbour graphs."""

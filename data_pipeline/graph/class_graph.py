@@ -1,4 +1,4 @@
-"""Class-template graphs (X-CLR's ImageNet recipe; SPEC section 2): captions such as
+"""Class-template graphs (X-CLR's ImageNet recipe; docs/graph.md): captions such as
 "a photo of a {name}." per class, averaged over templates, giving a C x C cosine matrix."""
 
 from __future__ import annotations

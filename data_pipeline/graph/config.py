@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pretrain.config import InvalidValue
+from core.config import InvalidValue
 
 
 @dataclass
@@ -20,19 +20,19 @@ class GraphConfig:
     torchrun's RANK/WORLD_SIZE (a slurm array sets them explicitly per task).
     """
 
-    task: Literal["captions", "class_graph", "neighbours", "show"] = "captions"
-    phase: Literal["all", "collect", "encode", "merge"] = "all"
-    shards: str = "data/shards/digits-train"
-    output: str = "data/captions/digits-train"
+    task: Literal["captions", "class_graph", "neighbours", "show"] = "captions"  # what to build
+    phase: Literal["all", "collect", "encode", "merge"] = "all"  # captions: phases to run
+    shards: str = ""  # the shards whose captions (or class names) are embedded
+    output: str = ""  # directory of the caption store and graphs
     model: str = "bundled"  # the bundled all-MiniLM-L6-v2, or a local model directory
-    batch_size: int = 256
-    device: str = "auto"
-    part: int | None = None
-    num_parts: int | None = None
+    batch_size: int = 256  # captions per encoder batch
+    device: str = "auto"  # encoder device; auto: cuda when available
+    part: int | None = None  # this job's part (slurm arrays); null: torchrun's RANK
+    num_parts: int | None = None  # parts in all; null: torchrun's WORLD_SIZE
     class_names: str = ""  # class_graph: "" (the manifest's), "imagenet1k", or a file
-    templates: list[str] = field(default_factory=lambda: ["a photo of a {name}."])
-    neighbours: int = 10
-    index: Literal["auto", "exact", "ivf"] = "auto"
+    templates: list[str] = field(default_factory=lambda: ["a photo of a {name}."])  # class_graph
+    neighbours: int = 10  # neighbours: k nearest captions kept per caption
+    index: Literal["auto", "exact", "ivf"] = "auto"  # neighbours: search; auto: exact if small
     key: str = ""  # show: the sample to inspect
 
     def validate(self) -> None:

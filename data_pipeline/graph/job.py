@@ -1,5 +1,5 @@
 """``graph-precompute`` task ``captions``: every sample's caption embedded once, keyed by
-``__key__`` (issue #5).
+``__key__``.
 
 Phases, each resumable from what it left on disk (validated by counts and checksums):
 

@@ -1,6 +1,6 @@
 """The caption-embedding store: float16 rows of the distinct captions, a sorted key index
 and the row of each key, all memory-mapped, so a loader worker joins a sample to its row by
-``__key__`` without holding the store in memory (SPEC section 2).
+``__key__`` without holding the store in memory (docs/graph.md).
 
 Files: ``keys.npy`` [N] sorted fixed-width bytes, ``rows.npy`` [N] int32, ``embeddings.npy``
 [U, E] float16, ``captions.jsonl`` (the U distinct captions, for inspection), ``meta.json``.
@@ -57,14 +57,6 @@ class CaptionStore:
         pos = np.searchsorted(self.keys, wanted).clip(max=max(len(self.keys) - 1, 0))
         found = self.keys[pos] == wanted if len(self.keys) else np.zeros(len(keys), bool)
         return np.where(found, self.rows[pos], -1), found
-
-    def lookup(self, keys: list[str]) -> np.ndarray:
-        """[n, E] float16 embeddings of ``keys``; KeyError naming the first missing one."""
-        rows, found = self.find(keys)
-        if not found.all():
-            missing = keys[int(np.argmin(found))]
-            raise KeyError(f"{missing}: not in the caption store {self.directory}")
-        return np.asarray(self.embeddings[rows])
 
     def captions(self) -> list[str]:
         lines = (self.directory / "captions.jsonl").read_text(encoding="utf-8").splitlines()

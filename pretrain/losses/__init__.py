@@ -1,4 +1,4 @@
-"""The objective library (SPEC section 3).
+"""The objective library; ``docs/objectives.md`` defines what each one computes.
 
 Every objective is a pure function ``(batch: ContrastiveBatch, temperature, **hparams) ->
 ObjectiveOutput(loss, metrics)``; none touches torch.distributed. The gathering boundary
@@ -41,6 +41,7 @@ OBJECTIVES: dict[str, Objective] = {
     "clip": clip,
 }
 assert tuple(OBJECTIVES) == OBJECTIVE_NAMES
+SUPERVISED = ("supcon", "sincere", "eps_supinfonce", "projnce")  # positives share a label
 
 
 def get_objective(name: str, **hparams: object) -> Callable[[ContrastiveBatch, Temperature],
@@ -60,36 +61,42 @@ def batch_loss(
     z: Tensor,
     ids: Tensor,
     labels: Tensor | None = None,
+    *,
+    temperature: Temperature,
     captions: Tensor | None = None,
     class_graph: Tensor | None = None,
     text: Tensor | None = None,
-    temperature: Temperature = 0.1,
     num_negatives: int | None = None,
     negatives_seed: int = 0,
     **hparams: object,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> ObjectiveOutput:
     """Objective ``name`` on one whole multiviewed batch in a single process.
 
     Args:
         z: [N, D] un-normalised embeddings (all views of all images).
         ids: [N] instance ids; the views of one image share an id.
         labels: [N] class labels (supervised objectives, class graph lookup).
+        temperature: tau, a float or a 0-dim tensor (learnable temperature / logit scale).
         captions: [N, E] caption embeddings (``xclr``).
         class_graph: [C, C] class-similarity matrix (``xclr``, ImageNet recipe).
         text: [N, D] text embeddings paired row by row with ``z`` (``clip``).
-        temperature: float or a 0-dim tensor (learnable temperature / logit scale).
         num_negatives: per-anchor seeded random subset of k negatives; None keeps all.
         hparams: the objective's own keyword arguments (``eps``, ``gamma``, ...).
     Returns:
-        (loss, metrics), equal to what the distributed path computes on the same batch.
+        ``ObjectiveOutput(loss, metrics)``, equal to what the distributed path computes on
+        the same batch.
     """
+    for arg, value in (("z", z), ("ids", ids), ("labels", labels)):
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"batch_loss: {arg} must be a tensor, got {type(value).__name__} "
+                            f"{value!r} (temperature and hyperparameters are keywords)")
     batch = make_batch(z, ids, labels=labels, captions=captions, class_graph=class_graph,
                        text=text, num_negatives=num_negatives, negatives_seed=negatives_seed)
-    return tuple(get_objective(name, **hparams)(batch, temperature))
+    return get_objective(name, **hparams)(batch, temperature)
 
 
 __all__ = [
-    "OBJECTIVES", "ContrastiveBatch", "EssControlConfig", "EssTemperatureController",
+    "OBJECTIVES", "SUPERVISED", "ContrastiveBatch", "EssControlConfig", "EssTemperatureController",
     "ObjectiveConfig", "ObjectiveOutput", "batch_loss", "get_objective", "make_batch",
     "objective_from_config",
 ]

@@ -1,4 +1,4 @@
-"""The description of one global batch that every objective reads (SPEC section 3 and 4).
+"""The description of one global batch that every objective reads.
 
 Rows are this rank's anchors, columns are all candidates of the global batch (every rank's
 samples, in rank order). One process on the whole batch is the special case
@@ -70,7 +70,7 @@ class ContrastiveBatch:
         candidates: [N, D] L2-normalised embeddings of the global batch, carrying gradient.
         anchor_index: [n] long, positions of this rank's anchors among the candidates.
         ids: [N] long instance ids; the augmented views of one image share an id.
-        labels: [N] long class labels, or None (then label positives fall back to ids).
+        labels: [N] long class labels, or None (then only instance positives exist).
         captions: [N, E] L2-normalised caption embeddings, or None.
         class_graph: [C, C] class-similarity matrix looked up by labels, or None.
         text: [N, D] L2-normalised second-modality embeddings (``clip``), or None.
@@ -108,8 +108,13 @@ class ContrastiveBatch:
         return self.anchor_index[:, None] == cols[None, :]
 
     def keys(self, kind: PositiveKind) -> Tensor:
-        """[N] the key that defines positives: instance ids, or labels (ids without labels)."""
-        return self.labels if kind == "label" and self.labels is not None else self.ids
+        """[N] the key that defines positives: instance ids, or class labels."""
+        if kind == "instance":
+            return self.ids
+        if self.labels is None:
+            raise ValueError("label positives need class labels (labels=, an [N] tensor); "
+                             "the batch has none")
+        return self.labels
 
     def group_index(self, kind: PositiveKind) -> tuple[Tensor, Tensor, Tensor]:
         """([G] sorted distinct keys, [N] group of each candidate, [G] group sizes)."""
@@ -118,15 +123,17 @@ class ContrastiveBatch:
                 self.keys(kind), return_inverse=True, return_counts=True)
         return self._cache["groups", kind]
 
-    def group_sums(self, kind: PositiveKind) -> Tensor:
-        """[G, D] sum of the candidates of each group (float32 or float64), with gradient."""
-        if ("sums", kind) not in self._cache:
+    def group_sums(self, kind: PositiveKind, of: Literal["candidates", "text"] = "candidates",
+                   ) -> Tensor:
+        """[G, D] sum of each group's candidate (or text) embeddings, float32 or float64,
+        with gradient."""
+        if ("sums", kind, of) not in self._cache:
             _, groups, counts = self.group_index(kind)
-            cand = self.candidates
-            cand = cand if cand.dtype in (torch.float32, torch.float64) else cand.float()
-            self._cache["sums", kind] = cand.new_zeros(
-                counts.shape[0], cand.shape[1]).index_add(0, groups, cand)
-        return self._cache["sums", kind]
+            rows = self.candidates if of == "candidates" else self.text
+            rows = rows if rows.dtype in (torch.float32, torch.float64) else rows.float()
+            self._cache["sums", kind, of] = rows.new_zeros(
+                counts.shape[0], rows.shape[1]).index_add(0, groups, rows)
+        return self._cache["sums", kind, of]
 
     def positive_mask(self, kind: PositiveKind) -> Tensor:
         """[n, N] bool: same key as the anchor, excluding the anchor itself."""

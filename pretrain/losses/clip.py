@@ -1,4 +1,5 @@
-"""CLIP (Radford et al. 2021), the X-CLR paper's image-text baseline; SPEC ``clip``.
+"""CLIP (Radford et al. 2021), the X-CLR paper's image-text baseline;
+``docs/objectives.md``.
 
 loss_i = 1/2 [ CE_i(image_i -> all texts) + CE_i(text_i -> all images) ], logits
 z_img . z_txt / tau. Row i's own text is its positive; other rows with the same instance id
@@ -14,8 +15,8 @@ from pretrain.losses.batch import Columns, ContrastiveBatch
 from pretrain.losses.common import (
     ObjectiveOutput,
     Temperature,
-    as_float,
     full_precision,
+    negative_cosine_sum,
     row_softmax_,
     scalar,
     similarity_logits,
@@ -44,14 +45,7 @@ def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
         loss = batch.anchor_mean(per_anchor, None)
         with torch.no_grad():
             tau = scalar(temperature)
-            if batch.num_negatives is None:  # all texts minus those of the same instance
-                text = as_float(batch.text)
-                _, groups, counts = batch.group_index("instance")
-                same = text.new_zeros(len(counts), text.shape[1]).index_add(0, groups, text)
-                neg_cos = (as_float(batch.anchors) * (text.sum(0) - same[groups[index]])).sum(1)
-            else:
-                neg_cos = torch.where(batch.negative_mask("instance"), image_to_text,
-                                      image_to_text.new_zeros(())).sum(1) * tau
+            neg_cos = negative_cosine_sum(batch, image_to_text, "instance", tau, of="text")
             metrics = summarize_metrics(
                 batch, None, infonce=(lse_i2t - pos_logit).detach(), probs=probs,
                 positives=(rows, index), num_positives=torch.ones_like(index),

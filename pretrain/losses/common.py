@@ -3,16 +3,17 @@ and the metrics every objective reports.
 
 All loss arithmetic runs in float32 (float64 when given float64) with autocast disabled,
 and every log-softmax is max-shifted, so objectives stay finite at tau = 0.01 under
-bf16/fp16 autocast (SPEC section 3). At large N the cost is passes over the [n, N] logits
-(each as dear as the matmul on a CPU), so the code below keeps them few: masks are sparse
-where they can be, and one softmax per objective serves both its gradient and its metrics.
+bf16/fp16 autocast (docs/objectives.md, "Numerics"). At large N the cost is passes over
+the [n, N] logits (each as dear as the matmul on a CPU), so the code below keeps them
+few: masks are sparse where they can be, and one softmax per objective serves both its
+gradient and its metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ MASKED_LOGIT = -1e30
 
 
 class ObjectiveOutput(NamedTuple):
-    """``loss``: scalar to backpropagate; ``metrics``: detached scalars (SPEC section 5)."""
+    """``loss``: scalar to backpropagate; ``metrics``: detached scalars (docs/objectives.md)."""
 
     loss: Tensor
     metrics: dict[str, Tensor]
@@ -38,6 +39,13 @@ def full_precision(batch: ContrastiveBatch) -> Iterator[None]:
     """Disable autocast on the batch's device so loss math runs in float32."""
     with torch.autocast(device_type=batch.candidates.device.type, enabled=False):
         yield
+
+
+def require_labels(batch: ContrastiveBatch, objective: str) -> None:
+    """Supervised objectives take their positives from labels and have no fallback."""
+    if batch.labels is None:
+        raise ValueError(f"{objective}: needs class labels (labels=, an [N] tensor); "
+                         "use infonce for instance positives")
 
 
 def as_float(x: Tensor) -> Tensor:
@@ -175,7 +183,7 @@ def summarize_metrics(batch: ContrastiveBatch, kind: PositiveKind | None, *, inf
                       probs: Tensor, positives: tuple[Tensor, Tensor] | None,
                       num_positives: Tensor, pos_cos: Tensor,
                       neg_cos_sum: Tensor) -> dict[str, Tensor]:
-    """Batch means of the per-anchor monitors (SPEC sections 3 and 5).
+    """Batch means of the per-anchor monitors (docs/objectives.md, "Metrics").
 
     ``infonce`` [n]: logsumexp over the softmax columns minus the mean positive logit;
     ``mi_bound``: log(number of columns) - infonce; ``ess`` = 1 / (K sum_j w_j^2) with w the
@@ -198,14 +206,18 @@ def summarize_metrics(batch: ContrastiveBatch, kind: PositiveKind | None, *, inf
 
 
 def negative_cosine_sum(batch: ContrastiveBatch, logits: Tensor, kind: PositiveKind,
-                        tau: float) -> Tensor:
-    """[n] sum of s_ij over each anchor's negatives; O(N D) when all negatives are kept."""
+                        tau: float, of: Literal["candidates", "text"] = "candidates",
+                        ) -> Tensor:
+    """[n] sum of the cosines between each anchor and its negatives' embeddings (``of``
+    the candidates, or CLIP's texts), from the logits ``s / tau`` [n, N] under
+    ``num_negatives``, else in O(N D) from group sums."""
     if batch.num_negatives is not None:
         return torch.where(batch.negative_mask(kind), logits, logits.new_zeros(())).sum(1) * tau
     _, groups, _ = batch.group_index(kind)
-    anchors, cand = as_float(batch.anchors), as_float(batch.candidates)
-    same_group = (anchors * batch.group_sums(kind)[groups[batch.anchor_index]]).sum(1)
-    return anchors @ cand.sum(0) - same_group
+    anchors = as_float(batch.anchors)
+    columns = as_float(batch.candidates if of == "candidates" else batch.text)
+    same_group = (anchors * batch.group_sums(kind, of)[groups[batch.anchor_index]]).sum(1)
+    return anchors @ columns.sum(0) - same_group
 
 
 def finish(batch: ContrastiveBatch, loss: Tensor, logits: Tensor, kind: PositiveKind | None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pretrain.config import InvalidValue
+from core.config import InvalidValue
 from pretrain.losses.temperature import EssControlConfig
 
 OBJECTIVE_NAMES = ("infonce", "supcon", "sincere", "eps_supinfonce", "flatnce",
@@ -19,20 +19,19 @@ class ObjectiveConfig:
     Objective-specific keys are read only by the objective named in the comment.
     """
 
-    name: str = "xclr"
-    temperature: float = 0.1
-    learnable_temperature: bool = False
-    num_negatives: int | None = None  # per-anchor random subset of k negatives; None = all
+    name: str = "infonce"  # one of OBJECTIVE_NAMES (docs/objectives.md)
+    temperature: float = 0.1  # tau of the similarity logits (initial value if learnable)
+    learnable_temperature: bool = False  # learn tau (stored as log tau) with the model
+    num_negatives: int | None = None  # per-anchor random subset of k negatives; null = all
     negatives_seed: int = 0  # the subset is reseeded from (seed, step) every step
     eps: float = 0.1  # eps_supinfonce: margin on the positive's denominator term
     gamma: float = 2.0  # holder_flatnce: scale of the logits
     target_temperature: float = 0.1  # xclr: tau_s of the soft targets
-    # xclr: class_graph.npz of graph-precompute (ImageNet recipe); "" = caption targets
-    class_graph: str = "data/captions/digits-train/class_graph.npz"
+    class_graph: str = ""  # xclr: class_graph.npz (ImageNet recipe); "" = caption targets
     projection: Literal["centroid", "kernel", "median", "learned"] = "centroid"  # projnce
     bandwidth: float = 0.5  # projnce kernel: Nadaraya-Watson bandwidth h
     kernel_metric: Literal["l1", "l2", "cos"] = "l1"  # projnce kernel: distance
-    ess_control: EssControlConfig = field(default_factory=EssControlConfig)
+    ess_control: EssControlConfig = field(default_factory=EssControlConfig)  # ESS steering
 
     def validate(self) -> None:
         if self.name not in OBJECTIVE_NAMES:

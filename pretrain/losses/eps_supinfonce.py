@@ -1,4 +1,4 @@
-"""epsilon-SupInfoNCE (Barbano et al., as restated by SINCERE, eq. 6); SPEC ``eps_supinfonce``.
+"""epsilon-SupInfoNCE (Barbano et al., as restated by SINCERE, eq. 6); docs/objectives.md.
 
 SINCERE with the lone positive term of each denominator replaced by exp(s_ip/tau - eps),
 a margin eps >= 0 between the positive and the negatives; eps = 0 is exactly SINCERE.

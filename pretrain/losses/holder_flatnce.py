@@ -1,21 +1,27 @@
-"""Hoelder-FlatNCE (FlatNCE paper, Def. 3.6 and Prop. 3.7); SPEC ``holder_flatnce``.
+"""Hoelder-FlatNCE (FlatNCE paper, Def. 3.6 and Prop. 3.7); ``docs/objectives.md``.
 
-The project follows SPEC: FlatNCE applied to gamma * logits. The paper's form,
+The project's definition: FlatNCE applied to gamma * logits. The paper's form,
 m_gamma / detach(m_gamma) with the Hoelder mean m_gamma of exp(g_j - g+), has exactly
 1/gamma times this gradient (appendix eq. 30-34); the tests check that identity.
 gamma > 1 sharpens the weighting of hard negatives: gamma * s / tau = s / (tau / gamma),
 so this is FlatNCE at temperature tau / gamma, and its metrics (InfoNCE value, ESS) are
-those of that effective temperature, the one its gradient sees.
+those of that effective temperature, the one its gradient sees; ``temperature`` reports
+the configured tau and ``effective_temperature`` tau / gamma.
 """
 
 from __future__ import annotations
 
+import torch
+
 from pretrain.losses.batch import ContrastiveBatch
-from pretrain.losses.common import ObjectiveOutput, Temperature
+from pretrain.losses.common import ObjectiveOutput, Temperature, scalar
 from pretrain.losses.flatnce import flatnce
 
 
 def holder_flatnce(batch: ContrastiveBatch, temperature: Temperature, *,
                    gamma: float = 2.0) -> ObjectiveOutput:
     """FlatNCE on gamma * s / tau, i.e. at the effective temperature tau / gamma."""
-    return flatnce(batch, temperature / gamma)
+    out = flatnce(batch, temperature / gamma)
+    out.metrics["effective_temperature"] = out.metrics["temperature"]
+    out.metrics["temperature"] = torch.as_tensor(scalar(temperature))
+    return out

@@ -1,4 +1,4 @@
-"""InfoNCE / SimCLR NT-Xent (Chen et al. 2020, eq. 1); SPEC section 3 ``infonce``.
+"""InfoNCE / SimCLR NT-Xent (Chen et al. 2020, eq. 1); docs/objectives.md.
 
 per anchor i: -log( exp(s_ip/tau) / sum_{j != i} exp(s_ij/tau) ), p = the other view.
 With more than two views per image the positives are averaged (SupCon with id labels).

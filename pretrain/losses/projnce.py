@@ -1,4 +1,4 @@
-"""ProjNCE (Jeong & Hero, Def. 2.3, eq. 9-10); SPEC section 3 ``projnce``.
+"""ProjNCE (Jeong & Hero, Def. 2.3, eq. 9-10); docs/objectives.md.
 
 psi(z, v) = z . v / tau. With projections g+ and g- of labels:
     I_proj,i = -psi(z_i, g+(y_i)) + log sum_{j != i} exp psi(z_i, g-(y_j))
@@ -24,6 +24,7 @@ from pretrain.losses.common import (
     as_float,
     finish,
     full_precision,
+    require_labels,
     row_softmax_,
     similarity_logits,
 )
@@ -73,8 +74,7 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
             kernel_metric: KernelMetric = "l1",
             class_embeddings: Tensor | None = None) -> ObjectiveOutput:
     """ProjNCE with the chosen projection; ``metrics["adjustment"]`` is the mean R."""
-    if batch.labels is None:
-        raise ValueError("projnce: needs class labels")
+    require_labels(batch, "projnce")
     kind = "label"
     with full_precision(batch):
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]

@@ -1,4 +1,4 @@
-"""SINCERE (Feeney & Hughes, eq. 5); SPEC section 3 ``sincere``.
+"""SINCERE (Feeney & Hughes, eq. 5); docs/objectives.md.
 
 per anchor i: -1/|P(i)| sum_{p in P(i)} log( e^{s_ip/tau} / (e^{s_ip/tau - eps}
                                                       + sum_{n in Neg(i)} e^{s_in/tau}) )
@@ -18,6 +18,7 @@ from pretrain.losses.common import (
     Temperature,
     finish,
     full_precision,
+    require_labels,
     row_softmax_,
     similarity_logits,
 )
@@ -27,6 +28,7 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
                    eps: float) -> ObjectiveOutput:
     """Per-positive-pair NCE whose denominator holds only that positive and Neg(i)."""
     kind = "label"
+    require_labels(batch, "sincere" if eps == 0 else "eps_supinfonce")
     with full_precision(batch):
         logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
         rows, cols = batch.positive_pairs(kind)  # [P] positive pairs

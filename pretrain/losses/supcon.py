@@ -1,4 +1,4 @@
-"""SupCon, Khosla et al. 2020, L_out (eq. 2); SPEC section 3 ``supcon``.
+"""SupCon, Khosla et al. 2020, L_out (eq. 2); docs/objectives.md.
 
 per anchor i: -1/|P(i)| sum_{p in P(i)} log( exp(s_ip/tau) / sum_{a != i} exp(s_ia/tau) )
             = logsumexp_{a != i}(s_ia/tau) - mean_{p in P(i)} s_ip/tau
@@ -13,6 +13,7 @@ from pretrain.losses.common import (
     finish,
     full_precision,
     positive_logit_mean,
+    require_labels,
     row_softmax_,
     similarity_logits,
 )
@@ -31,5 +32,6 @@ def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,
 
 
 def supcon(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
-    """SupCon L_out with label positives (instance ids when the batch has no labels)."""
+    """SupCon L_out with label positives."""
+    require_labels(batch, "supcon")
     return multi_positive_nce(batch, temperature, "label")

@@ -1,9 +1,10 @@
-"""ESS temperature control (FlatNCE Sec. 3.3 and appendix C, Algorithm S1); SPEC section 3.
+"""ESS temperature control (FlatNCE Sec. 3.3 and appendix C, Algorithm S1);
+docs/objectives.md, "ESS temperature control".
 
 The paper's aim is to "train with the targeted level of ESS", adapting the inverse
 temperature beta = 1/tau multiplicatively by a rate r after every step. A higher beta
 (lower tau) sharpens the softmax over the negatives and *lowers* ESS. Algorithm S1 as
-printed (and SPEC's restatement) multiplies beta by (1 - r) when ESS is above the target,
+printed multiplies beta by (1 - r) when ESS is above the target,
 which flattens the softmax and raises ESS further: positive feedback that runs to ESS = 1
 (``tests/pretrain/losses/test_temperature.py`` shows it). This controller applies the
 stated aim with the stabilising sign: ESS above target -> beta *= (1 + r); below ->
@@ -17,20 +18,20 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pretrain.config import InvalidValue
+from core.config import InvalidValue
 
 
 @dataclass
 class EssControlConfig:
     """``objective.ess_control.*``: off by default."""
 
-    enabled: bool = False
-    target: float = 0.5
+    enabled: bool = False  # steer the temperature towards a target ESS
+    target: float = 0.5  # the ESS target (at the start of training)
     final_target: float | None = None  # None keeps ``target`` throughout
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    rate: float = 0.01
-    min_temperature: float = 0.01
-    max_temperature: float = 10.0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"  # target path over training
+    rate: float = 0.01  # r: beta = 1/tau is multiplied by (1 +- r) each step
+    min_temperature: float = 0.01  # lower bound of the steered temperature
+    max_temperature: float = 10.0  # upper bound of the steered temperature
 
     def validate(self) -> None:
         for key in ("target", "final_target"):

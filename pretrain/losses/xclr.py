@@ -1,4 +1,4 @@
-"""X-CLR, X-Sample Contrastive Loss (Sobal et al., eq. 2-3); SPEC section 3 ``xclr``.
+"""X-CLR, X-Sample Contrastive Loss (Sobal et al., eq. 2-3); docs/objectives.md.
 
 targets     t_ij = softmax_{j != i} (c_i . c_j / tau_s)
 predictions q_ij = softmax_{j != i} (s_ij / tau)
@@ -41,6 +41,9 @@ def target_groups(batch: ContrastiveBatch,
     embeddings' precision, whatever the graph's or captions' dtype.
     """
     dtype = as_float(batch.candidates).dtype
+    if batch.class_graph is not None and batch.captions is not None:
+        raise ValueError("xclr: give caption embeddings (captions=) or a class_graph, not "
+                         "both; the targets come from one of them")
     if batch.class_graph is not None:
         if batch.labels is None:
             raise ValueError("xclr: a class_graph needs labels to look up class pairs")

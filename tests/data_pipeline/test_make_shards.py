@@ -23,7 +23,8 @@ def read_all(directory):
 
 
 def test_digits_round_trip_and_resume(tmp_path):
-    cfg = ShardsConfig(output=str(tmp_path / "d"), shard_size=500, workers=2, digits_size=32)
+    cfg = ShardsConfig(source="digits", output=str(tmp_path / "d"), shard_size=500, workers=2,
+                       digits_size=32)
     manifest = make_shards(cfg)
     again, samples = read_all(tmp_path / "d")
     assert manifest.total_samples == 1797 == len(samples)
@@ -47,8 +48,10 @@ def test_digits_round_trip_and_resume(tmp_path):
 
 
 def test_digit_splits_are_disjoint(tmp_path):
-    train = make_shards(ShardsConfig(output=str(tmp_path / "tr"), split="train", workers=1))
-    test = make_shards(ShardsConfig(output=str(tmp_path / "te"), split="test", workers=1))
+    train = make_shards(ShardsConfig(source="digits", output=str(tmp_path / "tr"), split="train",
+                                     workers=1))
+    test = make_shards(ShardsConfig(source="digits", output=str(tmp_path / "te"), split="test",
+                                    workers=1))
     assert train.total_samples + test.total_samples == 1797
     train_keys = {s["__key__"] for s in read_all(tmp_path / "tr")[1]}
     test_keys = {s["__key__"] for s in read_all(tmp_path / "te")[1]}
@@ -139,7 +142,8 @@ def test_img2dataset_output_is_indexed_in_place(tmp_path):
 
 
 def test_manifest_mismatch_names_the_shard(tmp_path):
-    make_shards(ShardsConfig(output=str(tmp_path / "d"), shard_size=1000, workers=1))
+    make_shards(ShardsConfig(source="digits", output=str(tmp_path / "d"), shard_size=1000,
+                             workers=1))
     manifest = Manifest.read(tmp_path / "d")
     shard = tmp_path / "d" / manifest.shards[1].name
     shard.write_bytes(shard.read_bytes()[:-512])

@@ -11,9 +11,9 @@ import mlflow
 import numpy as np
 import pytest
 
-from tests.conftest import DIGIT_NAMES
+from data_pipeline.sources import DIGIT_NAMES
+from tests.app.helpers import REPO, run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
-from tests.pretrain.conftest import REPO, run_pretrain, train_overrides
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def trained(digits_shards, tmp_path_factory):
 def evaluate(overrides: list[str], *extra: str, nproc: int = 1) -> subprocess.CompletedProcess:
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable])
-    return subprocess.run([*launcher, "-m", "evaluation.evaluate", *overrides, *extra],
+    return subprocess.run([*launcher, "-m", "app.evaluate", *overrides, *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
 
 

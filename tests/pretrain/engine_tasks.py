@@ -1,5 +1,5 @@
 """Work for the 2-rank gloo group and for the single-process reference: one training
-forward/backward through the real engines on a fixed, asymmetric batch."""
+forward/backward through the real engines on a fixed, asymmetric batch, in float64."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from pretrain.engine import EngineConfig, build_engine
+from data_pipeline.text import load_tokenizer, tokenize
+from pretrain.engine import DeepSpeedEngine, Engine, EngineConfig, build_engine
 from pretrain.losses import ObjectiveConfig, objective_from_config
 from pretrain.model import ModelConfig, build_model
 from pretrain.optim import OptimConfig, build_optimizer
@@ -19,30 +21,38 @@ SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19)
 CAPTIONS = ["a photo of the digit zero", "a small dog on grass", "two red apples",
             "a photo of the digit three", "a boat at sea", "a city at night", "an old car",
             "the digit seven, handwritten", "a cat asleep", "snow on a mountain", "a violin"]
-MODEL = ModelConfig(backbone="small_cnn", norm="group", projector_hidden=32, projector_dim=16)
+MODEL = ModelConfig(backbone="small_cnn", width=8, norm="group", projector_hidden=32,
+                    projector_dim=16)
 
 
 def training_batch() -> dict[str, Any]:
-    """19 rows: 8 images x 2 views + 3 single views, labels with gaps, shuffled."""
+    """19 rows: 8 images x 2 views + 3 single views, labels with gaps, shuffled; float64."""
     b = make_multiview_batch(seed=3)
     gen = torch.Generator().manual_seed(11)
-    images = torch.randn(len(b.ids), 3, 16, 16, generator=gen)
-    batch = {"images": images, "ids": b.ids, "labels": b.labels,
-             "caption_embeddings": b.captions.to(torch.float16)}
-    return batch
+    images = torch.randn(len(b.ids), 3, 16, 16, generator=gen, dtype=torch.float64)
+    return {"images": images, "ids": b.ids, "labels": b.labels,
+            "caption_embeddings": b.captions}
 
 
 def add_tokens(batch: dict[str, Any]) -> None:
-    from pretrain.text_tower import load_tokenizer, tokenize
-
     tokens = tokenize(load_tokenizer("bundled"), [CAPTIONS[i] for i in batch["ids"]], 12)
     batch.update(tokens)
 
 
 def objective_config(name: str, hparams: dict) -> ObjectiveConfig:
-    cfg = ObjectiveConfig(name=name, temperature=0.2, learnable_temperature=True,
-                          class_graph="", **hparams)
-    return cfg
+    return ObjectiveConfig(name=name, temperature=0.2, learnable_temperature=True,
+                           **hparams)
+
+
+def full_gradients(engine: Engine) -> dict[str, Tensor]:
+    """Every parameter's gradient as the engine will apply it (averaged over ranks)."""
+    if isinstance(engine, DeepSpeedEngine):
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+    else:
+        grads = {name: p.grad for name, p in engine.module.named_parameters()}
+    return {name: g.detach().double().clone() for name, g in grads.items() if g is not None}
 
 
 def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
@@ -51,8 +61,7 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
     rank's own rows under a process group, every row in the reference)."""
     torch.manual_seed(0)
     cfg = objective_config(name, hparams)
-    model = build_model(MODEL, torch.device("cpu"), with_text=name == "clip",
-                        learnable_temperature=cfg.temperature)
+    model = build_model(MODEL, cfg, torch.device("cpu")).double()
     optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.1), 19)
     engine = build_engine(model, optimizer, EngineConfig(name=engine_name,
                                                          deepspeed_config=zero_config),
@@ -66,4 +75,21 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
     out = forward_loss(engine, batch, objective_from_config(cfg), cfg, cfg.temperature,
                        step=5)
     engine.backward(out.loss)
-    return {"loss": out.loss.detach(), "grads": engine.full_gradients()}
+    return {"loss": out.loss.detach(), "grads": full_gradients(engine)}
+
+
+def run_step_with_local_gradients(*args: Any) -> dict[str, Any]:
+    """:func:`run_step` with a broken gathering boundary: the gather's backward keeps this
+    rank's gradient instead of summing every rank's (a subtle 2-rank bug)."""
+    from core.collectives import _GatherWithGrad
+
+    def local_only(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        start, stop = ctx.rows
+        return grad[start:stop].contiguous(), None, None, None
+
+    original = _GatherWithGrad.backward
+    _GatherWithGrad.backward = staticmethod(local_only)
+    try:
+        return run_step(*args)
+    finally:
+        _GatherWithGrad.backward = original

@@ -12,7 +12,7 @@ import time
 import torch
 
 from pretrain.checkpoint import CheckpointConfig, Checkpointer, rng_state, set_rng_state
-from tests.pretrain.conftest import REPO, pretrain_command, run_pretrain, train_overrides
+from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
 
 
 def saved(step: int) -> tuple[dict, dict]:
@@ -112,7 +112,7 @@ def test_torchrun_restarts_a_killed_worker_and_resumes(digits_shards, tmp_path):
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     workers = [p for p in psutil.Process(proc.pid).children()
-               if "pretrain.train" in " ".join(p.cmdline())]
+               if "app.pretrain" in " ".join(p.cmdline())]
     assert proc.poll() is None and len(workers) == 2
     workers[1].send_signal(signal.SIGKILL)
     assert proc.wait(timeout=300) == 0

@@ -13,10 +13,10 @@ import mlflow
 import pytest
 import torch
 
-from pretrain.model import ModelConfig, build_model
-from pretrain.runtime import free_port
+from core.runtime import free_port
+from pretrain.model import ModelConfig, encoder_from_state
 from pretrain.tracking import Tracker, TrackingConfig
-from tests.pretrain.conftest import run_pretrain, train_overrides
+from tests.app.helpers import run_pretrain, train_overrides
 
 
 def test_sqlite_store_holds_params_metrics_artifacts_and_a_loadable_model(digits_shards,
@@ -47,12 +47,11 @@ def test_sqlite_store_holds_params_metrics_artifacts_and_a_loadable_model(digits
     image = torch.rand(1, 3, 16, 16)
     with torch.no_grad():
         embedding = loaded(image)
-    reference = build_model(ModelConfig(projector_hidden=64, projector_dim=32),
-                            torch.device("cpu"))
     final = sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "shared.pt"
-    reference.load_state_dict(torch.load(final, weights_only=True)["model"])
+    reference = encoder_from_state(ModelConfig(projector_hidden=64, projector_dim=32),
+                                   torch.load(final, weights_only=True)["model"])
     with torch.no_grad():
-        expected = reference.eval()(image).projections
+        expected = reference.eval()(image)[1]
     assert embedding.shape == (1, 32)
     torch.testing.assert_close(embedding, expected)
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from tests.pretrain.conftest import run_pretrain, train_overrides
+from tests.app.helpers import run_pretrain, train_overrides
 
 
 @pytest.mark.parametrize(("engine", "nproc"), [("ddp", 1), ("ddp", 2), ("deepspeed", 2)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pretrain.distributed import all_gather_rows, build_global_batch
+from pretrain.distributed import build_global_batch
 from pretrain.losses import get_objective
 from tests.pretrain.losses.conftest import make_multiview_batch
 
@@ -28,13 +28,3 @@ def objective_on_rank(name: str, hparams: dict, num_negatives: int | None) -> di
     grad_z, grad_tau = torch.autograd.grad(out.loss, [z, tau])
     return {"loss": out.loss.detach(), "grad_z": grad_z, "grad_tau": grad_tau,
             "metrics": {k: v.detach() for k, v in out.metrics.items()}}
-
-
-def gather_rows_on_rank() -> dict:
-    """Uneven all-gather of rows with gradient; backward sums every rank's use of a row."""
-    rank = dist.get_rank()
-    local = torch.full((rank + 2, 3), float(rank + 1), requires_grad=True)
-    gathered = all_gather_rows(local)
-    weights = torch.arange(gathered.numel(), dtype=gathered.dtype).view_as(gathered)
-    (gathered * weights * (rank + 1)).sum().backward()
-    return {"gathered": gathered.detach(), "grad": local.grad}

@@ -1,4 +1,5 @@
-"""Naive per-anchor loops written directly from SPEC section 3, the references of the tests.
+"""Naive per-anchor loops written directly from the definitions in
+docs/objectives.md, the references of the tests.
 
 Deliberately slow and literal: Python loops over anchors and pairs, plain exp/log, float64.
 ``negatives_kept(i, j)`` (optional) restricts Neg(i) to a given subset.

@@ -1,6 +1,6 @@
 """Per-rank anchor slices of one global batch reproduce the whole-batch loss and gradient.
 
-This is the arithmetic of SPEC section 4 without process groups: rank r computes its rows
+This is the arithmetic of the distributed path without process groups: rank r computes its rows
 against all candidates, scaled by world_size over the global anchor count; averaging the
 ranks' losses and gradients must give exactly the single-process result. Uneven slices
 and asymmetric data make a gather that keeps only the local slice fail.

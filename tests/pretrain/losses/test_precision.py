@@ -1,4 +1,4 @@
-"""Finite losses and gradients at tau = 0.01 under bf16 autocast (SPEC section 3)."""
+"""Finite losses and gradients at tau = 0.01 under bf16 autocast."""
 
 from __future__ import annotations
 

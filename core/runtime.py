@@ -1,7 +1,7 @@
 """Process setup for a run: rank, world, device, process group and autocast.
 
 Under torchrun (or srun + torchrun) the environment names the rank and world; a plain
-``python -m pretrain.train`` is one process. DeepSpeed needs a process group even for one
+``python -m app.pretrain`` is one process. DeepSpeed needs a process group even for one
 process, so one is created on a free local port. Backend ``auto`` is NCCL on GPU, gloo on
 CPU.
 """

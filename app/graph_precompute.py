@@ -1,7 +1,7 @@
-"""``graph-precompute``: caption embeddings and similarity graphs (issue #5).
+"""``graph-precompute``: caption embeddings and similarity graphs.
 
     graph-precompute --config launch/configs/demo.yaml                 # embed every caption
-    torchrun --nproc-per-node 4 -m data_pipeline.graph_precompute ...  # 4 parts in parallel
+    torchrun --nproc-per-node 4 -m app.graph_precompute ...            # 4 parts in parallel
     graph-precompute graph.task=class_graph graph.class_names=imagenet1k
     graph-precompute graph.task=neighbours graph.neighbours=10
     graph-precompute graph.task=show graph.key=digits_00007
@@ -9,14 +9,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from app.run_config import parse_run
 from data_pipeline.graph.class_graph import build_class_graph
 from data_pipeline.graph.job import run_captions
 from data_pipeline.graph.neighbours import build_neighbours, describe
-from pretrain.cli import stage_main
-from pretrain.run_config import RunConfig
 
 
-def _run(config: RunConfig) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    config, _ = parse_run("graph-precompute", __doc__, argv)
     cfg = config.graph
     if cfg.task == "captions":
         store = run_captions(cfg)
@@ -33,8 +35,6 @@ def _run(config: RunConfig) -> None:
     else:
         print(describe(cfg))
 
-
-main = stage_main("graph-precompute", __doc__, run=_run)
 
 if __name__ == "__main__":
     main()

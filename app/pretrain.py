@@ -1,6 +1,6 @@
-"""``pretrain``: assemble a run from its config and train it (issue #4).
+"""``pretrain``: assemble a run from its config and train it.
 
-    torchrun --nproc_per_node 2 -m pretrain.train --config launch/configs/demo.yaml
+    torchrun --nproc_per_node 2 -m app.pretrain --config launch/configs/demo.yaml
 
 Rank 0 writes ``<output_dir>/<name>/`` (resolved config, checkpoints, MLflow store, logs),
 tracks the run in MLflow and, at the end, logs the final checkpoint and registers the
@@ -9,26 +9,25 @@ encoder as a new version of ``tracking.registered_model``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from data_pipeline.config import DataConfig
+from app.run_config import RunConfig, parse_run
+from core.collectives import barrier
+from core.config import flatten, to_yaml
+from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
 from data_pipeline.graph.class_graph import load_class_graph
 from data_pipeline.samples import ShardSet
+from data_pipeline.text import TextConfig
 from pretrain.checkpoint import Checkpointer
-from pretrain.cli import stage_main
-from pretrain.config import flatten, to_yaml
-from pretrain.distributed import barrier
 from pretrain.engine import build_engine
-from pretrain.losses import objective_from_config
+from pretrain.losses import SUPERVISED, objective_from_config
 from pretrain.model import build_model
 from pretrain.optim import build_optimizer, warmup_cosine
-from pretrain.run_config import RunConfig
-from pretrain.runtime import Runtime, init_runtime, resolve_precision, shutdown
 from pretrain.tracking import Tracker
 from pretrain.trainer import Parts, Trainer
 
@@ -44,40 +43,46 @@ def setup_logging(rt: Runtime, run_dir: Path) -> None:
     logging.basicConfig(level=level, format=fmt, handlers=handlers, force=True)
 
 
-def data_for(config: RunConfig) -> DataConfig:
-    """The loader config, tokenising captions in the workers when CLIP needs text."""
-    if config.objective.name != "clip":
-        return config.data
-    return dataclasses.replace(config.data, tokenizer=config.model.text.model,
-                               text_length=config.model.text.max_length)
+def text_for(config: RunConfig) -> TextConfig | None:
+    """CLIP tokenises captions in the loader workers with its text tower's model."""
+    return config.model.text if config.objective.name == "clip" else None
+
+
+def class_graph_for(config: RunConfig, device: torch.device) -> torch.Tensor | None:
+    path = config.objective.class_graph
+    if config.objective.name != "xclr" or not path:
+        return None
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"objective.class_graph={path}: no such file (run "
+                                "graph-precompute graph.task=class_graph)")
+    return torch.from_numpy(load_class_graph(path)[0]).to(device)
+
+
+def knn_monitor_for(config: RunConfig, rt: Runtime):
+    if not config.train.knn_every:
+        return None
+    from evaluation.monitor import KnnMonitor
+
+    return KnnMonitor(config.data, config.eval, config.train.knn_samples, rt.device, rt.rank,
+                      rt.world)
 
 
 def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
+    objective, data = config.objective, config.data
+    shards = ShardSet.open(data.shards)
+    if objective.name in SUPERVISED and not shards.class_names:
+        raise ValueError(f"objective.name={objective.name} needs class labels, and "
+                         f"{data.shards}/manifest.json lists no classes")
+    graph = class_graph_for(config, rt.device)
     torch.manual_seed(config.seed)
-    objective = config.objective
-    model = build_model(config.model, rt.device, with_text=objective.name == "clip",
-                        learnable_temperature=(objective.temperature
-                                               if objective.learnable_temperature else None))
-    data = data_for(config)
+    model = build_model(config.model, objective, rt.device)
     global_batch = data.batch_size * rt.world
     optimizer = build_optimizer(model, config.optim, global_batch)
     engine = build_engine(model, optimizer, config.engine, rt.device, 2 * data.batch_size)
-    per_epoch = ShardSet.open(data.shards).total // global_batch
-    total = config.train.max_steps or config.train.epochs * per_epoch
-    graph = None
-    if objective.name == "xclr" and objective.class_graph:
-        if not Path(objective.class_graph).is_file():
-            raise FileNotFoundError(f"objective.class_graph={objective.class_graph}: no such "
-                                    "file (run graph-precompute graph.task=class_graph)")
-        graph = torch.from_numpy(load_class_graph(objective.class_graph)[0]).to(rt.device)
-    monitor = None
-    if config.train.knn_every:
-        from evaluation.monitor import KnnMonitor
-
-        monitor = KnnMonitor(data, config.eval, config.train.knn_samples, rt.device, rt.rank,
-                             rt.world)
-    return Parts(engine=engine, monitor=monitor, objective=objective_from_config(objective),
-                 objective_cfg=objective, data_cfg=data, runtime=rt,
+    total = config.train.max_steps or config.train.epochs * (shards.total // global_batch)
+    return Parts(engine=engine, monitor=knn_monitor_for(config, rt),
+                 objective=objective_from_config(objective), objective_cfg=objective,
+                 data_cfg=data, text=text_for(config), runtime=rt,
                  checkpointer=Checkpointer(run_dir, config.checkpoint, rt.rank, rt.world,
                                            rt.device),
                  schedule=warmup_cosine(total, config.optim.warmup_steps), total_steps=total,
@@ -129,7 +134,10 @@ def train(config: RunConfig) -> Path:
     return run_dir
 
 
-main = stage_main("pretrain", __doc__, train)
+def main(argv: Sequence[str] | None = None) -> None:
+    config, _ = parse_run("pretrain", __doc__, argv)
+    train(config)
+
 
 if __name__ == "__main__":
     main()

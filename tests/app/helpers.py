@@ -22,9 +22,9 @@ def train_overrides(shards: Path, out: Path, **extra: object) -> list[str]:
 
 def pretrain_command(overrides: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
-        return [sys.executable, "-m", "pretrain.train", *overrides]
+        return [sys.executable, "-m", "app.pretrain", *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--standalone", "-m", "pretrain.train", *overrides]
+            "--standalone", "-m", "app.pretrain", *overrides]
 
 
 def run_pretrain(overrides: list[str], nproc: int = 1, **kwargs) -> subprocess.CompletedProcess:

@@ -1,0 +1,110 @@
+"""The run configuration: every component's dataclass, composed into one tree, and what
+each stage needs of it.
+
+Each section is defined next to the code it configures and imported here; a YAML file
+under ``launch/configs/`` sets any subset, ``key=value`` arguments override it. Library
+defaults are neutral (no data paths); a value a stage needs and lacks fails before any
+work, naming the key (:func:`check_stage`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.cli import parse_stage_args
+from core.config import ConfigError, InvalidValue
+from data_pipeline.config import DataConfig, ShardsConfig
+from data_pipeline.graph.config import GraphConfig
+from evaluation.config import EvalConfig
+from pretrain.checkpoint import CheckpointConfig
+from pretrain.engine import EngineConfig
+from pretrain.losses.config import ObjectiveConfig
+from pretrain.model import ModelConfig
+from pretrain.optim import OptimConfig
+from pretrain.tracking import TrackingConfig
+from pretrain.trainer import TrainConfig
+
+
+@dataclass
+class RunConfig:
+    """Top level of a run: its name, seed, where it writes, and the component sections."""
+
+    name: str = ""  # the run's directory under output_dir, and its MLflow run name
+    seed: int = 0  # seed of model initialisation and everything seeded from it
+    output_dir: str = "runs"  # parent directory of run directories
+    shards: ShardsConfig = field(default_factory=ShardsConfig)  # make-shards
+    data: DataConfig = field(default_factory=DataConfig)  # the loaders
+    graph: GraphConfig = field(default_factory=GraphConfig)  # graph-precompute
+    model: ModelConfig = field(default_factory=ModelConfig)  # encoder and projector
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimiser and schedule
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # the loss
+    engine: EngineConfig = field(default_factory=EngineConfig)  # DDP or DeepSpeed
+    train: TrainConfig = field(default_factory=TrainConfig)  # the training loop
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoints
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # MLflow
+    eval: EvalConfig = field(default_factory=EvalConfig)  # evaluate
+
+    def validate(self) -> None:
+        if "/" in self.name:
+            raise InvalidValue("name", f"must be a name without '/', got {self.name!r}")
+        if self.seed < 0:
+            raise InvalidValue("seed", f"must be >= 0, got {self.seed}")
+
+
+REQUIRED = {
+    "make-shards": ("shards.source", "shards.output"),
+    "graph-precompute": ("graph.output",),
+    "pretrain": ("name", "data.shards"),
+    "evaluate": ("name", "eval.train_shards", "eval.test_shards"),
+}
+
+
+def _get(config: Any, key: str) -> Any:
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def check_stage(config: RunConfig, stage: str) -> None:
+    """Raise :class:`ConfigError` naming the first key ``stage`` needs and ``config`` lacks."""
+    for key in REQUIRED[stage]:
+        if _get(config, key) in (None, ""):
+            raise ConfigError(f"key '{key}': {stage} needs a value (set it in the YAML file "
+                              f"or as {key}=...)")
+    if stage == "pretrain":
+        _check_training(config)
+    graph = config.graph
+    if stage == "graph-precompute" and not graph.shards and (
+            graph.task == "captions" or (graph.task == "class_graph" and not graph.class_names)):
+        raise ConfigError(f"key 'graph.shards': graph.task={graph.task} reads the shards' "
+                          "captions or class names; set it (or graph.class_names)")
+
+
+def _check_training(config: RunConfig) -> None:
+    objective = config.objective
+    if objective.name == "xclr" and not (objective.class_graph or config.data.caption_store):
+        raise ConfigError("key 'objective.class_graph': xclr needs soft targets: a class graph "
+                          "(graph-precompute graph.task=class_graph) or data.caption_store")
+    if objective.name == "xclr" and objective.class_graph and config.data.caption_store:
+        raise ConfigError("key 'objective.class_graph': xclr takes its targets from a class "
+                          "graph or from data.caption_store, not both; set one to \"\"")
+    if objective.name == "projnce" and objective.projection == "learned":
+        raise ConfigError("key 'objective.projection': 'learned' needs a trainable class-"
+                          "embedding matrix, which training does not build; use centroid, "
+                          "kernel or median")
+    if config.train.knn_every:
+        for key in ("eval.train_shards", "eval.test_shards"):
+            if not _get(config, key):
+                raise ConfigError(f"key '{key}': train.knn_every={config.train.knn_every} "
+                                  "monitors kNN on the evaluation shards; set them")
+
+
+def parse_run(stage: str, description: str, argv: Sequence[str] | None = None,
+              add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+              ) -> tuple[RunConfig, argparse.Namespace]:
+    """A stage's command line: the validated :class:`RunConfig` (or exit 2) and options."""
+    return parse_stage_args(RunConfig, stage, description, argv, add_arguments,
+                            check=lambda config: check_stage(config, stage))

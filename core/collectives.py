@@ -1,0 +1,108 @@
+"""Collectives the stages need, no-ops in one process: small reductions for the trainer's
+metrics and branch decisions, a barrier, and the row gather (with gradient) that the
+gathering boundary (``pretrain/distributed``) and feature extraction build on."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def active(group: dist.ProcessGroup | None = None) -> bool:
+    """True inside a process group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def mean_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Average scalar metrics over ranks (one all-reduce for all of them)."""
+    if not active() or not values:
+        return dict(values)
+    packed = torch.tensor([float(v) for v in values.values()], dtype=torch.float64,
+                          device=device)
+    dist.all_reduce(packed)
+    packed /= dist.get_world_size()
+    return dict(zip(values, packed.tolist(), strict=True))
+
+
+def sum_over_ranks(value: float, device: torch.device) -> float:
+    if not active():
+        return float(value)
+    total = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return float(total)
+
+
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True when ``flag`` is true on every rank (so all ranks take the same branch)."""
+    if not active():
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item() > 0)
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def row_counts(local: Tensor, group: dist.ProcessGroup | None = None) -> list[int]:
+    """Every rank's number of rows of ``local``, in rank order."""
+    count = torch.tensor([local.shape[0]], device=local.device)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, count, group=group)
+    return [int(c) for c in counts]
+
+
+def _gather_padded(local: Tensor, counts: list[int], group: dist.ProcessGroup | None) -> Tensor:
+    padded = local.new_zeros((max(counts), *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """[n_r, ...] per rank -> [sum n_r, ...]; backward sums over ranks, keeps own rows."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, counts: list[int], rank: int,
+                group: dist.ProcessGroup | None) -> Tensor:
+        ctx.rows = (sum(counts[:rank]), sum(counts[: rank + 1]))
+        ctx.group = group
+        return _gather_padded(local, counts, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        start, stop = ctx.rows
+        return grad[start:stop], None, None, None
+
+
+def gather_rows(local: Tensor, counts: list[int], group: dist.ProcessGroup | None = None,
+                ) -> Tensor:
+    """Every rank's rows (``counts`` of them, see :func:`row_counts`) in rank order.
+
+    Differentiable when ``local`` requires grad: the backward sums the gradient of the
+    gathered rows over ranks and hands each rank its own slice, so a rank's rows receive
+    the gradient from every rank's use of them. Uneven counts are padded for the
+    collective and the padding dropped.
+    """
+    if local.requires_grad:
+        return _GatherWithGrad.apply(local, counts, rank_and_world(group)[0], group)
+    return _gather_padded(local, counts, group)
+
+
+def all_gather_rows(local: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Concatenate every rank's rows in rank order; ``local`` itself in one process."""
+    if not active(group):
+        return local
+    return gather_rows(local, row_counts(local, group), group)

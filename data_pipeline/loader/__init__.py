@@ -1,0 +1,61 @@
+"""Streaming loaders over WebDataset shards: training batches with exact resume, and
+evaluation batches that read every sample once (``docs/data_pipeline.md``)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from data_pipeline.config import DataConfig
+from data_pipeline.loader.eval import EvalStream
+from data_pipeline.loader.state import LoaderState
+from data_pipeline.loader.train import TrainStream
+from data_pipeline.samples import ShardSet
+from data_pipeline.text import TextConfig
+
+log = logging.getLogger(__name__)
+
+
+def train_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
+                  state: LoaderState | None = None,
+                  text: TextConfig | None = None) -> Iterator[dict[str, Any]]:
+    """One epoch of training batches from ``state`` on (updating it as batches arrive).
+
+    ``text``: tokenise each instance's caption with this sentence model (CLIP).
+    """
+    state = state or LoaderState()
+    stream = TrainStream(cfg, ShardSet.open(cfg.shards, cfg.verify_checksums), rank, world,
+                         state, text)
+    loader = DataLoader(stream, batch_size=None, num_workers=cfg.workers,
+                        persistent_workers=False)
+    epoch_skips: Counter = Counter()
+    for batch in loader:
+        state.record(batch)
+        epoch_skips.update(batch["skipped"])
+        yield batch
+    if epoch_skips:
+        log.warning("data: epoch %d skipped %s (totals so far %s)", state.epoch,
+                    dict(epoch_skips), state.skipped)
+    state.next_epoch()
+
+
+def eval_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
+                 skipped: Counter | None = None) -> Iterator[dict[str, Any]]:
+    """Evaluation batches of this rank; per-reason skips are added to ``skipped``."""
+    stream = EvalStream(cfg, ShardSet.open(cfg.shards, cfg.verify_checksums), rank, world)
+    seen: Counter = Counter()
+    for batch in DataLoader(stream, batch_size=None, num_workers=cfg.workers):
+        seen.update(batch["skipped"])
+        if batch["keys"]:
+            yield batch
+    if skipped is not None:
+        skipped.update(seen)
+    if seen:
+        log.warning("data: evaluation of %s skipped %s", cfg.shards, dict(seen))
+
+
+__all__ = ["EvalStream", "LoaderState", "TrainStream", "eval_batches", "train_batches"]

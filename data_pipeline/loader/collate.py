@@ -1,0 +1,68 @@
+"""Training batches from decoded instances: two views each, ids, labels, captions, and
+the caption-store rows or caption tokens the objective needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_pipeline.config import DataConfig
+from data_pipeline.graph.store import CaptionStore
+from data_pipeline.samples import RawSample, SkipLog, stable_int
+from data_pipeline.text import TextConfig, load_tokenizer, tokenize
+from data_pipeline.transforms import eval_view, view_transform
+
+Instance = list[tuple[RawSample, Any]]  # one image (views) or two of one class (same_label)
+
+
+class TrainCollator:
+    """``(instances, seeds, skips) -> batch``. Each instance's views are drawn under its
+    own seed, so a batch does not depend on which worker built it."""
+
+    def __init__(self, cfg: DataConfig, text: TextConfig | None,
+                 store: CaptionStore | None) -> None:
+        self.augment = view_transform(cfg.augment, cfg.resolution, cfg.crop_min_scale)
+        self.plain = eval_view(cfg.resolution)
+        self.text, self.store, self.tokenizer = text, store, None
+
+    def __call__(self, group: list[Instance], seeds: list[int], skips: SkipLog,
+                 ) -> dict[str, Any]:
+        first, second = [], []
+        for instance, seed in zip(group, seeds, strict=True):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                if len(instance) == 1:
+                    first.append(self.augment(instance[0][1]))
+                    second.append(self.augment(instance[0][1]))
+                else:
+                    first.append(self.plain(instance[0][1]))
+                    second.append(self.plain(instance[1][1]))
+        heads = [instance[0][0] for instance in group]
+        batch = {
+            "images": torch.stack(first + second),  # [2B, 3, R, R]: view 1 rows, then view 2
+            "ids": torch.tensor([stable_int(s.key) for s in heads]).repeat(2),
+            "keys": ["+".join(s.key for s, _ in instance) for instance in group],
+            "captions": [s.caption for s in heads],
+            "skipped": dict(skips.counts),
+            "skipped_keys": list(skips.bad_keys),
+        }
+        if heads[0].label is not None:
+            batch["labels"] = torch.tensor([s.label for s in heads]).repeat(2)
+        if self.text is not None:  # [2B, L] token ids and mask, the views share the caption
+            batch.update({k: v.repeat(2, 1) for k, v in self._tokens(heads).items()})
+        if self.store is not None:  # [2B, E] float16, the views share their caption's row
+            rows = [s.row for s in heads]
+            batch["caption_embeddings"] = torch.from_numpy(
+                np.asarray(self.store.embeddings[rows])).repeat(2, 1)
+        return batch
+
+    def _tokens(self, heads: list[RawSample]) -> dict[str, torch.Tensor]:
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.text.model)
+        for sample in heads:
+            if sample.caption is None:
+                raise ValueError(f"CLIP needs captions; {sample.key} in {sample.shard} has "
+                                 "none")
+        return tokenize(self.tokenizer, [s.caption for s in heads], self.text.max_length)

@@ -1,3 +1,0 @@
-from pretrain.train import main
-
-main()

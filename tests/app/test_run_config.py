@@ -1,0 +1,102 @@
+"""The run configuration and the stages' command lines: shipped recipes load, every key
+is described, and a stage fails before any work on a bad or missing value, naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.run_config import RunConfig, check_stage
+from core.config import ConfigError, describe, load_config
+from core.fields import field_descriptions
+
+CONFIGS = sorted(Path("launch/configs").glob("*.yaml"))
+STAGES = {"app.pretrain": "pretrain", "app.make_shards": "make-shards",
+          "app.graph_precompute": "graph-precompute", "app.evaluate": "evaluate"}
+
+
+def config_classes(cls: type) -> list[type]:
+    out = [cls]
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+            out += config_classes(f.type)
+    return out
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_recipe_has_what_its_stages_need(path):
+    """A ``*_shards.yaml`` recipe makes shards; every other recipe trains and evaluates
+    (so each carries its own eval section)."""
+    config = load_config(RunConfig, path)
+    stages = ["make-shards"] if path.name.endswith("_shards.yaml") else ["pretrain", "evaluate"]
+    if path.name == "demo.yaml":
+        stages = list(STAGES.values())
+    for stage in stages:
+        check_stage(config, stage)
+
+
+def test_every_key_has_a_description():
+    rows = describe(RunConfig)
+    assert len(rows) > 100
+    missing = [key for key, _, _, text in rows if not text]
+    assert not missing, f"keys without a '# description' comment: {missing}"
+    sections = {key.split(".")[0] for key, *_ in rows}
+    assert {"data", "model", "objective", "train", "eval"} <= sections
+    assert "batch_size" in field_descriptions(type(RunConfig().data))
+
+
+@pytest.mark.parametrize(("stage", "overrides", "key"), [
+    ("pretrain", ["data.shards=x"], "name"),
+    ("pretrain", ["name=r"], "data.shards"),
+    ("make-shards", ["shards.source=digits"], "shards.output"),
+    ("evaluate", ["name=r", "eval.train_shards=a"], "eval.test_shards"),
+    ("graph-precompute", ["graph.output=o"], "graph.shards"),
+    ("pretrain", ["name=r", "data.shards=x", "objective.name=xclr"], "objective.class_graph"),
+    ("pretrain", ["name=r", "data.shards=x", "objective.name=projnce",
+                  "objective.projection=learned"], "objective.projection"),
+])
+def test_a_stage_names_the_key_it_lacks(stage, overrides, key):
+    config = load_config(RunConfig, None, overrides)
+    with pytest.raises(ConfigError, match=f"key '{key}'"):
+        check_stage(config, stage)
+
+
+def test_library_defaults_name_no_data():
+    paths = [value for key, _, value, _ in describe(RunConfig)
+             if key.endswith(("shards", "output", "class_graph", "caption_store"))]
+    assert all(value in ("''", "runs") for value in paths), paths
+
+
+@pytest.mark.parametrize("module", sorted(STAGES))
+def test_stage_commands_validate_before_any_work(module):
+    ok = subprocess.run([sys.executable, "-m", module, "--config", "launch/configs/demo.yaml",
+                         "--print-config", "objective.temperature=0.3"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "temperature: 0.3" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", module, "objective.temprature=0.3"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "objective.temprature" in bad.stderr and "command-line override" in bad.stderr
+    lacking = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True)
+    assert lacking.returncode == 2 and f"{STAGES[module]} needs a value" in lacking.stderr
+
+
+def test_help_points_at_every_key_and_help_config_lists_them():
+    usage = subprocess.run([sys.executable, "-m", "app.pretrain", "--help"],
+                           capture_output=True, text=True)
+    assert usage.returncode == 0 and "--help-config" in usage.stdout
+    listing = subprocess.run([sys.executable, "-m", "app.pretrain", "--help-config"],
+                             capture_output=True, text=True)
+    assert listing.returncode == 0
+    line = next(row for row in listing.stdout.splitlines() if row.startswith("data.batch_size"))
+    assert "images per rank per step" in line and "default: 64" in line
+
+
+def test_zero_padded_keys_stay_strings():
+    cfg = load_config(RunConfig, None, ["graph.key=0000170", "objective.class_graph="])
+    assert cfg.graph.key == "0000170" and cfg.objective.class_graph == ""

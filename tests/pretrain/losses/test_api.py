@@ -1,0 +1,38 @@
+"""The public entry point ``batch_loss``: keywords where a mistake would be silent, clear
+errors for missing inputs, the named output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pretrain.losses import SUPERVISED, ObjectiveOutput, batch_loss
+
+
+def test_temperature_cannot_be_passed_as_labels(batch):
+    with pytest.raises(TypeError, match="labels must be a tensor, got float 0.5"):
+        batch_loss("infonce", batch.z, batch.ids, 0.5, temperature=0.1)
+    with pytest.raises(TypeError, match="temperature"):
+        batch_loss("infonce", batch.z, batch.ids)
+
+
+@pytest.mark.parametrize("name", SUPERVISED)
+def test_supervised_objectives_refuse_a_batch_without_labels(batch, name):
+    with pytest.raises(ValueError, match=f"{name}: needs class labels"):
+        batch_loss(name, batch.z, batch.ids, temperature=0.1)
+
+
+def test_xclr_takes_captions_or_a_class_graph_not_both(batch):
+    graph = torch.eye(6, dtype=torch.float64)
+    with pytest.raises(ValueError, match="not both"):
+        batch_loss("xclr", batch.z, batch.ids, batch.labels, captions=batch.captions,
+                   class_graph=graph, temperature=0.1)
+
+
+def test_output_is_named_and_holder_flatnce_reports_its_temperature(batch):
+    out = batch_loss("holder_flatnce", batch.z, batch.ids, temperature=0.2, gamma=4.0)
+    assert isinstance(out, ObjectiveOutput)
+    assert float(out.metrics["temperature"]) == pytest.approx(0.2)
+    assert float(out.metrics["effective_temperature"]) == pytest.approx(0.05)
+    flat = batch_loss("flatnce", batch.z, batch.ids, temperature=0.05)
+    assert float(out.metrics["infonce"]) == pytest.approx(float(flat.metrics["infonce"]))

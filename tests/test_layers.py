@@ -1,0 +1,75 @@
+"""The packages form layers that import one way only (docs/architecture.md):
+
+    core  <  data_pipeline  <  pretrain  <  evaluation  <  app
+
+A module may import from its own layer and the ones below, never above; models and
+losses never touch torch.distributed (the gathering boundary does). Every import counts,
+also one inside a function."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = ["core", "data_pipeline", "pretrain", "evaluation", "app"]
+NO_DISTRIBUTED = ["pretrain/losses", "pretrain/model.py", "pretrain/text_tower.py"]
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``, relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def modules(layer: str) -> list[Path]:
+    return sorted((REPO / layer).rglob("*.py"))
+
+
+def upward_imports(path: Path, layer: str) -> list[str]:
+    allowed = set(LAYERS[: LAYERS.index(layer) + 1])
+    return [f"{path.relative_to(REPO)}:{line} imports {module}"
+            for line, module in imported_modules(path)
+            if module.split(".")[0] in LAYERS and module.split(".")[0] not in allowed]
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_no_module_imports_from_a_layer_above(layer):
+    assert modules(layer), f"layer {layer} has no modules"
+    violations = [v for path in modules(layer) for v in upward_imports(path, layer)]
+    assert not violations, "\n".join(violations)
+
+
+def test_models_and_losses_never_call_torch_distributed():
+    paths = [p for target in NO_DISTRIBUTED for p in
+             ((REPO / target).rglob("*.py") if (REPO / target).is_dir() else [REPO / target])]
+    assert paths
+    violations = [f"{p.relative_to(REPO)}:{line} imports {module}" for p in paths
+                  for line, module in imported_modules(p)
+                  if module.startswith(("torch.distributed", "core.collectives"))]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The test itself can fail: a data module importing the trainer is caught."""
+    bad = REPO / "data_pipeline" / "_layer_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        "def f():\n    from pretrain.trainer import Trainer\n" if self == bad
+        else Path.read_bytes(self).decode()))
+    assert upward_imports(bad, "data_pipeline") == [
+        "data_pipeline/_layer_probe.py:2 imports pretrain.trainer",
+        "data_pipeline/_layer_probe.py:2 imports pretrain.trainer.Trainer"]
