@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(config: RunConfig, promote_alias: str | None = None) -> dict | None:
     rt = init_runtime(config.train.device, config.engine.backend)
     context = EvalContext(Path(config.output_dir) / config.name, config.name, config.tracking,
-                          target_graph(config))
+                          target_graph(config), config.seed)
     try:
         return evaluate(config.eval, config.data, context, rt, promote_alias)
     finally:

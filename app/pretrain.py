@@ -125,7 +125,12 @@ def train(config: RunConfig) -> Path:
                 parts.tracker.start(flatten(config))
         trainer = Trainer(config.train, parts, precision)
         trainer.resume()
-        trainer.run()
+        try:
+            trainer.run()
+        except BaseException:
+            if parts.tracker is not None:
+                parts.tracker.finish("FAILED")
+            raise
         if parts.tracker is not None:
             finish_tracking(parts.tracker, config, parts, run_dir)
         barrier()

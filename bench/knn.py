@@ -1,4 +1,4 @@
-"""Exact kNN against the machine's own matrix-multiply throughput (issue 6).
+"""Exact kNN against the machine's own matrix-multiply throughput.
 
     python -m bench.knn                          # 10,000 queries x 100,000 x 512 bank, k = 200
     python -m bench.knn --queries 2000 --bank 20000

@@ -1,5 +1,5 @@
 """Forward + backward time and peak memory of every objective against lightly's NTXentLoss
-and pytorch-metric-learning's SupConLoss, side by side in one process (issue 2).
+and pytorch-metric-learning's SupConLoss, side by side in one process.
 
     python -m bench.objectives                  # N in 1024 4096 8192, D = 128
     python -m bench.objectives --sizes 1024     # the smallest case

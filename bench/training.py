@@ -1,4 +1,4 @@
-"""Training throughput and the cost of X-CLR's soft targets (issue 4).
+"""Training throughput and the cost of X-CLR's soft targets.
 
     python -m bench.training                      # both parts
     python -m bench.training --part step          # X-CLR vs SimCLR step time only
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_shards(directory: Path) -> Path:
     shards = directory / "digits"
-    subprocess.run([sys.executable, "-m", "data_pipeline.make_shards", "shards.source=digits",
+    subprocess.run([sys.executable, "-m", "app.make_shards", "shards.source=digits",
                     f"shards.output={shards}", "shards.shard_size=300"], check=True, cwd=REPO,
                    capture_output=True)
     return shards
@@ -92,10 +92,10 @@ def step_cases(batch_images: int, backbone: str) -> dict:
     for label, name, class_graph, captions in (
             ("simclr", "infonce", None, False), ("xclr_class_graph", "xclr", graph, False),
             ("xclr_captions", "xclr", None, True)):
-        model = build_model(ModelConfig(backbone=backbone), torch.device("cpu"))
+        cfg = ObjectiveConfig(name=name)
+        model = build_model(ModelConfig(backbone=backbone), cfg, torch.device("cpu"))
         engine = DDPEngine(model, build_optimizer(model, OptimConfig(), views), EngineConfig(),
                            torch.device("cpu"))
-        cfg = ObjectiveConfig(name=name, class_graph="")
         objective = objective_from_config(cfg)
         inputs = dict(batch) if captions else {k: v for k, v in batch.items()
                                                if k != "caption_embeddings"}

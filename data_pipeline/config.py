@@ -7,20 +7,22 @@ from typing import Literal
 
 from core.config import InvalidValue
 
-Source = Literal["digits", "imagenet", "captions", "img2dataset"]
+Source = Literal["digits", "cluttered_digits", "imagenet", "captions", "img2dataset"]
 
 
 @dataclass
 class ShardsConfig:
     """Where samples come from and how they are cut into WebDataset shards.
 
-    ``source``: ``digits`` (bundled scikit-learn digits), ``imagenet`` (``input`` is a tree
+    ``source``: ``digits`` (bundled scikit-learn digits), ``cluttered_digits`` (the same
+    digits at random size and position on coloured, cluttered canvases with attribute
+    captions: ``data_pipeline/cluttered.py``), ``imagenet`` (``input`` is a tree
     ``<input>/<class_dir>/*.JPEG``), ``captions`` (``input`` is a CSV/TSV table of caption and
     local image path; CC3M and CC12M order the columns differently, so name or number them),
     ``img2dataset`` (``input`` holds img2dataset's tar shards: validated and indexed in place).
     """
 
-    source: Source | None = None  # digits, imagenet, captions or img2dataset
+    source: Source | None = None  # digits, cluttered_digits, imagenet, captions, img2dataset
     input: str = ""  # the source's input: image tree, caption table or img2dataset folder
     output: str = ""  # directory for the shards and manifest.json
     class_names: str = ""  # file with one name per line, or "imagenet1k" (torchvision's list)
@@ -32,17 +34,26 @@ class ShardsConfig:
     shard_size: int = 1000  # samples per shard
     workers: int = 2  # processes writing shards
     digits_size: int = 64  # digits: pixels of the upsampled 8x8 images
-    split: Literal["all", "train", "test"] = "all"  # digits: every 5th image is test
+    split: Literal["all", "train", "test"] = "all"  # digits sources: every 5th digit is test
+    samples: int = 0  # cluttered_digits: canvases to draw; 0 = one per source digit
+    canvas_size: int = 40  # cluttered_digits: side of the canvas, pixels
+    clutter: int = 2  # cluttered_digits: fragments of other digits per canvas
+    seed: int = 0  # cluttered_digits: every draw follows from (seed, split, index)
 
     def validate(self) -> None:
         if self.shard_size < 1:
             raise InvalidValue("shard_size", f"must be >= 1, got {self.shard_size}")
         if self.workers < 1:
             raise InvalidValue("workers", f"must be >= 1, got {self.workers}")
-        if self.source not in (None, "digits") and not self.input:
+        if self.source not in (None, "digits", "cluttered_digits") and not self.input:
             raise InvalidValue("input", f"source {self.source!r} needs an input path")
         if self.digits_size < 8:
             raise InvalidValue("digits_size", f"must be >= 8, got {self.digits_size}")
+        if self.source == "cluttered_digits" and self.split == "all":
+            raise InvalidValue("split", "cluttered_digits draws train or test canvases from "
+                                        "disjoint digits: set train or test")
+        if self.canvas_size < 16 or self.samples < 0 or self.clutter < 0:
+            raise InvalidValue("canvas_size", "canvas_size >= 16, samples >= 0, clutter >= 0")
 
 
 @dataclass
@@ -56,6 +67,11 @@ class DataConfig:
     augment: Literal["simclr", "autoaugment", "none"] = "simclr"  # view augmentation recipe
     pairing: Literal["views", "same_label"] = "views"  # 2 views of an image, or 2 images of a class
     crop_min_scale: float = 0.2  # smallest random-resized-crop area fraction
+    color_strength: float = 0.5  # simclr: jitter strength s (SimCLR: 1.0 ImageNet, 0.5 CIFAR)
+    hue: float | None = None  # simclr: hue jitter in [0, 0.5]; null: 0.2 x color_strength
+    grayscale: float = 0.2  # simclr: probability of a grayscale view
+    blur: float = 0.5  # simclr: probability of a Gaussian blur
+    flip: float = 0.5  # simclr: probability of a horizontal flip
     shuffle_buffer: int = 512  # samples in each worker's shuffle buffer
     seed: int = 0  # seed of shard order, shuffling and augmentation
     max_skip_fraction: float = 0.01  # fail when more than this fraction of samples is bad
@@ -71,5 +87,10 @@ class DataConfig:
         if not 0 <= self.max_skip_fraction <= 1:
             raise InvalidValue("max_skip_fraction",
                                f"must lie in [0, 1], got {self.max_skip_fraction}")
+        for key in ("grayscale", "blur", "flip"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise InvalidValue(key, f"a probability lies in [0, 1], got {getattr(self, key)}")
+        if self.color_strength < 0 or not 0 <= (self.hue or 0) <= 0.5:
+            raise InvalidValue("color_strength", "need color_strength >= 0 and hue in [0, 0.5]")
         if not 0 < self.crop_min_scale <= 1:
             raise InvalidValue("crop_min_scale", f"must lie in (0, 1], got {self.crop_min_scale}")

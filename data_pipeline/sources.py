@@ -172,6 +172,11 @@ class CaptionTableSource:
 def build_source(cfg: ShardsConfig) -> DigitsSource | ImageFolderSource | CaptionTableSource:
     if cfg.source == "digits":
         return DigitsSource(cfg.digits_size, cfg.split)
+    if cfg.source == "cluttered_digits":
+        from data_pipeline.cluttered import ClutteredDigitsSource
+
+        return ClutteredDigitsSource(cfg.samples, cfg.canvas_size, cfg.clutter, cfg.split,
+                                     cfg.seed)
     if cfg.source == "imagenet":
         return ImageFolderSource(cfg.input, cfg.class_names)
     if cfg.source == "captions":

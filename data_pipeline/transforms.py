@@ -70,15 +70,22 @@ def _finish() -> list[v2.Transform]:
     return [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]
 
 
-def simclr_view(resolution: int, min_scale: float = 0.08) -> v2.Compose:
-    """SimCLR (Chen et al. 2020, appendix A): crop, flip, colour jitter, grayscale, blur."""
+def simclr_view(resolution: int, min_scale: float = 0.08, color_strength: float = 0.5,
+                grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
+                hue: float | None = None) -> v2.Compose:
+    """SimCLR (Chen et al. 2020, appendix A): crop, horizontal flip with p = ``flip``,
+    colour jitter of strength s (brightness, contrast, saturation 0.8 s, hue 0.2 s or
+    ``hue``, capped at a full turn 0.5; applied with p = 0.8), grayscale with p =
+    ``grayscale``, Gaussian blur with p = ``blur``."""
     kernel = max(3, (resolution // 10) | 1)  # odd, ~10% of the image as in SimCLR
+    s = color_strength
     return v2.Compose([
         v2.RandomResizedCrop(resolution, scale=(min_scale, 1.0), antialias=True),
-        v2.RandomHorizontalFlip(),
-        v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
-        v2.RandomGrayscale(p=0.2),
-        v2.RandomApply([SeparableGaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5),
+        v2.RandomHorizontalFlip(p=flip),
+        v2.RandomApply([v2.ColorJitter(0.8 * s, 0.8 * s, 0.8 * s,
+                                       min(0.5, 0.2 * s if hue is None else hue))], p=0.8),
+        v2.RandomGrayscale(p=grayscale),
+        v2.RandomApply([SeparableGaussianBlur(kernel, sigma=(0.1, 2.0))], p=blur),
         *_finish(),
     ])
 
@@ -99,9 +106,11 @@ def eval_view(resolution: int) -> v2.Compose:
                        v2.CenterCrop(resolution), *_finish()])
 
 
-def view_transform(kind: str, resolution: int, min_scale: float) -> v2.Compose:
+def view_transform(kind: str, resolution: int, min_scale: float, color_strength: float = 0.5,
+                   grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
+                   hue: float | None = None) -> v2.Compose:
     if kind == "simclr":
-        return simclr_view(resolution, min_scale)
+        return simclr_view(resolution, min_scale, color_strength, grayscale, blur, flip, hue)
     if kind == "autoaugment":
         return autoaugment_view(resolution, min_scale)
     return eval_view(resolution)

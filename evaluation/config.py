@@ -35,6 +35,7 @@ class EvalConfig:
     samples_per_class: int = 100  # learned vs target similarity: samples per class
     max_diagnostic_samples: int = 10000  # uniformity and MI estimates subsample to this
     mi_neighbours: int = 3  # k of the nearest-neighbour mutual-information estimate
+    compare_untrained: bool = False  # also kNN and probe an untrained copy (the floor)
     output: str = ""  # report directory; "" = <run_dir>/eval
 
     def validate(self) -> None:

@@ -7,6 +7,7 @@ writes ``results.json``, PNG plots and ``report.md`` to ``eval.output`` (default
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from evaluation.diagnostics import (
 )
 from evaluation.features import Features, extract
 from evaluation.knn import build_index, knn_accuracy
-from evaluation.load import ModelRef, load_model
+from evaluation.load import ModelRef, load_model, untrained_copy
 from evaluation.probe import linear_probe
 from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json, write_markdown
 from evaluation.tracking import log_evaluation, upload_outputs
@@ -45,6 +46,7 @@ class EvalContext:
     run_name: str  # names the evaluation's MLflow run
     tracking: TrackingConfig
     target_graph: np.ndarray | None = None  # [C, C] class similarity to compare with
+    seed: int = 0  # initialises the untrained encoder of eval.compare_untrained
 
 
 def class_groups(cfg: EvalConfig, num_classes: int) -> list[list[int]]:
@@ -130,10 +132,18 @@ def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtim
     model, ref = load_model(cfg.model, context.run_dir, uri)
     train = extract(model, data, cfg.train_shards, rt.device, rt.rank, rt.world)
     test = extract(model, data, cfg.test_shards, rt.device, rt.rank, rt.world)
+    if cfg.compare_untrained:
+        floor = untrained_copy(model, context.seed)
+        floor_features = [extract(floor, data, shards, rt.device, rt.rank, rt.world)
+                          for shards in (cfg.train_shards, cfg.test_shards)]
     if not rt.is_main:
         return None
     out.mkdir(parents=True, exist_ok=True)
     results = evaluate_features(train, test, cfg, context.target_graph, ref, out)
+    if cfg.compare_untrained:
+        results["untrained"] = {}
+        knn_results(*floor_features, dataclasses.replace(cfg, save_index=False), out,
+                    results["untrained"])
     tracked = (log_evaluation(uri, cfg, context.tracking.experiment, context.run_name, ref,
                               results, promote_alias)
                if context.tracking.enabled else None)

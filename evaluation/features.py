@@ -63,7 +63,7 @@ def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.
             break
     bar.close()
     widths = {"backbone": model.encoder.feature_dim,
-              "projector": model.encoder.projector[-1].out_features}
+              "projector": model.encoder.embedding_dim}
     local = {"labels": torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)}
     for name, parts in (("backbone", backbone), ("projector", projector)):
         local[name] = torch.cat(parts) if parts else torch.empty(0, widths[name])

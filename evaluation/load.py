@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
     tree = yaml.safe_load(state["config"])
     model_cfg = from_dict(ModelConfig, tree.get("model", {}), prefix="model.")
     return EmbeddingModel(encoder_from_state(model_cfg, state["model"])), tree
+
+
+def untrained_copy(model: EmbeddingModel, seed: int) -> EmbeddingModel:
+    """The same architecture with freshly initialised weights (and batch-norm statistics):
+    the floor a trained encoder is compared with."""
+    fresh = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    for module in fresh.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+    return fresh
 
 
 def resolve(source: str, uri: str) -> ModelRef:

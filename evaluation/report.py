@@ -73,10 +73,15 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
              f"queries: {results['samples']['test']} of {results['test_shards']}.", "",
              "| features | " + " | ".join(results["knn"]["backbone"]) + " |",
              "| --- |" + " --- |" * len(results["knn"]["backbone"])]
+    floor = results.get("untrained")
     for space, by_k in results["knn"].items():
         lines.append(f"| {space} top-1 | " + " | ".join(f"{v['top1']:.4f}"
                                                         for v in by_k.values()) + " |")
-    lines += ["", f"Linear probe (backbone) top-1: {results['linear_probe']['top1']:.4f}", ""]
+        if floor is not None:
+            lines.append(f"| {space} top-1, untrained | " + " | ".join(
+                f"{v['top1']:.4f}" for v in floor["knn"][space].values()) + " |")
+    lines += ["", f"Linear probe (backbone) top-1: {results['linear_probe']['top1']:.4f}"
+              + (f" (untrained: {floor['linear_probe']['top1']:.4f})" if floor else ""), ""]
     if "ivf" in results:
         lines += [f"IVF index top-1 (k={results['ivf']['k']}): {results['ivf']['top1']:.4f} "
                   f"vs exact {results['ivf']['exact_top1']:.4f}", ""]

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job on the embedded defaults, in the current directory (or DEMO_DIR):
-# bundled digits -> WebDataset shards -> class-template graph (bundled sentence model) ->
+# cluttered digits -> WebDataset shards -> class-template graph (bundled sentence model) ->
 # 2-process CPU X-CLR training with DDP over gloo -> encoder registered in the run's SQLite
-# MLflow store. Extra key=value arguments go to every stage (CI passes a smaller setting).
+# MLflow store -> kNN, linear probe and diagnostics of that version beside an untrained
+# encoder, promoted to `champion` if it beats the holder. Extra key=value arguments go to
+# every stage (CI passes a smaller setting).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "${DEMO_DIR:-$repo}"
@@ -10,8 +12,11 @@ export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 bin="$repo/.venv/bin"
 config="$repo/launch/configs/demo.yaml"
 "$bin/make-shards" --config "$config" "$@"
-"$bin/make-shards" --config "$config" shards.split=test shards.output=data/shards/digits-test "$@"
-"$bin/graph-precompute" --config "$config" graph.task=class_graph "$@"
+"$bin/make-shards" --config "$config" shards.split=test shards.samples=1000 \
+    shards.output=data/shards/cluttered-test "$@"
+"$bin/graph-precompute" --config "$config" "$@"
 "$bin/torchrun" --standalone --nproc_per_node "${NPROC:-2}" -m app.pretrain \
     --config "$config" "$@"
-"$bin/evaluate" --config "$config" eval.model=models:/digits-encoder/latest --promote champion "$@"
+"$bin/evaluate" --config "$config" eval.model=models:/cluttered-encoder/latest \
+    --promote champion "$@"
+echo "demo: report in $(pwd)/runs/cluttered-xclr-demo/eval/report.md"

@@ -30,6 +30,7 @@ class ModelConfig:
     small_stem: bool = True  # resnet: 3x3/1 stem without max-pool, for 32-64 px images
     projector_hidden: int = 512  # hidden width of the 2-layer projector
     projector_dim: int = 128  # output width of the projector (the contrastive embedding)
+    projector_bn_out: bool = True  # batch-normalise the output (SimCLR's head): no collapse
     norm: Literal["batch", "group"] = "batch"  # group: independent of the batch split
     sync_batchnorm: bool = True  # batch norm over the global batch on multi-GPU runs
     channels_last: bool = True  # channels-last memory format on GPU
@@ -39,6 +40,10 @@ class ModelConfig:
         for key in ("width", "projector_hidden", "projector_dim"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.norm == "group" and self.projector_bn_out:
+            raise InvalidValue("projector_bn_out", "norm=group makes the encoder independent "
+                               "of how the batch is split, a batch-normalised output would "
+                               "not be: set model.projector_bn_out=false with it")
 
 
 def norm_layer(kind: str) -> Callable[[int], nn.Module]:
@@ -69,6 +74,21 @@ def resnet(name: str, small_stem: bool, norm: str = "batch") -> tuple[nn.Module,
     return net, features
 
 
+def projector(features: int, cfg: ModelConfig) -> nn.Sequential:
+    """Linear - norm - ReLU - linear to ``projector_dim``, then (``projector_bn_out``) a
+    batch norm without affine parameters and the last linear without bias, as SimCLR's
+    head: every output dimension is centred over the batch, so the embeddings cannot all
+    move to one point (``docs/learning.md``, "Why SupCon collapsed")."""
+    hidden = cfg.projector_hidden
+    layers = [nn.Linear(features, hidden, bias=False),
+              nn.BatchNorm1d(hidden) if cfg.norm == "batch" else nn.GroupNorm(8, hidden),
+              nn.ReLU(inplace=True), nn.Linear(hidden, cfg.projector_dim,
+                                               bias=not cfg.projector_bn_out)]
+    if cfg.projector_bn_out:
+        layers.append(nn.BatchNorm1d(cfg.projector_dim, affine=False))
+    return nn.Sequential(*layers)
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -76,12 +96,8 @@ class Encoder(nn.Module):
             self.backbone, features = small_cnn(cfg.width, cfg.norm)
         else:
             self.backbone, features = resnet(cfg.backbone, cfg.small_stem, cfg.norm)
-        self.feature_dim = features
-        self.projector = nn.Sequential(
-            nn.Linear(features, cfg.projector_hidden, bias=False),
-            nn.BatchNorm1d(cfg.projector_hidden) if cfg.norm == "batch"
-            else nn.GroupNorm(8, cfg.projector_hidden), nn.ReLU(inplace=True),
-            nn.Linear(cfg.projector_hidden, cfg.projector_dim))
+        self.feature_dim, self.embedding_dim = features, cfg.projector_dim
+        self.projector = projector(features, cfg)
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """images [B, 3, H, W] -> (features [B, F], projections [B, P])."""

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from data_pipeline.samples import stable_int
+from pretrain.collapse import effective_rank
 from pretrain.distributed import build_global_batch
 from pretrain.losses import ObjectiveConfig, ObjectiveOutput
 
@@ -25,7 +26,8 @@ def step_seed(objective: ObjectiveConfig, step: int) -> int:
 def forward_loss(model: Callable[..., Any], batch: dict[str, Any], objective: Callable,
                  cfg: ObjectiveConfig, temperature: float, step: int,
                  class_graph: Tensor | None = None) -> ObjectiveOutput:
-    """Objective output of this rank's anchors against the global batch.
+    """Objective output of this rank's anchors against the global batch, with the
+    effective rank of this rank's embeddings among the metrics (collapse detection).
 
     ``batch`` holds this rank's tensors on the model's device: ``images`` [2B, 3, R, R],
     ``ids`` [2B], optional ``labels`` [2B], ``caption_embeddings`` [2B, E],
@@ -40,7 +42,9 @@ def forward_loss(model: Callable[..., Any], batch: dict[str, Any], objective: Ca
         text=out.text, class_graph=class_graph, num_negatives=cfg.num_negatives,
         negatives_seed=step_seed(cfg, step))
     tau = temperature if out.temperature is None else out.temperature
-    return objective(global_batch, tau)
+    result = objective(global_batch, tau)
+    result.metrics["effective_rank"] = effective_rank(out.projections.detach())
+    return result
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

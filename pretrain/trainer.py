@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -27,6 +27,7 @@ from data_pipeline.config import DataConfig
 from data_pipeline.loader import LoaderState, train_batches
 from data_pipeline.text import TextConfig
 from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state
+from pretrain.collapse import CollapseConfig, CollapseWatch
 from pretrain.engine import Engine
 from pretrain.losses import EssTemperatureController, ObjectiveConfig
 from pretrain.step import forward_loss, to_device
@@ -47,6 +48,7 @@ class TrainConfig:
     progress: bool = True  # tqdm bar on rank 0
     knn_every: int = 0  # > 0: kNN monitor on a fixed subset of eval.* shards every N steps
     knn_samples: int = 2000  # size of that subset (bank and queries each)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse detection
 
     def validate(self) -> None:
         for key in ("epochs", "log_every", "max_nonfinite"):
@@ -89,6 +91,7 @@ class Trainer:
         ess = parts.objective_cfg.ess_control
         self.controller = (EssTemperatureController(ess, parts.objective_cfg.temperature)
                            if ess.enabled else None)
+        self.collapse = CollapseWatch(cfg.collapse)
         self.window: dict[str, float] = {}
         self.window_steps, self.window_start = 0, time.perf_counter()
         self.last_saved = -1
@@ -205,12 +208,18 @@ class Trainer:
                    nonfinite_steps=float(self.nonfinite_total))
         if self.controller:
             row["temperature"] = self.controller.temperature
+        warning = self.collapse.check(self.step, row)
+        row["collapse"] = float(warning is not None)
         if rt.is_main:
             bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
-                            img_s=f"{row['images_per_s']:.0f}", refresh=False)
+                            img_s=f"{row['images_per_s']:.0f}",
+                            **({"collapse": "WARNING"} if warning else {}), refresh=False)
+            if warning:
+                log.warning(warning)
             if self.p.tracker is not None:
                 self.p.tracker.log_metrics(self.step, row)
             log.info("step %d %s", self.step,
                      " ".join(f"{k}={v:.4g}" for k, v in sorted(row.items())))
         self.window, self.window_steps = {}, 0
         self.window_start = time.perf_counter()
+        self.collapse.stop_if_spent()

@@ -23,7 +23,9 @@ class TrainCollator:
 
     def __init__(self, cfg: DataConfig, text: TextConfig | None,
                  store: CaptionStore | None) -> None:
-        self.augment = view_transform(cfg.augment, cfg.resolution, cfg.crop_min_scale)
+        self.augment = view_transform(cfg.augment, cfg.resolution, cfg.crop_min_scale,
+                                      cfg.color_strength, cfg.grayscale, cfg.blur, cfg.flip,
+                                      cfg.hue)
         self.plain = eval_view(cfg.resolution)
         self.text, self.store, self.tokenizer = text, store, None
 

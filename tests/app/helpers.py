@@ -27,8 +27,8 @@ def pretrain_command(overrides: list[str], nproc: int = 1) -> list[str]:
             "--standalone", "-m", "app.pretrain", *overrides]
 
 
-def run_pretrain(overrides: list[str], nproc: int = 1, **kwargs) -> subprocess.CompletedProcess:
+def run_pretrain(overrides: list[str], nproc: int = 1, timeout: float = 300,
+                 **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(pretrain_command(overrides, nproc), cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300, **kwargs)
-    return result
+    return subprocess.run(pretrain_command(overrides, nproc), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout, **kwargs)

@@ -1,0 +1,126 @@
+"""The learning benchmark: does training learn, and do the papers' claims reproduce?
+
+    python -m bench.learning                      # everything: ~4 h on 2 CPU cores
+    python -m bench.learning --part main --seeds 0 --only infonce supcon
+    python -m bench.learning --part sweep         # the sweeps behind the recipes
+
+Trains every configuration (``bench/learning/configs.py``) on the cluttered digits with
+the real ``pretrain`` command (2 DDP processes), evaluates the encoder and the untrained
+encoder it started from, and checks the claims (``bench/learning/claims.py``). Finished
+runs are kept (``<out>/runs/<name>/result.json``) and skipped when run again, so an
+interrupted benchmark continues. Writes ``learning.json``, ``learning.md`` and PNG plots
+to ``--out``, and prints the claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from bench.common import machine
+from bench.learning import configs, report
+from bench.learning.ceiling import train_cross_entropy
+from bench.learning.claims import Results, check
+from bench.learning.data import DataSet, cluttered, digits
+from bench.learning.runs import Configuration, run
+from data_pipeline.graph.class_graph import load_class_graph
+
+MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES]
+
+
+def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path) -> Results:
+    results: Results = defaultdict(list)
+    for conf in tqdm(confs, desc="learning benchmark", unit="run"):
+        group = conf.tags["group"]
+        data = datasets[conf.data]
+        if group == "cross_entropy":
+            result = train_cross_entropy(conf, data, root)
+        else:
+            result = run(conf, data, root, floor=group == "untrained")
+        key = f"{conf.name.split(group)[0]}{group}"  # keeps the digits_ prefix
+        results[key].append(result)
+    return results
+
+
+def write(results: Results, sweep: Results, datasets: dict[str, DataSet], out: Path,
+          seeds: list[int]) -> list[dict[str, Any]]:
+    claims = check(results)
+    cluttered_set = datasets["cluttered"]
+    (out / "learning.json").write_text(json.dumps(
+        {"machine": machine(), "seeds": seeds, "claims": claims, "results": results,
+         "sweep": sweep}, indent=1, default=float))
+    report.plot_knn_curves(results, [*configs.OBJECTIVES, "cross_entropy", "untrained"],
+                           out / "knn_vs_k.png")
+    report.plot_negatives(results, out / "negatives.png")
+    pairs = [("xclr_captions", "caption_graph",
+              load_class_graph(cluttered_set.caption_graph)[0]),
+             ("xclr_class_graph", "class_graph", load_class_graph(cluttered_set.class_graph)[0]),
+             ("infonce", "caption_graph", load_class_graph(cluttered_set.caption_graph)[0])]
+    report.plot_similarity(results, pairs, out / "similarity.png")
+    lines = ["# Learning benchmark", "",
+             f"Machine: {', '.join(f'{k} {v}' for k, v in machine().items())}. "
+             f"Seeds: {seeds}. Command: `python -m bench.learning`.", "",
+             "## Cluttered digits", "",
+             *report.results_table(results, ["untrained", *MAIN_ORDER, "cross_entropy"]),
+             "", "## Claims", "", *report.claims_section(claims)]
+    digit_names = [n for n in results if n.startswith("digits_")]
+    if digit_names:
+        lines += ["## Plain digits (reference)", "", *report.results_table(results, digit_names),
+                  ""]
+    if sweep:
+        lines += ["## Recipe sweeps (one seed)", "", *report.results_table(sweep, list(sweep)),
+                  ""]
+    lines += ["Plots: `knn_vs_k.png`, `negatives.png`, `similarity.png`."]
+    (out / "learning.md").write_text("\n".join(lines) + "\n")
+    return claims
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/learning"))
+    parser.add_argument("--part", choices=["all", "main", "digits", "sweep"], default="all")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--only", nargs="+", help="main configurations to run (names)")
+    parser.add_argument("--train-samples", type=int, default=6000)
+    parser.add_argument("--test-samples", type=int, default=1000)
+    parser.add_argument("--set", nargs="+", default=[], metavar="key=value",
+                        help="overrides for every configuration (e.g. train.max_steps=5 for "
+                             "a smoke run; use another --out)")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    datasets = {"cluttered": cluttered(out / "data", args.train_samples, args.test_samples),
+                "digits": digits(out / "data")}
+    only = set(args.only) if args.only else None
+    confs: list[Configuration] = []
+    if args.part in ("all", "main"):
+        floor, ceiling = configs.floor_and_ceiling("cluttered", args.seeds)
+        confs += floor + configs.main(args.seeds, only) + ceiling
+    if args.part in ("all", "digits"):
+        floor, ceiling = configs.floor_and_ceiling("digits", args.seeds[:1], "digits_")
+        confs += floor + configs.digits(args.seeds[:1]) + ceiling
+    sweep_confs = configs.sweep() if args.part in ("all", "sweep") else []
+    confs = [dataclasses.replace(c, overrides=(*c.overrides, *args.set)) for c in confs]
+    sweep_confs = [dataclasses.replace(c, overrides=(*c.overrides, *args.set))
+                   for c in sweep_confs]
+    results = run_all(confs, datasets, out)
+    sweep = run_all(sweep_confs, datasets, out)
+    claims = write(results, sweep, datasets, out, args.seeds)
+    for claim in claims:
+        verdict = {True: "reproduces", False: "does NOT reproduce",
+                   None: "not run" if claim.get("missing") else "report"}
+        print(f"({claim['claim']}) {verdict[claim['reproduced']]}: {claim['title']}")
+    print(f"report: {out / 'learning.md'}")
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()

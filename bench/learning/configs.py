@@ -1,0 +1,96 @@
+"""The configurations the learning benchmark trains.
+
+``main``: one recipe per objective on the cluttered digits (``launch/configs/cluttered/``),
+the batch-16 pair (FlatNCE), the negatives sweep (SupCon with k negatives), the untrained
+floor and the cross-entropy ceiling, each for every seed; the same recipes on the plain
+digits for reference. ``sweep``: the one-seed variations that chose each recipe's values
+(``docs/learning.md``).
+"""
+
+from __future__ import annotations
+
+from bench.learning.runs import Configuration
+
+RECIPES = "launch/configs/cluttered"
+OBJECTIVES = {  # configuration name -> (recipe file, overrides)
+    "infonce": ("infonce.yaml", ()),
+    "flatnce": ("flatnce.yaml", ()),
+    "holder_flatnce": ("holder_flatnce.yaml", ()),
+    "supcon": ("supcon.yaml", ()),
+    "sincere": ("sincere.yaml", ()),
+    "eps_supinfonce": ("eps_supinfonce.yaml", ()),
+    "xclr_class_graph": ("xclr_class_graph.yaml", ()),
+    "xclr_captions": ("xclr_captions.yaml", ()),
+    "projnce_centroid": ("projnce.yaml", ("objective.projection=centroid",)),
+    "projnce_kernel": ("projnce.yaml", ("objective.projection=kernel",)),
+    "projnce_median": ("projnce.yaml", ("objective.projection=median",)),
+    "clip": ("clip.yaml", ()),
+}
+SMALL_BATCH = {  # FlatNCE's claim: global batch 16 (8 per rank)
+    "infonce_b16": ("infonce.yaml", ("data.batch_size=8",)),
+    "flatnce_b16": ("flatnce.yaml", ("data.batch_size=8",)),
+}
+NEGATIVES = {f"supcon_k{k}": ("supcon.yaml", (f"objective.num_negatives={k}",))
+             for k in (1, 4, 16, 64)}
+DIGITS_OBJECTIVES = ("infonce", "flatnce", "supcon", "sincere", "xclr_class_graph",
+                     "projnce_centroid")
+LARS = ("optim.name=lars", "optim.lr=0.3", "optim.weight_decay=1e-6")  # SimCLR's recipe
+SWEEP = {  # name -> (recipe, overrides); one seed each, each varying one choice
+    "sweep_infonce_projector_linear": ("infonce.yaml", ("model.projector_bn_out=false",)),
+    "sweep_infonce_lars": ("infonce.yaml", LARS),
+    "sweep_infonce_lr0.002": ("infonce.yaml", ("optim.lr=0.002",)),
+    "sweep_infonce_lr0.008": ("infonce.yaml", ("optim.lr=0.008",)),
+    "sweep_infonce_batch32": ("infonce.yaml", ("data.batch_size=32",)),
+    "sweep_infonce_batch128": ("infonce.yaml", ("data.batch_size=128",)),
+    "sweep_infonce_tau0.05": ("infonce.yaml", ("objective.temperature=0.05",)),
+    "sweep_infonce_tau0.2": ("infonce.yaml", ("objective.temperature=0.2",)),
+    "sweep_infonce_flip_blur": ("infonce.yaml", ("data.flip=0.5", "data.blur=0.5")),
+    "sweep_infonce_cifar_color": ("infonce.yaml", ("data.color_strength=0.5", "data.hue=null",
+                                                   "data.grayscale=0.2")),
+    "sweep_infonce_crop0.5": ("infonce.yaml", ("data.crop_min_scale=0.5",)),
+    "sweep_infonce_width64": ("infonce.yaml", ("model.width=64",)),
+    "sweep_infonce_epochs20": ("infonce.yaml", ("train.epochs=20",)),
+    "sweep_supcon_projector_linear": ("supcon.yaml", ("model.projector_bn_out=false",)),
+    "sweep_supcon_projector_linear_lars": ("supcon.yaml",
+                                           ("model.projector_bn_out=false", *LARS)),
+    "sweep_supcon_lars": ("supcon.yaml", LARS),
+    "sweep_supcon_tau0.2": ("supcon.yaml", ("objective.temperature=0.2",)),
+    "sweep_supcon_strong_color": ("supcon.yaml", ("data.color_strength=1.0", "data.hue=0.5",
+                                                  "data.grayscale=0.5")),
+    "sweep_supcon_crop0.3": ("supcon.yaml", ("data.crop_min_scale=0.3",)),
+    "sweep_xclr_class_graph_tau_s0.1": ("xclr_class_graph.yaml",
+                                        ("objective.target_temperature=0.1",)),
+    "sweep_xclr_captions_tau_s0.05": ("xclr_captions.yaml",
+                                      ("objective.target_temperature=0.05",)),
+    "sweep_xclr_captions_no_color_jitter": ("xclr_captions.yaml", (
+        "data.color_strength=0.0", "data.grayscale=0.0")),
+}
+
+
+def _configs(table: dict, data: str, seeds: list[int], prefix: str = "") -> list[Configuration]:
+    return [Configuration(f"{prefix}{name}-s{seed}", f"{RECIPES}/{recipe}", data,
+                          tuple(overrides), seed, {"group": name})
+            for name, (recipe, overrides) in table.items() for seed in seeds]
+
+
+def floor_and_ceiling(data: str, seeds: list[int], prefix: str = "") -> tuple[
+        list[Configuration], list[Configuration]]:
+    floor = _configs({"untrained": ("infonce.yaml", ())}, data, seeds, prefix)
+    ceiling = _configs({"cross_entropy": ("supcon.yaml", ())}, data, seeds, prefix)
+    return floor, ceiling
+
+
+def main(seeds: list[int], only: set[str] | None = None) -> list[Configuration]:
+    table = {**OBJECTIVES, **SMALL_BATCH, **NEGATIVES}
+    if only:
+        table = {k: v for k, v in table.items() if k in only}
+    return _configs(table, "cluttered", seeds)
+
+
+def digits(seeds: list[int]) -> list[Configuration]:
+    return _configs({k: OBJECTIVES[k] for k in DIGITS_OBJECTIVES}, "digits", seeds, "digits_")
+
+
+def sweep(only: set[str] | None = None) -> list[Configuration]:
+    table = {k: v for k, v in SWEEP.items() if not only or k in only}
+    return _configs(table, "cluttered", [0])

@@ -1,0 +1,98 @@
+"""The benchmark's data, made with the project's own stages: the cluttered digits (train
+and test canvases from disjoint source digits, their caption store and class-template
+graph, and the class-level similarity of their captions) and the plain digits for
+reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data_pipeline.config import ShardsConfig
+from data_pipeline.graph.class_graph import build_class_graph, load_class_graph
+from data_pipeline.graph.config import GraphConfig
+from data_pipeline.graph.job import run_captions
+from data_pipeline.graph.store import CaptionStore
+from data_pipeline.make_shards import make_shards
+from data_pipeline.manifest import Manifest
+from data_pipeline.tario import iter_shard
+
+TEMPLATES = ["a photo of the digit {name}.", "a handwritten {name}.", "the number {name}."]
+
+
+@dataclass(frozen=True)
+class DataSet:
+    """Shards and targets of one data set, as paths the recipes' keys take."""
+
+    name: str
+    train: Path
+    test: Path
+    class_graph: Path  # class-template graph (X-CLR's ImageNet recipe)
+    caption_store: Path | None = None  # per-sample caption embeddings (X-CLR from captions)
+    caption_graph: Path | None = None  # [C, C] mean caption similarity between classes
+
+
+def _shards(cfg: ShardsConfig) -> Path:
+    out = Path(cfg.output)
+    if not (out / "manifest.json").is_file():
+        make_shards(cfg)
+    return out
+
+
+def _class_graph(shards: Path, output: Path) -> Path:
+    path = output / "class_graph.npz"
+    if not path.is_file():
+        build_class_graph(GraphConfig(task="class_graph", shards=str(shards),
+                                      output=str(output), templates=TEMPLATES))
+    return path
+
+
+def caption_class_graph(shards: Path, store_dir: Path) -> np.ndarray:
+    """[C, C]: mean cosine between the caption embeddings of class a and class b."""
+    store = CaptionStore.open(store_dir)
+    keys, labels = [], []
+    manifest = Manifest.read(shards)
+    for shard in manifest.shards:
+        for raw in iter_shard(shards / shard.name):
+            keys.append(raw["__key__"])
+            labels.append(int(raw["cls"]))
+    rows, found = store.find(keys)
+    vectors = np.asarray(store.embeddings[rows[found]], np.float32)
+    labels = np.asarray(labels)[found]
+    classes = len(manifest.class_names)
+    means = np.stack([vectors[labels == c].mean(0) for c in range(classes)])
+    sums = np.stack([vectors[labels == c].sum(0) for c in range(classes)])
+    counts = np.bincount(labels, minlength=classes)
+    graph = means @ means.T
+    # the diagonal without self pairs: (|sum|^2 - n) / (n (n - 1)), embeddings are unit
+    own = (np.einsum("cd,cd->c", sums, sums) - counts) / (counts * (counts - 1))
+    graph[np.diag_indices(classes)] = own
+    return graph
+
+
+def cluttered(root: Path, train_samples: int, test_samples: int) -> DataSet:
+    common = {"source": "cluttered_digits", "shard_size": 1000, "workers": 2}
+    train = _shards(ShardsConfig(**common, split="train", samples=train_samples,
+                                 output=str(root / "shards" / "cluttered-train")))
+    test = _shards(ShardsConfig(**common, split="test", samples=test_samples,
+                                output=str(root / "shards" / "cluttered-test")))
+    captions = root / "captions" / "cluttered-train"
+    if not (captions / "meta.json").is_file():
+        run_captions(GraphConfig(shards=str(train), output=str(captions)))
+    graph = _class_graph(train, captions)
+    caption_graph = captions / "caption_class_graph.npz"
+    if not caption_graph.is_file():
+        names = load_class_graph(graph)[1]
+        np.savez(caption_graph, graph=caption_class_graph(train, captions),
+                 class_names=np.array(names))
+    return DataSet("cluttered", train, test, graph, captions, caption_graph)
+
+
+def digits(root: Path) -> DataSet:
+    train = _shards(ShardsConfig(source="digits", split="train", digits_size=32, workers=2,
+                                 shard_size=500, output=str(root / "shards" / "digits-train")))
+    test = _shards(ShardsConfig(source="digits", split="test", digits_size=32, workers=1,
+                                shard_size=500, output=str(root / "shards" / "digits-test")))
+    return DataSet("digits", train, test, _class_graph(train, root / "captions" / "digits"))

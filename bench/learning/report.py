@@ -1,0 +1,118 @@
+"""The learning benchmark's outputs: a Markdown report and plots beside the JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.learning.claims import NEGATIVES, Results, diagnostic, knn, probe, stat  # noqa: E402
+from bench.learning.runs import KS  # noqa: E402
+
+TABLE_METRICS = [("kNN top-1 (backbone)", knn),
+                 ("kNN top-1 (projector)", lambda r: knn(r, "projector")),
+                 ("linear probe", probe),
+                 ("target-noise margin", diagnostic("margin")),
+                 ("class-mean cosine", diagnostic("class_mean_cosine")),
+                 ("intra-class variance", diagnostic("intra_class_variance"))]
+
+
+def results_table(results: Results, names: list[str]) -> list[str]:
+    lines = ["| configuration | seeds | " + " | ".join(t for t, _ in TABLE_METRICS) + " |",
+             "| --- | --- |" + " --- |" * len(TABLE_METRICS)]
+    for name in names:
+        cells = []
+        seeds = 0
+        for _, metric in TABLE_METRICS:
+            mean, std, seeds = stat(results, name, metric)
+            cells.append("—" if seeds == 0 else f"{mean:.3f} ± {std:.3f}")
+        stopped = [r["training"]["stopped"] for r in results.get(name, [])
+                   if r.get("training", {}).get("stopped")]
+        note = f" (stopped: {len(stopped)})" if stopped else ""
+        lines.append(f"| {name}{note} | {seeds} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def claims_section(claims: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for claim in claims:
+        verdict = {True: "**reproduces**", False: "**does not reproduce**",
+                   None: "not run" if claim.get("missing") else "report"}[claim["reproduced"]]
+        lines += [f"### ({claim['claim']}) {claim['title']}: {verdict}", ""]
+        extra = {k: v for k, v in claim.items()
+                 if k not in ("claim", "title", "reproduced", "rows")}
+        if extra:
+            lines += [", ".join(f"{k}: {v}" for k, v in extra.items()), ""]
+        rows = claim["rows"]
+        if rows:
+            keys = list(rows[0])
+            lines += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+            lines += ["| " + " | ".join(str(row[k]) for k in keys) + " |" for row in rows]
+            lines.append("")
+    return lines
+
+
+def plot_knn_curves(results: Results, names: list[str], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        means = [stat(results, name, lambda r, k=k: knn(r, "backbone", k))[0] for k in KS]
+        stds = [stat(results, name, lambda r, k=k: knn(r, "backbone", k))[1] for k in KS]
+        if not np.isnan(means).all():
+            ax.errorbar(KS, means, yerr=stds, marker="o", ms=3, capsize=2, label=name)
+    ax.set(xscale="log", xlabel="k", ylabel="kNN top-1 (backbone)",
+           title="weighted kNN on the cluttered digits (mean ± std over seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_negatives(results: Results, path: Path) -> None:
+    names = [f"supcon_k{k}" if k != "all" else "supcon" for k in NEGATIVES]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, (title, metric) in zip(axes, [("kNN top-1", knn),
+                                          ("class-mean cosine",
+                                           diagnostic("class_mean_cosine", "projector")),
+                                          ("intra-class variance",
+                                           diagnostic("intra_class_variance", "projector"))], strict=True):
+        stats = [stat(results, n, metric) for n in names]
+        ax.errorbar(range(len(names)), [s[0] for s in stats], yerr=[s[1] for s in stats],
+                    marker="o", capsize=3)
+        if title == "class-mean cosine":
+            ax.axhline(-1 / 9, ls="--", c="gray", label="simplex ETF -1/(C-1)")
+            ax.legend(fontsize=7)
+        ax.set(xticks=range(len(names)), xticklabels=[str(k) for k in NEGATIVES],
+               xlabel="num_negatives", title=title)
+    fig.suptitle("SupCon with k negatives per anchor (kNN: backbone; geometry: projector)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_similarity(results: Results, pairs: list[tuple[str, str, np.ndarray]],
+                    path: Path) -> None:
+    """Learned class similarity (first seed, backbone) beside the target graph."""
+    fig, axes = plt.subplots(len(pairs), 2, figsize=(8, 3.6 * len(pairs)), squeeze=False)
+    for row, (name, graph_name, target) in zip(axes, pairs, strict=True):
+        runs = [r for r in results.get(name, []) if "evaluation" in r]
+        if not runs:
+            continue
+        similarity = runs[0]["evaluation"]["similarity"]["backbone"]
+        learned = np.asarray(similarity["learned"])
+        corr = similarity[f"rank_correlation_{graph_name}"]
+        for ax, matrix, title in ((row[0], learned, f"{name}: learned"),
+                                  (row[1], target, f"target: {graph_name}")):
+            image = ax.imshow(matrix, cmap="viridis")
+            ax.set_title(title if ax is row[1] else f"{title} (rank corr. {corr:.2f})",
+                         fontsize=9)
+            ax.set_xticks(range(10))
+            ax.set_yticks(range(10))
+            fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
