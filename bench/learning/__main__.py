@@ -3,6 +3,7 @@
     python -m bench.learning                      # everything: ~4 h on 2 CPU cores
     python -m bench.learning --part main --seeds 0 --only infonce supcon
     python -m bench.learning --part sweep         # the sweeps behind the recipes
+    python -m bench.learning --report-only        # the report from the finished runs
 
 Trains every configuration (``bench/learning/configs.py``) on the cluttered digits with
 the real ``pretrain`` command (2 DDP processes), evaluates the encoder and the untrained
@@ -35,10 +36,15 @@ from data_pipeline.graph.class_graph import load_class_graph
 MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES]
 
 
-def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path) -> Results:
+def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path,
+            report_only: bool = False) -> Results:
+    """One result per finished configuration; ``report_only`` trains nothing and leaves
+    out the configurations that have no result yet (their claims say "not run")."""
     results: Results = defaultdict(list)
     for conf in tqdm(confs, desc="learning benchmark", unit="run"):
         group = conf.tags["group"]
+        if report_only and not (root / "runs" / conf.name / "result.json").is_file():
+            continue
         data = datasets[conf.data]
         if group == "cross_entropy":
             result = train_cross_entropy(conf, data, root)
@@ -91,6 +97,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", help="main configurations to run (names)")
     parser.add_argument("--train-samples", type=int, default=6000)
     parser.add_argument("--test-samples", type=int, default=1000)
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: write the report from the finished runs")
     parser.add_argument("--set", nargs="+", default=[], metavar="key=value",
                         help="overrides for every configuration (e.g. train.max_steps=5 for "
                              "a smoke run; use another --out)")
@@ -111,8 +119,8 @@ def main() -> None:
     confs = [dataclasses.replace(c, overrides=(*c.overrides, *args.set)) for c in confs]
     sweep_confs = [dataclasses.replace(c, overrides=(*c.overrides, *args.set))
                    for c in sweep_confs]
-    results = run_all(confs, datasets, out)
-    sweep = run_all(sweep_confs, datasets, out)
+    results = run_all(confs, datasets, out, args.report_only)
+    sweep = run_all(sweep_confs, datasets, out, args.report_only)
     claims = write(results, sweep, datasets, out, args.seeds)
     for claim in claims:
         verdict = {True: "reproduces", False: "does NOT reproduce",

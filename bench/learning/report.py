@@ -17,9 +17,10 @@ from bench.learning.runs import KS  # noqa: E402
 TABLE_METRICS = [("kNN top-1 (backbone)", knn),
                  ("kNN top-1 (projector)", lambda r: knn(r, "projector")),
                  ("linear probe", probe),
-                 ("target-noise margin", diagnostic("margin")),
-                 ("class-mean cosine", diagnostic("class_mean_cosine")),
-                 ("intra-class variance", diagnostic("intra_class_variance"))]
+                 ("margin (projector)", diagnostic("margin", "projector")),
+                 ("class-mean cosine (projector)", diagnostic("class_mean_cosine", "projector")),
+                 ("intra-class variance (projector)",
+                  diagnostic("intra_class_variance", "projector"))]
 
 
 def results_table(results: Results, names: list[str]) -> list[str]:
@@ -50,9 +51,10 @@ def claims_section(claims: list[dict[str, Any]]) -> list[str]:
             lines += [", ".join(f"{k}: {v}" for k, v in extra.items()), ""]
         rows = claim["rows"]
         if rows:
-            keys = list(rows[0])
+            keys = list(dict.fromkeys(k for row in rows for k in row))  # every column, in order
             lines += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-            lines += ["| " + " | ".join(str(row[k]) for k in keys) + " |" for row in rows]
+            lines += ["| " + " | ".join(str(row.get(k, "")) for k in keys) + " |"
+                      for row in rows]
             lines.append("")
     return lines
 
@@ -75,11 +77,10 @@ def plot_knn_curves(results: Results, names: list[str], path: Path) -> None:
 def plot_negatives(results: Results, path: Path) -> None:
     names = [f"supcon_k{k}" if k != "all" else "supcon" for k in NEGATIVES]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    for ax, (title, metric) in zip(axes, [("kNN top-1", knn),
-                                          ("class-mean cosine",
-                                           diagnostic("class_mean_cosine", "projector")),
-                                          ("intra-class variance",
-                                           diagnostic("intra_class_variance", "projector"))], strict=True):
+    panels = [("kNN top-1", knn),
+              ("class-mean cosine", diagnostic("class_mean_cosine", "projector")),
+              ("intra-class variance", diagnostic("intra_class_variance", "projector"))]
+    for ax, (title, metric) in zip(axes, panels, strict=True):
         stats = [stat(results, n, metric) for n in names]
         ax.errorbar(range(len(names)), [s[0] for s in stats], yerr=[s[1] for s in stats],
                     marker="o", capsize=3)

@@ -34,7 +34,7 @@ def test_demo_pipeline_smallest_setting(tmp_path):
     run = client.get_run(version.run_id)
     assert run.data.params["objective.name"] == "xclr"
     assert run.data.metrics["loss"] > 0 and run.data.metrics["effective_rank"] > 1
-    assert client.get_model_version_by_alias("cluttered-encoder", "champion").version == "1"
+    assert str(client.get_model_version_by_alias("cluttered-encoder", "champion").version) == "1"
     results = json.loads((run_dir / "eval" / "results.json").read_text())
     assert results["samples"] == {"train": 400, "test": 400}
     assert set(results["untrained"]["knn"]) == {"backbone", "projector"}
