@@ -11,7 +11,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.learning.claims import NEGATIVES, Results, diagnostic, knn, probe, stat  # noqa: E402
+from bench.learning.claims import (  # noqa: E402
+    NEGATIVES,
+    Results,
+    diagnostic,
+    fmt,
+    knn,
+    probe,
+    stat,
+)
 from bench.learning.runs import KS  # noqa: E402
 
 TABLE_METRICS = [("kNN top-1 (backbone)", knn),
@@ -31,7 +39,7 @@ def results_table(results: Results, names: list[str]) -> list[str]:
         seeds = 0
         for _, metric in TABLE_METRICS:
             mean, std, seeds = stat(results, name, metric)
-            cells.append("—" if seeds == 0 else f"{mean:.3f} ± {std:.3f}")
+            cells.append("—" if seeds == 0 else fmt(mean, std))
         stopped = [r["training"]["stopped"] for r in results.get(name, [])
                    if r.get("training", {}).get("stopped")]
         note = f" (stopped: {len(stopped)})" if stopped else ""
@@ -65,7 +73,8 @@ def plot_knn_curves(results: Results, names: list[str], path: Path) -> None:
         means = [stat(results, name, lambda r, k=k: knn(r, "backbone", k))[0] for k in KS]
         stds = [stat(results, name, lambda r, k=k: knn(r, "backbone", k))[1] for k in KS]
         if not np.isnan(means).all():
-            ax.errorbar(KS, means, yerr=stds, marker="o", ms=3, capsize=2, label=name)
+            ax.errorbar(KS, means, yerr=np.nan_to_num(stds), marker="o", ms=3, capsize=2,
+                        label=name)
     ax.set(xscale="log", xlabel="k", ylabel="kNN top-1 (backbone)",
            title="weighted kNN on the cluttered digits (mean ± std over seeds)")
     ax.legend(fontsize=7, ncol=2)
@@ -82,8 +91,8 @@ def plot_negatives(results: Results, path: Path) -> None:
               ("intra-class variance", diagnostic("intra_class_variance", "projector"))]
     for ax, (title, metric) in zip(axes, panels, strict=True):
         stats = [stat(results, n, metric) for n in names]
-        ax.errorbar(range(len(names)), [s[0] for s in stats], yerr=[s[1] for s in stats],
-                    marker="o", capsize=3)
+        ax.errorbar(range(len(names)), [s[0] for s in stats],
+                    yerr=np.nan_to_num([s[1] for s in stats]), marker="o", capsize=3)
         if title == "class-mean cosine":
             ax.axhline(-1 / 9, ls="--", c="gray", label="simplex ETF -1/(C-1)")
             ax.legend(fontsize=7)
