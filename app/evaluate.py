@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from app.run_config import RunConfig, parse_run
+from core.cli import reported_faults
 from core.runtime import init_runtime, shutdown
 from data_pipeline.graph.class_graph import load_class_graph
 from evaluation.evaluate import EvalContext, evaluate
@@ -47,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: "
                                                    "%(message)s")
     torch.manual_seed(config.seed)
-    run(config, args.promote)
+    with reported_faults("evaluate"):
+        run(config, args.promote)
 
 
 if __name__ == "__main__":

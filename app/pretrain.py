@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from app.run_config import RunConfig, parse_run
+from core.cli import reported_faults
 from core.collectives import barrier
 from core.config import flatten, to_yaml
 from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
@@ -28,6 +29,7 @@ from pretrain.engine import build_engine
 from pretrain.losses import SUPERVISED, objective_from_config
 from pretrain.model import build_model
 from pretrain.optim import build_optimizer, warmup_cosine
+from pretrain.registry import ModelCard
 from pretrain.tracking import Tracker
 from pretrain.trainer import Parts, Trainer
 
@@ -89,7 +91,26 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
                  class_graph=graph, config_yaml=to_yaml(config))
 
 
-def finish_tracking(tracker: Tracker, config: RunConfig, parts: Parts, run_dir: Path) -> None:
+def model_card(config: RunConfig, parts: Parts, trainer: Trainer, name: str) -> ModelCard:
+    """The registered version's card: objective, data, training and kNN numbers."""
+    shards = ShardSet.open(config.data.shards)
+    last = {k: round(v, 6) for k, v in trainer.last_row.items()
+            if k in ("step", "loss", "pos_sim", "neg_sim", "effective_rank", "temperature")}
+    return ModelCard(
+        name=name, objective=flatten(config.objective),
+        data={"shards": config.data.shards, "samples": shards.total,
+              "classes": len(shards.class_names), "resolution": config.data.resolution,
+              "global_batch": config.data.batch_size * parts.runtime.world},
+        training={"run": config.name, "seed": config.seed, "steps": trainer.step,
+                  "world_size": parts.runtime.world, "engine": config.engine.name,
+                  "optimizer": config.optim.name, "lr": config.optim.lr,
+                  "backbone": config.model.backbone, **{f"last.{k}": v for k, v in last.items()}},
+        knn={k: round(v, 6) for k, v in trainer.last_knn.items()})
+
+
+def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
+                    run_dir: Path) -> None:
+    parts = trainer.p
     tracker.log_artifact(run_dir / "config.yaml")
     last = parts.checkpointer.checkpoints()[0]
     tracker.log_artifact(last, "checkpoint")
@@ -97,7 +118,8 @@ def finish_tracking(tracker: Tracker, config: RunConfig, parts: Parts, run_dir: 
         size = config.data.resolution
         example = torch.zeros(2, 3, size, size)
         name = config.tracking.registered_model or f"{config.name}-encoder"
-        version = tracker.log_model(parts.engine.module.encoder, example, name)
+        version = tracker.log_model(parts.engine.module.encoder, example, name,
+                                    parts.config_yaml, model_card(config, parts, trainer, name))
         if version is not None:
             log.info("registered model %s version %s", name, version)
     tracker.finish()
@@ -132,7 +154,7 @@ def train(config: RunConfig) -> Path:
                 parts.tracker.finish("FAILED")
             raise
         if parts.tracker is not None:
-            finish_tracking(parts.tracker, config, parts, run_dir)
+            finish_tracking(parts.tracker, config, trainer, run_dir)
         barrier()
     finally:
         shutdown()
@@ -141,7 +163,8 @@ def train(config: RunConfig) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> None:
     config, _ = parse_run("pretrain", __doc__, argv)
-    train(config)
+    with reported_faults("pretrain"):
+        train(config)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 from core.config import ConfigError, describe, load_config, to_yaml
+from core.errors import RunError
 
 T = TypeVar("T")
 
@@ -65,3 +67,13 @@ def parse_stage_args(root: type[T], prog: str, description: str,
     except ConfigError as err:
         parser.exit(2, f"{prog}: configuration error: {err}\n")
     return config, args
+
+
+@contextmanager
+def reported_faults(prog: str) -> Iterator[None]:
+    """A :class:`RunError` inside becomes one line on stderr and exit status 1."""
+    try:
+        yield
+    except RunError as err:
+        sys.stderr.write(f"{prog}: error: {err}\n")
+        raise SystemExit(1) from None

@@ -19,7 +19,7 @@ from core.collectives import all_gather_rows
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import eval_batches
 from data_pipeline.samples import ShardSet
-from pretrain.model_logging import EmbeddingModel
+from pretrain.registry import EmbeddingModel
 
 
 @dataclass

@@ -1,8 +1,14 @@
-"""Load the encoder to evaluate: a checkpoint, an MLflow run, or a registry URI."""
+"""Load the encoder to evaluate: a checkpoint, an MLflow run, or a registry URI.
+
+Every source is rebuilt with the project's code from tensors and YAML: checkpoints load
+``weights_only``, registered models are verified file by file against their registered
+digests and read from safetensors (:mod:`pretrain.registry`); nothing is unpickled.
+"""
 
 from __future__ import annotations
 
 import copy
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +18,7 @@ import yaml
 from core.config import from_dict
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import ModelConfig, encoder_from_state
-from pretrain.model_logging import EmbeddingModel
+from pretrain.registry import RUN_TAG, VERSION_TAG, EmbeddingModel, RegistryError, download_verified
 from pretrain.tracking import run_id_of
 
 
@@ -24,6 +30,7 @@ class ModelRef:
     run_id: str | None = None
     name: str | None = None
     version: str | None = None
+    storage: str | None = None  # the files' location (the logged model's URI)
 
 
 def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
@@ -52,24 +59,35 @@ def untrained_copy(model: EmbeddingModel, seed: int) -> EmbeddingModel:
     return fresh
 
 
-def resolve(source: str, uri: str) -> ModelRef:
-    """Registry identity of ``models:/name/<version|latest>`` or ``models:/name@alias``."""
+def resolve(source: str, uri: str) -> tuple[ModelRef, str | None]:
+    """Registry identity of ``runs:/<id>/encoder``, ``models:/name/<version|latest>`` or
+    ``models:/name@alias``, and its artifact digest record (None if it has none)."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     client = mlflow.MlflowClient(uri, registry_uri=uri)
-    if source.startswith("runs:/"):
-        return ModelRef(source, run_id=source.split("/")[1])
-    spec = source[len("models:/"):]
-    if "@" in spec:
-        name, alias = spec.split("@", 1)
-        version = client.get_model_version_by_alias(name, alias)
-    else:
-        name, number = spec.rsplit("/", 1)
-        if number == "latest":
-            number = str(max(int(v.version) for v in
-                             client.search_model_versions(f"name='{name}'")))
-        version = client.get_model_version(name, number)
-    return ModelRef(source, version.run_id, name, str(version.version))
+    try:
+        if source.startswith("runs:/"):
+            run_id = source[len("runs:/"):].split("/")[0]
+            return ModelRef(source, run_id=run_id), client.get_run(run_id).data.tags.get(RUN_TAG)
+        spec = source[len("models:/"):]
+        if "@" in spec:
+            name, alias = spec.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, number = spec.rsplit("/", 1) if "/" in spec else (spec, "")
+            if number == "latest":
+                versions = client.search_model_versions(f"name='{name}'")
+                if not versions:
+                    raise RegistryError(f"eval.model={source}: registered model {name!r} has "
+                                        f"no versions in {uri}")
+                number = str(max(int(v.version) for v in versions))
+            version = client.get_model_version(name, number)
+    except MlflowException as err:
+        raise RegistryError(f"eval.model={source}: not found in {uri} "
+                            f"({str(err.message).splitlines()[0][:160]})") from None
+    return (ModelRef(source, version.run_id, name, str(version.version), version.source),
+            version.tags.get(VERSION_TAG))
 
 
 def load_model(source: str, run_dir: Path, uri: str) -> tuple[EmbeddingModel, ModelRef]:
@@ -77,12 +95,12 @@ def load_model(source: str, run_dir: Path, uri: str) -> tuple[EmbeddingModel, Mo
     if source.startswith(("runs:/", "models:/")):
         import mlflow
 
-        ref = resolve(source, uri)
+        ref, record = resolve(source, uri)
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
-        if ref.version is not None:  # load exactly the version resolved above
-            source = f"models:/{ref.name}/{ref.version}"
-        model = mlflow.pytorch.load_model(source, map_location="cpu")
+        with tempfile.TemporaryDirectory() as tmp:  # exactly the version resolved
+            model = download_verified(ref.storage or source, uri, record, Path(tmp),
+                                      label=ref.version and f"models:/{ref.name}/{ref.version}")
         return model, ref
     path = Path(source) if source else _newest(run_dir)
     model, _ = from_checkpoint(path)

@@ -12,7 +12,7 @@ from data_pipeline.config import DataConfig
 from evaluation.config import EvalConfig
 from evaluation.features import extract
 from evaluation.knn import build_index, knn_accuracy
-from pretrain.model_logging import EmbeddingModel
+from pretrain.registry import EmbeddingModel
 
 
 class KnnMonitor:

@@ -156,14 +156,17 @@ class Tracker:
             except Exception as err:
                 log.warning("tracking: artifact %s not logged (%s)", path, err)
 
-    def log_model(self, model: Any, example: Any, registered_model: str) -> str | None:
-        """Log ``model`` with a signature inferred from ``example`` and register a version;
-        returns the version, or None when the server is unreachable."""
+    def log_model(self, model: Any, example: Any, registered_model: str, config_yaml: str,
+                  card: Any) -> str | None:
+        """Log ``model`` (weights, configuration, ``card``; :mod:`pretrain.registry`) with
+        a signature inferred from ``example`` and register a version; returns the
+        version, or None when the server is unreachable."""
         if not self._contact(force=True):
             return None
-        from pretrain.model_logging import log_encoder
+        from pretrain.registry import log_encoder
 
-        return log_encoder(self.uri, self.run_id, model, example, registered_model)
+        return log_encoder(self.uri, self.run_id, model, example, registered_model,
+                           config_yaml, card)
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.monitor is not None:

@@ -95,6 +95,8 @@ class Trainer:
         self.window: dict[str, float] = {}
         self.window_steps, self.window_start = 0, time.perf_counter()
         self.last_saved = -1
+        self.last_row: dict[str, float] = {}  # the newest logged metrics (all ranks' mean)
+        self.last_knn: dict[str, float] = {}  # the newest kNN monitor result
 
     # -- state ------------------------------------------------------------------------
     def save(self) -> None:
@@ -171,6 +173,7 @@ class Trainer:
 
     def _monitor(self) -> None:
         result = self.p.monitor(self.p.engine.module.encoder)
+        self.last_knn = {"step": self.step, **result}
         if self.p.runtime.is_main:
             log.info("step %d knn monitor: top-1 %.4f", self.step, result["knn_top1"])
             if self.p.tracker is not None:
@@ -208,6 +211,7 @@ class Trainer:
                    nonfinite_steps=float(self.nonfinite_total))
         if self.controller:
             row["temperature"] = self.controller.temperature
+        self.last_row = {"step": self.step, **row}
         warning = self.collapse.check(self.step, row)
         row["collapse"] = float(warning is not None)
         if rt.is_main:

@@ -17,8 +17,8 @@ from bench.learning.runs import Configuration, evaluate, run_config
 from data_pipeline.loader import LoaderState, train_batches
 from data_pipeline.samples import ShardSet
 from pretrain.model import Encoder
-from pretrain.model_logging import EmbeddingModel
 from pretrain.optim import build_optimizer, warmup_cosine
+from pretrain.registry import EmbeddingModel
 
 
 def train_cross_entropy(conf: Configuration, data: DataSet, root: Path) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from evaluation.features import extract
 from evaluation.load import ModelRef, from_checkpoint
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import build_model
-from pretrain.model_logging import EmbeddingModel
+from pretrain.registry import EmbeddingModel
 
 REPO = Path(__file__).resolve().parents[2]
 KS = [1, 5, 10, 20, 50, 100, 200]

@@ -23,7 +23,7 @@ from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import from_checkpoint
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import build_model
-from pretrain.model_logging import EmbeddingModel
+from pretrain.registry import EmbeddingModel
 from tests.app.helpers import REPO, run_pretrain
 
 TRAIN, TEST = 6000, 1000  # canvases, as in the learning benchmark

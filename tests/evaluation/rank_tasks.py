@@ -7,7 +7,7 @@ import torch
 from data_pipeline.config import DataConfig
 from evaluation.features import extract
 from pretrain.model import Encoder, ModelConfig
-from pretrain.model_logging import EmbeddingModel
+from pretrain.registry import EmbeddingModel
 
 
 def features_on_rank(shards: str, rank: int | None = None, world: int | None = None) -> dict:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -42,18 +43,32 @@ def test_sqlite_store_holds_params_metrics_artifacts_and_a_loadable_model(digits
 
     version = client.get_model_version("digits-test-encoder", "1")
     assert version.run_id == run.info.run_id
-    mlflow.set_registry_uri(uri)
-    loaded = mlflow.pytorch.load_model("models:/digits-test-encoder/1")
-    image = torch.rand(1, 3, 16, 16)
-    with torch.no_grad():
-        embedding = loaded(image)
     final = sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "shared.pt"
     reference = encoder_from_state(ModelConfig(projector_hidden=64, projector_dim=32),
                                    torch.load(final, weights_only=True)["model"])
+    image = torch.rand(3, 3, 16, 16)
     with torch.no_grad():
         expected = reference.eval()(image)[1]
-    assert embedding.shape == (1, 32)
-    torch.testing.assert_close(embedding, expected)
+
+    # served through MLflow: a model from code, predict gives the projector embeddings
+    mlflow.set_registry_uri(uri)
+    served = mlflow.pyfunc.load_model("models:/digits-test-encoder/1")
+    embedding = served.predict(image.numpy())
+    assert embedding.shape == (3, 32)
+    torch.testing.assert_close(torch.from_numpy(embedding), expected)
+
+    # what the version holds: no pickled object, a card naming objective and data
+    files = mlflow.artifacts.download_artifacts("models:/digits-test-encoder/1",
+                                                dst_path=str(tmp_path / "version"))
+    names = {p.relative_to(files).as_posix() for p in Path(files).rglob("*") if p.is_file()}
+    assert {"MLmodel", "serving.py", "artifacts/encoder.safetensors", "artifacts/config.yaml",
+            "artifacts/model_card.md"} <= names
+    assert not any(name.endswith((".pkl", ".pth", ".pt")) for name in names)
+    assert "python_model" not in (Path(files) / "MLmodel").read_text().replace(
+        "python_model_code", "")  # the pickled-object key of code-less pyfunc models
+    card = (Path(files) / "artifacts" / "model_card.md").read_text()
+    assert "| name | infonce |" in card and f"| shards | {digits_shards} |" in card
+    assert json.loads(version.tags["artifact_sha256"])["artifacts/encoder.safetensors"]
 
 
 def wait_healthy(port: int, timeout: float = 120) -> None:

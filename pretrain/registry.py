@@ -1,0 +1,201 @@
+"""The encoder in the MLflow model registry, without pickle.
+
+A registered version holds the encoder's weights (``artifacts/encoder.safetensors``), the
+run's resolved configuration (``artifacts/config.yaml``) and a model card
+(``artifacts/model_card.md``), logged as an MLflow "model from code" (``serving.py``, a
+plain Python file; see :mod:`pretrain.serving`) with a tensor signature
+[-1, 3, R, R] float32 -> [-1, P] float32. Nothing in it is a pickled object.
+
+Our loaders (``evaluate``, :func:`download_verified`) never run the artifact's code: they
+check every file of the version against SHA-256 digests kept in the tracking store (the
+model version's tag ``artifact_sha256``, the run's tag ``encoder.artifact_sha256``), so a
+file replaced in the artifact store fails by name, then rebuild the encoder with the
+project's own code from the safetensors weights and the YAML configuration.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import tempfile
+from dataclasses import dataclass
+from importlib.metadata import version as package_version
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+import yaml
+from torch import Tensor, nn
+
+from core.config import from_dict
+from core.errors import RunError
+from pretrain.model import Encoder, ModelConfig
+
+ARTIFACT = "encoder"  # the logged model's name under its run (runs:/<id>/encoder)
+VERSION_TAG = "artifact_sha256"  # model version tag: {relative path: sha256}
+RUN_TAG = "encoder.artifact_sha256"  # the same record on the run
+WEIGHTS, CONFIG, CARD = "encoder.safetensors", "config.yaml", "model_card.md"
+SERVING = Path(__file__).with_name("serving.py")
+
+
+class RegistryError(RunError):
+    """A registered model that our loaders refuse: missing, unverifiable or altered."""
+
+
+class EmbeddingModel(nn.Module):
+    """The backbone plus projector; ``forward(images [B, 3, R, R]) -> [B, P]``,
+    ``features(images) -> [B, F]`` gives the backbone output for evaluation."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.encoder(images)[1]
+
+    def features(self, images: Tensor) -> Tensor:
+        return self.encoder(images)[0]
+
+
+@dataclass
+class ModelCard:
+    """What a registered version is: written next to its weights as Markdown."""
+
+    name: str
+    objective: dict[str, Any]
+    data: dict[str, Any]
+    training: dict[str, Any]
+    knn: dict[str, float]
+
+    def markdown(self) -> str:
+        def table(rows: dict[str, Any]) -> list[str]:
+            return ["| key | value |", "|---|---|",
+                    *(f"| {k} | {v} |" for k, v in rows.items())]
+
+        knn = table(self.knn) if self.knn else [
+            "Not measured during training (train.knn_every = 0); `evaluate` records its "
+            "numbers on the evaluation run and the version's tag `knn_top1`."]
+        return "\n".join([f"# {self.name}", "", "Encoder (backbone + projector) trained by "
+                          "contrastive-pretrain; weights in safetensors, configuration in "
+                          "config.yaml.", "", "## Objective", *table(self.objective), "",
+                          "## Data", *table(self.data), "", "## Training",
+                          *table(self.training), "", "## kNN monitor (top-1)", *knn, ""])
+
+
+def write_package(directory: Path, encoder: nn.Module, config_yaml: str,
+                  card: ModelCard) -> dict[str, str]:
+    """Write weights, configuration and card into ``directory``; returns MLflow's
+    ``artifacts`` mapping (name -> local path)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().float().cpu().contiguous() if v.is_floating_point()
+             else v.detach().cpu().contiguous() for k, v in encoder.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
+    (directory / CONFIG).write_text(config_yaml)
+    (directory / CARD).write_text(card.markdown())
+    return {name.split(".")[0]: str(directory / name) for name in (WEIGHTS, CONFIG, CARD)}
+
+
+def digest_tree(root: Path) -> dict[str, str]:
+    """{path relative to ``root``: SHA-256 hex} of every file under ``root``."""
+    digests = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                sha.update(block)
+        digests[path.relative_to(root).as_posix()] = sha.hexdigest()
+    return digests
+
+
+def verify_tree(root: Path, expected: dict[str, str], source: str) -> None:
+    """Raise :class:`RegistryError` naming the first file of ``root`` that is missing,
+    unexpected or differs from its registered digest."""
+    found = digest_tree(root)
+    for name in sorted(set(found) | set(expected)):
+        if name not in found:
+            raise RegistryError(f"{source}: file {name} is missing from the artifact store")
+        if name not in expected:
+            raise RegistryError(f"{source}: file {name} was not registered with this version; "
+                                "refusing to load it (the artifact store was changed)")
+        if found[name] != expected[name]:
+            raise RegistryError(f"{source}: file {name} does not match its registered SHA-256 "
+                                "digest; refusing to load it (the artifact store was changed)")
+
+
+def load_package(root: Path) -> tuple[EmbeddingModel, dict[str, Any]]:
+    """Rebuild the encoder from a verified package directory (the logged model's root or
+    its ``artifacts/``): (model in eval mode, the run's configuration tree)."""
+    from safetensors.torch import load_file
+
+    folder = root / "artifacts" if (root / "artifacts").is_dir() else root
+    tree = yaml.safe_load((folder / CONFIG).read_text()) or {}
+    encoder = Encoder(from_dict(ModelConfig, tree.get("model", {}), prefix="model."))
+    encoder.load_state_dict(load_file(str(folder / WEIGHTS)))
+    return EmbeddingModel(encoder).eval(), tree
+
+
+def log_encoder(uri: str, run_id: str, encoder: nn.Module, example: Tensor,
+                registered_model: str, config_yaml: str, card: ModelCard) -> str:
+    """Log ``encoder`` under the run as a model from code, register it, and record every
+    file's digest in the tracking store; returns the new version."""
+    import mlflow
+    from mlflow.models import infer_signature
+
+    model = EmbeddingModel(copy.deepcopy(encoder).float().cpu().eval())
+    example = example.float().cpu()
+    with torch.no_grad():
+        output = model(example)
+    signature = infer_signature(example.numpy(), output.numpy())
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    requirements = [f"torch=={torch.__version__.split('+')[0]}",
+                    f"torchvision=={torchvision.__version__.split('+')[0]}",
+                    f"safetensors=={package_version('safetensors')}",
+                    f"contrastive-pretrain=={package_version('contrastive-pretrain')}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        artifacts = write_package(Path(tmp), model.encoder, config_yaml, card)
+        with mlflow.start_run(run_id=run_id, log_system_metrics=False):
+            info = mlflow.pyfunc.log_model(name=ARTIFACT, python_model=str(SERVING),
+                                           artifacts=artifacts, signature=signature,
+                                           pip_requirements=requirements,
+                                           registered_model_name=registered_model)
+    version = str(info.registered_model_version)
+    with tempfile.TemporaryDirectory() as tmp:
+        stored = Path(mlflow.artifacts.download_artifacts(info.model_uri, dst_path=tmp))
+        record = json.dumps(digest_tree(stored), sort_keys=True)
+    client = mlflow.MlflowClient(uri, registry_uri=uri)
+    client.set_model_version_tag(registered_model, version, VERSION_TAG, record)
+    client.set_tag(run_id, RUN_TAG, record)
+    return version
+
+
+def download_verified(source: str, uri: str, record: str | None, directory: Path,
+                      label: str | None = None) -> EmbeddingModel:
+    """Download the logged model ``source`` (``runs:/<id>/encoder`` or a logged model's
+    ``models:/m-<id>``) into ``directory``, verify every file against ``record`` (the JSON
+    digest tag) and rebuild it with our code; nothing is unpickled and none of the
+    artifact's code runs. Messages name the model as ``label`` (default ``source``)."""
+    import mlflow
+
+    label = label or source
+
+    if not record:
+        raise RegistryError(
+            f"{label}: no artifact digests registered with it (tag {VERSION_TAG}); it was "
+            "logged by another tool or an older version, whose pickled files are never "
+            "loaded: register it again from its training checkpoint")
+    try:
+        expected = json.loads(record)
+    except json.JSONDecodeError as err:
+        raise RegistryError(f"{label}: tag {VERSION_TAG} is not valid JSON ({err})") from None
+    local = Path(mlflow.artifacts.download_artifacts(source, dst_path=str(directory),
+                                                     tracking_uri=uri))
+    verify_tree(local, expected, label)
+    try:
+        return load_package(local)[0]
+    except Exception as err:  # a verified file we cannot read: say which version
+        raise RegistryError(f"{label}: its files verify but do not load as an encoder "
+                            f"({str(err).splitlines()[0][:200]})") from None
