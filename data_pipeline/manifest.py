@@ -11,10 +11,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from core.errors import RunError
+
 MANIFEST = "manifest.json"
 
 
-class ManifestError(ValueError):
+class ManifestError(RunError, ValueError):
     """The manifest or a shard it lists is missing, malformed or does not match."""
 
 

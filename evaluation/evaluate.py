@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from core.errors import RunError
 from core.runtime import Runtime
 from data_pipeline.config import DataConfig
+from data_pipeline.manifest import Manifest
 from evaluation.config import EvalConfig
 from evaluation.diagnostics import (
     alignment_uniformity,
@@ -27,6 +29,7 @@ from evaluation.diagnostics import (
     target_noise_margin,
 )
 from evaluation.features import Features, extract
+from evaluation.identity import bank_digest, index_key, model_digest
 from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import ModelRef, load_model, untrained_copy
 from evaluation.probe import linear_probe
@@ -85,12 +88,19 @@ def diagnostics(space: str, train: Features, test: Features, cfg: EvalConfig,
 
 
 def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
-                results: dict[str, Any]) -> None:
+                results: dict[str, Any], identity: dict[str, str] | None = None) -> None:
+    """kNN in both spaces and the linear probe into ``results``; with ``identity`` (model
+    and bank digests) and ``cfg.save_index`` the index is saved under a name keyed by
+    them, and reused only by an evaluation of the same model on the same bank."""
     num_classes = max(len(train.class_names), int(train.labels.max()) + 1)
     results["knn"] = {}
+    settings = {"index": cfg.index, "ivf_lists": cfg.ivf_lists, "ivf_probe": cfg.ivf_probe}
     for space in ("backbone", "projector"):
         bank = getattr(train, space)
-        path = out / f"index_{space}_{cfg.index}" if cfg.save_index else None
+        path = None
+        if cfg.save_index and identity is not None:
+            key = index_key(identity["model_sha256"], identity["bank_sha256"], space, settings)
+            path = out / f"index_{space}_{cfg.index}_{key}"
         index = build_index(bank, cfg.index, cfg.ivf_lists, cfg.ivf_probe, path)
         if path is not None:
             index.save(path)
@@ -111,11 +121,13 @@ def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
 
 
 def evaluate_features(train: Features, test: Features, cfg: EvalConfig,
-                      target: np.ndarray | None, ref: ModelRef, out: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {"model": vars(ref), "train_shards": cfg.train_shards,
+                      target: np.ndarray | None, ref: ModelRef, out: Path,
+                      identity: dict[str, str]) -> dict[str, Any]:
+    results: dict[str, Any] = {"model": vars(ref), "identity": identity,
+                               "train_shards": cfg.train_shards,
                                "test_shards": cfg.test_shards,
                                "samples": {"train": len(train.keys), "test": len(test.keys)}}
-    knn_results(train, test, cfg, out, results)
+    knn_results(train, test, cfg, out, results, identity)
     plots = ["knn_accuracy.png"]
     plot_knn(results, out / "knn_accuracy.png")
     results["diagnostics"] = {space: diagnostics(space, train, test, cfg, target, out, plots)
@@ -124,12 +136,25 @@ def evaluate_features(train: Features, test: Features, cfg: EvalConfig,
     return results
 
 
+def require_labels(cfg: EvalConfig) -> None:
+    """kNN and the probe need class labels: fail before any work on shards without them."""
+    for key in ("train_shards", "test_shards"):
+        shards = getattr(cfg, key)
+        if not Manifest.read(shards).class_names:
+            raise RunError(f"eval.{key}={shards}: its manifest lists no classes; kNN and the "
+                           "linear probe need labelled shards (make-shards with labels)")
+
+
 def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtime,
              promote_alias: str | None = None) -> dict[str, Any] | None:
     """Evaluate ``cfg.model`` on every rank; rank 0 returns (and writes) the results."""
     out = Path(cfg.output) if cfg.output else context.run_dir / "eval"
+    require_labels(cfg)
+    data = dataclasses.replace(data, caption_store="")  # images and labels only
     uri = tracking_uri(context.tracking, context.run_dir)
     model, ref = load_model(cfg.model, context.run_dir, uri)
+    identity = {"model_sha256": model_digest(model),
+                "bank_sha256": bank_digest(cfg.train_shards, data.resolution)}
     train = extract(model, data, cfg.train_shards, rt.device, rt.rank, rt.world)
     test = extract(model, data, cfg.test_shards, rt.device, rt.rank, rt.world)
     if cfg.compare_untrained:
@@ -139,7 +164,7 @@ def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtim
     if not rt.is_main:
         return None
     out.mkdir(parents=True, exist_ok=True)
-    results = evaluate_features(train, test, cfg, context.target_graph, ref, out)
+    results = evaluate_features(train, test, cfg, context.target_graph, ref, out, identity)
     if cfg.compare_untrained:
         results["untrained"] = {}
         knn_results(*floor_features, dataclasses.replace(cfg, save_index=False), out,

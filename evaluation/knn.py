@@ -13,7 +13,9 @@ Indexes (``eval.index``):
   there is one without faiss-gpu (72% of torch.mm on 2 CPU cores: top-k costs the rest).
 - ``ivf``: faiss ``IndexIVFFlat`` (inner product) for banks too large for exact search;
   ``ivf_lists`` cells, ``ivf_probe`` probed; the report gives its accuracy next to exact.
-Indexes are saved (``.pt`` for exact, ``.faiss`` otherwise) and reused when present.
+Indexes are saved (``.pt`` for exact, ``.faiss`` otherwise) under a name keyed by the model's
+weights, the bank's shards and the index settings (:mod:`evaluation.identity`), and reused
+only under that name.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def _to_gpu(index):
 
 def build_index(bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
                 path: Path | None = None) -> ExactIndex | FaissIndex:
-    """The bank's index, loaded from ``path`` (without suffix) when saved there before."""
+    """The bank's index, loaded from ``path`` (without suffix) when saved there before;
+    ``path`` must name what the index was built from (:func:`evaluation.identity.index_key`)."""
     if kind == "exact":
         if path is not None and path.with_suffix(".pt").is_file():
             saved = torch.load(path.with_suffix(".pt"), weights_only=True)

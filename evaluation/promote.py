@@ -1,17 +1,20 @@
 """``--promote ALIAS``: move a registry alias to the evaluated version when its kNN top-1
-beats the version holding the alias. Each version's score is kept as its tag
-``knn_top1``; the decision, with both numbers, is recorded either way as the tag
-``promotion.<alias>`` on the evaluated version (and returned for the report)."""
+beats the version holding the alias; a tie keeps the holder. Each version's score is kept,
+unrounded (``repr`` of the float, which reads back exactly), as its tag ``knn_top1``; the
+decision, with both numbers, is recorded either way as the tag ``promotion.<alias>`` on
+the evaluated version (and returned for the report)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+SCORE_TAG = "knn_top1"  # model version tag: the evaluated kNN top-1, unrounded
+
 
 def promote(client: Any, name: str, version: str, alias: str, score: float) -> dict[str, Any]:
     """Set ``alias`` on ``name``/``version`` if ``score`` beats the holder's; returns the
     decision record."""
-    client.set_model_version_tag(name, version, "knn_top1", f"{score:.6f}")
+    client.set_model_version_tag(name, version, SCORE_TAG, repr(float(score)))
     try:
         holder = client.get_model_version_by_alias(name, alias)
     except Exception:  # the alias is not set yet
@@ -20,7 +23,7 @@ def promote(client: Any, name: str, version: str, alias: str, score: float) -> d
                               "holder": None, "holder_score": None}
     if holder is not None:
         record["holder"] = str(holder.version)
-        record["holder_score"] = float(holder.tags.get("knn_top1", "-inf"))
+        record["holder_score"] = float(holder.tags.get(SCORE_TAG, "-inf"))
     if holder is None:
         record["promoted"], why = True, "alias was unset"
     elif record["holder"] == str(version):
@@ -28,7 +31,7 @@ def promote(client: Any, name: str, version: str, alias: str, score: float) -> d
     else:
         record["promoted"] = score > record["holder_score"]
         relation = ">" if record["promoted"] else "<="
-        why = f"{score:.4f} {relation} {record['holder_score']:.4f} of version {holder.version}"
+        why = f"{score!r} {relation} {record['holder_score']!r} of version {holder.version}"
     if record["promoted"]:
         client.set_registered_model_alias(name, alias, version)
     record["reason"] = why

@@ -11,7 +11,7 @@ from typing import Any
 from core.config import flatten
 from evaluation.config import EvalConfig
 from evaluation.load import ModelRef
-from evaluation.promote import promote
+from evaluation.promote import SCORE_TAG, promote
 from evaluation.report import scalars
 from pretrain.tracking import experiment_id
 
@@ -39,7 +39,7 @@ def log_evaluation(uri: str, cfg: EvalConfig, experiment: str, run_name: str, re
         results["promotion"] = promote(client, ref.name, ref.version, promote_alias, score)
         log.info("promotion: %s", results["promotion"])
     elif ref.name is not None:
-        client.set_model_version_tag(ref.name, ref.version, "knn_top1", f"{score:.6f}")
+        client.set_model_version_tag(ref.name, ref.version, SCORE_TAG, repr(float(score)))
     params = {k: str(v)[:6000] for k, v in flatten(cfg).items()}
     metrics = [Metric(k.replace("@", "_"), v, 0, 0) for k, v in scalars(results).items()]
     client.log_batch(run.info.run_id, metrics=metrics,

@@ -11,9 +11,11 @@ import mlflow
 import numpy as np
 import pytest
 
-from data_pipeline.sources import DIGIT_NAMES
+from data_pipeline.graph.config import GraphConfig
+from data_pipeline.graph.job import run_captions
+from data_pipeline.sources import DIGIT_NAMES, Sample
 from tests.app.helpers import REPO, run_pretrain, train_overrides
-from tests.data_pipeline.helpers import digit_sample, write_set
+from tests.data_pipeline.helpers import digit_jpeg, digit_sample, write_set
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,8 @@ def trained(digits_shards, tmp_path_factory):
         "tracking.registered_model": "digits-eval-test", "objective.class_graph": graph,
         "eval.train_shards": digits_shards, "eval.test_shards": test_shards,
         "eval.probe_epochs": 5, "eval.class_groups": "[[0,1,2,3],[4,5,6,7,8,9]]"})
+    # a caption store of the training shards: evaluation must not join it to its shards
+    run_captions(GraphConfig(shards=str(digits_shards), output=str(root / "captions")))
     monitor = ["train.knn_every=2", "train.knn_samples=64"]
     result = run_pretrain([*overrides, *monitor])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -48,7 +52,8 @@ def evaluate(overrides: list[str], *extra: str, nproc: int = 1) -> subprocess.Co
 def test_registry_uri_end_to_end_with_promotion(trained):
     root, overrides = trained
     result = evaluate(overrides, "eval.model=models:/digits-eval-test/1",
-                      "eval.output=" + str(root / "eval-registry"), "--promote", "champion")
+                      "eval.output=" + str(root / "eval-registry"), "--promote", "champion",
+                      f"data.caption_store={root / 'captions'}")
     assert result.returncode == 0, result.stderr[-3000:]
     out = root / "eval-registry"
     results = json.loads((out / "results.json").read_text())
@@ -117,3 +122,55 @@ def test_checkpoint_run_and_registry_sources_load_the_same_encoder(trained):
     for projections, features in outputs[1:]:
         torch.testing.assert_close(projections, outputs[0][0])
         torch.testing.assert_close(features, outputs[0][1])
+
+
+def perturbed_checkpoint(root, name: str, seed: int):
+    """A copy of the run's newest checkpoint with other weights: a different model."""
+    import torch
+
+    source = sorted((root / "run" / "checkpoints").glob("step_*"))[-1] / "shared.pt"
+    state = torch.load(source, weights_only=True)
+    generator = torch.Generator().manual_seed(seed)
+    state["model"] = {k: v + 0.5 * torch.randn(v.shape, generator=generator)
+                      if v.is_floating_point() else v for k, v in state["model"].items()}
+    (root / name).mkdir()
+    torch.save(state, root / name / "shared.pt")
+    return root / name
+
+
+def test_a_saved_index_serves_only_the_model_and_bank_it_was_built_from(trained):
+    root, overrides = trained
+    plain = [*overrides, "tracking.enabled=false", "eval.probe_epochs=1"]
+    other = perturbed_checkpoint(root, "other-model", seed=1)
+    shared = root / "eval-shared"
+    runs = {}
+    for label, model, out in (("a", "", shared), ("b", other, shared),
+                              ("b-alone", other, root / "eval-alone"), ("a-again", "", shared)):
+        result = evaluate(plain, f"eval.model={model}", f"eval.output={out}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[label] = json.loads((out / "results.json").read_text())
+    assert runs["a"]["identity"]["model_sha256"] != runs["b"]["identity"]["model_sha256"]
+    assert runs["a"]["identity"]["bank_sha256"] == runs["b"]["identity"]["bank_sha256"]
+    for space in ("backbone", "projector"):
+        assert runs["b"]["knn"][space] == runs["b-alone"]["knn"][space]
+        assert runs["a-again"]["knn"][space] == runs["a"]["knn"][space]
+        assert runs["a"]["knn"][space] != runs["b"]["knn"][space]
+        assert len(list(shared.glob(f"index_{space}_faiss_flat_*.faiss"))) == 2
+
+
+def test_unlabelled_shards_fail_before_any_feature_extraction(trained, tmp_path):
+    root, overrides = trained
+    unlabelled = tmp_path / "unlabelled"
+    write_set(unlabelled, [[Sample(f"u{i}", digit_jpeg(i), "jpg", None, "a digit")
+                            for i in range(20)]])
+    manifest = json.loads((unlabelled / "manifest.json").read_text())
+    manifest["class_names"] = []
+    (unlabelled / "manifest.json").write_text(json.dumps(manifest))
+    result = evaluate([*overrides, "tracking.enabled=false"], f"eval.test_shards={unlabelled}",
+                      f"eval.output={tmp_path / 'eval'}")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"evaluate: error: eval.test_shards={unlabelled}: its manifest lists no classes; kNN "
+        "and the linear probe need labelled shards (make-shards with labels)")
+    assert "features" not in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "eval").exists()

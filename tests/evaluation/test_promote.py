@@ -24,7 +24,23 @@ def test_better_version_takes_the_alias_worse_does_not(tmp_path):
     assert better["promoted"]
     assert str(client.get_model_version_by_alias("enc", "champion").version) == "3"
     tags = client.get_model_version("enc", "2").tags
-    assert tags["knn_top1"] == "0.750000"
-    assert tags["promotion.champion"] == "not promoted: 0.7500 <= 0.8000 of version 1"
+    assert tags["knn_top1"] == "0.75"
+    assert tags["promotion.champion"] == "not promoted: 0.75 <= 0.8 of version 1"
     assert client.get_model_version("enc", "3").tags["promotion.champion"].startswith(
-        "promoted: 0.9000 > 0.8000")
+        "promoted: 0.9 > 0.8")
+
+
+def test_scores_compare_unrounded_and_a_tie_keeps_the_holder(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'registry.db'}"
+    client = mlflow.MlflowClient(uri, registry_uri=uri)
+    client.create_registered_model("enc")
+    for _ in range(3):
+        client.create_model_version("enc", source=str(tmp_path), run_id=None)
+    score = 0.8123456789012345
+    assert promote(client, "enc", "1", "champion", score)["promoted"]
+    assert float(client.get_model_version("enc", "1").tags["knn_top1"]) == score  # exact
+    tie = promote(client, "enc", "2", "champion", score)  # an identical model
+    assert not tie["promoted"] and tie["holder_score"] == score
+    finer = promote(client, "enc", "3", "champion", score + 1e-12)  # beyond 6 decimals
+    assert finer["promoted"]
+    assert str(client.get_model_version_by_alias("enc", "champion").version) == "3"
