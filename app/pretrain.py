@@ -10,6 +10,7 @@ encoder as a new version of ``tracking.registered_model``.
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from app.run_config import RunConfig, parse_run
 from core.cli import reported_faults
 from core.collectives import barrier
 from core.config import flatten, to_yaml
+from core.errors import RunError
 from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
 from data_pipeline.graph.class_graph import load_class_graph
 from data_pipeline.samples import ShardSet
@@ -55,8 +57,8 @@ def class_graph_for(config: RunConfig, device: torch.device) -> torch.Tensor | N
     if config.objective.name != "xclr" or not path:
         return None
     if not Path(path).is_file():
-        raise FileNotFoundError(f"objective.class_graph={path}: no such file (run "
-                                "graph-precompute graph.task=class_graph)")
+        raise RunError(f"objective.class_graph={path}: no such file (run graph-precompute "
+                       "graph.task=class_graph)")
     return torch.from_numpy(load_class_graph(path)[0]).to(device)
 
 
@@ -73,12 +75,21 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
     objective, data = config.objective, config.data
     shards = ShardSet.open(data.shards)
     if objective.name in SUPERVISED and not shards.class_names:
-        raise ValueError(f"objective.name={objective.name} needs class labels, and "
-                         f"{data.shards}/manifest.json lists no classes")
+        raise RunError(f"objective.name={objective.name} needs class labels, and "
+                       f"{data.shards}/manifest.json lists no classes")
+    global_batch = data.batch_size * rt.world
+    if shards.total < global_batch:
+        raise RunError(f"data.batch_size={data.batch_size} on {rt.world} ranks needs "
+                       f"{global_batch} samples per step and data.shards={data.shards} holds "
+                       f"{shards.total}: lower data.batch_size")
+    candidates = 2 * global_batch - 2  # other views an anchor can be contrasted with
+    if objective.num_negatives is not None and objective.num_negatives >= candidates:
+        log.warning("objective.num_negatives=%d is at least the %d candidates per anchor at "
+                    "global batch %d: every candidate is used, as with null",
+                    objective.num_negatives, candidates, global_batch)
     graph = class_graph_for(config, rt.device)
     torch.manual_seed(config.seed)
     model = build_model(config.model, objective, rt.device)
-    global_batch = data.batch_size * rt.world
     optimizer = build_optimizer(model, config.optim, global_batch)
     engine = build_engine(model, optimizer, config.engine, rt.device, 2 * data.batch_size)
     total = config.train.max_steps or config.train.epochs * (shards.total // global_batch)
@@ -130,12 +141,18 @@ def train(config: RunConfig) -> Path:
     rt = init_runtime(config.train.device, config.engine.backend,
                       need_group=config.engine.name == "deepspeed")
     run_dir = Path(config.output_dir) / config.name
+    created = not run_dir.exists()
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier()
     setup_logging(rt, run_dir)
     try:
-        parts = build_parts(config, rt, run_dir)
+        try:
+            parts = build_parts(config, rt, run_dir)
+        except RunError:  # nothing was trained: leave no stray run directory behind
+            if rt.is_main and created:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         precision = resolve_precision(config.train.precision, rt.device)
         if rt.is_main:
             (run_dir / "config.yaml").write_text(parts.config_yaml)
