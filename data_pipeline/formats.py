@@ -16,7 +16,7 @@ class SkipSample(Exception):
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 def image_of(sample: dict) -> bytes | None:

@@ -11,6 +11,9 @@ from data_pipeline.formats import SkipSample, image_of
 from data_pipeline.manifest import Manifest
 
 MIN_SEEN_FOR_LIMIT = 20  # the skip fraction is judged once this many samples were seen
+SKIP_REASONS = ("missing_image", "corrupt_image", "bad_label", "bad_caption",
+                "missing_embedding", "truncated_shard")  # what a loader skip is counted as
+MAX_EXAMPLES = 20  # skipped samples named per batch (and kept per run: LoaderState)
 
 
 class SkipLimitExceeded(RuntimeError):
@@ -35,16 +38,24 @@ class RawSample:
 
 @dataclass
 class SkipLog:
-    """Skips met while one batch was assembled: counts per reason and undecodable keys."""
+    """Skips met while one batch was assembled: counts per reason, per "reason shard", a
+    few named samples ("reason shard detail") and the undecodable keys."""
 
     counts: Counter = field(default_factory=Counter)
     bad_keys: list[str] = field(default_factory=list)
+    places: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
 
     def take(self) -> SkipLog:
         """What was logged so far, leaving this log empty for the next batch."""
-        taken = SkipLog(self.counts, self.bad_keys)
-        self.counts, self.bad_keys = Counter(), []
+        taken = SkipLog(self.counts, self.bad_keys, self.places, self.examples)
+        self.counts, self.bad_keys, self.places, self.examples = Counter(), [], Counter(), []
         return taken
+
+    def as_batch(self) -> dict:
+        """The batch entries that carry these skips to the training loop."""
+        return {"skipped": dict(self.counts), "skipped_keys": list(self.bad_keys),
+                "skipped_places": dict(self.places), "skipped_examples": list(self.examples)}
 
 
 class SampleChecker:
@@ -84,11 +95,16 @@ class SampleChecker:
                 raise SkipSample("bad_caption", f"{key}: empty")
         return RawSample(key, shard, image, label, caption)
 
-    def skip(self, reason: str, shard: str, bad_key: str | None = None) -> None:
-        """Count one skip (``bad_key``: an undecodable sample, remembered for replays);
-        abort when the bad fraction exceeds the limit."""
-        self.skipped += 1
-        self.log.counts[reason] += 1
+    def skip(self, reason: str, shard: str, bad_key: str | None = None, detail: str = "",
+             count: int = 1) -> None:
+        """Count ``count`` skips of one cause (``bad_key``: an undecodable sample,
+        remembered for replays; ``detail``: names the sample); abort when the bad fraction
+        exceeds the limit."""
+        self.skipped += count
+        self.log.counts[reason] += count
+        self.log.places[f"{reason} {shard}"] += count
+        if len(self.log.examples) < MAX_EXAMPLES:
+            self.log.examples.append(f"{reason} {shard} {detail or bad_key or ''}".strip())
         if bad_key is not None:
             self.log.bad_keys.append(bad_key)
         if (self.seen >= MIN_SEEN_FOR_LIMIT

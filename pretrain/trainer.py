@@ -25,6 +25,7 @@ from core.config import InvalidValue
 from core.runtime import Runtime, autocast, peak_memory_mib
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import LoaderState, train_batches
+from data_pipeline.samples import SKIP_REASONS
 from data_pipeline.text import TextConfig
 from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state
 from pretrain.collapse import CollapseConfig, CollapseWatch
@@ -141,6 +142,22 @@ class Trainer:
         bar.close()
         if self.last_saved != self.step:
             self.save()
+        self.report_skips()
+
+    def report_skips(self) -> None:
+        """The run's skipped samples: each rank logs its own (per reason and shard, with
+        examples); rank 0 sends the totals per reason to MLflow."""
+        rt, state = self.p.runtime, self.loader_state
+        summary = state.summary()
+        if summary:
+            log.warning("rank %d data: %s", rt.rank, summary)
+        totals = {f"skipped.{reason}": sum_over_ranks(state.skipped.get(reason, 0), rt.device)
+                  for reason in SKIP_REASONS}
+        if rt.is_main:
+            log.info("data: skipped per reason over all ranks: %s",
+                     {k.split(".")[1]: int(v) for k, v in totals.items() if v} or "none")
+            if self.p.tracker is not None:
+                self.p.tracker.log_metrics(self.step, totals)
 
     def train_step(self, batch: dict[str, Any], bar: tqdm) -> None:
         p, rt = self.p, self.p.runtime

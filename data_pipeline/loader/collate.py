@@ -47,8 +47,7 @@ class TrainCollator:
             "ids": torch.tensor([stable_int(s.key) for s in heads]).repeat(2),
             "keys": ["+".join(s.key for s, _ in instance) for instance in group],
             "captions": [s.caption for s in heads],
-            "skipped": dict(skips.counts),
-            "skipped_keys": list(skips.bad_keys),
+            **skips.as_batch(),
         }
         if heads[0].label is not None:
             batch["labels"] = torch.tensor([s.label for s in heads]).repeat(2)

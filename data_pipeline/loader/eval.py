@@ -40,7 +40,7 @@ class EvalStream(IterableDataset):
                 try:
                     images.append(view(decode(sample.image, f"{sample.shard}:{sample.key}")))
                 except SkipSample as skip:
-                    checker.skip(skip.reason, sample.shard)
+                    checker.skip(skip.reason, sample.shard, detail=skip.detail)
                     continue
                 samples.append(sample)
                 if len(samples) == self.cfg.batch_size:
@@ -55,5 +55,5 @@ class EvalStream(IterableDataset):
             "images": torch.stack(images) if images else torch.empty(0),
             "keys": [s.key for s in samples],
             "labels": torch.tensor([-1 if s.label is None else s.label for s in samples]),
-            "skipped": dict(skips.counts),
+            **skips.as_batch(),
         }

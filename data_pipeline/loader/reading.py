@@ -1,7 +1,9 @@
 """Reading one shard's valid samples, joined to their caption-store rows.
 
 Every problem becomes a counted skip in the stream's :class:`SampleChecker`: a sample that
-fails validation, a key missing from the caption store, a shard whose tar ends early.
+fails validation, a key missing from the caption store, a shard whose tar ends early. A
+shard that yields fewer samples than its manifest lists (a tar cut inside a header reads
+as a clean end) counts each missing sample as ``truncated_shard``, naming the shard.
 """
 
 from __future__ import annotations
@@ -23,15 +25,23 @@ class ShardReader:
         self.store = CaptionStore.open(caption_store) if caption_store else None
 
     def read(self, index: int) -> Iterator[RawSample]:
-        path = self.shards.paths[index]
+        path, expected = self.shards.paths[index], self.shards.counts[index]
+        read, broken = 0, ""
         try:
             for raw in iter_shard(path):
+                read += 1
                 try:
                     yield self._join(self.checker.parse(raw, path.name))
                 except SkipSample as skip:
-                    self.checker.skip(skip.reason, path.name)
-        except TruncatedShard:
-            self.checker.skip("truncated_shard", path.name)
+                    self.checker.skip(skip.reason, path.name, detail=skip.detail)
+        except TruncatedShard as err:
+            broken = str(err)
+        if read < expected:
+            self.checker.seen += expected - read
+            self.checker.skip("truncated_shard", path.name, count=expected - read,
+                              detail=f"{read} of the manifest's {expected} samples read")
+        elif broken:
+            self.checker.skip("truncated_shard", path.name, detail=broken)
 
     def _join(self, sample: RawSample) -> RawSample:
         if self.store is not None:

@@ -115,7 +115,8 @@ class TrainStream(IterableDataset):
                 try:
                     image = decode(sample.image, f"{sample.shard}:{sample.key}")
                 except SkipSample as skip:
-                    checker.skip(skip.reason, sample.shard, bad_key=sample.key)
+                    checker.skip(skip.reason, sample.shard, bad_key=sample.key,
+                                 detail=skip.detail)
                     continue
             if self.cfg.pairing == "views":
                 yield [(sample, image)]

@@ -109,6 +109,32 @@ def test_planted_bad_samples_are_counted_exactly_and_the_rest_delivered(tmp_path
     assert sum(state.skipped.values()) > 0
 
 
+def test_a_tar_cut_inside_a_header_reports_the_shortfall_naming_the_shard(tmp_path):
+    import tarfile
+
+    from data_pipeline.manifest import Manifest, file_sha256
+
+    write_set(tmp_path, [[digit_sample(i) for i in range(300)]])
+    path = tmp_path / "shard-000000.tar"
+    with tarfile.open(path) as tar:
+        header = next(m.offset for m in tar.getmembers() if m.name == "s00180.jpg")
+    path.write_bytes(path.read_bytes()[: header + 100])  # inside sample 180's header
+    manifest = Manifest.read(tmp_path)  # the manifest agrees with the cut file's size
+    manifest.shards[0].bytes, manifest.shards[0].sha256 = path.stat().st_size, file_sha256(path)
+    manifest.write(tmp_path)
+    skipped = Counter()
+    keys = [k for b in eval_batches(config(tmp_path, max_skip_fraction=1.0), skipped=skipped)
+            for k in b["keys"]]
+    assert len(keys) == 180 and dict(skipped) == {"truncated_shard": 120}
+    state = LoaderState()
+    for _ in train_batches(config(tmp_path, workers=0, max_skip_fraction=1.0), state=state):
+        pass
+    assert state.skipped["truncated_shard"] % 120 == 0 and set(state.skipped) == {
+        "truncated_shard"}
+    assert "truncated_shard shard-000000.tar" in state.summary()
+    assert "180 of the manifest's 300 samples read" in state.summary()
+
+
 def test_too_many_bad_samples_abort_naming_the_shard(tmp_path):
     planted_set(tmp_path)
     with pytest.raises(SkipLimitExceeded, match=r"shard-00000\d\.tar"):

@@ -73,3 +73,37 @@ def test_ess_controller_steers_the_temperature(digits_shards, tmp_path):
     temperatures = [float(t) for t in re.findall(r" temperature=([\d.e-]+)", result.stderr)]
     # ESS starts far above 0.05, so beta rises by 20% a step: tau = 0.1 / 1.2^step
     assert temperatures == pytest.approx([0.1 / 1.2 ** s for s in range(1, 5)], rel=1e-3)
+
+
+def test_skips_are_summarised_when_max_steps_stops_mid_epoch(tmp_path):
+    import tarfile
+
+    import mlflow
+
+    from data_pipeline.manifest import Manifest, file_sha256
+    from tests.data_pipeline.helpers import digit_sample, write_set
+
+    shards = tmp_path / "shards"
+    write_set(shards, [[digit_sample(i) for i in range(60)]])
+    path = shards / "shard-000000.tar"
+    with tarfile.open(path) as tar:  # cut inside the header of sample 40
+        header = next(m.offset for m in tar.getmembers() if m.name == "s00040.jpg")
+    path.write_bytes(path.read_bytes()[: header + 100])
+    manifest = Manifest.read(shards)
+    manifest.shards[0].bytes, manifest.shards[0].sha256 = path.stat().st_size, file_sha256(path)
+    manifest.write(shards)
+    result = run_pretrain(train_overrides(shards, tmp_path, **{
+        "train.max_steps": 2, "data.max_skip_fraction": 0.5, "tracking.enabled": True,
+        "tracking.system_metrics": False, "tracking.log_model": False}))  # epoch: 3 steps
+    assert result.returncode == 0, result.stderr[-3000:]
+    total = re.search(r"skipped per reason over all ranks: \{'truncated_shard': (\d+)\}",
+                      result.stderr)
+    assert total and int(total.group(1)) % 20 == 0 and int(total.group(1)) > 0
+    assert f"{total.group(1)}  truncated_shard shard-000000.tar" in result.stderr
+    assert "40 of the manifest's 60 samples read" in result.stderr
+    uri = f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    run_id = (tmp_path / "run" / "mlflow_run_id").read_text()
+    logged = client.get_metric_history(run_id, "skipped.truncated_shard")
+    assert [(m.step, m.value) for m in logged] == [(2, float(total.group(1)))]
+    assert client.get_metric_history(run_id, "skipped.corrupt_image")[0].value == 0
