@@ -11,7 +11,15 @@ once every rank has written (rename is atomic), so a crash mid-write never leave
 checkpoint that looks complete. Every file holds only tensors, numbers, strings, lists,
 tuples and dicts: ``torch.load(..., weights_only=True)`` reads it. ``resume="auto"`` takes
 the newest checkpoint that every rank can read; an unreadable one (truncated, corrupt) is
-reported and the previous one tried.
+reported, renamed to ``step_..._unreadable`` (kept, and never overwritten by the steps
+trained again) and the previous one tried.
+
+A checkpoint written by another number of ranks resumes when its optimizer state is
+replicated (DDP): each new rank gets its loader position
+(:func:`pretrain.reshard.loader_state_for`, where the semantics are defined) and RNG
+streams seeded from (step, rank). Sharded optimizer state (DeepSpeed ZeRO) cannot be
+resharded here: the run stops with a message and the checkpoint stays as it is. A run
+never starts from scratch over checkpoints it could not resume.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ import torch
 
 from core.collectives import all_ranks_agree, barrier
 from core.config import InvalidValue
+from core.errors import RunError
+from data_pipeline.samples import stable_int
+from pretrain.reshard import batches_done, loader_state_for
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +80,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def seeded_rng_state(seed: int) -> dict[str, Any]:
+    """:func:`rng_state` as it is after seeding every generator with ``seed``; the
+    generators themselves are left as they were."""
+    saved = rng_state()
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    state = rng_state()
+    set_rng_state(saved)
+    return state
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """The complete checkpoints of a run directory, newest first."""
     root = run_dir / "checkpoints"
-    return sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()), reverse=True)
 
 
 def _save(obj: Any, path: Path) -> None:
@@ -83,10 +108,14 @@ def _save(obj: Any, path: Path) -> None:
 
 
 class Checkpointer:
+    """Saves and finds the checkpoints of one run for ``rank`` of ``world`` ranks training
+    at ``global_batch`` images per step (0: as the checkpoint was written)."""
+
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world: int,
-                 device: torch.device) -> None:
+                 device: torch.device, global_batch: int = 0) -> None:
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.global_batch = global_batch
 
     def due(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0
@@ -116,31 +145,68 @@ class Checkpointer:
         return final
 
     def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]] | str:
-        own_file = path / f"rank_{self.rank:03d}.pt"
-        if not own_file.is_file():
-            return f"{own_file} is missing (was it written by {self.world} ranks?)"
         try:
             shared = torch.load(path / "shared.pt", map_location="cpu", weights_only=True)
-            own = torch.load(own_file, map_location="cpu", weights_only=True)
+            old_global = int(shared.get("global_batch", 0))
+            new_global = self.global_batch or old_global
+            if shared.get("world") == self.world:
+                own = torch.load(path / f"rank_{self.rank:03d}.pt", map_location="cpu",
+                                 weights_only=True)
+                if old_global and new_global != old_global:
+                    loader = own["loader"]
+                    loader["batches"] = batches_done(loader["batches"], old_global, new_global)
+            else:
+                if "optimizer" not in shared:  # sharded: cannot be split across new ranks
+                    raise Unresumable(
+                        f"{path} was written by {shared.get('world')} ranks with sharded "
+                        f"optimizer state (DeepSpeed ZeRO) and this run has {self.world}: "
+                        f"resume it on {shared.get('world')} ranks (the checkpoint is kept)")
+                loaders = [torch.load(path / f"rank_{r:03d}.pt", map_location="cpu",
+                                      weights_only=True)["loader"]
+                           for r in range(int(shared["world"]))]
+                if not old_global:
+                    raise Unresumable(f"{path} does not record its global batch (written by "
+                                      "an older version): resume it on "
+                                      f"{shared.get('world')} ranks")
+                own = {"loader": loader_state_for(loaders, self.rank, old_global, new_global),
+                       "rng": seeded_rng_state(stable_int("resume", shared["step"], self.rank))}
+                log.info("%s: written by %s ranks, resumed on %d", path, shared["world"],
+                         self.world)
+        except Unresumable:
+            raise
         except Exception as err:  # truncated, corrupt or foreign: report and fall back
             return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        if shared.get("world") != self.world:
-            return f"written by {shared.get('world')} ranks, this run has {self.world}"
         return shared, own
 
     def load(self) -> tuple[dict[str, Any], dict[str, Any], Path] | None:
-        """The newest checkpoint every rank can read, per ``resume``; None: start fresh."""
+        """The newest checkpoint every rank can read, per ``resume``; None: start fresh.
+        Raises :class:`Unresumable` rather than start over checkpoints it cannot use."""
+        existing = self.checkpoints()
         if self.cfg.resume == "never":
+            if existing:
+                raise Unresumable(f"{self.root} holds checkpoints and checkpoint.resume=never "
+                                  "would overwrite them: choose another name or output_dir")
             return None
-        candidates = ([Path(self.cfg.resume)] if self.cfg.resume != "auto"
-                      else self.checkpoints())
+        candidates = [Path(self.cfg.resume)] if self.cfg.resume != "auto" else existing
         for path in candidates:
             result = self._read(path)
             if all_ranks_agree(not isinstance(result, str), self.device):
                 return (*result, path)
             reason = result if isinstance(result, str) else "unreadable on another rank"
-            log.warning("checkpoint %s is unreadable (%s); trying the previous one", path,
-                        reason)
-        if self.cfg.resume != "auto":
-            raise FileNotFoundError(f"checkpoint.resume={self.cfg.resume}: not readable")
+            log.warning("checkpoint %s is unreadable (%s)%s; trying the previous one", path,
+                        reason, f"; kept as {path.name}_unreadable"
+                        if self.cfg.resume == "auto" else "")
+            barrier()
+            if self.rank == 0 and self.cfg.resume == "auto":
+                os.replace(path, path.with_name(path.name + "_unreadable"))
+            barrier()
+        if candidates:
+            where = self.root if self.cfg.resume == "auto" else self.cfg.resume
+            raise Unresumable(f"no checkpoint of {where} could be read (see the warnings "
+                              "above; unreadable ones are kept as step_..._unreadable): set "
+                              "checkpoint.resume to one, or start another run name")
         return None
+
+
+class Unresumable(RunError):
+    """Checkpoints exist that this run cannot resume: stop rather than overwrite them."""

@@ -102,7 +102,9 @@ class Trainer:
     # -- state ------------------------------------------------------------------------
     def save(self) -> None:
         engine = self.p.engine.state_dict()
-        shared = {"step": self.step, "world": self.p.runtime.world, "model": engine["model"],
+        world = self.p.runtime.world
+        shared = {"step": self.step, "world": world, "model": engine["model"],
+                  "global_batch": self.p.data_cfg.batch_size * world,
                   "nonfinite_total": self.nonfinite_total, "config": self.p.config_yaml,
                   "controller": self.controller.state_dict() if self.controller else {}}
         own = {"rng": rng_state(), "loader": self.loader_state.state_dict()}
