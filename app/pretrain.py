@@ -163,15 +163,15 @@ def train(config: RunConfig) -> Path:
                 parts.tracker = Tracker(config.tracking, run_dir, config.name)
                 parts.tracker.start(flatten(config))
         trainer = Trainer(config.train, parts, precision)
-        trainer.resume()
-        try:
+        try:  # whatever stops the run from here on marks its MLflow run FAILED
+            trainer.resume()
             trainer.run()
+            if parts.tracker is not None:
+                finish_tracking(parts.tracker, config, trainer, run_dir)
         except BaseException:
             if parts.tracker is not None:
                 parts.tracker.finish("FAILED")
             raise
-        if parts.tracker is not None:
-            finish_tracking(parts.tracker, config, trainer, run_dir)
         barrier()
     finally:
         shutdown()

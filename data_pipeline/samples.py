@@ -11,8 +11,8 @@ from data_pipeline.formats import SkipSample, image_of
 from data_pipeline.manifest import Manifest
 
 MIN_SEEN_FOR_LIMIT = 20  # the skip fraction is judged once this many samples were seen
-SKIP_REASONS = ("missing_image", "corrupt_image", "bad_label", "bad_caption",
-                "missing_embedding", "truncated_shard")  # what a loader skip is counted as
+SKIP_REASONS = ("missing_image", "corrupt_image", "bad_label", "bad_caption",  # what a loader
+                "missing_embedding", "truncated_shard", "unsafe_name")  # skip counts as
 MAX_EXAMPLES = 20  # skipped samples named per batch (and kept per run: LoaderState)
 
 
@@ -74,6 +74,8 @@ class SampleChecker:
     def parse(self, raw: dict, shard: str) -> RawSample:
         self.seen += 1
         key = str(raw["__key__"])
+        if key.startswith("/") or ".." in key.split("/"):  # nothing is extracted to disk,
+            raise SkipSample("unsafe_name", key)            # and no key may look like a path
         image = image_of(raw)
         if not image:
             raise SkipSample("missing_image", key)

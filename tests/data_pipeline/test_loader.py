@@ -4,6 +4,7 @@ bad input skipped and counted exactly, exact resume."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,6 +134,31 @@ def test_a_tar_cut_inside_a_header_reports_the_shortfall_naming_the_shard(tmp_pa
         "truncated_shard"}
     assert "truncated_shard shard-000000.tar" in state.summary()
     assert "180 of the manifest's 300 samples read" in state.summary()
+
+
+def test_member_names_that_look_like_paths_are_skipped_and_nothing_is_written(tmp_path):
+    import io
+    import tarfile
+
+    from data_pipeline.manifest import Manifest, file_sha256
+
+    write_set(tmp_path / "set", [[digit_sample(i) for i in range(30)]])
+    path = tmp_path / "set" / "shard-000000.tar"
+    with tarfile.open(path, "a") as tar:
+        for name in ("../escape.jpg", "../escape.cls", "/absolute.jpg", "a/../b.jpg"):
+            data = digit_sample(0).image if name.endswith(".jpg") else b"1"
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    manifest = Manifest.read(tmp_path / "set")
+    manifest.shards[0].bytes, manifest.shards[0].sha256 = path.stat().st_size, file_sha256(path)
+    manifest.write(tmp_path / "set")
+    skipped = Counter()
+    keys = [k for b in eval_batches(config(tmp_path / "set"), skipped=skipped)
+            for k in b["keys"]]
+    assert len(keys) == 30 and dict(skipped) == {"unsafe_name": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["set"]  # nothing extracted
+    assert not Path("/absolute.jpg").exists()
 
 
 def test_too_many_bad_samples_abort_naming_the_shard(tmp_path):

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 
+import mlflow
 import pytest
 import torch
 
@@ -133,9 +134,13 @@ def test_never_starts_over_checkpoints_it_cannot_use(digits_shards, tmp_path):
     for step in ("step_00000002", "step_00000004"):  # every checkpoint corrupt
         (root / step / "shared.pt").write_bytes(b"not a checkpoint")
     corrupt = run_pretrain(train_overrides(digits_shards, tmp_path, **{
-        **common, "train.max_steps": 6}))
+        **common, "train.max_steps": 6, "tracking.enabled": True,
+        "tracking.system_metrics": False}))
     assert corrupt.returncode == 1
     assert "no checkpoint of" in corrupt.stderr.strip().splitlines()[-1]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    run = client.get_run((tmp_path / "run" / "mlflow_run_id").read_text())
+    assert run.info.status == "FAILED"  # not left RUNNING
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002_unreadable",
                                                       "step_00000004_unreadable"]
     assert all((root / name / "shared.pt").read_bytes() == b"not a checkpoint"
