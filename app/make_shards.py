@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from app.run_config import parse_run
+from core.cli import reported_faults
 from data_pipeline.make_shards import make_shards
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     config, _ = parse_run("make-shards", __doc__, argv)
-    manifest = make_shards(config.shards)
+    with reported_faults("make-shards"):
+        manifest = make_shards(config.shards)
     print(f"make-shards: {manifest.total_samples} samples in {len(manifest.shards)} shards "
           f"under {config.shards.output}; skipped {manifest.skipped or 'none'}")
 

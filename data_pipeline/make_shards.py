@@ -67,9 +67,9 @@ def _write_one(job: tuple[Path, int, int]) -> dict:
 
 def write_source_shards(cfg: ShardsConfig) -> Manifest:
     """Cut the configured source into shards under ``cfg.output`` and write the manifest."""
+    source = build_source(cfg)  # a source that cannot be read fails before any output
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    source = build_source(cfg)
     total = len(source)
     paths = [out / f"shard-{i:06d}.tar" for i in range((total + cfg.shard_size - 1)
                                                         // cfg.shard_size)]
@@ -98,6 +98,17 @@ def write_source_shards(cfg: ShardsConfig) -> Manifest:
     return manifest
 
 
+def img2dataset_failures(root: Path) -> Counter[str]:
+    """Samples img2dataset could not fetch or resize (they are absent from its shards),
+    from its per-shard ``*_stats.json``."""
+    failed: Counter[str] = Counter()
+    for stats in sorted(root.glob("*_stats.json")):
+        record = json.loads(stats.read_text())
+        failed["failed_download"] += int(record.get("failed_to_download", 0))
+        failed["failed_resize"] += int(record.get("failed_to_resize", 0))
+    return +failed
+
+
 def index_img2dataset(cfg: ShardsConfig) -> Manifest:
     """Validate img2dataset's shards in place and write a manifest that points at them."""
     root = Path(cfg.input)
@@ -106,7 +117,7 @@ def index_img2dataset(cfg: ShardsConfig) -> Manifest:
         raise FileNotFoundError(f"img2dataset output {root}: no .tar shards")
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    skipped: Counter[str] = Counter()
+    skipped = img2dataset_failures(root)
     shards = []
     for tar in tqdm(tars, unit="shard", desc="index img2dataset"):
         count = 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from core.errors import RunError
 from data_pipeline.config import ShardsConfig
 from data_pipeline.formats import IMAGE_SUFFIXES, SkipSample
 
@@ -124,6 +125,10 @@ class ImageFolderSource:
                       caption=f"a photo of a {self.class_names[label]}")
 
 
+class ImageURLs(RunError):
+    """A caption table that lists image URLs instead of local files."""
+
+
 class CaptionTableSource:
     """A CC3M/CC12M-style CSV or TSV table of caption and local image path."""
 
@@ -139,6 +144,12 @@ class CaptionTableSource:
         self.image_col = self._column(cfg.image_column, header, table)
         self.rows, self.class_names = rows, []
         self.root = Path(cfg.image_root) if cfg.image_root else table.parent
+        urls = [row[self.image_col] for row in rows[:100] if len(row) > self.image_col
+                and row[self.image_col].startswith(("http://", "https://"))]
+        if urls:
+            raise ImageURLs(f"caption table {table}: column {cfg.image_column!r} holds URLs "
+                            f"({urls[0][:60]}); make-shards reads local images: download them "
+                            "with img2dataset and index its output (shards.source=img2dataset)")
 
     @staticmethod
     def _column(spec: str, header: list[str], table: Path) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import tarfile
 
 import numpy as np
@@ -116,6 +117,23 @@ def test_caption_tables(tmp_path, layout):
     assert samples[3]["jpg"] == (images / "3.jpg").read_bytes()
 
 
+def test_a_caption_table_of_image_urls_is_refused_with_what_to_do(tmp_path, capsys):
+    from app.make_shards import main
+
+    table = tmp_path / "cc3m.tsv"
+    table.write_text("a dog\thttps://example.com/dog.jpg\na cat\thttps://example.com/c.jpg\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["shards.source=captions", f"shards.input={table}",
+              f"shards.output={tmp_path / 's'}", "shards.caption_column=0",
+              "shards.image_column=1", "shards.has_header=false"])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"make-shards: error: caption table {table}: column '1' holds URLs "
+        "(https://example.com/dog.jpg); make-shards reads local images: download them with "
+        "img2dataset and index its output (shards.source=img2dataset)")
+    assert not (tmp_path / "s").exists()
+
+
 def test_img2dataset_output_is_indexed_in_place(tmp_path):
     raw = tmp_path / "img2dataset"
     raw.mkdir()
@@ -131,11 +149,15 @@ def test_img2dataset_output_is_indexed_in_place(tmp_path):
                     info.size = len(data)
                     import io
                     tar.addfile(info, io.BytesIO(data))
+    for shard, (download, resize) in enumerate([(2, 0), (1, 1)]):  # img2dataset's failures
+        (raw / f"{shard:05d}_stats.json").write_text(json.dumps({
+            "count": 3 + download + resize, "successes": 3, "failed_to_download": download,
+            "failed_to_resize": resize, "status_dict": {"success": 3}}))
     before = {p.name: p.read_bytes() for p in raw.iterdir()}
     manifest = make_shards(ShardsConfig(source="img2dataset", input=str(raw),
                                         output=str(tmp_path / "index")))
     assert [s.samples for s in manifest.shards] == [3, 2]
-    assert manifest.skipped == {"missing_image": 1}
+    assert manifest.skipped == {"missing_image": 1, "failed_download": 3, "failed_resize": 1}
     assert {p.name: p.read_bytes() for p in raw.iterdir()} == before  # never rewritten
     assert not list((tmp_path / "index").glob("*.tar"))
     Manifest.read(tmp_path / "index").verify(tmp_path / "index", checksums=True)
