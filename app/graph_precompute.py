@@ -12,14 +12,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from app.run_config import parse_run
+from core.cli import reported_faults
 from data_pipeline.graph.class_graph import build_class_graph
+from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.job import run_captions
 from data_pipeline.graph.neighbours import build_neighbours, describe
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     config, _ = parse_run("graph-precompute", __doc__, argv)
-    cfg = config.graph
+    with reported_faults("graph-precompute"):
+        run(config.graph)
+
+
+def run(cfg: GraphConfig) -> None:
     if cfg.task == "captions":
         store = run_captions(cfg)
         if store is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.errors import RunError
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.store import CaptionStore
 
@@ -64,8 +65,12 @@ def describe(cfg: GraphConfig) -> str:
     store = CaptionStore.open(cfg.output)
     rows, found = store.find([cfg.key])
     if not found[0]:
-        raise KeyError(f"{cfg.key}: not in the caption store {cfg.output}")
-    with np.load(Path(cfg.output) / "neighbours.npz") as graph:
+        raise RunError(f"graph.key={cfg.key}: not in the caption store {cfg.output}")
+    path = Path(cfg.output) / "neighbours.npz"
+    if not path.is_file():
+        raise RunError(f"{path}: no neighbour graph (run graph-precompute "
+                       "graph.task=neighbours first)")
+    with np.load(path) as graph:
         ids, sims = graph["ids"][rows[0]], graph["similarities"][rows[0]]
     captions = store.captions()
     lines = [f"{cfg.key}: {captions[rows[0]]}"]

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from core.errors import RunError
+
 FILES = ("keys.npy", "rows.npy", "embeddings.npy")
 
 
-class StoreError(ValueError):
+class StoreError(RunError, ValueError):
     """A store whose files are missing or disagree with each other."""
 
 

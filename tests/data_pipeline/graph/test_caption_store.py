@@ -163,6 +163,22 @@ def test_neighbour_graph_and_inspection(tmp_path):
     assert len(text.splitlines()) == 5
 
 
+def test_show_without_a_neighbour_graph_says_which_task_to_run(tmp_path, capsys):
+    from app.graph_precompute import main
+
+    caption_set(tmp_path / "shards", distinct=5, repeats=1)
+    run_captions(GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "s")))
+    for key, expected in (("k0001", f"{tmp_path / 's' / 'neighbours.npz'}: no neighbour graph "
+                                    "(run graph-precompute graph.task=neighbours first)"),
+                          ("nobody", f"graph.key=nobody: not in the caption store "
+                                     f"{tmp_path / 's'}")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([f"graph.output={tmp_path / 's'}", "graph.task=show", f"graph.key={key}"])
+        assert exit_info.value.code == 1
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"graph-precompute: error: {expected}")
+
+
 def test_ivf_recall_against_exact():
     gen = np.random.default_rng(0)
     centres = gen.normal(size=(50, 32))
