@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import mlflow
+import pytest
 
 from evaluation.promote import promote
 
 
-def test_better_version_takes_the_alias_worse_does_not(tmp_path):
+@pytest.fixture
+def client(tmp_path):
+    """A real SQLite registry with versions 1, 2 and 3 of model "enc"."""
     uri = f"sqlite:///{tmp_path / 'registry.db'}"
     client = mlflow.MlflowClient(uri, registry_uri=uri)
     client.create_registered_model("enc")
     for _ in range(3):
         client.create_model_version("enc", source=str(tmp_path), run_id=None)
+    return client
+
+
+def test_better_version_takes_the_alias_worse_does_not(client):
 
     first = promote(client, "enc", "1", "champion", 0.80)
     assert first["promoted"] and first["reason"] == "alias was unset"
@@ -30,12 +37,7 @@ def test_better_version_takes_the_alias_worse_does_not(tmp_path):
         "promoted: 0.9 > 0.8")
 
 
-def test_scores_compare_unrounded_and_a_tie_keeps_the_holder(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'registry.db'}"
-    client = mlflow.MlflowClient(uri, registry_uri=uri)
-    client.create_registered_model("enc")
-    for _ in range(3):
-        client.create_model_version("enc", source=str(tmp_path), run_id=None)
+def test_scores_compare_unrounded_and_a_tie_keeps_the_holder(client):
     score = 0.8123456789012345
     assert promote(client, "enc", "1", "champion", score)["promoted"]
     assert float(client.get_model_version("enc", "1").tags["knn_top1"]) == score  # exact
