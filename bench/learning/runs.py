@@ -27,6 +27,7 @@ from evaluation.config import EvalConfig
 from evaluation.diagnostics import learned_similarity, rank_correlation
 from evaluation.evaluate import evaluate_features
 from evaluation.features import extract
+from evaluation.identity import bank_digest, model_digest
 from evaluation.load import ModelRef, from_checkpoint
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import build_model
@@ -108,8 +109,10 @@ def evaluate(model: EmbeddingModel, config: RunConfig, data: DataSet,
     target = graphs.get("caption_graph", graphs["class_graph"])
     eval_cfg = EvalConfig(train_shards=str(data.train), test_shards=str(data.test), ks=KS,
                           index="exact", save_index=False, probe_epochs=50)
+    identity = {"model_sha256": model_digest(model),
+                "bank_sha256": bank_digest(str(data.train), config.data.resolution)}
     results = evaluate_features(train_features, test_features, eval_cfg, target,
-                                ModelRef(str(out)), out)
+                                ModelRef(str(out)), out, identity)
     classes = list(range(len(test_features.class_names)))
     results["similarity"] = {}
     for space in SPACES:
