@@ -20,15 +20,20 @@ def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def mean_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Average scalar metrics over ranks (one all-reduce for all of them)."""
+def totals_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum scalars over ranks (one all-reduce for all of them)."""
     if not active() or not values:
-        return dict(values)
+        return {k: float(v) for k, v in values.items()}
     packed = torch.tensor([float(v) for v in values.values()], dtype=torch.float64,
                           device=device)
     dist.all_reduce(packed)
-    packed /= dist.get_world_size()
     return dict(zip(values, packed.tolist(), strict=True))
+
+
+def mean_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Average scalar metrics over ranks (one all-reduce for all of them)."""
+    world = dist.get_world_size() if active() else 1
+    return {k: v / world for k, v in totals_over_ranks(values, device).items()}
 
 
 def sum_over_ranks(value: float, device: torch.device) -> float:

@@ -16,7 +16,6 @@ project's own code from the safetensors weights and the YAML configuration.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 
 from core.config import from_dict
 from core.errors import RunError
+from data_pipeline.manifest import file_sha256
 from pretrain.model import Encoder, ModelConfig
 
 ARTIFACT = "encoder"  # the logged model's name under its run (runs:/<id>/encoder)
@@ -100,14 +100,8 @@ def write_package(directory: Path, encoder: nn.Module, config_yaml: str,
 
 def digest_tree(root: Path) -> dict[str, str]:
     """{path relative to ``root``: SHA-256 hex} of every file under ``root``."""
-    digests = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        sha = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                sha.update(block)
-        digests[path.relative_to(root).as_posix()] = sha.hexdigest()
-    return digests
+    return {path.relative_to(root).as_posix(): file_sha256(path)
+            for path in sorted(p for p in root.rglob("*") if p.is_file())}
 
 
 def verify_tree(root: Path, expected: dict[str, str], source: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-from core.collectives import all_ranks_agree, mean_over_ranks, sum_over_ranks
+from core.collectives import all_ranks_agree, mean_over_ranks, sum_over_ranks, totals_over_ranks
 from core.config import InvalidValue
 from core.runtime import Runtime, autocast, peak_memory_mib
 from data_pipeline.config import DataConfig
@@ -153,8 +153,8 @@ class Trainer:
         summary = state.summary()
         if summary:
             log.warning("rank %d data: %s", rt.rank, summary)
-        totals = {f"skipped.{reason}": sum_over_ranks(state.skipped.get(reason, 0), rt.device)
-                  for reason in SKIP_REASONS}
+        totals = totals_over_ranks({f"skipped.{reason}": state.skipped.get(reason, 0)
+                                    for reason in SKIP_REASONS}, rt.device)
         if rt.is_main:
             log.info("data: skipped per reason over all ranks: %s",
                      {k.split(".")[1]: int(v) for k, v in totals.items() if v} or "none")

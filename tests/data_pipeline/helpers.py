@@ -51,3 +51,22 @@ def uneven_set(directory: Path, sizes: list[int]) -> Manifest:
 def save_image(path: Path, i: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.open(io.BytesIO(digit_jpeg(i))).save(path)
+
+
+def refresh_manifest(directory: Path) -> None:
+    """Make the manifest agree with shard files changed on disk (sizes and checksums), as
+    a manifest written after the damage would."""
+    manifest = Manifest.read(directory)
+    for info in manifest.shards:
+        info.bytes = (directory / info.name).stat().st_size
+        info.sha256 = file_sha256(directory / info.name)
+    manifest.write(directory)
+
+
+def cut_inside_header(path: Path, member: str) -> None:
+    """Truncate the tar at ``path`` 100 bytes into ``member``'s header."""
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        header = next(m.offset for m in tar.getmembers() if m.name == member)
+    path.write_bytes(path.read_bytes()[: header + 100])

@@ -14,7 +14,13 @@ from data_pipeline.loader import LoaderState, eval_batches, train_batches
 from data_pipeline.manifest import ManifestError
 from data_pipeline.samples import SkipLimitExceeded
 from data_pipeline.sources import Sample
-from tests.data_pipeline.helpers import digit_sample, uneven_set, write_set
+from tests.data_pipeline.helpers import (
+    cut_inside_header,
+    digit_sample,
+    refresh_manifest,
+    uneven_set,
+    write_set,
+)
 
 
 def config(directory, **kw) -> DataConfig:
@@ -52,12 +58,7 @@ def planted_set(directory):
     tail = directory / "shard-000003.tar"
     data = tail.read_bytes()
     tail.write_bytes(data[: len(data) - 3000])
-    from data_pipeline.manifest import Manifest, file_sha256
-    manifest = Manifest.read(directory)
-    for info in manifest.shards:
-        info.bytes = (directory / info.name).stat().st_size
-        info.sha256 = file_sha256(directory / info.name)
-    manifest.write(directory)
+    refresh_manifest(directory)
 
 
 def test_fixed_seed_gives_the_same_stream_and_another_seed_does_not(tmp_path):
@@ -111,18 +112,9 @@ def test_planted_bad_samples_are_counted_exactly_and_the_rest_delivered(tmp_path
 
 
 def test_a_tar_cut_inside_a_header_reports_the_shortfall_naming_the_shard(tmp_path):
-    import tarfile
-
-    from data_pipeline.manifest import Manifest, file_sha256
-
     write_set(tmp_path, [[digit_sample(i) for i in range(300)]])
-    path = tmp_path / "shard-000000.tar"
-    with tarfile.open(path) as tar:
-        header = next(m.offset for m in tar.getmembers() if m.name == "s00180.jpg")
-    path.write_bytes(path.read_bytes()[: header + 100])  # inside sample 180's header
-    manifest = Manifest.read(tmp_path)  # the manifest agrees with the cut file's size
-    manifest.shards[0].bytes, manifest.shards[0].sha256 = path.stat().st_size, file_sha256(path)
-    manifest.write(tmp_path)
+    cut_inside_header(tmp_path / "shard-000000.tar", "s00180.jpg")
+    refresh_manifest(tmp_path)  # the manifest agrees with the cut file's size
     skipped = Counter()
     keys = [k for b in eval_batches(config(tmp_path, max_skip_fraction=1.0), skipped=skipped)
             for k in b["keys"]]
@@ -140,8 +132,6 @@ def test_member_names_that_look_like_paths_are_skipped_and_nothing_is_written(tm
     import io
     import tarfile
 
-    from data_pipeline.manifest import Manifest, file_sha256
-
     write_set(tmp_path / "set", [[digit_sample(i) for i in range(30)]])
     path = tmp_path / "set" / "shard-000000.tar"
     with tarfile.open(path, "a") as tar:
@@ -150,9 +140,7 @@ def test_member_names_that_look_like_paths_are_skipped_and_nothing_is_written(tm
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    manifest = Manifest.read(tmp_path / "set")
-    manifest.shards[0].bytes, manifest.shards[0].sha256 = path.stat().st_size, file_sha256(path)
-    manifest.write(tmp_path / "set")
+    refresh_manifest(tmp_path / "set")
     skipped = Counter()
     keys = [k for b in eval_batches(config(tmp_path / "set"), skipped=skipped)
             for k in b["keys"]]

@@ -76,22 +76,19 @@ def test_ess_controller_steers_the_temperature(digits_shards, tmp_path):
 
 
 def test_skips_are_summarised_when_max_steps_stops_mid_epoch(tmp_path):
-    import tarfile
-
     import mlflow
 
-    from data_pipeline.manifest import Manifest, file_sha256
-    from tests.data_pipeline.helpers import digit_sample, write_set
+    from tests.data_pipeline.helpers import (
+        cut_inside_header,
+        digit_sample,
+        refresh_manifest,
+        write_set,
+    )
 
     shards = tmp_path / "shards"
     write_set(shards, [[digit_sample(i) for i in range(60)]])
-    path = shards / "shard-000000.tar"
-    with tarfile.open(path) as tar:  # cut inside the header of sample 40
-        header = next(m.offset for m in tar.getmembers() if m.name == "s00040.jpg")
-    path.write_bytes(path.read_bytes()[: header + 100])
-    manifest = Manifest.read(shards)
-    manifest.shards[0].bytes, manifest.shards[0].sha256 = path.stat().st_size, file_sha256(path)
-    manifest.write(shards)
+    cut_inside_header(shards / "shard-000000.tar", "s00040.jpg")
+    refresh_manifest(shards)
     result = run_pretrain(train_overrides(shards, tmp_path, **{
         "train.max_steps": 2, "data.max_skip_fraction": 0.5, "tracking.enabled": True,
         "tracking.system_metrics": False, "tracking.log_model": False}))  # epoch: 3 steps
