@@ -97,7 +97,8 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
                  objective=objective_from_config(objective), objective_cfg=objective,
                  data_cfg=data, text=text_for(config), runtime=rt,
                  checkpointer=Checkpointer(run_dir, config.checkpoint, rt.rank, rt.world,
-                                           rt.device, global_batch),
+                                           rt.device, global_batch,
+                                           engine.optimizer_sharded),
                  schedule=warmup_cosine(total, config.optim.warmup_steps), total_steps=total,
                  class_graph=graph, config_yaml=to_yaml(config))
 

@@ -14,12 +14,12 @@ the newest checkpoint that every rank can read; an unreadable one (truncated, co
 reported, renamed to ``step_..._unreadable`` (kept, and never overwritten by the steps
 trained again) and the previous one tried.
 
-A checkpoint written by another number of ranks resumes when its optimizer state is
-replicated (DDP): each new rank gets its loader position
-(:func:`pretrain.reshard.loader_state_for`, where the semantics are defined) and RNG
-streams seeded from (step, rank). Sharded optimizer state (DeepSpeed ZeRO) cannot be
-resharded here: the run stops with a message and the checkpoint stays as it is. A run
-never starts from scratch over checkpoints it could not resume.
+A checkpoint written by another number of ranks resumes: each new rank gets its loader
+position (:func:`pretrain.reshard.loader_state_for`, where the semantics are defined),
+RNG streams seeded from (step, rank), and with sharded optimizer state (DeepSpeed ZeRO)
+every old rank's partition, from which the engine cuts its own. A checkpoint of the other
+engine kind (replicated against sharded optimizer state) is refused with a message and
+kept. A run never starts from scratch over checkpoints it could not resume.
 """
 
 from __future__ import annotations
@@ -109,13 +109,14 @@ def _save(obj: Any, path: Path) -> None:
 
 class Checkpointer:
     """Saves and finds the checkpoints of one run for ``rank`` of ``world`` ranks training
-    at ``global_batch`` images per step (0: as the checkpoint was written)."""
+    at ``global_batch`` images per step (0: as the checkpoint was written), with sharded
+    (ZeRO) or replicated optimizer state."""
 
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world: int,
-                 device: torch.device, global_batch: int = 0) -> None:
+                 device: torch.device, global_batch: int = 0, sharded: bool = False) -> None:
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
-        self.global_batch = global_batch
+        self.global_batch, self.sharded = global_batch, sharded
 
     def due(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0
@@ -147,6 +148,12 @@ class Checkpointer:
     def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]] | str:
         try:
             shared = torch.load(path / "shared.pt", map_location="cpu", weights_only=True)
+            if ("optimizer" not in shared) != self.sharded:
+                kinds = ("replicated optimizer state (DDP)",
+                         "sharded optimizer state (DeepSpeed ZeRO)")
+                raise Unresumable(f"{path} holds {kinds['optimizer' not in shared]} and this "
+                                  f"run has {kinds[self.sharded]}: resume it with the engine "
+                                  "that wrote it (the checkpoint is kept)")
             old_global = int(shared.get("global_batch", 0))
             new_global = self.global_batch or old_global
             if shared.get("world") == self.world:
@@ -156,20 +163,17 @@ class Checkpointer:
                     loader = own["loader"]
                     loader["batches"] = batches_done(loader["batches"], old_global, new_global)
             else:
-                if "optimizer" not in shared:  # sharded: cannot be split across new ranks
-                    raise Unresumable(
-                        f"{path} was written by {shared.get('world')} ranks with sharded "
-                        f"optimizer state (DeepSpeed ZeRO) and this run has {self.world}: "
-                        f"resume it on {shared.get('world')} ranks (the checkpoint is kept)")
-                loaders = [torch.load(path / f"rank_{r:03d}.pt", map_location="cpu",
-                                      weights_only=True)["loader"]
-                           for r in range(int(shared["world"]))]
+                olds = [torch.load(path / f"rank_{r:03d}.pt", map_location="cpu",
+                                   weights_only=True) for r in range(int(shared["world"]))]
                 if not old_global:
                     raise Unresumable(f"{path} does not record its global batch (written by "
                                       "an older version): resume it on "
                                       f"{shared.get('world')} ranks")
+                loaders = [old["loader"] for old in olds]
                 own = {"loader": loader_state_for(loaders, self.rank, old_global, new_global),
                        "rng": seeded_rng_state(stable_int("resume", shared["step"], self.rank))}
+                if "optimizer" not in shared:  # sharded: every partition, to cut this rank's
+                    own["optimizer_partitions"] = [old["optimizer"] for old in olds]
                 log.info("%s: written by %s ranks, resumed on %d", path, shared["world"],
                          self.world)
         except Unresumable:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from core.config import InvalidValue
+from pretrain.reshard import zero_partition_for
 
 
 @dataclass
@@ -128,6 +129,7 @@ class DeepSpeedEngine(Engine):
 
         config = read_deepspeed_config(cfg.deepspeed_config)
         config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1)
+        self.round_robin = config["zero_optimization"].get("round_robin_gradients", False)
         self.ds, zero_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False)
         super().__init__(model, zero_optimizer)
@@ -148,11 +150,20 @@ class DeepSpeedEngine(Engine):
         return {"model": self.module.state_dict(), "optimizer": optimizer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """``state["optimizer"]``: this rank's partition as it saved it, or
+        ``state["optimizer_partitions"]``: every partition of a checkpoint written by
+        another number of ranks, resharded here (:func:`pretrain.reshard.zero_partition_for`)."""
         self.module.load_state_dict(state["model"])
         live = self.optimizer.state_dict()
-        live.update(state["optimizer"])
-        # ZeRO reads entry [dp_rank] of a per-rank list; this rank's own state fills it.
-        self.optimizer.load_state_dict([live] * dist.get_world_size())
+        if "optimizer_partitions" in state:
+            live = zero_partition_for(state["optimizer_partitions"], live, dist.get_rank(),
+                                      dist.get_world_size(), self.round_robin)
+        else:
+            live.update(state["optimizer"])
+        # ZeRO reads entry [dp_rank] of a per-rank list; this rank's own state fills it. The
+        # fp32 master weights come from the checkpoint, not from the (possibly bf16) model.
+        self.optimizer.load_state_dict([live] * dist.get_world_size(),
+                                       load_from_fp32_weights=True)
 
 
 def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig,

@@ -1,7 +1,10 @@
-"""Resuming a checkpoint on another number of ranks (replicated optimizer state: DDP).
+"""Resuming a checkpoint on another number of ranks.
 
-The model, optimizer, step, schedules and ESS controller are in ``shared.pt`` and load
-unchanged on any number of ranks. What is per rank is rebuilt for the new world:
+The model, step, schedules and ESS controller are in ``shared.pt`` and load unchanged on
+any number of ranks, and so does DDP's replicated optimizer state. DeepSpeed ZeRO-1/2
+state is sharded: each old rank saved its partition, and :func:`zero_partition_for`
+cuts the new rank's partition out of their concatenation. What else is per rank is
+rebuilt for the new world:
 
 - Data: the epoch continues from the same number of samples. The old run delivered
   ``b`` batches per rank at global batch ``G`` (ranks x per-rank batch), ``b * G``
@@ -22,6 +25,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import Tensor
+
+from core.errors import RunError
+
+# Keys of DeepSpeed's ZeRO-1/2 optimizer state (deepspeed.checkpoint.constants).
+BASE_STATE, FP32_PARTITIONS = "base_optimizer_state", "single_partition_of_fp32_groups"
+PADDINGS, ALIGNMENT_PADDINGS = "group_paddings", "param_alignment_paddings"
 
 def batches_done(batches: int, old_global: int, new_global: int) -> int:
     """Per-rank batches of the new layout that cover at most the ``batches * old_global``
@@ -45,3 +56,63 @@ def loader_state_for(loaders: list[dict[str, Any]], rank: int, old_global: int,
                     loader[name][key] = loader[name].get(key, 0) + count
             loader["skipped_examples"] += old.get("skipped_examples", [])
     return loader
+
+
+def zero_partition_for(parts: list[dict[str, Any]], live: dict[str, Any], rank: int,
+                       world: int, round_robin: bool = False) -> dict[str, Any]:
+    """The ZeRO-1/2 optimizer state of new ``rank`` of ``world`` from the states the old
+    ranks saved.
+
+    ``parts[r]``: old rank ``r``'s state, ``live``: the state of this rank's freshly built
+    optimizer, whose partition sizes and paddings describe the new layout. DeepSpeed's
+    stage 1/2 layout (without round-robin gradients or parameter alignment): param group
+    ``i`` is its parameters flattened in order, padded at the end to ``world * P`` (the
+    smallest multiple of ``2 * world``: DeepSpeed's 4-byte alignment of fp16), and
+    rank ``r`` owns ``[r * P, (r + 1) * P)``; the last ranks' padding is not stored.
+    So the concatenation of the old ranks' unpadded partitions is the whole group, and the
+    new partition is its slice ``[rank * P', (rank + 1) * P')``, padded with zeros. The same
+    holds for every optimizer state tensor of a partition's length (momentum, Adam's
+    moments); other state (Adam's step count) and the hyperparameters are the same on
+    every rank and taken from old rank 0. ``round_robin`` (gradients partitioned round
+    robin) and parameter alignment make the layout depend on the number of ranks: refused.
+
+    Shapes: ``parts[r][FP32_PARTITIONS][i]`` [P - padding_r], state tensors [P];
+    returned ``FP32_PARTITIONS[i]`` [P' - padding'], state tensors [P']."""
+    if round_robin:
+        raise RunError("zero_optimization.round_robin_gradients orders the partitions by the "
+                       "number of ranks: resume on the number that wrote the checkpoint")
+    if any(any(group) for part in parts for group in part.get(ALIGNMENT_PADDINGS, [])):
+        raise RunError("the checkpoint was written with zero_optimization.parameter_alignment"
+                       ": resume it on the number of ranks that wrote it")
+    states, partitions = {}, []
+    for i, own in enumerate(live[FP32_PARTITIONS]):
+        size = own.numel() + live[PADDINGS][i]  # P', this rank's padded partition
+        lean = [part[FP32_PARTITIONS][i].reshape(-1) for part in parts]
+        group = torch.cat(lean)
+        mine = group[rank * size:(rank + 1) * size]
+        if size != -(-group.numel() // (2 * world)) * 2 or mine.numel() != own.numel():
+            raise RunError(f"parameter group {i} holds {group.numel()} values in the "
+                           f"checkpoint, which does not fit this model's layout: resume it "
+                           f"with the model and engine that wrote it")
+        partitions.append(mine.clone())
+        padded = [part[FP32_PARTITIONS][i].numel() + part[PADDINGS][i] for part in parts]
+        old = [part[BASE_STATE]["state"][i] for part in parts]
+        states[i] = {key: _repartition([state[key] for state in old], lean, padded, rank, size)
+                     for key in old[0]}
+    base = {"state": states, "param_groups": parts[0][BASE_STATE]["param_groups"]}
+    scalars = {k: parts[0][k] for k in ("dynamic_loss_scale", "overflow", "clip_grad")
+               if k in parts[0]}
+    return {**live, **scalars, BASE_STATE: base, FP32_PARTITIONS: partitions}
+
+
+def _repartition(values: list[Any], lean: list[Tensor], padded: list[int], rank: int,
+                 size: int) -> Any:
+    """One optimizer state entry of the new partition: a per-element tensor (one value
+    per element of the old rank's padded partition) is joined over the old ranks without
+    their padding and cut; anything else is the same on every rank."""
+    if not all(torch.is_tensor(v) and v.shape == (n,) for v, n in zip(values, padded,
+                                                                       strict=True)):
+        return values[0]
+    group = torch.cat([v[:part.numel()] for v, part in zip(values, lean, strict=True)])
+    mine = group[rank * size:(rank + 1) * size]
+    return torch.cat([mine, mine.new_zeros(size - mine.numel())])

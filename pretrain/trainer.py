@@ -118,8 +118,12 @@ class Trainer:
         if loaded is None:
             return False
         shared, own, path = loaded
-        optimizer = own["optimizer"] if self.p.engine.optimizer_sharded else shared["optimizer"]
-        self.p.engine.load_state_dict({"model": shared["model"], "optimizer": optimizer})
+        state = {"model": shared["model"]}
+        if "optimizer_partitions" in own:  # ZeRO partitions of another number of ranks
+            state["optimizer_partitions"] = own["optimizer_partitions"]
+        else:
+            state["optimizer"] = (own if self.p.engine.optimizer_sharded else shared)["optimizer"]
+        self.p.engine.load_state_dict(state)
         self.step = self.last_saved = shared["step"]
         self.nonfinite_total = shared["nonfinite_total"]
         if self.controller:

@@ -94,7 +94,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/learning"))
     parser.add_argument("--part", choices=["all", "main", "digits", "sweep"], default="all")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--only", nargs="+", help="main configurations to run (names)")
+    parser.add_argument("--only", nargs="+", help="configurations to run (names, main or sweep)")
+    parser.add_argument("--sweep-seeds", type=int, nargs="+", default=[0],
+                        help="seeds of the sweep entries (one seed unless an entry's "
+                             "difference needs more)")
     parser.add_argument("--train-samples", type=int, default=6000)
     parser.add_argument("--test-samples", type=int, default=1000)
     parser.add_argument("--report-only", action="store_true",
@@ -115,7 +118,8 @@ def main() -> None:
     if args.part in ("all", "digits"):
         floor, ceiling = configs.floor_and_ceiling("digits", args.seeds[:1], "digits_")
         confs += floor + configs.digits(args.seeds[:1]) + ceiling
-    sweep_confs = configs.sweep() if args.part in ("all", "sweep") else []
+    sweep_confs = (configs.sweep(args.sweep_seeds, only) if args.part in ("all", "sweep")
+                   else [])
     confs = [dataclasses.replace(c, overrides=(*c.overrides, *args.set)) for c in confs]
     sweep_confs = [dataclasses.replace(c, overrides=(*c.overrides, *args.set))
                    for c in sweep_confs]

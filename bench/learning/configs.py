@@ -50,6 +50,7 @@ SWEEP = {  # name -> (recipe, overrides); one seed each, each varying one choice
     "sweep_infonce_crop0.5": ("infonce.yaml", ("data.crop_min_scale=0.5",)),
     "sweep_infonce_width64": ("infonce.yaml", ("model.width=64",)),
     "sweep_infonce_epochs20": ("infonce.yaml", ("train.epochs=20",)),
+    "sweep_infonce_gray1.0": ("infonce.yaml", ("data.grayscale=1.0",)),
     "sweep_supcon_projector_linear": ("supcon.yaml", ("model.projector_bn_out=false",)),
     "sweep_supcon_projector_linear_lars": ("supcon.yaml",
                                            ("model.projector_bn_out=false", *LARS)),
@@ -91,6 +92,6 @@ def digits(seeds: list[int]) -> list[Configuration]:
     return _configs({k: OBJECTIVES[k] for k in DIGITS_OBJECTIVES}, "digits", seeds, "digits_")
 
 
-def sweep(only: set[str] | None = None) -> list[Configuration]:
+def sweep(seeds: list[int], only: set[str] | None = None) -> list[Configuration]:
     table = {k: v for k, v in SWEEP.items() if not only or k in only}
-    return _configs(table, "cluttered", [0])
+    return _configs(table, "cluttered", seeds)

@@ -20,15 +20,18 @@ def train_overrides(shards: Path, out: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def pretrain_command(overrides: list[str], nproc: int = 1) -> list[str]:
-    if nproc == 1:
+def pretrain_command(overrides: list[str], nproc: int = 1,
+                     torchrun: bool | None = None) -> list[str]:
+    """``app.pretrain`` under torchrun (default: when there is more than one process;
+    DeepSpeed needs torchrun's environment even for one)."""
+    if not (nproc > 1 if torchrun is None else torchrun):
         return [sys.executable, "-m", "app.pretrain", *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--standalone", "-m", "app.pretrain", *overrides]
 
 
 def run_pretrain(overrides: list[str], nproc: int = 1, timeout: float = 300,
-                 **kwargs) -> subprocess.CompletedProcess:
+                 torchrun: bool | None = None, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(pretrain_command(overrides, nproc), cwd=REPO, env=env,
+    return subprocess.run(pretrain_command(overrides, nproc, torchrun), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout, **kwargs)

@@ -16,7 +16,8 @@ from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overri
 
 
 def saved(step: int) -> tuple[dict, dict]:
-    return ({"step": step, "world": 1, "model": {"w": torch.full((3,), float(step))}},
+    return ({"step": step, "world": 1, "model": {"w": torch.full((3,), float(step))},
+             "optimizer": {"state": {}, "param_groups": []}},
             {"rng": rng_state(), "loader": {"epoch": 0, "batches": step}})
 
 
