@@ -31,7 +31,8 @@ def forward_loss(model: Callable[..., Any], batch: dict[str, Any], objective: Ca
 
     ``batch`` holds this rank's tensors on the model's device: ``images`` [2B, 3, R, R],
     ``ids`` [2B], optional ``labels`` [2B], ``caption_embeddings`` [2B, E],
-    ``input_ids``/``attention_mask`` [2B, L] (clip). ``temperature`` is used unless the
+    ``input_ids``/``attention_mask`` [2B, L] (clip; the text tower encodes each distinct
+    caption once). ``temperature`` is used unless the
     model learns its own.
     """
     out = model(batch["images"], batch.get("input_ids"), batch.get("attention_mask"))
