@@ -70,6 +70,7 @@ class DataConfig:
     color_strength: float = 0.5  # simclr: jitter strength s (SimCLR: 1.0 ImageNet, 0.5 CIFAR)
     hue: float | None = None  # simclr: hue jitter in [0, 0.5]; null: 0.2 x color_strength
     grayscale: float = 0.2  # simclr: probability of a grayscale view
+    grayscale_second: float | None = None  # simclr: the second view's (null: grayscale)
     blur: float = 0.5  # simclr: probability of a Gaussian blur
     flip: float = 0.5  # simclr: probability of a horizontal flip
     shuffle_buffer: int = 512  # samples in each worker's shuffle buffer
@@ -87,8 +88,8 @@ class DataConfig:
         if not 0 <= self.max_skip_fraction <= 1:
             raise InvalidValue("max_skip_fraction",
                                f"must lie in [0, 1], got {self.max_skip_fraction}")
-        for key in ("grayscale", "blur", "flip"):
-            if not 0 <= getattr(self, key) <= 1:
+        for key in ("grayscale", "grayscale_second", "blur", "flip"):
+            if not 0 <= (getattr(self, key) or 0) <= 1:
                 raise InvalidValue(key, f"a probability lies in [0, 1], got {getattr(self, key)}")
         if self.color_strength < 0 or not 0 <= (self.hue or 0) <= 0.5:
             raise InvalidValue("color_strength", "need color_strength >= 0 and hue in [0, 0.5]")

@@ -81,7 +81,7 @@ def write(results: Results, sweep: Results, datasets: dict[str, DataSet], out: P
         lines += ["## Plain digits (reference)", "", *report.results_table(results, digit_names),
                   ""]
     if sweep:
-        lines += ["## Recipe sweeps (one seed)", "", *report.results_table(sweep, list(sweep)),
+        lines += ["## Recipe sweeps", "", *report.results_table(sweep, list(sweep)),
                   ""]
     lines += ["Plots: `knn_vs_k.png`, `negatives.png`, `similarity.png`."]
     (out / "learning.md").write_text("\n".join(lines) + "\n")

@@ -26,6 +26,9 @@ class TrainCollator:
         self.augment = view_transform(cfg.augment, cfg.resolution, cfg.crop_min_scale,
                                       cfg.color_strength, cfg.grayscale, cfg.blur, cfg.flip,
                                       cfg.hue)
+        self.augment_second = self.augment if cfg.grayscale_second is None else view_transform(
+            cfg.augment, cfg.resolution, cfg.crop_min_scale, cfg.color_strength,
+            cfg.grayscale_second, cfg.blur, cfg.flip, cfg.hue)  # asymmetric views (BYOL)
         self.plain = eval_view(cfg.resolution)
         self.text, self.store, self.tokenizer = text, store, None
 
@@ -37,7 +40,7 @@ class TrainCollator:
                 torch.manual_seed(seed)
                 if len(instance) == 1:
                     first.append(self.augment(instance[0][1]))
-                    second.append(self.augment(instance[0][1]))
+                    second.append(self.augment_second(instance[0][1]))
                 else:
                     first.append(self.plain(instance[0][1]))
                     second.append(self.plain(instance[1][1]))

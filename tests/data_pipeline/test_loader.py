@@ -189,3 +189,26 @@ def test_same_label_pairs_are_two_images_of_one_class(tmp_path):
         first, second = key.split("+")
         assert first != second and a == b
     assert not torch.equal(batch["images"][:8], batch["images"][8:])
+
+
+def test_asymmetric_views_turn_only_the_second_view_grayscale():
+    """``grayscale_second``: every second view grayscale (its three channels equal once the
+    normalisation is undone), no first view; null draws what the shared recipe draws."""
+    from data_pipeline.loader.collate import TrainCollator
+    from data_pipeline.samples import RawSample, SkipLog
+    from data_pipeline.transforms import MEAN, STD
+
+    gen = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, 24, 24), generator=gen, dtype=torch.uint8)
+              for _ in range(6)]
+    group = [[(RawSample(f"k{i}", "s", b"", 0, None), image)] for i, image in enumerate(images)]
+
+    def views(**kw: object) -> torch.Tensor:
+        collate = TrainCollator(DataConfig(resolution=16, **kw), None, None)
+        return collate(group, list(range(6)), SkipLog())["images"]
+
+    pixels = views(grayscale=0.0, grayscale_second=1.0) * torch.tensor(STD).view(3, 1, 1)
+    pixels += torch.tensor(MEAN).view(3, 1, 1)
+    spread = (pixels.amax(1) - pixels.amin(1)).flatten(1).amax(1)  # per view
+    assert (spread[6:] < 1e-5).all() and (spread[:6] > 0.1).all()
+    assert torch.equal(views(grayscale=0.5), views(grayscale=0.5, grayscale_second=0.5))
