@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from core.config import InvalidValue
+from core.errors import RunError
 
 
 @dataclass
@@ -41,8 +42,9 @@ class CollapseConfig:
             raise InvalidValue("min_rank", "need min_rank >= 1 and patience >= 0")
 
 
-class Collapsed(RuntimeError):
-    """The embeddings collapsed for ``patience`` metric rows in a row."""
+class Collapsed(RunError):
+    """The embeddings collapsed for ``patience`` metric rows in a row: the run stops with
+    one line naming the symptom and what to change."""
 
 
 def effective_rank(embeddings: Tensor) -> Tensor:

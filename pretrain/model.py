@@ -33,6 +33,7 @@ class ModelConfig:
     projector_bn_out: bool = True  # batch-normalise the output (SimCLR's head): no collapse
     norm: Literal["batch", "group"] = "batch"  # group: independent of the batch split
     sync_batchnorm: bool = True  # batch norm over the global batch on multi-GPU runs
+    split_views: bool = False  # batch-norm statistics per view set (first views, second views)
     channels_last: bool = True  # channels-last memory format on GPU
     text: TextTowerConfig = field(default_factory=TextTowerConfig)  # clip's text tower
 
@@ -123,6 +124,7 @@ class ContrastiveModel(nn.Module):
                  learnable_temperature: float | None = None) -> None:
         super().__init__()
         self.encoder = Encoder(cfg)
+        self.split_views = cfg.split_views
         self.text = TextTower(cfg.text, cfg.projector_dim) if with_text else None
         self.log_temperature = None
         if learnable_temperature is not None:
@@ -131,7 +133,14 @@ class ContrastiveModel(nn.Module):
 
     def forward(self, images: Tensor, input_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None) -> ModelOutput:
-        features, projections = self.encoder(images)
+        if self.split_views and self.training:
+            # [2B] = first views then second views; each half is its own batch for the
+            # norms, so a view's statistics do not carry its partner's
+            halves = [self.encoder(half) for half in images.chunk(2)]
+            features = torch.cat([h[0] for h in halves])
+            projections = torch.cat([h[1] for h in halves])
+        else:
+            features, projections = self.encoder(images)
         text = None if self.text is None else self.text(input_ids, attention_mask)
         temperature = (None if self.log_temperature is None
                        else self.log_temperature.exp().squeeze(0))

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from core.collectives import all_ranks_agree, mean_over_ranks, sum_over_ranks, totals_over_ranks
 from core.config import InvalidValue
+from core.errors import RunError
 from core.runtime import Runtime, autocast, peak_memory_mib
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import LoaderState, train_batches
@@ -60,8 +61,8 @@ class TrainConfig:
                 raise InvalidValue(key, f"must be >= 0, got {getattr(self, key)}")
 
 
-class NonFiniteLoss(RuntimeError):
-    pass
+class NonFiniteLoss(RunError):
+    """``train.max_nonfinite`` non-finite losses in a row: the run stops with one line."""
 
 
 @dataclass

@@ -52,6 +52,7 @@ SWEEP = {  # name -> (recipe, overrides); one seed each, each varying one choice
     "sweep_infonce_epochs20": ("infonce.yaml", ("train.epochs=20",)),
     "sweep_infonce_gray1.0": ("infonce.yaml", ("data.grayscale=1.0",)),
     "sweep_infonce_gray0": ("infonce.yaml", ("data.grayscale=0.0",)),
+    "sweep_infonce_split_views": ("infonce.yaml", ("model.split_views=true",)),
     "sweep_infonce_gray_second": ("infonce.yaml", ("data.grayscale=0.0",
                                                    "data.grayscale_second=1.0")),
     "sweep_supcon_projector_linear": ("supcon.yaml", ("model.projector_bn_out=false",)),

@@ -86,7 +86,7 @@ def train(conf: Configuration, data: DataSet, root: Path) -> dict[str, Any]:
     text = (run_dir / "stdout.log").read_text()
     rows = re.findall(r"INFO: step (\d+) (.*)", text)
     last = dict(item.split("=") for item in rows[-1][1].split()) if rows else {}
-    stopped = re.search(r"(training collapsed at step .*?)(?:\n|$)", text)
+    stopped = re.search(r"(training collapsed at step \d+.*?)(?:\n|$)", text)
     return {"returncode": code, "seconds": time.perf_counter() - start,
             "last_row": {k: float(v) for k, v in last.items()},
             "stopped": stopped.group(1) if stopped else None,

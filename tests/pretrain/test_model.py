@@ -22,3 +22,22 @@ def test_small_stem_keeps_resolution_for_small_images():
     large = Encoder(ModelConfig(backbone="resnet18", small_stem=False)).backbone
     assert small.conv1.stride == (1, 1) and isinstance(small.maxpool, torch.nn.Identity)
     assert large.conv1.stride == (2, 2)
+
+
+def test_split_views_normalise_each_view_set_on_its_own():
+    """``split_views``: in training the first and the second views are two batches for the
+    norms (each half equals the encoder run on that half alone); in eval nothing changes."""
+    from pretrain.losses import ObjectiveConfig
+    from pretrain.model import build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16, split_views=True)
+    model = build_model(cfg, ObjectiveConfig(), torch.device("cpu"))
+    images = torch.randn(12, 3, 16, 16)
+    out = model(images)
+    first, second = (model.encoder(half) for half in images.chunk(2))
+    torch.testing.assert_close(out.projections, torch.cat([first[1], second[1]]))
+    torch.testing.assert_close(out.features, torch.cat([first[0], second[0]]))
+    assert not torch.allclose(out.projections, model.encoder(images)[1], atol=1e-3)
+    model.eval()
+    torch.testing.assert_close(model(images).projections, model.encoder(images)[1])
