@@ -63,6 +63,7 @@ SWEEP = {  # name -> (recipe, overrides); one seed each, each varying one choice
     "sweep_supcon_strong_color": ("supcon.yaml", ("data.color_strength=1.0", "data.hue=0.5",
                                                   "data.grayscale=0.5")),
     "sweep_supcon_crop0.3": ("supcon.yaml", ("data.crop_min_scale=0.3",)),
+    "sweep_sincere_tau0.2": ("sincere.yaml", ("objective.temperature=0.2",)),
     "sweep_xclr_class_graph_tau_s0.1": ("xclr_class_graph.yaml",
                                         ("objective.target_temperature=0.1",)),
     "sweep_xclr_captions_tau_s0.05": ("xclr_captions.yaml",
