@@ -87,6 +87,10 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
         log.warning("objective.num_negatives=%d is at least the %d candidates per anchor at "
                     "global batch %d: every candidate is used, as with null",
                     objective.num_negatives, candidates, global_batch)
+    if config.engine.name == "deepspeed" and config.optim.name == "lars":
+        log.warning("optim.name=lars inside DeepSpeed ZeRO takes its trust ratio over each "
+                    "rank's flat parameter partition, not per layer: prefer optim.name=adamw "
+                    "with engine.name=deepspeed (docs/training.md)")
     graph = class_graph_for(config, rt.device)
     torch.manual_seed(config.seed)
     model = build_model(config.model, objective, rt.device)

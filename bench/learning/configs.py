@@ -35,7 +35,7 @@ NEGATIVES = {f"supcon_k{k}": ("supcon.yaml", (f"objective.num_negatives={k}",))
 DIGITS_OBJECTIVES = ("infonce", "flatnce", "supcon", "sincere", "xclr_class_graph",
                      "projnce_centroid")
 LARS = ("optim.name=lars", "optim.lr=0.3", "optim.weight_decay=1e-6")  # SimCLR's recipe
-SWEEP = {  # name -> (recipe, overrides); one seed each, each varying one choice
+SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds: seeds)
     "sweep_infonce_projector_linear": ("infonce.yaml", ("model.projector_bn_out=false",)),
     "sweep_infonce_lars": ("infonce.yaml", LARS),
     "sweep_infonce_lr0.002": ("infonce.yaml", ("optim.lr=0.002",)),

@@ -203,6 +203,7 @@ def test_a_checkpoint_of_the_other_engine_kind_is_refused_and_kept(digits_shards
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
     again = train(digits_shards, tmp_path, "zero2", 1, **{"train.max_steps": 8})
     assert again.returncode == 1
+    assert "optim.name=lars inside DeepSpeed ZeRO" in again.stderr  # the default optimiser
     assert (f"pretrain: error: {checkpoint} holds replicated optimizer state (DDP) and this "
             "run has sharded optimizer state (DeepSpeed ZeRO): resume it with the engine that "
             "wrote it (the checkpoint is kept)") in again.stderr.splitlines()
