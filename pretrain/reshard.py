@@ -34,6 +34,7 @@ from core.errors import RunError
 BASE_STATE, FP32_PARTITIONS = "base_optimizer_state", "single_partition_of_fp32_groups"
 PADDINGS, ALIGNMENT_PADDINGS = "group_paddings", "param_alignment_paddings"
 
+
 def batches_done(batches: int, old_global: int, new_global: int) -> int:
     """Per-rank batches of the new layout that cover at most the ``batches * old_global``
     samples the old run consumed in the epoch (less than one global batch short)."""
