@@ -11,9 +11,11 @@ import torch
 
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import LoaderState, eval_batches, train_batches
+from data_pipeline.loader.collate import TrainCollator
 from data_pipeline.manifest import ManifestError
-from data_pipeline.samples import SkipLimitExceeded
+from data_pipeline.samples import RawSample, SkipLimitExceeded, SkipLog
 from data_pipeline.sources import Sample
+from data_pipeline.transforms import MEAN, STD
 from tests.data_pipeline.helpers import (
     cut_inside_header,
     digit_sample,
@@ -194,10 +196,6 @@ def test_same_label_pairs_are_two_images_of_one_class(tmp_path):
 def test_asymmetric_views_turn_only_the_second_view_grayscale():
     """``grayscale_second``: every second view grayscale (its three channels equal once the
     normalisation is undone), no first view; null draws what the shared recipe draws."""
-    from data_pipeline.loader.collate import TrainCollator
-    from data_pipeline.samples import RawSample, SkipLog
-    from data_pipeline.transforms import MEAN, STD
-
     gen = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, 24, 24), generator=gen, dtype=torch.uint8)
               for _ in range(6)]

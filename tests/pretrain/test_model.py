@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.model import Encoder, ModelConfig
+from pretrain.losses import ObjectiveConfig
+from pretrain.model import Encoder, ModelConfig, build_model
 
 
 @pytest.mark.parametrize(("backbone", "features"), [("small_cnn", 256), ("resnet18", 512),
@@ -27,9 +28,6 @@ def test_small_stem_keeps_resolution_for_small_images():
 def test_split_views_normalise_each_view_set_on_its_own():
     """``split_views``: in training the first and the second views are two batches for the
     norms (each half equals the encoder run on that half alone); in eval nothing changes."""
-    from pretrain.losses import ObjectiveConfig
-    from pretrain.model import build_model
-
     torch.manual_seed(0)
     cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16, split_views=True)
     model = build_model(cfg, ObjectiveConfig(), torch.device("cpu"))
