@@ -13,6 +13,10 @@ update) timed interleaved in this process for SimCLR (infonce), X-CLR with a cla
 and X-CLR with 384-d caption embeddings, on the same model and batch. Target: X-CLR at
 most 2% slower than SimCLR (the paper: 0.3%).
 
+Part ``text``: CLIP's text tower (forward, and backward into its projection) on a batch
+of 2B views whose views share their captions (B distinct captions, as training sees it)
+against 2B distinct captions, the work a tower that encodes every view's caption does.
+
 Writes bench/results/training.json and prints tables.
 """
 
@@ -24,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -119,9 +124,30 @@ def step_times(batch_images: int, rounds: int) -> list[dict]:
     return rows
 
 
+def text_tower_times(batch_images: int, rounds: int) -> list[dict]:
+    from data_pipeline.text import load_tokenizer, tokenize
+    from pretrain.text_tower import TextTower, TextTowerConfig
+
+    torch.manual_seed(0)
+    tower = TextTower(TextTowerConfig(), 128)
+    tokenizer = load_tokenizer("bundled")
+    captions = [f"a small red digit {i} on a blue background, top left"
+                for i in range(2 * batch_images)]
+    batches = {"shared_by_views": tokenize(tokenizer, captions[:batch_images] * 2, 32),
+               "one_per_view": tokenize(tokenizer, captions, 32)}
+
+    def case(tokens: dict) -> Callable[[], None]:
+        return lambda: tower(tokens["input_ids"], tokens["attention_mask"]).sum().backward()
+
+    times = time_interleaved({k: case(v) for k, v in batches.items()}, rounds)
+    return [{"rows": 2 * batch_images, "captions": label, "step_s": seconds,
+             "vs_one_per_view": seconds / times["one_per_view"]}
+            for label, seconds in times.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "throughput", "step"], default="all")
+    parser.add_argument("--part", choices=["all", "throughput", "step", "text"], default="all")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=256, help="images per step (x2 views)")
     parser.add_argument("--rounds", type=int, default=7)
@@ -134,6 +160,9 @@ def main() -> None:
     if args.part in ("all", "step"):
         payload["step"] = step_times(args.batch, args.rounds)
         print_table(payload["step"], ["backbone", "objective", "batch", "step_s", "vs_simclr"])
+    if args.part in ("all", "text"):
+        payload["text"] = text_tower_times(args.batch, args.rounds)
+        print_table(payload["text"], ["rows", "captions", "step_s", "vs_one_per_view"])
     write_json(RESULTS, payload)
 
 
