@@ -34,6 +34,7 @@ NEGATIVES = {f"supcon_k{k}": ("supcon.yaml", (f"objective.num_negatives={k}",))
              for k in (1, 4, 16, 64)}
 DIGITS_OBJECTIVES = ("infonce", "flatnce", "supcon", "sincere", "xclr_class_graph",
                      "projnce_centroid")
+TAU01 = ("objective.temperature=0.1",)  # the supervised recipes' earlier temperature
 LARS = ("optim.name=lars", "optim.lr=0.3", "optim.weight_decay=1e-6")  # SimCLR's recipe
 SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds: seeds)
     "sweep_infonce_projector_linear": ("infonce.yaml", ("model.projector_bn_out=false",)),
@@ -59,11 +60,16 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     "sweep_supcon_projector_linear_lars": ("supcon.yaml",
                                            ("model.projector_bn_out=false", *LARS)),
     "sweep_supcon_lars": ("supcon.yaml", LARS),
-    "sweep_supcon_tau0.2": ("supcon.yaml", ("objective.temperature=0.2",)),
+    "sweep_supcon_tau0.1": ("supcon.yaml", TAU01),
     "sweep_supcon_strong_color": ("supcon.yaml", ("data.color_strength=1.0", "data.hue=0.5",
                                                   "data.grayscale=0.5")),
     "sweep_supcon_crop0.3": ("supcon.yaml", ("data.crop_min_scale=0.3",)),
-    "sweep_sincere_tau0.2": ("sincere.yaml", ("objective.temperature=0.2",)),
+    "sweep_sincere_tau0.1": ("sincere.yaml", TAU01),
+    "sweep_eps_supinfonce_tau0.1": ("eps_supinfonce.yaml", TAU01),
+    "sweep_xclr_class_graph_tau0.1": ("xclr_class_graph.yaml", TAU01),
+    "sweep_projnce_centroid_tau0.1": ("projnce.yaml", ("objective.projection=centroid", *TAU01)),
+    "sweep_projnce_kernel_tau0.1": ("projnce.yaml", ("objective.projection=kernel", *TAU01)),
+    "sweep_projnce_median_tau0.1": ("projnce.yaml", ("objective.projection=median", *TAU01)),
     "sweep_xclr_class_graph_tau_s0.1": ("xclr_class_graph.yaml",
                                         ("objective.target_temperature=0.1",)),
     "sweep_xclr_captions_tau_s0.05": ("xclr_captions.yaml",
