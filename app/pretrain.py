@@ -134,8 +134,9 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
         size = config.data.resolution
         example = torch.zeros(2, 3, size, size)
         name = config.tracking.registered_model or f"{config.name}-encoder"
-        version = tracker.log_model(parts.engine.module.encoder, example, name,
-                                    parts.config_yaml, model_card(config, parts, trainer, name))
+        module = parts.engine.module
+        version = tracker.log_model(module.encoder, example, name, parts.config_yaml,
+                                    model_card(config, parts, trainer, name), module.text)
         if version is not None:
             log.info("registered model %s version %s", name, version)
     tracker.finish()

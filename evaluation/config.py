@@ -7,6 +7,8 @@ from typing import Literal
 
 from core.config import InvalidValue
 
+PROMPT = "a photo of a {}."  # CLIP's default zero-shot prompt
+
 
 @dataclass
 class EvalConfig:
@@ -36,6 +38,11 @@ class EvalConfig:
     max_diagnostic_samples: int = 10000  # uniformity and MI estimates subsample to this
     mi_neighbours: int = 3  # k of the nearest-neighbour mutual-information estimate
     compare_untrained: bool = False  # also kNN and probe an untrained copy (the floor)
+    # models with CLIP's text tower: retrieval and zero-shot classification
+    retrieval_shards: str = ""  # held-out caption shards for retrieval; "" = test_shards
+    recall_ks: list[int] = field(default_factory=lambda: [1, 5, 10])  # K of recall@K
+    zero_shot_templates: list[str] = field(default_factory=lambda: [PROMPT])  # "{}": class
+    text_batch_size: int = 256  # captions per text-tower batch
     output: str = ""  # report directory; "" = <run_dir>/eval
 
     def validate(self) -> None:
@@ -43,8 +50,16 @@ class EvalConfig:
             raise InvalidValue("ks", f"need positive neighbour counts, got {self.ks}")
         if self.knn_temperature <= 0:
             raise InvalidValue("knn_temperature", "must be > 0")
+        if not self.recall_ks or min(self.recall_ks) < 1:
+            raise InvalidValue("recall_ks", f"need positive K values, got {self.recall_ks}")
+        for template in self.zero_shot_templates:
+            if template.count("{}") != 1:
+                raise InvalidValue("zero_shot_templates", f"{template!r} needs exactly one "
+                                   "'{}' for the class name")
+        if not self.zero_shot_templates:
+            raise InvalidValue("zero_shot_templates", "need at least one prompt template")
         for key in ("batch_size", "probe_epochs", "samples_per_class", "mi_neighbours",
-                    "promote_k"):
+                    "promote_k", "text_batch_size"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
         if self.promote_k not in self.ks:

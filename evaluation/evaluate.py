@@ -1,4 +1,5 @@
-"""Evaluation of an encoder: weighted kNN, linear probe and diagnostics (``evaluate``).
+"""Evaluation of an encoder: weighted kNN, linear probe and diagnostics (``evaluate``);
+for models with CLIP's text tower also image-text retrieval and zero-shot classification.
 
 Features are extracted by every rank (each sample once); rank 0 computes the numbers,
 writes ``results.json``, PNG plots and ``report.md`` to ``eval.output`` (default
@@ -34,6 +35,7 @@ from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import ModelRef, load_model, untrained_copy
 from evaluation.probe import linear_probe
 from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json, write_markdown
+from evaluation.retrieval import caption_evaluation
 from evaluation.tracking import log_evaluation, upload_outputs
 from pretrain.tracking import TrackingConfig, tracking_uri
 
@@ -157,6 +159,11 @@ def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtim
                 "bank_sha256": bank_digest(cfg.train_shards, data.resolution)}
     train = extract(model, data, cfg.train_shards, rt.device, rt.rank, rt.world)
     test = extract(model, data, cfg.test_shards, rt.device, rt.rank, rt.world)
+    retrieval_shards = cfg.retrieval_shards or cfg.test_shards
+    if model.text is not None and retrieval_shards != cfg.test_shards:
+        retrieval = extract(model, data, retrieval_shards, rt.device, rt.rank, rt.world)
+    else:
+        retrieval = test
     if cfg.compare_untrained:
         floor = untrained_copy(model, context.seed)
         floor_features = [extract(floor, data, shards, rt.device, rt.rank, rt.world)
@@ -165,6 +172,9 @@ def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtim
         return None
     out.mkdir(parents=True, exist_ok=True)
     results = evaluate_features(train, test, cfg, context.target_graph, ref, out, identity)
+    if model.text is not None:
+        results.update(caption_evaluation(model, retrieval, test, cfg, retrieval_shards,
+                                          rt.device))
     if cfg.compare_untrained:
         results["untrained"] = {}
         knn_results(*floor_features, dataclasses.replace(cfg, save_index=False), out,

@@ -29,14 +29,16 @@ class Features:
     backbone: Tensor  # [n, F] float32
     projector: Tensor  # [n, P] float32
     class_names: list[str]
+    captions: list[str | None]  # [n] each sample's caption (None: the shard has none)
 
 
-def _gather_keys(keys: list[str]) -> list[str]:
+def _gather_strings(items: list) -> list:
+    """Every rank's list of strings, concatenated in rank order."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return keys
-    parts: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(parts, keys)
-    return [key for part in parts for key in part]
+        return items
+    parts: list[list] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
 
 
 @torch.no_grad()
@@ -48,13 +50,14 @@ def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.
     cfg = dataclasses.replace(data, shards=shards)
     shard_set = ShardSet.open(shards)
     model = model.to(device).eval()
-    keys, labels, backbone, projector = [], [], [], []
+    keys, captions, labels, backbone, projector = [], [], [], [], []
     per_rank = limit // world if limit else shard_set.total
     bar = tqdm(total=min(per_rank, shard_set.total // world), desc=f"features {shards}",
                unit="img", disable=not (progress and rank == 0), dynamic_ncols=True)
     for batch in eval_batches(cfg, rank, world):
         features, projections = model.encoder(batch["images"].to(device))
         keys += batch["keys"]
+        captions += batch["captions"]
         labels.append(batch["labels"])
         backbone.append(features.float().cpu())
         projector.append(projections.float().cpu())
@@ -68,9 +71,9 @@ def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.
     for name, parts in (("backbone", backbone), ("projector", projector)):
         local[name] = torch.cat(parts) if parts else torch.empty(0, widths[name])
     gathered = {k: all_gather_rows(v) for k, v in local.items()}
-    all_keys = _gather_keys(keys)
+    all_keys, all_captions = _gather_strings(keys), _gather_strings(captions)
     order = sorted(range(len(all_keys)), key=all_keys.__getitem__)
     index = torch.tensor(order, dtype=torch.long)
     return Features([all_keys[i] for i in order], gathered["labels"][index],
                     gathered["backbone"][index], gathered["projector"][index],
-                    shard_set.class_names)
+                    shard_set.class_names, [all_captions[i] for i in order])

@@ -17,7 +17,7 @@ import yaml
 
 from core.config import from_dict
 from pretrain.checkpoint import list_checkpoints
-from pretrain.model import ModelConfig, encoder_from_state
+from pretrain.model import ModelConfig, encoder_from_state, text_tower_from_state
 from pretrain.registry import RUN_TAG, VERSION_TAG, EmbeddingModel, RegistryError, download_verified
 from pretrain.tracking import run_id_of
 
@@ -34,9 +34,10 @@ class ModelRef:
 
 
 def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
-    """A checkpoint directory (or its ``shared.pt``) -> the encoder, the run's config dict.
+    """A checkpoint directory (or its ``shared.pt``) -> the encoder (with CLIP's text tower
+    when the run trained one), the run's config dict.
 
-    Only the checkpoint's ``model`` section is needed to rebuild the encoder.
+    Only the checkpoint's ``model`` section is needed to rebuild them.
     """
     file = path / "shared.pt" if path.is_dir() else path
     if not file.is_file():
@@ -44,7 +45,8 @@ def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
     state = torch.load(file, map_location="cpu", weights_only=True)
     tree = yaml.safe_load(state["config"])
     model_cfg = from_dict(ModelConfig, tree.get("model", {}), prefix="model.")
-    return EmbeddingModel(encoder_from_state(model_cfg, state["model"])), tree
+    return EmbeddingModel(encoder_from_state(model_cfg, state["model"]),
+                          text_tower_from_state(model_cfg, state["model"])), tree
 
 
 def untrained_copy(model: EmbeddingModel, seed: int) -> EmbeddingModel:

@@ -91,12 +91,33 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         row = [results["diagnostics"][s].get(key) for s in ("backbone", "projector")]
         lines.append(f"| {key} | " + " | ".join("" if v is None else f"{v:.4f}"
                                                  for v in row) + " |")
+    lines += caption_lines(results)
     if "promotion" in results:
         p = results["promotion"]
         lines += ["", f"Promotion to `{p['alias']}`: {'yes' if p['promoted'] else 'no'} "
                       f"({p['reason']})."]
     lines += ["", "Plots: " + ", ".join(f"`{name}`" for name in results["plots"])]
     path.write_text("\n".join(lines) + "\n")
+
+
+def caption_lines(results: dict[str, Any]) -> list[str]:
+    """The retrieval and zero-shot tables of a model with a text tower."""
+    lines = []
+    if "retrieval" in results:
+        r = results["retrieval"]
+        ks = list(r["image_to_text"])
+        lines += ["", f"Retrieval on {r['images']} images and {r['captions']} distinct "
+                      f"captions of {r['shards']}:", "",
+                  "| direction | " + " | ".join(ks) + " |", "| --- |" + " --- |" * len(ks)]
+        for direction in ("image_to_text", "text_to_image"):
+            lines.append(f"| {direction.replace('_', ' ')} | " + " | ".join(
+                f"{r[direction][k]:.4f}" for k in ks) + " |")
+    if "zero_shot" in results:
+        z = results["zero_shot"]
+        accuracy = ", ".join(f"{k} {v:.4f}" for k, v in z["accuracy"].items())
+        lines += ["", f"Zero-shot classification ({z['classes']} classes, "
+                      f"{len(z['templates'])} prompt templates): {accuracy}."]
+    return lines
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

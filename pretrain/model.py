@@ -161,11 +161,24 @@ def build_model(cfg: ModelConfig, objective: ObjectiveConfig,
     return model
 
 
+def _part(model_state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    return {key[len(prefix):]: value for key, value in model_state.items()
+            if key.startswith(prefix)}
+
+
 def encoder_from_state(cfg: ModelConfig, model_state: dict[str, Tensor]) -> Encoder:
     """The encoder of a trained :class:`ContrastiveModel`, from that model's state dict
     (text tower and temperature, if any, are left out)."""
     encoder = Encoder(cfg)
-    prefix = "encoder."
-    encoder.load_state_dict({key[len(prefix):]: value for key, value in model_state.items()
-                             if key.startswith(prefix)})
+    encoder.load_state_dict(_part(model_state, "encoder."))
     return encoder
+
+
+def text_tower_from_state(cfg: ModelConfig, model_state: dict[str, Tensor]) -> TextTower | None:
+    """CLIP's text tower of a trained :class:`ContrastiveModel` (None if it has none)."""
+    state = _part(model_state, "text.")
+    if not state:
+        return None
+    tower = TextTower(cfg.text, cfg.projector_dim)
+    tower.load_state_dict(state)
+    return tower

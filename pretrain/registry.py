@@ -1,7 +1,8 @@
 """The encoder in the MLflow model registry, without pickle.
 
-A registered version holds the encoder's weights (``artifacts/encoder.safetensors``), the
-run's resolved configuration (``artifacts/config.yaml``) and a model card
+A registered version holds the encoder's weights (``artifacts/encoder.safetensors``), for
+``clip`` runs the text tower's (``artifacts/text_tower.safetensors``), the run's resolved
+configuration (``artifacts/config.yaml``) and a model card
 (``artifacts/model_card.md``), logged as an MLflow "model from code" (``serving.py``, a
 plain Python file; see :mod:`pretrain.serving`) with a tensor signature
 [-1, 3, R, R] float32 -> [-1, P] float32. Nothing in it is a pickled object.
@@ -32,11 +33,13 @@ from core.config import from_dict
 from core.errors import RunError
 from data_pipeline.manifest import file_sha256
 from pretrain.model import Encoder, ModelConfig
+from pretrain.text_tower import TextTower
 
 ARTIFACT = "encoder"  # the logged model's name under its run (runs:/<id>/encoder)
 VERSION_TAG = "artifact_sha256"  # model version tag: {relative path: sha256}
 RUN_TAG = "encoder.artifact_sha256"  # the same record on the run
 WEIGHTS, CONFIG, CARD = "encoder.safetensors", "config.yaml", "model_card.md"
+TEXT_WEIGHTS = "text_tower.safetensors"  # clip runs only
 SERVING = Path(__file__).with_name("serving.py")
 
 
@@ -46,11 +49,13 @@ class RegistryError(RunError):
 
 class EmbeddingModel(nn.Module):
     """The backbone plus projector; ``forward(images [B, 3, R, R]) -> [B, P]``,
-    ``features(images) -> [B, F]`` gives the backbone output for evaluation."""
+    ``features(images) -> [B, F]`` gives the backbone output for evaluation. ``text`` is
+    CLIP's text tower (token ids [B, L], mask [B, L] -> [B, P]) when the run trained one."""
 
-    def __init__(self, encoder: nn.Module) -> None:
+    def __init__(self, encoder: nn.Module, text: TextTower | None = None) -> None:
         super().__init__()
         self.encoder = encoder
+        self.text = text
 
     def forward(self, images: Tensor) -> Tensor:
         return self.encoder(images)[1]
@@ -84,18 +89,26 @@ class ModelCard:
                           *table(self.training), "", "## kNN monitor (top-1)", *knn, ""])
 
 
-def write_package(directory: Path, encoder: nn.Module, config_yaml: str,
-                  card: ModelCard) -> dict[str, str]:
-    """Write weights, configuration and card into ``directory``; returns MLflow's
-    ``artifacts`` mapping (name -> local path)."""
+def _save_weights(module: nn.Module, path: Path) -> None:
     from safetensors.torch import save_file
 
     state = {k: v.detach().float().cpu().contiguous() if v.is_floating_point()
-             else v.detach().cpu().contiguous() for k, v in encoder.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
+             else v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def write_package(directory: Path, model: EmbeddingModel, config_yaml: str,
+                  card: ModelCard) -> dict[str, str]:
+    """Write weights (the text tower's too, when there is one), configuration and card
+    into ``directory``; returns MLflow's ``artifacts`` mapping (name -> local path)."""
+    _save_weights(model.encoder, directory / WEIGHTS)
+    names = [WEIGHTS, CONFIG, CARD]
+    if model.text is not None:
+        _save_weights(model.text, directory / TEXT_WEIGHTS)
+        names.append(TEXT_WEIGHTS)
     (directory / CONFIG).write_text(config_yaml)
     (directory / CARD).write_text(card.markdown())
-    return {name.split(".")[0]: str(directory / name) for name in (WEIGHTS, CONFIG, CARD)}
+    return {name.split(".")[0]: str(directory / name) for name in names}
 
 
 def digest_tree(root: Path) -> dict[str, str]:
@@ -126,19 +139,27 @@ def load_package(root: Path) -> tuple[EmbeddingModel, dict[str, Any]]:
 
     folder = root / "artifacts" if (root / "artifacts").is_dir() else root
     tree = yaml.safe_load((folder / CONFIG).read_text()) or {}
-    encoder = Encoder(from_dict(ModelConfig, tree.get("model", {}), prefix="model."))
+    cfg = from_dict(ModelConfig, tree.get("model", {}), prefix="model.")
+    encoder = Encoder(cfg)
     encoder.load_state_dict(load_file(str(folder / WEIGHTS)))
-    return EmbeddingModel(encoder).eval(), tree
+    text = None
+    if (folder / TEXT_WEIGHTS).is_file():
+        text = TextTower(cfg.text, cfg.projector_dim)
+        text.load_state_dict(load_file(str(folder / TEXT_WEIGHTS)))
+    return EmbeddingModel(encoder, text).eval(), tree
 
 
 def log_encoder(uri: str, run_id: str, encoder: nn.Module, example: Tensor,
-                registered_model: str, config_yaml: str, card: ModelCard) -> str:
-    """Log ``encoder`` under the run as a model from code, register it, and record every
-    file's digest in the tracking store; returns the new version."""
+                registered_model: str, config_yaml: str, card: ModelCard,
+                text: TextTower | None = None) -> str:
+    """Log ``encoder`` (and CLIP's ``text`` tower) under the run as a model from code,
+    register it, and record every file's digest in the tracking store; returns the new
+    version."""
     import mlflow
     from mlflow.models import infer_signature
 
-    model = EmbeddingModel(copy.deepcopy(encoder).float().cpu().eval())
+    model = EmbeddingModel(copy.deepcopy(encoder).float().cpu().eval(),
+                           None if text is None else copy.deepcopy(text).float().cpu().eval())
     example = example.float().cpu()
     with torch.no_grad():
         output = model(example)
@@ -150,7 +171,7 @@ def log_encoder(uri: str, run_id: str, encoder: nn.Module, example: Tensor,
                     f"safetensors=={package_version('safetensors')}",
                     f"contrastive-pretrain=={package_version('contrastive-pretrain')}"]
     with tempfile.TemporaryDirectory() as tmp:
-        artifacts = write_package(Path(tmp), model.encoder, config_yaml, card)
+        artifacts = write_package(Path(tmp), model, config_yaml, card)
         with mlflow.start_run(run_id=run_id, log_system_metrics=False):
             info = mlflow.pyfunc.log_model(name=ARTIFACT, python_model=str(SERVING),
                                            artifacts=artifacts, signature=signature,

@@ -33,6 +33,7 @@ class TextTower(nn.Module):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModel
 
+        self.config = cfg  # its tokenizer (model, max_length) for callers that embed text
         self.transformer = AutoModel.from_pretrained(model_path(cfg.model))
         self.trainable = cfg.trainable
         self.transformer.requires_grad_(cfg.trainable)

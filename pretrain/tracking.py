@@ -157,16 +157,16 @@ class Tracker:
                 log.warning("tracking: artifact %s not logged (%s)", path, err)
 
     def log_model(self, model: Any, example: Any, registered_model: str, config_yaml: str,
-                  card: Any) -> str | None:
-        """Log ``model`` (weights, configuration, ``card``; :mod:`pretrain.registry`) with
-        a signature inferred from ``example`` and register a version; returns the
-        version, or None when the server is unreachable."""
+                  card: Any, text: Any = None) -> str | None:
+        """Log ``model`` (weights, CLIP's ``text`` tower if given, configuration, ``card``;
+        :mod:`pretrain.registry`) with a signature inferred from ``example`` and register
+        a version; returns the version, or None when the server is unreachable."""
         if not self._contact(force=True):
             return None
         from pretrain.registry import log_encoder
 
         return log_encoder(self.uri, self.run_id, model, example, registered_model,
-                           config_yaml, card)
+                           config_yaml, card, text)
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.monitor is not None:

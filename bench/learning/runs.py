@@ -29,6 +29,7 @@ from evaluation.evaluate import evaluate_features
 from evaluation.features import extract
 from evaluation.identity import bank_digest, model_digest
 from evaluation.load import ModelRef, from_checkpoint
+from evaluation.retrieval import caption_evaluation
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import build_model
 from pretrain.registry import EmbeddingModel
@@ -113,6 +114,11 @@ def evaluate(model: EmbeddingModel, config: RunConfig, data: DataSet,
                 "bank_sha256": bank_digest(str(data.train), config.data.resolution)}
     results = evaluate_features(train_features, test_features, eval_cfg, target,
                                 ModelRef(str(out)), out, identity)
+    if model.text is not None:  # retrieval on the test canvases' captions, zero-shot
+        templates = config.eval.zero_shot_templates
+        results.update(caption_evaluation(
+            model, test_features, test_features,
+            dataclasses.replace(eval_cfg, zero_shot_templates=templates), str(data.test), cpu))
     classes = list(range(len(test_features.class_names)))
     results["similarity"] = {}
     for space in SPACES:

@@ -55,5 +55,6 @@ class EvalStream(IterableDataset):
             "images": torch.stack(images) if images else torch.empty(0),
             "keys": [s.key for s in samples],
             "labels": torch.tensor([-1 if s.label is None else s.label for s in samples]),
+            "captions": [s.caption for s in samples],  # str, or None without a caption
             **skips.as_batch(),
         }

@@ -1,0 +1,83 @@
+"""``evaluate`` on a CLIP run: image-text retrieval on held-out caption shards and
+zero-shot classification from class-name prompts, beside kNN and the probe, from the
+checkpoint and from the registry (whose version carries the text tower)."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pytest
+
+from data_pipeline.sources import DIGIT_NAMES
+from tests.app.helpers import run_pretrain, train_overrides
+from tests.data_pipeline.helpers import digit_sample, write_set
+from tests.evaluation.test_evaluate import evaluate
+
+MODEL = "digits-clip-test"
+
+
+@pytest.fixture(scope="module")
+def clip_run(digits_shards, tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate-clip")
+    write_set(root / "test", [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
+    write_set(root / "captions", [[digit_sample(i) for i in range(460, 540)]], DIGIT_NAMES)
+    write_set(root / "no-captions", [[digit_sample(i, caption=None) for i in range(20)]],
+              DIGIT_NAMES)
+    overrides = train_overrides(digits_shards, root, **{
+        "objective.name": "clip", "train.max_steps": 2, "tracking.enabled": True,
+        "tracking.system_metrics": False, "tracking.registered_model": MODEL,
+        "eval.train_shards": digits_shards, "eval.test_shards": root / "test",
+        "eval.probe_epochs": 5, "eval.save_index": False,
+        "eval.zero_shot_templates": "['a photo of the digit {}.','the number {}']"})
+    result = run_pretrain(overrides, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, overrides
+
+
+def test_clip_run_reports_retrieval_and_zero_shot(clip_run):
+    root, overrides = clip_run
+    runs = {}
+    for name, source in (("checkpoint", ""), ("registry", f"models:/{MODEL}/1")):
+        result = evaluate(overrides, f"eval.model={source}", f"eval.output={root / name}",
+                          f"eval.retrieval_shards={root / 'captions'}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = json.loads((root / name / "results.json").read_text())
+    results = runs["checkpoint"]
+    found = results["retrieval"]
+    # the digits' captions name the class: 10 distinct captions for 80 images
+    assert (found["images"], found["captions"]) == (80, 10)
+    for direction in ("image_to_text", "text_to_image"):
+        recall = found[direction]
+        assert list(recall) == ["R@1", "R@5", "R@10"]
+        assert 0 <= recall["R@1"] <= recall["R@5"] <= recall["R@10"] <= 1
+    assert found["image_to_text"]["R@10"] == 1.0  # 10 captions: all of them are in the top 10
+    zero_shot = results["zero_shot"]
+    assert zero_shot["classes"] == 10 and len(zero_shot["templates"]) == 2
+    assert 0 <= zero_shot["accuracy"]["top1"] <= zero_shot["accuracy"]["top5"] <= 1
+    assert "knn" in results and "linear_probe" in results
+    # the registered version holds the text tower: the same numbers from the registry
+    assert runs["registry"]["retrieval"] == found  # counts of hits: exactly equal
+    assert runs["registry"]["zero_shot"] == zero_shot
+    report = (root / "checkpoint" / "report.md").read_text()
+    assert "| image to text |" in report and "Zero-shot classification (10 classes" in report
+
+    uri = f"sqlite:///{root / 'run' / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri, registry_uri=uri)
+    metrics = client.get_run(results["mlflow_run_id"]).data.metrics
+    assert metrics["retrieval.image_to_text.R_1"] == pytest.approx(
+        found["image_to_text"]["R@1"])
+    assert metrics["zero_shot.accuracy.top1"] == pytest.approx(zero_shot["accuracy"]["top1"])
+    version = client.get_model_version(MODEL, "1")
+    assert "artifacts/text_tower.safetensors" in json.loads(version.tags["artifact_sha256"])
+
+
+def test_retrieval_shards_without_captions_fail_in_one_line(clip_run):
+    root, overrides = clip_run
+    result = evaluate([*overrides, "tracking.enabled=false"],
+                      f"eval.output={root / 'none'}",
+                      f"eval.retrieval_shards={root / 'no-captions'}")
+    assert result.returncode == 1
+    assert f"eval.retrieval_shards={root / 'no-captions'}: no sample has a caption" in (
+        result.stderr.strip().splitlines()[-1])
+    assert not (root / "none" / "results.json").exists()
