@@ -24,7 +24,7 @@ from core.config import flatten, to_yaml
 from core.errors import RunError
 from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
 from data_pipeline.graph.class_graph import load_class_graph
-from data_pipeline.samples import ShardSet
+from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
 from pretrain.checkpoint import Checkpointer
 from pretrain.engine import build_engine
@@ -73,10 +73,10 @@ def knn_monitor_for(config: RunConfig, rt: Runtime):
 
 def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
     objective, data = config.objective, config.data
-    shards = ShardSet.open(data.shards)
+    shards = ShardSet.open(data.shards, retry=data.retry)
     if objective.name in SUPERVISED and not shards.class_names:
         raise RunError(f"objective.name={objective.name} needs class labels, and "
-                       f"{data.shards}/manifest.json lists no classes")
+                       f"data.shards={data.shards} lists no classes (no manifest with class names)")
     global_batch = data.batch_size * rt.world
     if shards.total < global_batch:
         raise RunError(f"data.batch_size={data.batch_size} on {rt.world} ranks needs "
@@ -109,7 +109,7 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
 
 def model_card(config: RunConfig, parts: Parts, trainer: Trainer, name: str) -> ModelCard:
     """The registered version's card: objective, data, training and kNN numbers."""
-    shards = ShardSet.open(config.data.shards)
+    shards = ShardSet.open(config.data.shards, retry=config.data.retry)
     last = {k: round(v, 6) for k, v in trainer.last_row.items()
             if k in ("step", "loss", "pos_sim", "neg_sim", "effective_rank", "temperature")}
     return ModelCard(

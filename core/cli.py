@@ -69,11 +69,23 @@ def parse_stage_args(root: type[T], prog: str, description: str,
     return config, args
 
 
+def one_line(err: BaseException) -> str:
+    """The message of ``err``; for an error re-raised from a DataLoader worker (whose
+    message is "Caught X in DataLoader worker process N." and the worker's traceback),
+    the original message from the traceback's last line."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Caught "):
+        name = f"{type(err).__name__}: "
+        last = lines[-1]
+        return last[last.index(name) + len(name):] if name in last else last
+    return " ".join(lines)
+
+
 @contextmanager
 def reported_faults(prog: str) -> Iterator[None]:
     """A :class:`RunError` inside becomes one line on stderr and exit status 1."""
     try:
         yield
     except RunError as err:
-        sys.stderr.write(f"{prog}: error: {err}\n")
+        sys.stderr.write(f"{prog}: error: {one_line(err)}\n")
         raise SystemExit(1) from None

@@ -56,11 +56,20 @@ class ShardsConfig:
             raise InvalidValue("canvas_size", "canvas_size >= 16, samples >= 0, clutter >= 0")
 
 
+@dataclass(frozen=True)
+class Retry:
+    """Remote shard reads: ``attempts`` tries, waiting ``wait`` seconds after the first
+    failure and twice as long after each further one (``data.retries``, ``data.retry_wait``)."""
+
+    attempts: int = 5
+    wait: float = 1.0
+
+
 @dataclass
 class DataConfig:
     """The training and evaluation loaders (``data.*``)."""
 
-    shards: str = ""  # training shards: a directory holding manifest.json and the shards
+    shards: str = ""  # training shards: make-shards directory or URLs (docs/data_pipeline.md)
     batch_size: int = 64  # images per rank per step; each yields two views
     workers: int = 2  # loader worker processes per rank
     resolution: int = 32  # side of the square views, in pixels
@@ -78,6 +87,12 @@ class DataConfig:
     max_skip_fraction: float = 0.01  # fail when more than this fraction of samples is bad
     verify_checksums: bool = False  # hash every shard against the manifest before reading
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
+    retries: int = 5  # remote shards: read attempts before failing (resumes mid-shard)
+    retry_wait: float = 1.0  # remote shards: seconds before the first retry, doubling after
+
+    @property
+    def retry(self) -> Retry:
+        return Retry(self.retries, self.retry_wait)
 
     def validate(self) -> None:
         for key in ("batch_size", "resolution"):
@@ -93,5 +108,7 @@ class DataConfig:
                 raise InvalidValue(key, f"a probability lies in [0, 1], got {getattr(self, key)}")
         if self.color_strength < 0 or not 0 <= (self.hue or 0) <= 0.5:
             raise InvalidValue("color_strength", "need color_strength >= 0 and hue in [0, 0.5]")
+        if self.retries < 1 or self.retry_wait < 0:
+            raise InvalidValue("retries", "need retries >= 1 and retry_wait >= 0")
         if not 0 < self.crop_min_scale <= 1:
             raise InvalidValue("crop_min_scale", f"must lie in (0, 1], got {self.crop_min_scale}")

@@ -53,14 +53,19 @@ class Manifest:
         path = Path(directory) / MANIFEST
         if not path.is_file():
             raise ManifestError(f"{path}: no manifest (run make-shards first)")
+        return cls.parse(path.read_text(), str(path))
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> Manifest:
+        """A manifest from its JSON ``text``; errors name ``where`` it came from."""
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(text)
             shards = [ShardInfo(**s) for s in raw["shards"]]
             return cls(source=raw["source"], shards=shards,
                        class_names=list(raw.get("class_names", [])),
                        skipped=dict(raw.get("skipped", {})))
         except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ManifestError(f"{path}: malformed manifest: {err}") from None
+            raise ManifestError(f"{where}: malformed manifest: {err}") from None
 
     def verify(self, directory: str | Path, checksums: bool = False) -> None:
         """Fail naming the shard if a file is missing or its size (or hash) differs."""

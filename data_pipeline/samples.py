@@ -5,10 +5,8 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from data_pipeline.formats import SkipSample, image_of
-from data_pipeline.manifest import Manifest
 
 MIN_SEEN_FOR_LIMIT = 20  # the skip fraction is judged once this many samples were seen
 SKIP_REASONS = ("missing_image", "corrupt_image", "bad_label", "bad_caption",  # what a loader
@@ -114,23 +112,3 @@ class SampleChecker:
             raise SkipLimitExceeded(
                 f"{self.skipped} of {self.seen} samples skipped (> data.max_skip_fraction="
                 f"{self.max_skip_fraction}); last in shard {shard} ({reason})")
-
-
-@dataclass
-class ShardSet:
-    """The shards a manifest lists, verified against the files before any work."""
-
-    paths: list[Path]
-    counts: list[int]
-    class_names: list[str]
-
-    @classmethod
-    def open(cls, directory: str | Path, verify_checksums: bool = False) -> ShardSet:
-        manifest = Manifest.read(directory)
-        manifest.verify(directory, checksums=verify_checksums)
-        return cls([Path(directory) / s.name for s in manifest.shards],
-                   [s.samples for s in manifest.shards], manifest.class_names)
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts)

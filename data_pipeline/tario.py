@@ -1,71 +1,129 @@
-"""Reading and writing WebDataset tar shards (the layout img2dataset writes).
+"""Reading and writing WebDataset tar shards (the layout img2dataset writes), through the
+webdataset library: its URL opening (``gopen``: local paths, ``http(s)://`` via curl,
+``pipe:`` commands, ``gs://`` via gsutil), its tar iteration and key grouping, its writer.
 
 A sample is the run of consecutive members sharing a key: ``<key>.jpg``, ``<key>.cls``,
-``<key>.txt``, ``<key>.json``. Writing is deterministic (fixed headers), so the same samples
-give byte-identical shards and checksums.
+``<key>.txt``, ``<key>.json``. ``s3://`` URLs are read as open_clip reads them, through
+``pipe:aws s3 cp <url> -``. A remote read that fails (connection refused, cut mid-shard)
+is retried with exponential backoff and resumes after the last sample it delivered, so the
+samples a reader yields do not depend on the failures; a source that stays down raises
+:class:`ShardUnreachable` naming the URL. Writing is deterministic (fixed headers), so the
+same samples give byte-identical shards and checksums.
 """
 
 from __future__ import annotations
 
-import io
+import logging
 import os
+import re
 import tarfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import IO
 
+from core.errors import RunError
+from data_pipeline.config import Retry
 from data_pipeline.sources import Sample
+
+log = logging.getLogger(__name__)
+REMOTE = ("http://", "https://", "pipe:", "s3://", "gs://")
 
 
 class TruncatedShard(Exception):
     """The tar ended inside a member or its headers are corrupt."""
 
 
-def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o444
-    info.uname = info.gname = ""
-    return info, io.BytesIO(data)
+class ShardUnreachable(RunError):
+    """A remote shard that could not be read after every retry."""
+
+
+DEFAULT_RETRY = Retry()
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith(REMOTE)
+
+
+def open_url(url: str) -> IO[bytes]:
+    """A byte stream of ``url`` (a local path or any scheme above)."""
+    from webdataset.gopen import gopen
+
+    if url.startswith("s3://"):
+        return gopen(f"pipe:aws s3 cp {url} -")
+    return gopen(url)
+
+
+def _samples(stream: IO[bytes], url: str) -> Iterator[dict[str, bytes | str]]:
+    from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+    files = ({**member, "__url__": url} for member in tar_file_iterator(stream))
+    for sample in group_by_keys(files):
+        sample.pop("__url__", None)
+        yield sample
+
+
+def _reason(url: str, error: OSError) -> str:
+    """A short cause: the reading command's exit status (webdataset's pipes report their
+    whole argument list), else the error's first line."""
+    status = re.search(r"exit (\d+)", str(error))
+    if status is None:
+        return str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+    tool = {"http": "curl", "https": "curl", "gs": "gsutil", "s3": "aws"}.get(
+        url.split(":", 1)[0], url[len("pipe:"):].split(" ", 1)[0])
+    return f"{tool} exit status {status.group(1)}"
+
+
+def iter_shard(url: str | Path, retry: Retry = DEFAULT_RETRY) -> Iterator[dict[str, bytes | str]]:
+    """Yield ``{"__key__": key, ext: bytes, ...}`` per sample; raise TruncatedShard at a
+    broken tail after yielding every complete sample before it. Remote reads retry (see the
+    module docstring); a local file is read once."""
+    url = str(url)
+    delivered, failures = 0, 0
+    while True:
+        try:
+            stream = open_url(url)
+            try:
+                for index, sample in enumerate(_samples(stream, url)):
+                    if index >= delivered:  # after a retry: skip what was delivered
+                        delivered += 1
+                        yield sample
+            finally:
+                stream.close()
+            return
+        except (tarfile.ReadError, EOFError, ValueError) as err:
+            # the source delivered all it has (a failed transfer raises OSError on close)
+            raise TruncatedShard(f"{url}: {err}") from None
+        except OSError as err:  # the file, the connection or the command failed
+            if not is_remote(url):
+                raise TruncatedShard(f"{url}: {err}") from None
+            error = err
+        failures += 1
+        if failures >= retry.attempts:
+            raise ShardUnreachable(f"{url}: unreachable after {failures} attempts "
+                                   f"({_reason(url, error)})") from None
+        wait = retry.wait * 2 ** (failures - 1)
+        log.warning("data: reading %s failed after %d samples (%s); retry %d of %d in %.1fs",
+                    url, delivered, _reason(url, error), failures, retry.attempts - 1, wait)
+        time.sleep(wait)
 
 
 def write_shard(path: Path, samples: Iterable[Sample]) -> int:
-    """Write ``samples`` to ``path`` atomically (temporary file, then rename); returns count."""
+    """Write ``samples`` to ``path`` atomically (temporary file, then rename) with
+    webdataset's writer; returns the count."""
+    from webdataset import TarWriter
+
     tmp = path.with_name(path.name + ".tmp")
     count = 0
-    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+    with open(tmp, "wb") as handle, TarWriter(handle, user="", group="", mtime=0.0,
+                                               encoder=False) as writer:
         for sample in samples:
-            tar.addfile(*_member(f"{sample.key}.{sample.ext}", sample.image))
+            record: dict[str, bytes | str] = {"__key__": sample.key, sample.ext: sample.image}
             if sample.label is not None:
-                tar.addfile(*_member(f"{sample.key}.cls", str(sample.label).encode()))
+                record["cls"] = str(sample.label).encode()
             if sample.caption is not None:
-                tar.addfile(*_member(f"{sample.key}.txt", sample.caption.encode("utf-8")))
+                record["txt"] = sample.caption.encode("utf-8")
+            writer.write(record)
             count += 1
     os.replace(tmp, path)
     return count
-
-
-def iter_shard(path: str | Path) -> Iterator[dict[str, bytes | str]]:
-    """Yield ``{"__key__": key, ext: bytes, ...}`` per sample; raise TruncatedShard at a
-    broken tail after yielding every complete sample before it."""
-    current: dict[str, bytes | str] = {}
-    try:
-        with tarfile.open(path, "r|") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                base = os.path.basename(member.name)
-                key, _, ext = base.partition(".")
-                prefix = os.path.dirname(member.name)
-                key = f"{prefix}/{key}" if prefix else key
-                handle = tar.extractfile(member)
-                data = handle.read() if handle else b""
-                if len(data) != member.size:
-                    raise TruncatedShard(f"{path}: member {member.name} is cut short")
-                if current and current["__key__"] != key:
-                    yield current
-                    current = {}
-                current["__key__"] = key
-                current[ext.lower()] = data
-    except (tarfile.ReadError, EOFError, OSError) as err:
-        raise TruncatedShard(f"{path}: {err}") from None
-    if current:
-        yield current

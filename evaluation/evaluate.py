@@ -19,7 +19,7 @@ import numpy as np
 from core.errors import RunError
 from core.runtime import Runtime
 from data_pipeline.config import DataConfig
-from data_pipeline.manifest import Manifest
+from data_pipeline.shards import ShardSet
 from evaluation.config import EvalConfig
 from evaluation.diagnostics import (
     alignment_uniformity,
@@ -142,7 +142,7 @@ def require_labels(cfg: EvalConfig) -> None:
     """kNN and the probe need class labels: fail before any work on shards without them."""
     for key in ("train_shards", "test_shards"):
         shards = getattr(cfg, key)
-        if not Manifest.read(shards).class_names:
+        if not ShardSet.open(shards).class_names:
             raise RunError(f"eval.{key}={shards}: its manifest lists no classes; kNN and the "
                            "linear probe need labelled shards (make-shards with labels)")
 

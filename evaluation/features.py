@@ -18,7 +18,7 @@ from tqdm import tqdm
 from core.collectives import all_gather_rows
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import eval_batches
-from data_pipeline.samples import ShardSet
+from data_pipeline.shards import ShardSet
 from pretrain.registry import EmbeddingModel
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import torch
 from torch import nn
 
 from data_pipeline.manifest import Manifest
+from data_pipeline.shards import ShardSet
 
 
 def model_digest(model: nn.Module) -> str:
@@ -25,10 +27,17 @@ def model_digest(model: nn.Module) -> str:
 
 def bank_digest(shards: str, resolution: int) -> str:
     """SHA-256 of the shards' manifest entries (name, samples, sha256), class names and
-    the evaluation view's resolution."""
-    manifest = Manifest.read(shards)
-    record = {"shards": [(s.name, s.samples, s.sha256) for s in manifest.shards],
-              "classes": manifest.class_names, "resolution": resolution}
+    the evaluation view's resolution; a shard list without a manifest beside it counts
+    by its URLs and sample counts."""
+    if os.path.isdir(shards):
+        manifest = Manifest.read(shards)
+        entries = [(s.name, s.samples, s.sha256) for s in manifest.shards]
+        classes = manifest.class_names
+    else:
+        listed = ShardSet.open(shards)
+        entries = [[url, count] for url, count in zip(listed.urls, listed.counts, strict=True)]
+        classes = listed.class_names
+    record = {"shards": entries, "classes": classes, "resolution": resolution}
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from bench.learning.data import DataSet
 from bench.learning.runs import Configuration, evaluate, run_config
 from data_pipeline.loader import LoaderState, train_batches
-from data_pipeline.samples import ShardSet
+from data_pipeline.shards import ShardSet
 from pretrain.model import Encoder
 from pretrain.optim import build_optimizer, warmup_cosine
 from pretrain.registry import EmbeddingModel

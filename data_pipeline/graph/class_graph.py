@@ -9,7 +9,7 @@ import numpy as np
 
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import encode, load_encoder
-from data_pipeline.manifest import Manifest
+from data_pipeline.shards import ShardSet
 from data_pipeline.sources import read_class_names
 
 
@@ -32,9 +32,9 @@ def build_class_graph(cfg: GraphConfig) -> Path:
     if cfg.class_names:
         names = read_class_names(cfg.class_names)
     else:
-        names = Manifest.read(cfg.shards).class_names
+        names = ShardSet.open(cfg.shards).class_names
         if not names:
-            raise ValueError(f"{cfg.shards}/manifest.json has no class names; "
+            raise ValueError(f"{cfg.shards}: its manifest lists no class names; "
                              "set graph.class_names")
     vectors = class_embeddings(names, cfg.templates, cfg.model, cfg.device, cfg.batch_size)
     out = Path(cfg.output)

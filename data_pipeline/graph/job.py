@@ -28,7 +28,8 @@ from tqdm import tqdm
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import encode, load_encoder
 from data_pipeline.graph.store import CaptionStore
-from data_pipeline.manifest import Manifest, file_sha256
+from data_pipeline.manifest import file_sha256
+from data_pipeline.shards import ShardSet
 from data_pipeline.tario import TruncatedShard, iter_shard
 
 
@@ -67,13 +68,12 @@ def collect(cfg: GraphConfig, part: int, num_parts: int) -> dict:
     if (info := _valid(path)) is not None:
         return info
     path.parent.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest.read(cfg.shards)
-    manifest.verify(cfg.shards)
+    shards = ShardSet.open(cfg.shards)
     skipped: Counter[str] = Counter()
     lines = []
-    for shard in manifest.shards[part::num_parts]:
+    for url in shards.urls[part::num_parts]:
         try:
-            for raw in iter_shard(Path(cfg.shards) / shard.name):
+            for raw in iter_shard(url):
                 if "txt" not in raw:
                     skipped["missing_caption"] += 1
                     continue

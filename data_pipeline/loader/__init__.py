@@ -14,7 +14,7 @@ from data_pipeline.config import DataConfig
 from data_pipeline.loader.eval import EvalStream
 from data_pipeline.loader.state import LoaderState
 from data_pipeline.loader.train import TrainStream
-from data_pipeline.samples import ShardSet
+from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,8 @@ def train_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
     ``text``: tokenise each instance's caption with this sentence model (CLIP).
     """
     state = state or LoaderState()
-    stream = TrainStream(cfg, ShardSet.open(cfg.shards, cfg.verify_checksums), rank, world,
-                         state, text)
+    shards = ShardSet.open(cfg.shards, cfg.verify_checksums, cfg.retry)
+    stream = TrainStream(cfg, shards, rank, world, state, text)
     loader = DataLoader(stream, batch_size=None, num_workers=cfg.workers,
                         persistent_workers=False)
     epoch_skips: Counter = Counter()
@@ -46,7 +46,8 @@ def train_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
 def eval_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
                  skipped: Counter | None = None) -> Iterator[dict[str, Any]]:
     """Evaluation batches of this rank; per-reason skips are added to ``skipped``."""
-    stream = EvalStream(cfg, ShardSet.open(cfg.shards, cfg.verify_checksums), rank, world)
+    shards = ShardSet.open(cfg.shards, cfg.verify_checksums, cfg.retry)
+    stream = EvalStream(cfg, shards, rank, world)
     seen: Counter = Counter()
     for batch in DataLoader(stream, batch_size=None, num_workers=cfg.workers):
         seen.update(batch["skipped"])

@@ -17,7 +17,8 @@ from data_pipeline.formats import SkipSample
 from data_pipeline.graph.store import CaptionStore
 from data_pipeline.loader.reading import ShardReader
 from data_pipeline.loader.train import worker_slot
-from data_pipeline.samples import RawSample, SampleChecker, ShardSet, SkipLog
+from data_pipeline.samples import RawSample, SampleChecker, SkipLog
+from data_pipeline.shards import ShardSet
 from data_pipeline.transforms import decode, eval_view
 
 
@@ -32,10 +33,10 @@ class EvalStream(IterableDataset):
         worker, workers = worker_slot()
         slot, slots = self.rank * workers + worker, self.world * workers
         checker = SampleChecker(len(self.shards.class_names), self.cfg.max_skip_fraction)
-        reader = ShardReader(self.shards, checker, self.cfg.caption_store)
+        reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry)
         view = eval_view(self.cfg.resolution)
         images, samples = [], []
-        for index in range(slot, len(self.shards.paths), slots):
+        for index in range(slot, len(self.shards.urls), slots):
             for sample in reader.read(index):
                 try:
                     images.append(view(decode(sample.image, f"{sample.shard}:{sample.key}")))

@@ -28,7 +28,8 @@ from data_pipeline.graph.store import CaptionStore
 from data_pipeline.loader.collate import Instance, TrainCollator
 from data_pipeline.loader.reading import ShardReader
 from data_pipeline.loader.state import LoaderState
-from data_pipeline.samples import RawSample, SampleChecker, ShardSet, stable_int
+from data_pipeline.samples import RawSample, SampleChecker, stable_int
+from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
 from data_pipeline.transforms import decode
 
@@ -73,7 +74,7 @@ class TrainStream(IterableDataset):
         worker = (worker_id + start) % workers
         rng = random.Random(stable_int(self.cfg.seed, epoch, self.rank, worker, workers))
         checker = SampleChecker(len(self.shards.class_names), self.cfg.max_skip_fraction)
-        reader = ShardReader(self.shards, checker, self.cfg.caption_store)
+        reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry)
         replay = Replay(bad_keys=set(self.state.bad_keys))
         instances = self._instances(self._shuffled(rng, reader), checker, replay)
         collate = TrainCollator(self.cfg, self.text, reader.store)
@@ -92,7 +93,7 @@ class TrainStream(IterableDataset):
         """Resampled shards through a shuffle buffer, forever."""
         buffer: list[RawSample] = []
         while True:
-            for sample in reader.read(rng.randrange(len(self.shards.paths))):
+            for sample in reader.read(rng.randrange(len(self.shards.urls))):
                 if len(buffer) < self.cfg.shuffle_buffer:
                     buffer.append(sample)
                     continue

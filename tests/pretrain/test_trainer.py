@@ -87,7 +87,7 @@ def test_skips_are_summarised_when_max_steps_stops_mid_epoch(tmp_path):
 
     shards = tmp_path / "shards"
     write_set(shards, [[digit_sample(i) for i in range(60)]])
-    cut_inside_header(shards / "shard-000000.tar", "s00040.jpg")
+    cut_inside_header(shards / "shard-000000.tar", "s00040.cls")  # its first member
     refresh_manifest(shards)
     result = run_pretrain(train_overrides(shards, tmp_path, **{
         "train.max_steps": 2, "data.max_skip_fraction": 0.5, "tracking.enabled": True,

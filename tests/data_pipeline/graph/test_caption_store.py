@@ -23,6 +23,7 @@ from data_pipeline.graph.store import CaptionStore, StoreError
 from data_pipeline.loader import LoaderState, eval_batches, train_batches
 from data_pipeline.sources import Sample
 from tests.data_pipeline.helpers import digit_sample, write_set
+from tests.data_pipeline.remote import ShardServer
 
 NAMES = ["tabby cat", "golden retriever", "violin", "soccer ball", "cello", "banjo", "pug"]
 
@@ -79,6 +80,21 @@ def test_two_parts_equal_one(tmp_path):
         encode_part(two, part, 2)
     merge(two, 2)
     assert store_bytes(tmp_path / "one") == store_bytes(tmp_path / "two")
+
+
+def test_shards_served_over_http_give_the_same_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    caption_set(tmp_path / "shards")
+    (tmp_path / "shards" / "manifest.json").unlink()  # a plain URL list: counted once
+    server = ShardServer(tmp_path / "shards").start()
+    try:
+        run_captions(GraphConfig(shards=f"{server.url}/shard-{{000000..000002}}.tar",
+                                 output=str(tmp_path / "remote"), batch_size=8))
+    finally:
+        server.stop()
+    run_captions(GraphConfig(shards=str(tmp_path / "shards" / "shard-{000000..000002}.tar"),
+                             output=str(tmp_path / "local"), batch_size=8))
+    assert store_bytes(tmp_path / "remote") == store_bytes(tmp_path / "local")
 
 
 def test_encode_refuses_to_start_before_every_part_is_collected(tmp_path):

@@ -1,0 +1,164 @@
+"""Which shards a ``data.shards`` / ``eval.*_shards`` / ``graph.shards`` value names, and how
+many samples each holds.
+
+Accepted forms (as webdataset and open_clip users write them):
+
+- a local directory holding ``manifest.json`` (``make-shards`` output);
+- a brace list or single URL: ``/data/cc3m/{00000..00331}.tar``,
+  ``https://host/cc3m/{00000..00331}.tar``, ``pipe:curl -s https://host/{0..9}.tar``,
+  ``gs://bucket/cc12m/{00000..01242}.tar``, ``s3://bucket/cc12m/{00000..01242}.tar``;
+  several patterns join with ``::``.
+
+A URL list needs no manifest. Sample counts come, in order of preference, from a
+``manifest.json`` beside the shards (also giving class names), from img2dataset's
+``<shard>_stats.json`` (``successes``), or from a one-time counting pass whose result is
+cached per URL in ``$XDG_CACHE_HOME/contrastive-pretrain/shard-counts.json`` (delete it
+after a shard changes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data_pipeline.manifest import MANIFEST, Manifest, ManifestError
+from data_pipeline.tario import (
+    DEFAULT_RETRY,
+    Retry,
+    TruncatedShard,
+    is_remote,
+    iter_shard,
+    open_url,
+)
+
+
+@dataclass
+class ShardSet:
+    """The shards to read, their sample counts and the class names (empty: unlabelled)."""
+
+    urls: list[str]  # local paths or URLs
+    counts: list[int]
+    class_names: list[str]
+
+    @classmethod
+    def open(cls, spec: str | Path, verify_checksums: bool = False,
+             retry: Retry = DEFAULT_RETRY) -> ShardSet:
+        """The shards of ``spec``; a local manifest is verified against the files."""
+        spec = str(spec)
+        if os.path.isdir(spec) or not _is_list(spec):
+            manifest = Manifest.read(spec)
+            manifest.verify(spec, checksums=verify_checksums)
+            return cls([str(Path(spec) / s.name) for s in manifest.shards],
+                       [s.samples for s in manifest.shards], manifest.class_names)
+        urls = expand(spec)
+        manifest = _manifest_beside(urls)
+        if manifest is not None:
+            listed = {s.name: s.samples for s in manifest.shards}
+            if all(_name(url) in listed for url in urls):
+                return cls(urls, [listed[_name(url)] for url in urls], manifest.class_names)
+        return cls(urls, sample_counts(urls, retry), [])
+
+    @property
+    def names(self) -> list[str]:
+        """Each shard's file name, for messages and skip accounting."""
+        return [_name(url) for url in self.urls]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+
+def _is_list(spec: str) -> bool:
+    return is_remote(spec) or "{" in spec or "::" in spec or spec.endswith(".tar")
+
+
+def _name(url: str) -> str:
+    return posixpath.basename(url.split("?")[0]) or url
+
+
+def expand(spec: str) -> list[str]:
+    """Brace expansion (and ``::`` joins) with webdataset's own shard-list code."""
+    from webdataset.shardlists import expand_urls
+
+    urls = expand_urls(spec)
+    if not urls:
+        raise ManifestError(f"{spec}: names no shards")
+    return urls
+
+
+def _fetch(url: str) -> bytes | None:
+    """The bytes at ``url`` (a local path or URL), or None when it is not there."""
+    if not is_remote(url):
+        return Path(url).read_bytes() if os.path.isfile(url) else None
+    if url.startswith("pipe:"):
+        return None  # a command's siblings cannot be named
+    try:
+        stream = open_url(url)
+        try:
+            return stream.read()
+        finally:
+            stream.close()
+    except OSError:
+        return None
+
+
+def _manifest_beside(urls: list[str]) -> Manifest | None:
+    folder = posixpath.dirname(urls[0])
+    if not folder or any(posixpath.dirname(url) != folder for url in urls):
+        return None
+    text = _fetch(f"{folder}/{MANIFEST}")
+    return None if text is None else Manifest.parse(text.decode(), f"{folder}/{MANIFEST}")
+
+
+def _stats_count(url: str) -> int | None:
+    """img2dataset's ``<shard>_stats.json`` ``successes`` (the samples the tar holds)."""
+    if not url.endswith(".tar"):
+        return None
+    text = _fetch(url[: -len(".tar")] + "_stats.json")
+    if text is None:
+        return None
+    try:
+        return int(json.loads(text)["successes"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _count(url: str, retry: Retry) -> int:
+    """Samples in the shard (up to a broken tail: the reader reports the tail)."""
+    count = 0
+    try:
+        for _ in iter_shard(url, retry):
+            count += 1
+    except TruncatedShard:
+        pass
+    return count
+
+
+def cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(root) / "contrastive-pretrain" / "shard-counts.json"
+
+
+def sample_counts(urls: list[str], retry: Retry = DEFAULT_RETRY) -> list[int]:
+    """Samples per shard: img2dataset's stats, else the cache, else a counting pass."""
+    path = cache_path()
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    counts, counted = [], {}
+    for url in tqdm(urls, desc="shard sizes", unit="shard", disable=len(urls) < 8):
+        count = _stats_count(url)
+        if count is None:
+            count = cached.get(url)
+        if count is None:
+            count = counted[url] = _count(url, retry)
+        counts.append(count)
+    if counted:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**cached, **counted}, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    return counts
