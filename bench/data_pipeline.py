@@ -4,6 +4,7 @@ raw tar read rate.
 
     python -m bench.data_pipeline                    # 600 JPEGs of ~400 x 350 px, 224 px views
     python -m bench.data_pipeline --images 200       # quicker
+    python -m bench.data_pipeline --size 1000x750 --images 300   # full-size photos
 
 The JPEGs are the bundled digits upsampled to ImageNet's mean size with film-grain noise,
 so they compress like photographs (~60-90 KB) rather than like flat line drawings. Both
@@ -37,12 +38,12 @@ from data_pipeline.transforms import simclr_view
 RESOLUTION = 224
 
 
-def write_jpegs(root: Path, count: int) -> None:
+def write_jpegs(root: Path, count: int, size: tuple[int, int] = (400, 350)) -> None:
     digits = DigitsSource(size=8)
     rng = np.random.default_rng(0)
     for i in range(count):
         label = int(digits.labels[i % len(digits)])
-        base = Image.fromarray(digits.images[i % len(digits)]).resize((400, 350), Image.BICUBIC)
+        base = Image.fromarray(digits.images[i % len(digits)]).resize(size, Image.BICUBIC)
         pixels = np.asarray(base.convert("RGB"), dtype=np.int16)
         pixels = pixels + rng.normal(0, 18, pixels.shape).astype(np.int16)
         tint = rng.integers(0, 60, 3, dtype=np.int16)
@@ -84,9 +85,10 @@ def time_imagefolder(root: Path, batch: int, workers: int, stock: bool) -> float
     return images / (time.perf_counter() - start)
 
 
-def time_stream(shards: Path, batch: int, workers: int) -> float:
+def time_stream(shards: Path, batch: int, workers: int, draft: bool = True) -> float:
     cfg = DataConfig(shards=str(shards), batch_size=batch, workers=workers,
-                     resolution=RESOLUTION, augment="simclr", crop_min_scale=0.08)
+                     resolution=RESOLUTION, augment="simclr", crop_min_scale=0.08,
+                     draft_decode=draft)
     start, images = time.perf_counter(), 0
     for b in train_batches(cfg):
         images += b["images"].shape[0] // 2
@@ -108,27 +110,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=600)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--size", default="400x350", help="JPEG width x height")
     parser.add_argument("--workdir", type=Path, default=Path("bench/results/data_pipeline"))
-    parser.add_argument("--out", type=Path, default=Path("bench/results/data_pipeline.json"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/data_pipeline[-WxH].json")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    tree, shards = args.workdir / "jpegs", args.workdir / "shards"
+    size = tuple(int(x) for x in args.size.split("x"))
+    suffix = "" if args.size == "400x350" else f"-{args.size}"
+    out = args.out or Path(f"bench/results/data_pipeline{suffix}.json")
+    tree, shards = args.workdir / f"jpegs-{args.size}", args.workdir / f"shards-{args.size}"
     if not tree.exists():
-        write_jpegs(tree, args.images)
+        write_jpegs(tree, args.images, size)
     make_shards(ShardsConfig(source="imagenet", input=str(tree), output=str(shards),
                              shard_size=100, workers=cores))
     mean_kb = np.mean([p.stat().st_size for p in tree.rglob("*.JPEG")]) / 1024
-    rounds = {"stream": [], "imagefolder": [], "imagefolder_our_transforms": []}
+    rounds = {"stream": [], "imagefolder": [], "imagefolder_our_transforms": [],
+              "stream_full_decode": []}
     for _ in range(3):  # interleaved rounds
         rounds["stream"].append(time_stream(shards, args.batch, cores))
+        rounds["stream_full_decode"].append(time_stream(shards, args.batch, cores, False))
         rounds["imagefolder"].append(time_imagefolder(tree, args.batch, cores, stock=True))
         rounds["imagefolder_our_transforms"].append(
             time_imagefolder(tree, args.batch, cores, stock=False))
-    stream, folder, folder_ours = (float(np.median(v)) for v in rounds.values())
+    stream, folder, folder_ours, full = (float(np.median(v)) for v in rounds.values())
     tar_samples, tar_mib = tar_read_rate(shards)
     rows = [
         {"loader": "WebDataset stream (ours)", "images_per_s": stream,
          "per_core": stream / cores, "vs_imagefolder": stream / folder},
+        {"loader": "WebDataset stream, full-size decode (data.draft_decode=false)",
+         "images_per_s": full, "per_core": full / cores, "vs_imagefolder": full / folder},
         {"loader": "ImageFolder + DataLoader, torchvision transforms", "images_per_s": folder,
          "per_core": folder / cores, "vs_imagefolder": 1.0},
         {"loader": "ImageFolder + DataLoader, our transforms", "images_per_s": folder_ours,
@@ -136,12 +147,13 @@ def main() -> None:
         {"loader": "raw tar read (no decode)", "images_per_s": tar_samples,
          "per_core": tar_samples, "vs_imagefolder": None},
     ]
-    write_json(args.out, {"machine": machine(), "cores": cores, "images": args.images,
+    write_json(out, {"machine": machine(), "cores": cores, "images": args.images,
+                          "size": args.size,
                           "mean_jpeg_kib": mean_kb, "resolution": RESOLUTION, "rows": rows,
                           "tar_mib_per_s": tar_mib, "rounds": rounds,
                           "target_at_least_1x": stream >= folder})
-    print(f"{args.images} JPEGs, mean {mean_kb:.0f} KiB, two {RESOLUTION}px SimCLR views each, "
-          f"{cores} workers")
+    print(f"{args.images} JPEGs of {args.size}, mean {mean_kb:.0f} KiB, two {RESOLUTION}px "
+          f"SimCLR views each, {cores} workers")
     print_table(rows, ["loader", "images_per_s", "per_core", "vs_imagefolder"])
     print(f"raw tar read: {tar_mib:.0f} MiB/s")
     print(f"{'PASS' if stream >= folder else 'FAIL'}  stream >= 1.0x ImageFolder")

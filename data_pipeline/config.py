@@ -87,6 +87,9 @@ class DataConfig:
     max_skip_fraction: float = 0.01  # fail when more than this fraction of samples is bad
     verify_checksums: bool = False  # hash every shard against the manifest before reading
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
+    draft_decode: bool = True  # decode JPEGs at the reduced size every view allows (1/2-1/8)
+    prefetch: int = 2  # batches each loader worker prepares ahead
+    pin_memory: bool = True  # page-locked batches for faster host-to-GPU copies (CUDA only)
     retries: int = 5  # remote shards: read attempts before failing (resumes mid-shard)
     retry_wait: float = 1.0  # remote shards: seconds before the first retry, doubling after
 
@@ -98,6 +101,8 @@ class DataConfig:
         for key in ("batch_size", "resolution"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.prefetch < 1:
+            raise InvalidValue("prefetch", f"must be >= 1, got {self.prefetch}")
         if self.workers < 0:
             raise InvalidValue("workers", f"must be >= 0, got {self.workers}")
         if not 0 <= self.max_skip_fraction <= 1:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,10 +17,37 @@ from data_pipeline.formats import SkipSample
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def decode(data: bytes, where: str) -> Tensor:
-    """[3, H, W] uint8 from encoded bytes; SkipSample('corrupt_image') when undecodable."""
+@dataclass(frozen=True)
+class DecodeSize:
+    """The least image a view needs, so that a JPEG can be decoded at 1/2, 1/4 or 1/8 of
+    its size (Pillow's draft mode, libjpeg's DCT scaling) without any view losing detail.
+
+    ``min_crop_area`` (random-resized-crop views): every crop the view can draw, of at
+    least that fraction of the area and aspect ratio in [3/4, 4/3], still spans
+    ``resolution`` pixels on each side. Otherwise (the eval view) the short side stays at
+    least ``resolution * 8 / 7``, the size it is resized to.
+    """
+
+    resolution: int
+    min_crop_area: float | None = None
+
+    def least(self, width: int, height: int) -> tuple[int, int]:
+        """The smallest (width, height) of this aspect ratio that every view allows."""
+        if self.min_crop_area is None:
+            scale = self.resolution * 8 / 7 / min(width, height)
+        else:  # the smallest crop side is sqrt(area * 3/4) at aspect ratio 3/4
+            scale = self.resolution / math.sqrt(self.min_crop_area * 0.75 * width * height)
+        scale = min(1.0, scale)
+        return math.ceil(width * scale), math.ceil(height * scale)
+
+
+def decode(data: bytes, where: str, size: DecodeSize | None = None) -> Tensor:
+    """[3, H, W] uint8 from encoded bytes; SkipSample('corrupt_image') when undecodable.
+    With ``size`` a JPEG is decoded at the largest reduction every view allows."""
     try:
         with Image.open(io.BytesIO(data)) as image:
+            if size is not None and image.format == "JPEG":
+                image.draft("RGB", size.least(*image.size))
             pixels = np.array(image if image.mode == "RGB" else image.convert("RGB"))
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
         raise SkipSample("corrupt_image", f"{where}: {err}") from None
@@ -104,6 +133,11 @@ def eval_view(resolution: int) -> v2.Compose:
     """Resize the short side to 8/7 of the resolution, centre crop (the usual eval view)."""
     return v2.Compose([v2.Resize(resolution * 8 // 7, antialias=True),
                        v2.CenterCrop(resolution), *_finish()])
+
+
+def decode_size(kind: str, resolution: int, min_scale: float) -> DecodeSize:
+    """What the views of ``view_transform(kind, ...)`` need of a decoded image."""
+    return DecodeSize(resolution, min_scale if kind in ("simclr", "autoaugment") else None)
 
 
 def view_transform(kind: str, resolution: int, min_scale: float, color_strength: float = 0.5,

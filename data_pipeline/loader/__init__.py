@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from data_pipeline.config import DataConfig
@@ -20,6 +21,15 @@ from data_pipeline.text import TextConfig
 log = logging.getLogger(__name__)
 
 
+def loader_options(cfg: DataConfig) -> dict[str, Any]:
+    """Worker count, prefetch depth and pinned host memory (when a GPU will copy it)."""
+    options: dict[str, Any] = {"num_workers": cfg.workers,
+                               "pin_memory": cfg.pin_memory and torch.cuda.is_available()}
+    if cfg.workers > 0:
+        options["prefetch_factor"] = cfg.prefetch
+    return options
+
+
 def train_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
                   state: LoaderState | None = None,
                   text: TextConfig | None = None) -> Iterator[dict[str, Any]]:
@@ -30,8 +40,7 @@ def train_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
     state = state or LoaderState()
     shards = ShardSet.open(cfg.shards, cfg.verify_checksums, cfg.retry)
     stream = TrainStream(cfg, shards, rank, world, state, text)
-    loader = DataLoader(stream, batch_size=None, num_workers=cfg.workers,
-                        persistent_workers=False)
+    loader = DataLoader(stream, batch_size=None, **loader_options(cfg))
     epoch_skips: Counter = Counter()
     for batch in loader:
         state.record(batch)
@@ -49,7 +58,7 @@ def eval_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
     shards = ShardSet.open(cfg.shards, cfg.verify_checksums, cfg.retry)
     stream = EvalStream(cfg, shards, rank, world)
     seen: Counter = Counter()
-    for batch in DataLoader(stream, batch_size=None, num_workers=cfg.workers):
+    for batch in DataLoader(stream, batch_size=None, **loader_options(cfg)):
         seen.update(batch["skipped"])
         if batch["keys"]:
             yield batch

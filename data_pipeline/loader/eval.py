@@ -19,7 +19,7 @@ from data_pipeline.loader.reading import ShardReader
 from data_pipeline.loader.train import worker_slot
 from data_pipeline.samples import RawSample, SampleChecker, SkipLog
 from data_pipeline.shards import ShardSet
-from data_pipeline.transforms import decode, eval_view
+from data_pipeline.transforms import DecodeSize, decode, eval_view
 
 
 class EvalStream(IterableDataset):
@@ -35,11 +35,13 @@ class EvalStream(IterableDataset):
         checker = SampleChecker(len(self.shards.class_names), self.cfg.max_skip_fraction)
         reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry)
         view = eval_view(self.cfg.resolution)
+        size = DecodeSize(self.cfg.resolution) if self.cfg.draft_decode else None
         images, samples = [], []
         for index in range(slot, len(self.shards.urls), slots):
             for sample in reader.read(index):
                 try:
-                    images.append(view(decode(sample.image, f"{sample.shard}:{sample.key}")))
+                    images.append(view(decode(sample.image, f"{sample.shard}:{sample.key}",
+                                              size)))
                 except SkipSample as skip:
                     checker.skip(skip.reason, sample.shard, detail=skip.detail)
                     continue

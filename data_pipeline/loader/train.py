@@ -31,7 +31,7 @@ from data_pipeline.loader.state import LoaderState
 from data_pipeline.samples import RawSample, SampleChecker, stable_int
 from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
-from data_pipeline.transforms import decode
+from data_pipeline.transforms import decode, decode_size
 
 
 def worker_slot() -> tuple[int, int]:
@@ -106,6 +106,9 @@ class TrainStream(IterableDataset):
         """Decoded samples grouped into instances: one image (``views``) or two images of
         one class (``same_label``)."""
         pending: dict[int, tuple[RawSample, Any]] = {}
+        kind = self.cfg.augment if self.cfg.pairing == "views" else "none"
+        size = (decode_size(kind, self.cfg.resolution, self.cfg.crop_min_scale)
+                if self.cfg.draft_decode else None)
         for sample in samples:
             if replay.active:
                 if sample.key in replay.bad_keys:  # skipped by the run being replayed
@@ -114,7 +117,7 @@ class TrainStream(IterableDataset):
                 image = None
             else:
                 try:
-                    image = decode(sample.image, f"{sample.shard}:{sample.key}")
+                    image = decode(sample.image, f"{sample.shard}:{sample.key}", size)
                 except SkipSample as skip:
                     checker.skip(skip.reason, sample.shard, bad_key=sample.key,
                                  detail=skip.detail)

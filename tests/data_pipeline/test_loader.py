@@ -211,3 +211,14 @@ def test_asymmetric_views_turn_only_the_second_view_grayscale():
     spread = (pixels.amax(1) - pixels.amin(1)).flatten(1).amax(1)  # per view
     assert (spread[6:] < 1e-5).all() and (spread[:6] > 0.1).all()
     assert torch.equal(views(grayscale=0.5), views(grayscale=0.5, grayscale_second=0.5))
+
+
+def test_loader_options_prefetch_and_pin_only_for_a_gpu():
+    from data_pipeline.loader import loader_options
+
+    options = loader_options(DataConfig(shards="x", workers=3, prefetch=4))
+    assert options == {"num_workers": 3, "prefetch_factor": 4,
+                       "pin_memory": torch.cuda.is_available()}
+    assert loader_options(DataConfig(shards="x", workers=0)) == {
+        "num_workers": 0, "pin_memory": torch.cuda.is_available()}  # no workers, no prefetch
+    assert loader_options(DataConfig(shards="x", pin_memory=False))["pin_memory"] is False
