@@ -75,7 +75,12 @@ def write(results: Results, sweep: Results, datasets: dict[str, DataSet], out: P
              f"Seeds: {seeds}. Command: `python -m bench.learning`.", "",
              "## Cluttered digits", "",
              *report.results_table(results, ["untrained", *MAIN_ORDER, "cross_entropy"]),
-             "", "## Claims", "", *report.claims_section(claims)]
+             ""]
+    captions = report.caption_table(results)
+    if captions:
+        lines += ["Caption evaluation (retrieval among the test canvases' distinct captions, "
+                  "zero-shot from the digit names):", "", *captions, ""]
+    lines += ["## Claims", "", *report.claims_section(claims)]
     digit_names = [n for n in results if n.startswith("digits_")]
     if digit_names:
         lines += ["## Plain digits (reference)", "", *report.results_table(results, digit_names),

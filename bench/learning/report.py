@@ -47,6 +47,38 @@ def results_table(results: Results, names: list[str]) -> list[str]:
     return lines
 
 
+CAPTION_METRICS = [("image-to-text R@1", ("retrieval", "image_to_text", "R@1")),
+                   ("image-to-text R@10", ("retrieval", "image_to_text", "R@10")),
+                   ("text-to-image R@1", ("retrieval", "text_to_image", "R@1")),
+                   ("text-to-image R@10", ("retrieval", "text_to_image", "R@10")),
+                   ("zero-shot top-1", ("zero_shot", "accuracy", "top1")),
+                   ("zero-shot top-5", ("zero_shot", "accuracy", "top5"))]
+
+
+def caption_table(results: Results) -> list[str]:
+    """Retrieval and zero-shot numbers of the configurations with a text tower (clip)."""
+    def lookup(path: tuple[str, ...]):
+        def metric(result: dict[str, Any]) -> float:
+            value: Any = result["evaluation"]
+            for key in path:
+                value = value[key]
+            return value
+        return metric
+
+    names = [n for n, runs in results.items()
+             if any("retrieval" in r.get("evaluation", {}) for r in runs)]
+    if not names:
+        return []
+    lines = ["| configuration | seeds | " + " | ".join(t for t, _ in CAPTION_METRICS) + " |",
+             "| --- | --- |" + " --- |" * len(CAPTION_METRICS)]
+    for name in names:
+        runs = {name: [r for r in results[name] if "retrieval" in r.get("evaluation", {})]}
+        cells = [stat(runs, name, lookup(path)) for _, path in CAPTION_METRICS]
+        lines.append(f"| {name} | {cells[0][2]} | " + " | ".join(
+            fmt(mean, std) for mean, std, _ in cells) + " |")
+    return lines
+
+
 def claims_section(claims: list[dict[str, Any]]) -> list[str]:
     lines = []
     for claim in claims:
