@@ -63,6 +63,16 @@ class ShardSet:
                 return cls(urls, [listed[_name(url)] for url in urls], manifest.class_names)
         return cls(urls, sample_counts(urls, retry), [])
 
+    @staticmethod
+    def class_names_of(spec: str | Path) -> list[str]:
+        """The class names of ``spec`` from its manifest alone (no counting pass); empty
+        for a list with no manifest beside it."""
+        spec = str(spec)
+        if os.path.isdir(spec) or not _is_list(spec):
+            return Manifest.read(spec).class_names
+        manifest = _manifest_beside(expand(spec))
+        return [] if manifest is None else manifest.class_names
+
     @property
     def names(self) -> list[str]:
         """Each shard's file name, for messages and skip accounting."""

@@ -142,7 +142,7 @@ def require_labels(cfg: EvalConfig) -> None:
     """kNN and the probe need class labels: fail before any work on shards without them."""
     for key in ("train_shards", "test_shards"):
         shards = getattr(cfg, key)
-        if not ShardSet.open(shards).class_names:
+        if not ShardSet.class_names_of(shards):
             raise RunError(f"eval.{key}={shards}: its manifest lists no classes; kNN and the "
                            "linear probe need labelled shards (make-shards with labels)")
 

@@ -32,7 +32,7 @@ def build_class_graph(cfg: GraphConfig) -> Path:
     if cfg.class_names:
         names = read_class_names(cfg.class_names)
     else:
-        names = ShardSet.open(cfg.shards).class_names
+        names = ShardSet.class_names_of(cfg.shards)
         if not names:
             raise ValueError(f"{cfg.shards}: its manifest lists no class names; "
                              "set graph.class_names")

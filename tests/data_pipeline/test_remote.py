@@ -42,6 +42,7 @@ def test_brace_list_over_http_gives_what_the_folder_gives(served):
     assert listed.urls == [f"{server.url}/shard-{i:06d}.tar" for i in range(3)]
     assert listed.counts == [30, 20, 14]  # from the manifest beside the shards
     assert listed.class_names == ShardSet.open(folder).class_names
+    assert ShardSet.class_names_of(url) == listed.class_names  # from the manifest alone
     for read in (eval_batches, train_batches):
         local = [(b["keys"], b["images"]) for b in read(config(folder))]
         remote = [(b["keys"], b["images"]) for b in read(config(url))]
