@@ -50,7 +50,7 @@ class ShardSet:
              retry: Retry = DEFAULT_RETRY) -> ShardSet:
         """The shards of ``spec``; a local manifest is verified against the files."""
         spec = str(spec)
-        if os.path.isdir(spec) or not _is_list(spec):
+        if is_folder(spec):
             manifest = Manifest.read(spec)
             manifest.verify(spec, checksums=verify_checksums)
             return cls([str(Path(spec) / s.name) for s in manifest.shards],
@@ -68,7 +68,7 @@ class ShardSet:
         """The class names of ``spec`` from its manifest alone (no counting pass); empty
         for a list with no manifest beside it."""
         spec = str(spec)
-        if os.path.isdir(spec) or not _is_list(spec):
+        if is_folder(spec):
             return Manifest.read(spec).class_names
         manifest = _manifest_beside(expand(spec))
         return [] if manifest is None else manifest.class_names
@@ -83,8 +83,11 @@ class ShardSet:
         return sum(self.counts)
 
 
-def _is_list(spec: str) -> bool:
-    return is_remote(spec) or "{" in spec or "::" in spec or spec.endswith(".tar")
+def is_folder(spec: str | Path) -> bool:
+    """A ``make-shards`` folder (read through its manifest), not a list of shard URLs."""
+    spec = str(spec)
+    listed = is_remote(spec) or "{" in spec or "::" in spec or spec.endswith(".tar")
+    return os.path.isdir(spec) or not listed
 
 
 def _name(url: str) -> str:

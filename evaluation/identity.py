@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 
 import torch
 from torch import nn
 
 from data_pipeline.manifest import Manifest
-from data_pipeline.shards import ShardSet
+from data_pipeline.shards import ShardSet, is_folder
 
 
 def model_digest(model: nn.Module) -> str:
@@ -29,7 +28,7 @@ def bank_digest(shards: str, resolution: int) -> str:
     """SHA-256 of the shards' manifest entries (name, samples, sha256), class names and
     the evaluation view's resolution; a shard list without a manifest beside it counts
     by its URLs and sample counts."""
-    if os.path.isdir(shards):
+    if is_folder(shards):
         manifest = Manifest.read(shards)
         entries = [(s.name, s.samples, s.sha256) for s in manifest.shards]
         classes = manifest.class_names

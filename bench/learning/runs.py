@@ -109,16 +109,15 @@ def evaluate(model: EmbeddingModel, config: RunConfig, data: DataSet,
         graphs["caption_graph"] = load_class_graph(data.caption_graph)[0]
     target = graphs.get("caption_graph", graphs["class_graph"])
     eval_cfg = EvalConfig(train_shards=str(data.train), test_shards=str(data.test), ks=KS,
-                          index="exact", save_index=False, probe_epochs=50)
+                          index="exact", save_index=False, probe_epochs=50,
+                          zero_shot_templates=config.eval.zero_shot_templates)
     identity = {"model_sha256": model_digest(model),
                 "bank_sha256": bank_digest(str(data.train), config.data.resolution)}
     results = evaluate_features(train_features, test_features, eval_cfg, target,
                                 ModelRef(str(out)), out, identity)
     if model.text is not None:  # retrieval on the test canvases' captions, zero-shot
-        templates = config.eval.zero_shot_templates
-        results.update(caption_evaluation(
-            model, test_features, test_features,
-            dataclasses.replace(eval_cfg, zero_shot_templates=templates), str(data.test), cpu))
+        results.update(caption_evaluation(model, test_features, test_features, eval_cfg,
+                                          str(data.test), cpu))
     classes = list(range(len(test_features.class_names)))
     results["similarity"] = {}
     for space in SPACES:
