@@ -84,6 +84,9 @@ def check_stage(config: RunConfig, stage: str) -> None:
 
 
 def _check_training(config: RunConfig) -> None:
+    if config.train.chunk_size and config.model.split_views:
+        raise ConfigError("key 'train.chunk_size': chunks cannot keep model.split_views' "
+                          "per-view batch norm; set one of them off")
     objective = config.objective
     if objective.name == "xclr" and not (objective.class_graph or config.data.caption_store):
         raise ConfigError("key 'objective.class_graph': xclr needs soft targets: a class graph "

@@ -35,9 +35,10 @@ NUM_CLASSES = 100
 TARGET_N = 8192
 
 
-def objective_cases(z, ids, labels, captions, graph, text, table):
+def objective_cases(z, ids, labels, captions, graph, text, table, tile_size=None):
     def case(name, **kw):
-        return lambda: batch_loss(name, z, ids, labels, temperature=0.1, **kw)[0]
+        return lambda: batch_loss(name, z, ids, labels, temperature=0.1, tile_size=tile_size,
+                                  **kw)[0]
 
     return {
         "infonce": case("infonce"),
@@ -54,7 +55,8 @@ def objective_cases(z, ids, labels, captions, graph, text, table):
         "projnce[learned]": case("projnce", projection="learned", class_embeddings=table),
         # N embeddings = N/2 images + N/2 texts, as N counts both views for the others
         "clip": lambda: batch_loss("clip", z[: len(z) // 2], ids[: len(z) // 2],
-                                   text=text[: len(z) // 2], temperature=0.1)[0],
+                                   text=text[: len(z) // 2], temperature=0.1,
+                                   tile_size=tile_size)[0],
     }
 
 

@@ -12,7 +12,9 @@ averaged once, like every other parameter.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -76,6 +78,11 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.wrapped(*args, **kwargs)
 
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around one of several backward passes of a step: gradients are reduced across
+        ranks only after the ``last`` one."""
+        return contextlib.nullcontext()
+
     def set_lr(self, factor: float) -> float:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * factor
@@ -102,6 +109,11 @@ class DDPEngine(Engine):
 
     def backward(self, loss: Tensor) -> None:
         loss.backward()
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        if last or self.wrapped is self.module:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()
 
     def skip(self, loss: Tensor) -> None:
         """Drop this step's update. A DDP forward expects its backward (the reducer would
@@ -137,6 +149,16 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss: Tensor) -> None:
         self.ds.backward(loss)
+
+    @contextlib.contextmanager
+    def accumulating(self, last: bool) -> Iterator[None]:
+        """DeepSpeed's accumulation boundary: ZeRO-1 reduces at the boundary only; ZeRO-2
+        reduce-scatters every backward into its gradient partitions (by its design)."""
+        self.ds.set_gradient_accumulation_boundary(last)
+        try:
+            yield
+        finally:
+            self.ds.set_gradient_accumulation_boundary(True)
 
     def skip(self, loss: Tensor) -> None:
         """Drop this step's update: no backward, so nothing reaches ZeRO's buffers."""

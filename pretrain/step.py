@@ -35,16 +35,32 @@ def forward_loss(model: Callable[..., Any], batch: dict[str, Any], objective: Ca
     caption once). ``temperature`` is used unless the
     model learns its own.
     """
-    out = model(batch["images"], batch.get("input_ids"), batch.get("attention_mask"))
+    out = model(*model_inputs(batch))
+    return loss_of_outputs(out.projections, out.text, out.temperature, batch, objective, cfg,
+                           temperature, step, class_graph)
+
+
+def model_inputs(batch: dict[str, Any], rows: slice = slice(None)) -> tuple:
+    """(images, input_ids, attention_mask) of ``rows`` of the batch, as the model takes them."""
+    ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    return (batch["images"][rows], None if ids is None else ids[rows],
+            None if mask is None else mask[rows])
+
+
+def loss_of_outputs(projections: Tensor, text: Tensor | None, learned_tau: Tensor | None,
+                    batch: dict[str, Any], objective: Callable, cfg: ObjectiveConfig,
+                    temperature: float, step: int,
+                    class_graph: Tensor | None = None) -> ObjectiveOutput:
+    """The objective on this rank's model outputs (``projections`` [2B, P], CLIP's ``text``
+    [2B, P], a learnable temperature []) against the global batch."""
     captions = batch.get("caption_embeddings")
     global_batch = build_global_batch(
-        out.projections, batch["ids"], labels=batch.get("labels"),
+        projections, batch["ids"], labels=batch.get("labels"),
         captions=None if captions is None else captions.float(),
-        text=out.text, class_graph=class_graph, num_negatives=cfg.num_negatives,
-        negatives_seed=step_seed(cfg, step))
-    tau = temperature if out.temperature is None else out.temperature
-    result = objective(global_batch, tau)
-    result.metrics["effective_rank"] = effective_rank(out.projections.detach())
+        text=text, class_graph=class_graph, num_negatives=cfg.num_negatives,
+        negatives_seed=step_seed(cfg, step), tile_size=cfg.tile_size)
+    result = objective(global_batch, temperature if learned_tau is None else learned_tau)
+    result.metrics["effective_rank"] = effective_rank(projections.detach())
     return result
 
 

@@ -29,6 +29,7 @@ from data_pipeline.loader import LoaderState, train_batches
 from data_pipeline.samples import SKIP_REASONS
 from data_pipeline.text import TextConfig
 from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state
+from pretrain.chunked import chunked_forward_loss
 from pretrain.collapse import CollapseConfig, CollapseWatch
 from pretrain.engine import Engine
 from pretrain.losses import EssTemperatureController, ObjectiveConfig
@@ -47,6 +48,7 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     max_nonfinite: int = 5  # consecutive non-finite losses that stop the run
+    chunk_size: int = 0  # > 0: encode in chunks of this many rows, cached gradient (GradCache)
     progress: bool = True  # tqdm bar on rank 0
     knn_every: int = 0  # > 0: kNN monitor on a fixed subset of eval.* shards every N steps
     knn_samples: int = 2000  # size of that subset (bank and queries each)
@@ -56,7 +58,7 @@ class TrainConfig:
         for key in ("epochs", "log_every", "max_nonfinite"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
-        for key in ("max_steps", "knn_every"):
+        for key in ("max_steps", "knn_every", "chunk_size"):
             if getattr(self, key) < 0:
                 raise InvalidValue(key, f"must be >= 0, got {getattr(self, key)}")
 
@@ -140,6 +142,9 @@ class Trainer:
         bar = tqdm(total=self.p.total_steps, initial=self.step, unit="step",
                    disable=not (self.cfg.progress and rt.is_main), dynamic_ncols=True)
         self.window_start = time.perf_counter()
+        if self.cfg.chunk_size and rt.is_main:
+            log.info("encoder runs in chunks of at most %d rows per rank, with the cached "
+                     "embedding gradient (train.chunk_size)", self.cfg.chunk_size)
         while self.step < self.p.total_steps:
             for batch in train_batches(self.p.data_cfg, rt.rank, rt.world, self.loader_state,
                                        self.p.text):
@@ -172,14 +177,23 @@ class Trainer:
         lr = p.engine.set_lr(p.schedule(self.step))
         tau = self.controller.temperature if self.controller else p.objective_cfg.temperature
         with autocast(self.precision, rt.device):
-            out = forward_loss(p.engine, batch, p.objective, p.objective_cfg, tau, self.step,
-                               p.class_graph)
+            if self.cfg.chunk_size:
+                out, backward = chunked_forward_loss(
+                    p.engine, batch, p.objective, p.objective_cfg, tau, self.step,
+                    self.cfg.chunk_size, p.class_graph)
+            else:
+                out = forward_loss(p.engine, batch, p.objective, p.objective_cfg, tau,
+                                   self.step, p.class_graph)
         if all_ranks_agree(bool(torch.isfinite(out.loss)), rt.device):
-            p.engine.backward(out.loss)
+            if self.cfg.chunk_size:
+                backward()
+            else:
+                p.engine.backward(out.loss)
             p.engine.step()
             self.nonfinite_in_row = 0
         else:
-            p.engine.skip(out.loss)
+            if not self.cfg.chunk_size:  # chunks ran no forward with gradient yet
+                p.engine.skip(out.loss)
             self._nonfinite(float(out.loss))
         metrics = {k: float(v) for k, v in out.metrics.items()}
         if self.controller:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.collectives import active, gather_rows, rank_and_world, row_counts
-from pretrain.losses.batch import ContrastiveBatch, make_batch
+from pretrain.losses.batch import ContrastiveBatch, auto_tile_size, make_batch
 
 
 def build_global_batch(
@@ -31,6 +31,7 @@ def build_global_batch(
     class_graph: Tensor | None = None,
     num_negatives: int | None = None,
     negatives_seed: int = 0,
+    tile_size: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> ContrastiveBatch:
     """This rank's :class:`ContrastiveBatch` over the global batch.
@@ -38,11 +39,13 @@ def build_global_batch(
     Args are this rank's local rows: ``z`` [n, D] embeddings (un-normalised), ``ids`` [n]
     globally unique instance ids, ``labels`` [n], ``captions`` [n, E], ``text`` [n, D].
     ``class_graph`` [C, C] is the same on every rank. Without a process group (or with
-    one rank) this is :func:`pretrain.losses.make_batch`.
+    one rank) this is :func:`pretrain.losses.make_batch`. ``tile_size`` None chooses dense
+    or tiled from the global batch size (:func:`pretrain.losses.batch.auto_tile_size`).
     """
     if not active(group):
         return make_batch(z, ids, labels=labels, captions=captions, class_graph=class_graph,
-                          text=text, num_negatives=num_negatives, negatives_seed=negatives_seed)
+                          text=text, num_negatives=num_negatives, negatives_seed=negatives_seed,
+                          tile_size=tile_size)
     rank, world = rank_and_world(group)
     counts = row_counts(z, group)
     start = sum(counts[:rank])
@@ -62,5 +65,6 @@ def build_global_batch(
         text=gather(text, normalize=True),
         num_negatives=num_negatives,
         negatives_seed=negatives_seed,
+        tile_size=auto_tile_size(tile_size, sum(counts)),
         world_size=world,
     )

@@ -68,6 +68,7 @@ def batch_loss(
     text: Tensor | None = None,
     num_negatives: int | None = None,
     negatives_seed: int = 0,
+    tile_size: int | None = None,
     **hparams: object,
 ) -> ObjectiveOutput:
     """Objective ``name`` on one whole multiviewed batch in a single process.
@@ -81,6 +82,8 @@ def batch_loss(
         class_graph: [C, C] class-similarity matrix (``xclr``, ImageNet recipe).
         text: [N, D] text embeddings paired row by row with ``z`` (``clip``).
         num_negatives: per-anchor seeded random subset of k negatives; None keeps all.
+        tile_size: compute over column tiles of this width (no [N, N] tensor, the same
+            values and gradients); None: dense up to ``DENSE_MAX_CANDIDATES``, tiles above.
         hparams: the objective's own keyword arguments (``eps``, ``gamma``, ...).
     Returns:
         ``ObjectiveOutput(loss, metrics)``, equal to what the distributed path computes on
@@ -91,7 +94,8 @@ def batch_loss(
             raise TypeError(f"batch_loss: {arg} must be a tensor, got {type(value).__name__} "
                             f"{value!r} (temperature and hyperparameters are keywords)")
     batch = make_batch(z, ids, labels=labels, captions=captions, class_graph=class_graph,
-                       text=text, num_negatives=num_negatives, negatives_seed=negatives_seed)
+                       text=text, num_negatives=num_negatives, negatives_seed=negatives_seed,
+                       tile_size=tile_size)
     return get_objective(name, **hparams)(batch, temperature)
 
 

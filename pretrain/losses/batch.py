@@ -15,51 +15,28 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-PositiveKind = Literal["instance", "label"]
+from pretrain.losses.columns import (
+    NOT_A_NEGATIVE,
+    Columns,
+    ColumnSet,
+    ColumnTiles,
+    PositiveKind,
+    subset_scores,
+    subset_threshold,
+)
 
-_HASH_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39, 0x7FEB352D)
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash on int64 tensors; every product stays below 2**63."""
-    for mult in _HASH_MULTIPLIERS:
-        x = x ^ (x >> 16)
-        x = (x * mult) & _MASK32
-    return x ^ (x >> 16)
-
-
-def pair_hash(seed: int, rows: Tensor, cols: Tensor) -> Tensor:
-    """Deterministic pseudo-random int per (seed, global row, global column), [n, N]."""
-    row_key = _mix32((rows.long() * 0x01000193 + seed * 0x9E3779B) & _MASK32)
-    return _mix32((row_key[:, None] * 0x01000193 + cols.long()[None, :]) & _MASK32)
+# Dense logits are faster up to this many candidates; tiles of AUTO_TILE_SIZE above
+# (measured by bench/negatives.py, docs/benchmarks.md).
+DENSE_MAX_CANDIDATES = 8192
+AUTO_TILE_SIZE = 256
 
 
-@dataclass(frozen=True)
-class Columns:
-    """The columns of a row-wise softmax: a dense [n, N] ``keep`` mask, or sparse ``drop``
-    positions (rows, cols) to leave out; neither means every column."""
-
-    keep: Tensor | None = None
-    drop: tuple[Tensor, Tensor] | None = None
-
-    def fill_(self, logits: Tensor, fill: float) -> Tensor:
-        """Set the left-out entries of ``logits`` [n, N] to ``fill`` in place."""
-        if self.keep is not None:
-            logits.masked_fill_(~self.keep, fill)
-        elif self.drop is not None:
-            logits[self.drop] = fill
-        return logits
-
-    def apply(self, logits: Tensor, fill: float) -> Tensor:
-        """A copy of ``logits`` [n, N] with the left-out entries set to ``fill``."""
-        if self.keep is not None:
-            return torch.where(self.keep, logits, torch.full((), fill, dtype=logits.dtype,
-                                                            device=logits.device))
-        out = logits.clone()
-        if self.drop is not None:
-            out[self.drop] = fill
-        return out
+def auto_tile_size(tile_size: int | None, num_candidates: int) -> int | None:
+    """The tile width to use: ``tile_size`` if set, else dense (None) up to
+    ``DENSE_MAX_CANDIDATES`` candidates and ``AUTO_TILE_SIZE`` above."""
+    if tile_size is not None:
+        return tile_size
+    return AUTO_TILE_SIZE if num_candidates > DENSE_MAX_CANDIDATES else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +53,8 @@ class ContrastiveBatch:
         text: [N, D] L2-normalised second-modality embeddings (``clip``), or None.
         num_negatives: keep a seeded random subset of k negatives per anchor; None keeps all.
         negatives_seed: seed of that subset (vary it per step for fresh subsets).
+        tile_size: compute the objective over column tiles of this width, never building
+            an [n, N] tensor (``docs/negatives.md``); None computes it densely.
         world_size: number of ranks whose anchors partition the candidates; per-rank means
             are scaled by it so that gradient averaging across ranks gives the global mean.
     """
@@ -89,6 +68,7 @@ class ContrastiveBatch:
     text: Tensor | None = None
     num_negatives: int | None = None
     negatives_seed: int = 0
+    tile_size: int | None = None
     world_size: int = 1
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -177,24 +157,53 @@ class ContrastiveBatch:
         rows = torch.arange(self.anchor_index.shape[0], device=self.anchor_index.device)
         return rows, self.anchor_index
 
-    def softmax_columns(self, kind: PositiveKind, negatives_only: bool = False) -> Columns:
-        """Which columns enter each anchor's softmax: all but self (and, with
-        ``negatives_only``, but the positives), restricted to the kept negatives."""
+    def columns(self, columns: ColumnSet) -> Columns:
+        """The dense :class:`Columns` of ``columns`` over [n, N]: sparse drops unless a
+        negatives subset needs a mask."""
+        kind = columns.kind
         if self.num_negatives is not None:
-            keep = self.negative_mask(kind) if negatives_only else self.candidate_mask(kind)
+            keep = self.negative_mask(kind)
+            if columns.positives:
+                keep = keep | self.positive_mask(kind)
+            if columns.self_column:
+                keep = keep | self.self_mask
             return Columns(keep=keep)
-        rows, cols = self.self_pairs()
-        if negatives_only:
-            pos_rows, pos_cols = self.positive_pairs(kind)
-            rows, cols = torch.cat([rows, pos_rows]), torch.cat([cols, pos_cols])
-        return Columns(drop=(rows, cols))
+        return Columns(drop=self._dropped(columns))
+
+    def column_tiles(self, columns: ColumnSet) -> ColumnTiles:
+        """``columns`` cut into column tiles of ``tile_size`` (:class:`ColumnTiles`)."""
+        if self.num_negatives is None and (columns.positives or columns.kind == "instance"):
+            # few pairs to leave out: the self column, or a handful of views per instance
+            return ColumnTiles.sparse(columns, self.anchor_index, *self._dropped(columns))
+        keys = self.keys(columns.kind)
+        anchor_keys = keys[self.anchor_index]
+        if self.num_negatives is None:  # label positives are left out by key, per tile
+            return ColumnTiles(columns, self.anchor_index, anchor_keys=anchor_keys, keys=keys)
+        if ("threshold", columns.kind) not in self._cache:
+            self._cache["threshold", columns.kind] = subset_threshold(
+                self.negatives_seed, self.anchor_index, anchor_keys, keys, self.num_negatives,
+                self.tile_size or self.num_candidates)
+        return ColumnTiles(columns, self.anchor_index, anchor_keys=anchor_keys, keys=keys,
+                           threshold=self._cache["threshold", columns.kind],
+                           seed=self.negatives_seed)
+
+    def _dropped(self, columns: ColumnSet) -> tuple[Tensor, Tensor]:
+        """(rows, cols) left out of ``columns`` when every negative is kept."""
+        pairs = [] if columns.self_column else [self.self_pairs()]
+        if not columns.positives:
+            pairs.append(self.positive_pairs(columns.kind))
+        if not pairs:
+            empty = self.anchor_index[:0]
+            return empty, empty
+        return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
 
     def num_negatives_per_anchor(self, kind: PositiveKind) -> Tensor:
-        """[n] how many negatives each anchor's softmax holds."""
-        if self.num_negatives is not None:
-            return self.negative_mask(kind).sum(1)
+        """[n] how many negatives each anchor's softmax holds: min(k, all of them)."""
         _, groups, counts = self.group_index(kind)
-        return self.num_candidates - counts[groups[self.anchor_index]]
+        available = self.num_candidates - counts[groups[self.anchor_index]]
+        if self.num_negatives is not None:
+            available = available.clamp(max=self.num_negatives)
+        return available
 
     def candidate_mask(self, kind: PositiveKind) -> Tensor:
         """[n, N] bool: columns in each anchor's softmax (positives and kept negatives)."""
@@ -203,12 +212,13 @@ class ContrastiveBatch:
         return self.positive_mask(kind) | self.negative_mask(kind)
 
     def _subsample(self, negatives: Tensor) -> Tensor:
+        """The k negatives of smallest :func:`subset_scores` per row (all if fewer)."""
         k = self.num_negatives
         if k >= negatives.shape[1]:
             return negatives
         cols = torch.arange(self.num_candidates, device=negatives.device)
-        scores = pair_hash(self.negatives_seed, self.anchor_index, cols)
-        scores = scores.masked_fill(~negatives, 1 << 40)
+        scores = subset_scores(self.negatives_seed, self.anchor_index, cols, len(cols))
+        scores = scores.masked_fill(~negatives, NOT_A_NEGATIVE)
         chosen = scores.topk(k, dim=1, largest=False).indices
         kept = torch.zeros_like(negatives).scatter_(1, chosen, True)
         return kept & negatives
@@ -244,6 +254,7 @@ def make_batch(
     text: Tensor | None = None,
     num_negatives: int | None = None,
     negatives_seed: int = 0,
+    tile_size: int | None = None,
 ) -> ContrastiveBatch:
     """A single-process :class:`ContrastiveBatch` over the whole batch (every row an anchor).
 
@@ -260,4 +271,5 @@ def make_batch(
         text=None if text is None else normalize(text, dim=1),
         num_negatives=num_negatives,
         negatives_seed=negatives_seed,
+        tile_size=auto_tile_size(tile_size, z.shape[0]),
     )

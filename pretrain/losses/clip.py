@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.losses.batch import Columns, ContrastiveBatch
+from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
     Temperature,
     full_precision,
     negative_cosine_sum,
-    row_softmax_,
+    pair_logits,
     scalar,
-    similarity_logits,
+    scaled,
     summarize_metrics,
 )
+from pretrain.losses.rows import row_logsumexp
+
+# a row's own text (image) and the negatives; the other views of its image are left out
+COLUMNS = ColumnSet("instance", positives=False, self_column=True)
 
 
 def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
@@ -29,26 +34,20 @@ def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     if batch.text is None:
         raise ValueError("clip: needs the second modality's embeddings (text=)")
     with full_precision(batch):
-        index = batch.anchor_index
-        rows = torch.arange(index.shape[0], device=index.device)
-        if batch.num_negatives is None:  # all but the other views of the same instance
-            columns = Columns(drop=batch.positive_pairs("instance"))
-        else:
-            columns = Columns(keep=batch.self_mask | batch.negative_mask("instance"))
-        image_to_text = similarity_logits(batch.anchors, batch.text, temperature)  # [n, N]
-        text_to_image = similarity_logits(batch.text[index], batch.candidates, temperature)
-        pos_logit = image_to_text[rows, index]  # equals text_to_image[rows, index]
-        pos_logit_t2i = text_to_image[rows, index]
-        lse_i2t, probs = row_softmax_(image_to_text, columns)
-        lse_t2i, _ = row_softmax_(text_to_image, columns)
-        per_anchor = 0.5 * (lse_i2t - pos_logit + lse_t2i - pos_logit_t2i)
+        images = scaled(batch.anchors, temperature)  # [n, D]
+        texts = scaled(batch.text[batch.anchor_index], temperature)  # [n, D]
+        image_to_text = row_logsumexp(batch, images, batch.text, COLUMNS, monitors=True)
+        text_to_image = row_logsumexp(batch, texts, batch.candidates, COLUMNS)
+        pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n]
+        per_anchor = 0.5 * (image_to_text.lse + text_to_image.lse) - pos_logit
         loss = batch.anchor_mean(per_anchor, None)
         with torch.no_grad():
             tau = scalar(temperature)
-            neg_cos = negative_cosine_sum(batch, image_to_text, "instance", tau, of="text")
+            neg_cos = negative_cosine_sum(batch, "instance", tau,
+                                          image_to_text.negative_logit_sum, of="text")
             metrics = summarize_metrics(
-                batch, None, infonce=(lse_i2t - pos_logit).detach(), probs=probs,
-                positives=(rows, index), num_positives=torch.ones_like(index),
+                batch, None, infonce=(image_to_text.lse - pos_logit).detach(),
+                ess=image_to_text.ess, num_positives=torch.ones_like(pos_logit),
                 pos_cos=pos_logit.detach() * tau, neg_cos_sum=neg_cos)
         metrics.update(loss=loss.detach(), temperature=torch.as_tensor(tau))
         return ObjectiveOutput(loss, metrics)

@@ -18,13 +18,10 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from pretrain.losses.batch import Columns, ContrastiveBatch, PositiveKind
+from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.columns import MASKED_LOGIT, Columns, PositiveKind
 
 Temperature = float | Tensor
-
-# Stands in for -inf at masked logits: exp() of it is exactly 0, yet rows with nothing left
-# stay finite in forward and backward (a row of -inf makes logsumexp's backward NaN).
-MASKED_LOGIT = -1e30
 
 
 class ObjectiveOutput(NamedTuple):
@@ -58,9 +55,20 @@ def scalar(value: Temperature) -> float:
     return float(value.detach()) if isinstance(value, Tensor) else float(value)
 
 
+def scaled(anchors: Tensor, temperature: Temperature) -> Tensor:
+    """[n, D] anchors / tau: tau is folded in before any matmul with the columns."""
+    return as_float(anchors) / temperature
+
+
 def similarity_logits(anchors: Tensor, candidates: Tensor, temperature: Temperature) -> Tensor:
-    """[n, N] = (anchors [n, D] / tau) @ candidates [N, D].T; tau folded in before the matmul."""
-    return (as_float(anchors) / temperature) @ as_float(candidates).T
+    """[n, G] = (anchors [n, D] / tau) @ candidates [G, D].T."""
+    return scaled(anchors, temperature) @ as_float(candidates).T
+
+
+def pair_logits(anchors: Tensor, columns: Tensor, pairs: tuple[Tensor, Tensor]) -> Tensor:
+    """[P] logits a_r . c_c of the (rows, cols) ``pairs``, without the [n, N] matrix."""
+    rows, cols = pairs
+    return torch.linalg.vecdot(anchors[rows], as_float(columns)[cols])
 
 
 class _RowSoftmax(torch.autograd.Function):
@@ -145,56 +153,17 @@ def positive_logit_mean(batch: ContrastiveBatch, kind: PositiveKind,
     return total / num_pos.clamp(min=1) / temperature, num_pos
 
 
-def contrastive_metrics(batch: ContrastiveBatch, logits: Tensor, kind: PositiveKind | None,
-                        temperature: Temperature, *, lse: Tensor | None = None,
-                        probs: Tensor | None = None, negatives_only: bool = False,
-                        pos_mean: Tensor | None = None,
-                        pos_logits: Tensor | None = None) -> dict[str, Tensor]:
-    """Monitors every objective reports, on the plain similarity logits s_ij / tau [n, N].
-
-    ``kind=None`` (xclr) measures with instance positives. ``lse`` and ``probs`` reuse the
-    objective's own row softmax: over all columns, or over the negatives alone with
-    ``negatives_only``. See :func:`summarize_metrics` for the definitions.
-    """
-    kind = kind or "instance"
-    with torch.no_grad():
-        logits = logits.detach()
-        pos_rows, pos_cols = batch.positive_pairs(kind)
-        if pos_mean is None:
-            pos_mean, _ = positive_logit_mean(batch, kind, temperature)
-        if pos_logits is None:
-            pos_logits = logits[pos_rows, pos_cols]
-        if probs is None:
-            lse, probs = row_softmax_(logits.clone(), batch.softmax_columns(kind, negatives_only))
-        lse = lse.detach()
-        if negatives_only:  # add the positives back for the InfoNCE value
-            pos_lse = segment_logsumexp(pos_logits.detach(), pos_rows, len(lse))
-            lse = torch.logaddexp(lse, pos_lse)
-        tau = scalar(temperature)
-        return summarize_metrics(
-            batch, kind, infonce=lse - pos_mean.detach(), probs=probs,
-            positives=None if negatives_only else (pos_rows, pos_cols),
-            num_positives=pos_rows.bincount(minlength=len(lse)),
-            pos_cos=pos_mean.detach() * tau,
-            neg_cos_sum=negative_cosine_sum(batch, logits, kind, tau))
-
-
 def summarize_metrics(batch: ContrastiveBatch, kind: PositiveKind | None, *, infonce: Tensor,
-                      probs: Tensor, positives: tuple[Tensor, Tensor] | None,
-                      num_positives: Tensor, pos_cos: Tensor,
+                      ess: Tensor, num_positives: Tensor, pos_cos: Tensor,
                       neg_cos_sum: Tensor) -> dict[str, Tensor]:
     """Batch means of the per-anchor monitors (docs/objectives.md, "Metrics").
 
     ``infonce`` [n]: logsumexp over the softmax columns minus the mean positive logit;
-    ``mi_bound``: log(number of columns) - infonce; ``ess`` = 1 / (K sum_j w_j^2) with w the
-    softmax over the K negatives (FlatNCE eq. 10), from ``probs`` [n, N] with the
-    ``positives`` entries zeroed (``None``: probs already covers the negatives alone);
-    ``pos_sim``/``neg_sim``: mean cosine of positive and negative pairs.
+    ``mi_bound``: log(number of columns) - infonce; ``ess`` [n] = 1 / (K sum_j w_j^2) with
+    w the softmax over the K negatives (FlatNCE eq. 10); ``pos_sim``/``neg_sim``: mean
+    cosine of positive and negative pairs.
     """
-    num_neg = batch.num_negatives_per_anchor(kind or "instance").to(probs.dtype).clamp(min=1)
-    if positives is not None:
-        probs = probs.index_put(positives, probs.new_zeros(()))
-    ess = (probs.sum(1) / torch.linalg.vector_norm(probs, dim=1)).square() / num_neg
+    num_neg = batch.num_negatives_per_anchor(kind or "instance").to(ess.dtype).clamp(min=1)
     num_columns = num_neg + num_positives.to(num_neg.dtype)
     return {
         "infonce": batch.anchor_mean(infonce, kind),
@@ -205,14 +174,14 @@ def summarize_metrics(batch: ContrastiveBatch, kind: PositiveKind | None, *, inf
     }
 
 
-def negative_cosine_sum(batch: ContrastiveBatch, logits: Tensor, kind: PositiveKind,
-                        tau: float, of: Literal["candidates", "text"] = "candidates",
-                        ) -> Tensor:
-    """[n] sum of the cosines between each anchor and its negatives' embeddings (``of``
-    the candidates, or CLIP's texts), from the logits ``s / tau`` [n, N] under
+def negative_cosine_sum(batch: ContrastiveBatch, kind: PositiveKind, tau: float,
+                        negative_logit_sum: Tensor | None,
+                        of: Literal["candidates", "text"] = "candidates") -> Tensor:
+    """[n] sum of the cosines between each anchor and its negatives' embeddings (``of`` the
+    candidates, or CLIP's texts): tau times the negatives' logit sum under
     ``num_negatives``, else in O(N D) from group sums."""
     if batch.num_negatives is not None:
-        return torch.where(batch.negative_mask(kind), logits, logits.new_zeros(())).sum(1) * tau
+        return negative_logit_sum * tau
     _, groups, _ = batch.group_index(kind)
     anchors = as_float(batch.anchors)
     columns = as_float(batch.candidates if of == "candidates" else batch.text)
@@ -220,17 +189,31 @@ def negative_cosine_sum(batch: ContrastiveBatch, logits: Tensor, kind: PositiveK
     return anchors @ columns.sum(0) - same_group
 
 
-def finish(batch: ContrastiveBatch, loss: Tensor, logits: Tensor, kind: PositiveKind | None,
-           temperature: Temperature, *, report_infonce: bool = False,
-           extra: dict[str, Tensor] | None = None, **reuse: Tensor | bool) -> ObjectiveOutput:
+def finish(batch: ContrastiveBatch, loss: Tensor, kind: PositiveKind | None,
+           temperature: Temperature, *, infonce: Tensor, ess: Tensor,
+           negative_logit_sum: Tensor | None, pos_mean: Tensor | None = None,
+           report_infonce: bool = False,
+           extra: dict[str, Tensor] | None = None) -> ObjectiveOutput:
     """Bundle a loss with the common metrics and objective-specific ``extra`` ones.
 
+    ``infonce`` [n] is the InfoNCE value of each anchor, ``ess`` [n] its ESS,
+    ``negative_logit_sum`` [n] (under ``num_negatives``) the sum of its negatives' logits,
+    all measured with positives of ``kind`` (``None``: xclr, instance positives).
     ``metrics["loss"]`` is the value to log: the loss itself, or with ``report_infonce``
-    the InfoNCE value (FlatNCE, whose loss value is identically 0). ``reuse`` is passed to
-    :func:`contrastive_metrics`.
+    the InfoNCE value (FlatNCE, whose loss value is identically 0).
     """
-    metrics = contrastive_metrics(batch, logits, kind, temperature, **reuse)
+    kind = kind or "instance"
+    with torch.no_grad():
+        if pos_mean is None:
+            pos_mean, _ = positive_logit_mean(batch, kind, temperature)
+        _, groups, counts = batch.group_index(kind)
+        tau = scalar(temperature)
+        metrics = summarize_metrics(
+            batch, kind, infonce=infonce.detach(), ess=ess,
+            num_positives=counts[groups[batch.anchor_index]] - 1,
+            pos_cos=pos_mean.detach() * tau,
+            neg_cos_sum=negative_cosine_sum(batch, kind, tau, negative_logit_sum))
     metrics["loss"] = metrics["infonce"] if report_infonce else loss.detach()
-    metrics["temperature"] = torch.as_tensor(scalar(temperature))
+    metrics["temperature"] = torch.as_tensor(tau)
     metrics.update({name: value.detach() for name, value in (extra or {}).items()})
     return ObjectiveOutput(loss, metrics)

@@ -24,6 +24,7 @@ class ObjectiveConfig:
     learnable_temperature: bool = False  # learn tau (stored as log tau) with the model
     num_negatives: int | None = None  # per-anchor random subset of k negatives; null = all
     negatives_seed: int = 0  # the subset is reseeded from (seed, step) every step
+    tile_size: int | None = None  # column tile width (docs/negatives.md); null = automatic
     eps: float = 0.1  # eps_supinfonce: margin on the positive's denominator term
     gamma: float = 2.0  # holder_flatnce: scale of the logits
     target_temperature: float = 0.1  # xclr: tau_s of the soft targets
@@ -42,6 +43,8 @@ class ObjectiveConfig:
                 raise InvalidValue(key, f"must be > 0, got {getattr(self, key)}")
         if self.eps < 0:
             raise InvalidValue("eps", f"must be >= 0, got {self.eps}")
+        if self.tile_size is not None and self.tile_size < 1:
+            raise InvalidValue("tile_size", f"must be >= 1 or null, got {self.tile_size}")
         if self.num_negatives is not None and self.num_negatives < 1:
             raise InvalidValue("num_negatives", f"must be >= 1 or null, got {self.num_negatives}")
         if self.ess_control.enabled and self.learnable_temperature:

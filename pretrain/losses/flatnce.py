@@ -12,45 +12,44 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pretrain.losses.batch import Columns, ContrastiveBatch
+from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
 from pretrain.losses.common import (
-    MASKED_LOGIT,
     ObjectiveOutput,
     Temperature,
     finish,
     full_precision,
+    pair_logits,
     positive_logit_mean,
-    row_softmax_,
-    similarity_logits,
+    scaled,
 )
+from pretrain.losses.rows import row_logsumexp
+from pretrain.losses.sincere import with_positives
 
 
-def flat_nce_from_logits(pos_logit: Tensor, logits: Tensor,
-                         negatives: Columns) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-anchor FlatNCE [n]: exp(v - detach v) - 1 with v = lse_neg(logits) - pos_logit.
+def flat_nce(pos_logit: Tensor, lse_neg: Tensor) -> Tensor:
+    """Per-anchor FlatNCE [n]: exp(v - detach v) - 1 with v = lse_neg - pos_logit.
 
-    ``pos_logit`` [n], ``logits`` [n, N], ``negatives`` the columns of each anchor's
-    negatives. Anchors without a negative give 0 with zero gradient. Also returns the
-    negatives' logsumexp [n] and softmax [n, N] for the metrics. ``logits`` is masked in
-    place (see :func:`row_softmax_`).
+    ``pos_logit`` [n] the (mean) positive logit, ``lse_neg`` [n] the logsumexp over the
+    anchor's negatives. Anchors without a negative give 0 with zero gradient.
     """
-    lse_neg, neg_probs = row_softmax_(logits, negatives)
     has_negative = lse_neg > MASKED_LOGIT / 2
     v = torch.where(has_negative, lse_neg - pos_logit, torch.zeros_like(lse_neg))
-    return torch.exp(v - v.detach()) - 1, lse_neg, neg_probs
+    return torch.exp(v - v.detach()) - 1
 
 
 def flatnce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """FlatNCE with instance positives (the FlatCLR objective)."""
     kind = "instance"
     with full_precision(batch):
-        logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
+        anchors = scaled(batch.anchors, temperature)  # [n, D]
+        negatives = row_logsumexp(batch, anchors, batch.candidates,
+                                  ColumnSet(kind, positives=False), monitors=True)
         pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
-        pos_rows, pos_cols = batch.positive_pairs(kind)
-        pos_logits = logits[pos_rows, pos_cols].detach()  # for the metrics, before masking
-        columns = batch.softmax_columns(kind, negatives_only=True)
-        per_anchor, lse_neg, neg_probs = flat_nce_from_logits(pos_mean, logits, columns)
-        loss = batch.anchor_mean(per_anchor, kind)
-        return finish(batch, loss, logits, kind, temperature, report_infonce=True,
-                      pos_mean=pos_mean, negatives_only=True, lse=lse_neg, probs=neg_probs,
-                      pos_logits=pos_logits)
+        pairs = batch.positive_pairs(kind)
+        pos_logits = pair_logits(anchors, batch.candidates, pairs).detach()  # [P]
+        loss = batch.anchor_mean(flat_nce(pos_mean, negatives.lse), kind)
+        return finish(batch, loss, kind, temperature, report_infonce=True, pos_mean=pos_mean,
+                      infonce=with_positives(negatives.lse, pos_logits, pairs[0])
+                      - pos_mean.detach(),
+                      ess=negatives.ess, negative_logit_sum=negatives.negative_logit_sum)

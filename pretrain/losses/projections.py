@@ -24,7 +24,8 @@ def _pair_distance(a: Tensor, b: Tensor, metric: KernelMetric) -> Tensor:
 
 
 def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
-                       bandwidth: float, metric: KernelMetric = "l1") -> Tensor:
+                       bandwidth: float, metric: KernelMetric = "l1",
+                       tile_size: int | None = None) -> Tensor:
     """Nadaraya-Watson class means f_hat(c) (eq. 16-17) with K(t) = 1 - t^2 on [0, 1].
 
     ``candidates`` [N, D] unit vectors, ``groups`` [N] group of each. Weights
@@ -32,16 +33,11 @@ def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
     f_hat(c) = sum_j NW(c | z_j) z_j / sum_j NW(c | z_j). The kernel's compact support
     keeps this sparse: only pairs with d < h carry weight, found from the cosine
     similarity (for l1, ||u - v||_1 >= ||u - v||_2 bounds the search), then weighted
-    exactly with gradient. The 1/h factor of K_h cancels in the ratio.
+    exactly with gradient. The 1/h factor of K_h cancels in the ratio. With ``tile_size``
+    the search runs over [T, T] blocks of the similarity matrix instead of [N, N].
     """
     n = candidates.shape[0]
-    with torch.no_grad():
-        sim = candidates @ candidates.T
-        # cos: d < h <=> sim > 1 - 2h; l1/l2: ||u - v||_2 < h <=> sim > 1 - h^2 / 2
-        threshold = 1 - 2 * bandwidth if metric == "cos" else 1 - bandwidth**2 / 2
-        near = sim > threshold - 1e-4
-        near.fill_diagonal_(False)
-        rows, cols = near.nonzero(as_tuple=True)
+    rows, cols = _near_pairs(candidates, bandwidth, metric, tile_size or n)
     dist = _pair_distance(candidates[rows], candidates[cols], metric)
     weight = (1 - (dist / bandwidth) ** 2).clamp(min=0)  # [P]
     row_sum = torch.ones(n, dtype=candidates.dtype, device=candidates.device)
@@ -50,6 +46,25 @@ def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
     votes = votes.index_put((rows, groups[cols]), weight, accumulate=True)
     posterior = votes / row_sum[:, None]  # [N, G] NW(c | z_j)
     return (posterior.T @ candidates) / posterior.sum(0)[:, None]
+
+
+def _near_pairs(candidates: Tensor, bandwidth: float, metric: KernelMetric,
+                tile_size: int) -> tuple[Tensor, Tensor]:
+    """([P], [P]) the pairs j != m that may lie within ``bandwidth``, block by block."""
+    # cos: d < h <=> sim > 1 - 2h; l1/l2: ||u - v||_2 < h <=> sim > 1 - h^2 / 2
+    threshold = (1 - 2 * bandwidth if metric == "cos" else 1 - bandwidth**2 / 2) - 1e-4
+    found_rows, found_cols = [], []
+    n = candidates.shape[0]
+    with torch.no_grad():
+        for row in range(0, n, tile_size):
+            for col in range(0, n, tile_size):
+                block = candidates[row:row + tile_size] @ candidates[col:col + tile_size].T
+                near_rows, near_cols = (block > threshold).nonzero(as_tuple=True)
+                near_rows, near_cols = near_rows + row, near_cols + col
+                off_diagonal = near_rows != near_cols
+                found_rows.append(near_rows[off_diagonal])
+                found_cols.append(near_cols[off_diagonal])
+    return torch.cat(found_rows), torch.cat(found_cols)
 
 
 def median_class_embeddings(candidates: Tensor, groups: Tensor, counts: Tensor) -> Tensor:

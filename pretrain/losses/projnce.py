@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
     Temperature,
@@ -24,9 +25,10 @@ from pretrain.losses.common import (
     as_float,
     finish,
     full_precision,
+    pair_logits,
+    positive_logit_mean,
     require_labels,
-    row_softmax_,
-    similarity_logits,
+    scaled,
 )
 from pretrain.losses.projections import (
     KernelMetric,
@@ -34,6 +36,7 @@ from pretrain.losses.projections import (
     learned_class_embeddings,
     median_class_embeddings,
 )
+from pretrain.losses.rows import RowTerms, row_logsumexp
 
 Projection = Literal["centroid", "kernel", "median", "learned"]
 
@@ -61,7 +64,8 @@ def _group_projection(batch: ContrastiveBatch, projection: Projection, bandwidth
     values, groups, counts = batch.group_index("label")
     cand = as_float(batch.candidates)
     if projection == "kernel":
-        return kernel_class_means(cand, groups, counts.shape[0], bandwidth, kernel_metric)
+        return kernel_class_means(cand, groups, counts.shape[0], bandwidth, kernel_metric,
+                                  tile_size=batch.tile_size)
     if projection == "median":
         return median_class_embeddings(cand, groups, counts)
     if class_embeddings is None:
@@ -76,31 +80,41 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
     """ProjNCE with the chosen projection; ``metrics["adjustment"]`` is the mean R."""
     require_labels(batch, "projnce")
     kind = "label"
+    columns = ColumnSet(kind)
     with full_precision(batch):
-        logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        columns = batch.softmax_columns(kind)
-        rows = torch.arange(batch.anchor_index.shape[0], device=logits.device)
-        reuse = {}
+        anchors = scaled(batch.anchors, temperature)  # [n, D]
         if projection == "centroid":  # g- = z: minus logits are the similarity logits
-            plus = similarity_logits(batch.anchors, _centroid_plus(batch), temperature)
-            plus_own = plus[rows, batch.anchor_index]  # before the softmax masks self
-            lse_minus, minus_probs = row_softmax_(logits, columns)
-            lse_plus = row_softmax_(plus, columns)[0]
-            reuse = {"lse": lse_minus, "probs": minus_probs}
-        else:  # g+ = g- per label group: [n, G] logits suffice
+            plus = _centroid_plus(batch)  # [N, D]
+            plus_own = pair_logits(anchors, plus, batch.self_pairs())  # [n]
+            minus = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True)
+            lse_minus = minus.lse
+            lse_plus = row_logsumexp(batch, anchors, plus, columns).lse
+        else:  # g+ = g- per label group
             projected = _group_projection(batch, projection, bandwidth, kernel_metric,
-                                          class_embeddings)
+                                          class_embeddings)  # [G, D]
             _, groups, _ = batch.group_index(kind)
-            group_logits = similarity_logits(batch.anchors, projected, temperature)  # [n, G]
-            plus_own = group_logits[rows, groups[batch.anchor_index]]
-            if batch.num_negatives is None:
-                lse_minus = _group_lse(batch, group_logits)
+            plus_own = pair_logits(anchors, projected, (batch.self_pairs()[0],
+                                                        groups[batch.anchor_index]))
+            if batch.num_negatives is None:  # [n, G] logits suffice
+                lse_minus = _group_lse(batch, anchors @ projected.T)
             else:
-                lse_minus = row_softmax_(group_logits[:, groups], columns)[0]
+                lse_minus = row_logsumexp(batch, anchors, projected[groups], columns).lse
             lse_plus = lse_minus  # the same projection on both sides
+            with torch.no_grad():  # the monitors read the plain similarity logits
+                minus = row_logsumexp(batch, anchors.detach(), batch.candidates.detach(),
+                                      columns, monitors=True)
         i_proj = lse_minus - plus_own  # [n]
         adjustment = torch.exp(lse_plus - lse_minus)  # [n]; exactly 1 when g+ = g-
         loss = batch.anchor_mean(i_proj + adjustment, kind)
         extra = {"adjustment": batch.anchor_mean(adjustment, kind),
                  "i_proj": batch.anchor_mean(i_proj, kind)}
-        return finish(batch, loss, logits, kind, temperature, extra=extra, **reuse)
+        return finish(batch, loss, kind, temperature, extra=extra, **_monitors(
+            batch, minus, temperature))
+
+
+def _monitors(batch: ContrastiveBatch, minus: RowTerms,
+              temperature: Temperature) -> dict[str, Tensor]:
+    """The common monitors' inputs from the plain similarity logits' row terms."""
+    pos_mean, _ = positive_logit_mean(batch, "label", temperature)
+    return {"infonce": minus.lse - pos_mean, "pos_mean": pos_mean, "ess": minus.ess,
+            "negative_logit_sum": minus.negative_logit_sum}

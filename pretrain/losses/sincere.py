@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
     Temperature,
+    as_float,
     finish,
     full_precision,
+    pair_logits,
+    positive_logit_mean,
     require_labels,
-    row_softmax_,
-    similarity_logits,
+    scaled,
+    segment_logsumexp,
 )
+from pretrain.losses.rows import row_logsumexp
+from pretrain.losses.tiles import PositiveTiles, tiled_pair_terms
 
 
 def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
@@ -30,17 +37,42 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
     kind = "label"
     require_labels(batch, "sincere" if eps == 0 else "eps_supinfonce")
     with full_precision(batch):
-        logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        rows, cols = batch.positive_pairs(kind)  # [P] positive pairs
-        pos_logits = logits[rows, cols]  # read before the softmax masks them
-        columns = batch.softmax_columns(kind, negatives_only=True)
-        lse_neg, neg_probs = row_softmax_(logits, columns)  # [n], [n, N]
-        pair_loss = F.softplus(lse_neg[rows] - pos_logits + eps) - eps  # [P]
-        per_anchor = torch.zeros_like(lse_neg).index_add(0, rows, pair_loss)
-        num_pos = rows.bincount(minlength=len(lse_neg)).clamp(min=1)
-        loss = batch.anchor_mean(per_anchor / num_pos, kind)
-        return finish(batch, loss, logits, kind, temperature, lse=lse_neg, probs=neg_probs,
-                      negatives_only=True, pos_logits=pos_logits)
+        anchors = scaled(batch.anchors, temperature)  # [n, D]
+        negatives = row_logsumexp(batch, anchors, batch.candidates,
+                                  ColumnSet(kind, positives=False), monitors=True)
+        lse_neg = negatives.lse  # [n]
+        pair_sum, all_lse = _pair_terms(batch, anchors, lse_neg, eps)  # [n], [n]
+        pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
+        loss = batch.anchor_mean(pair_sum / num_pos.clamp(min=1), kind)
+        return finish(batch, loss, kind, temperature, pos_mean=pos_mean,
+                      infonce=all_lse - pos_mean.detach(), ess=negatives.ess,
+                      negative_logit_sum=negatives.negative_logit_sum)
+
+
+def _pair_terms(batch: ContrastiveBatch, anchors: Tensor, lse_neg: Tensor,
+                eps: float) -> tuple[Tensor, Tensor]:
+    """([n] sum over positives p of softplus(lse_neg - s_ip/tau + eps) - eps, with gradient;
+    [n] logsumexp over negatives and positives, without). Dense: from the [P] positive
+    pairs; tiled: per column tile, so that no [P] (of order n N / C) tensor exists."""
+    candidates = as_float(batch.candidates)
+    if batch.tile_size is not None:
+        labels = batch.labels
+        positives = PositiveTiles(batch.tile_size, batch.anchor_index,
+                                  labels[batch.anchor_index], labels)
+        pair_sum, pos_lse = tiled_pair_terms(anchors, candidates, lse_neg, eps, positives)
+        return pair_sum, torch.logaddexp(lse_neg.detach(), pos_lse)
+    rows, cols = batch.positive_pairs("label")  # [P] positive pairs
+    pos_logits = pair_logits(anchors, candidates, (rows, cols))  # [P]
+    pair_loss = F.softplus(lse_neg[rows] - pos_logits + eps) - eps  # [P]
+    pair_sum = torch.zeros_like(lse_neg).index_add(0, rows, pair_loss)
+    return pair_sum, with_positives(lse_neg, pos_logits, rows)
+
+
+def with_positives(lse_neg: Tensor, pos_logits: Tensor, rows: Tensor) -> Tensor:
+    """[n] logsumexp over negatives and positives, from the negatives' [n] and the
+    positive pairs' logits [P] (rows [P]); no gradient."""
+    pos_lse = segment_logsumexp(pos_logits.detach(), rows, len(lse_neg))
+    return torch.logaddexp(lse_neg.detach(), pos_lse)
 
 
 def sincere(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:

@@ -7,6 +7,7 @@ per anchor i: -1/|P(i)| sum_{p in P(i)} log( exp(s_ip/tau) / sum_{a != i} exp(s_
 from __future__ import annotations
 
 from pretrain.losses.batch import ContrastiveBatch, PositiveKind
+from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
     Temperature,
@@ -14,21 +15,22 @@ from pretrain.losses.common import (
     full_precision,
     positive_logit_mean,
     require_labels,
-    row_softmax_,
-    similarity_logits,
+    scaled,
 )
+from pretrain.losses.rows import row_logsumexp
 
 
 def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,
                        kind: PositiveKind) -> ObjectiveOutput:
     """Softmax cross-entropy averaged over each anchor's positives of ``kind``."""
     with full_precision(batch):
-        logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        lse, probs = row_softmax_(logits, batch.softmax_columns(kind))  # [n], [n, N]
+        rows = row_logsumexp(batch, scaled(batch.anchors, temperature), batch.candidates,
+                             ColumnSet(kind), monitors=True)  # [n]
         pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
-        loss = batch.anchor_mean(lse - pos_mean, kind)
-        return finish(batch, loss, logits, kind, temperature, lse=lse, probs=probs,
-                      pos_mean=pos_mean)
+        per_anchor = rows.lse - pos_mean
+        loss = batch.anchor_mean(per_anchor, kind)
+        return finish(batch, loss, kind, temperature, infonce=per_anchor, ess=rows.ess,
+                      negative_logit_sum=rows.negative_logit_sum, pos_mean=pos_mean)
 
 
 def supcon(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:

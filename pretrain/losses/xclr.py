@@ -7,6 +7,11 @@ c_i . c_j comes from caption embeddings [N, E] or, for the ImageNet recipe, from
 C x C class graph looked up by the label pair. Targets carry no gradient; the mean runs
 over all anchors (every anchor has a soft positive).
 
+Tiled (``batch.tile_size``): the log-sum-exp runs over column tiles (``tiles.py``). The
+class graph's targets keep their [n, C] group form (C classes); caption targets, and any
+under ``num_negatives``, are recomputed per tile in the same pass as the logits, from the
+captions or from the graph rows of the anchors' labels [n, C].
+
 Cost: t_ij is constant over a group of candidates that share a caption (the views of one
 image) or a label (class graph), so sum_j t_ij s_ij = sum_g w_ig z_i . S_g with S_g the
 group's sum of embeddings: [n, G] work instead of another pass over [n, N]. With the
@@ -18,18 +23,37 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pretrain.losses.batch import Columns, ContrastiveBatch, PositiveKind
+from pretrain.losses.batch import ContrastiveBatch, PositiveKind
+from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
 from pretrain.losses.common import (
-    MASKED_LOGIT,
     ObjectiveOutput,
     Temperature,
     add_log_columns_,
     as_float,
     finish,
     full_precision,
-    row_softmax_,
-    similarity_logits,
+    positive_logit_mean,
+    scaled,
 )
+from pretrain.losses.rows import ess_from_ratio, row_logsumexp, tile_plan
+from pretrain.losses.tiles import TargetLogits, tiled_rows
+
+COLUMNS = ColumnSet("instance")  # every candidate but the anchor itself
+
+
+def _check_targets(batch: ContrastiveBatch) -> None:
+    if batch.class_graph is not None and batch.captions is not None:
+        raise ValueError("xclr: give caption embeddings (captions=) or a class_graph, not "
+                         "both; the targets come from one of them")
+    if batch.class_graph is not None:
+        if batch.labels is None:
+            raise ValueError("xclr: a class_graph needs labels to look up class pairs")
+        values, _, _ = batch.group_index("label")
+        size = batch.class_graph.shape[0]
+        if int(values.max()) >= size or int(values.min()) < 0:
+            raise ValueError(f"xclr: labels must lie in [0, {size}) of class_graph")
+    elif batch.captions is None:
+        raise ValueError("xclr: needs caption embeddings (captions=) or a class_graph")
 
 
 def target_groups(batch: ContrastiveBatch,
@@ -41,20 +65,11 @@ def target_groups(batch: ContrastiveBatch,
     embeddings' precision, whatever the graph's or captions' dtype.
     """
     dtype = as_float(batch.candidates).dtype
-    if batch.class_graph is not None and batch.captions is not None:
-        raise ValueError("xclr: give caption embeddings (captions=) or a class_graph, not "
-                         "both; the targets come from one of them")
     if batch.class_graph is not None:
-        if batch.labels is None:
-            raise ValueError("xclr: a class_graph needs labels to look up class pairs")
         graph = batch.class_graph.to(dtype)
         values, _, _ = batch.group_index("label")
-        if int(values.max()) >= graph.shape[0] or int(values.min()) < 0:
-            raise ValueError(f"xclr: labels must lie in [0, {graph.shape[0]}) of class_graph")
         rows = graph.index_select(0, batch.labels[batch.anchor_index])
         return "label", rows.index_select(1, values) / target_temperature
-    if batch.captions is None:
-        raise ValueError("xclr: needs caption embeddings (captions=) or a class_graph")
     captions = batch.captions.to(dtype)
     anchors = captions[batch.anchor_index] / target_temperature
     _, groups, counts = batch.group_index("instance")
@@ -101,29 +116,55 @@ def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim
 
 
 def _dense_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: Tensor,
-                       logits: Tensor, columns: Columns) -> tuple[Tensor, Tensor]:
+                       anchors: Tensor) -> tuple[Tensor, Tensor]:
     """The same for per-anchor column subsets (``num_negatives``): [n, N] targets."""
     with torch.no_grad():
         if kind is not None:
             sim = sim[:, batch.group_index(kind)[1]]
-        log_targets = torch.log_softmax(columns.apply(sim, MASKED_LOGIT), dim=1)
+        log_targets = torch.log_softmax(batch.columns(COLUMNS).apply(sim, MASKED_LOGIT), dim=1)
         targets = log_targets.exp()
         entropy = -torch.linalg.vecdot(targets, log_targets, dim=1)
-    return (targets * logits).sum(1), entropy
+    return torch.linalg.vecdot(anchors, targets @ as_float(batch.candidates)), entropy
+
+
+def target_logits(batch: ContrastiveBatch, target_temperature: float) -> TargetLogits:
+    """Per column tile [start, stop): the [n, T] target logits c_i . c_j / tau_s."""
+    dtype = as_float(batch.candidates).dtype
+    if batch.class_graph is not None:
+        rows = batch.class_graph.to(dtype).index_select(0, batch.labels[batch.anchor_index])
+        rows = rows / target_temperature  # [n, C]
+        return lambda start, stop: rows[:, batch.labels[start:stop]]
+    captions = batch.captions.to(dtype)
+    anchors = captions[batch.anchor_index] / target_temperature  # [n, E]
+    return lambda start, stop: anchors @ captions[start:stop].T
 
 
 def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
          target_temperature: float = 0.1) -> ObjectiveOutput:
     """Soft-target contrastive loss; ``target_temperature`` is the paper's tau_s."""
+    _check_targets(batch)
     with full_precision(batch):
-        kind, sim = target_groups(batch, target_temperature)
-        columns = batch.softmax_columns("instance")
-        logits = similarity_logits(batch.anchors, batch.candidates, temperature)  # [n, N]
-        lse, probs = row_softmax_(logits, columns)  # masks self in place
-        if batch.num_negatives is None:
-            term, entropy = _grouped_target_term(batch, kind, sim, temperature)
+        anchors = scaled(batch.anchors, temperature)  # [n, D]
+        # tiles: class-graph targets stay per label group ([n, C]); captions go per tile
+        grouped = batch.num_negatives is None and (
+            batch.tile_size is None or batch.class_graph is not None)
+        if batch.tile_size is not None and not grouped:
+            plan = tile_plan(batch, COLUMNS, monitors=True,
+                             targets=target_logits(batch, target_temperature))
+            tiled = tiled_rows(anchors, as_float(batch.candidates), plan)
+            lse, term, entropy = tiled.lse, tiled.target_term, tiled.target_entropy
+            ess = ess_from_ratio(batch, "instance", tiled.ess_ratio)
+            negative_logit_sum = tiled.negative_logit_sum
         else:
-            term, entropy = _dense_target_term(batch, kind, sim, logits, columns)
+            rows = row_logsumexp(batch, anchors, batch.candidates, COLUMNS, monitors=True)
+            lse, ess, negative_logit_sum = rows
+            kind, sim = target_groups(batch, target_temperature)
+            if batch.num_negatives is None:
+                term, entropy = _grouped_target_term(batch, kind, sim, temperature)
+            else:
+                term, entropy = _dense_target_term(batch, kind, sim, anchors)
         loss = batch.anchor_mean(lse - term, None)
-        return finish(batch, loss, logits, None, temperature, lse=lse, probs=probs,
+        pos_mean, _ = positive_logit_mean(batch, "instance", temperature)  # the monitors'
+        return finish(batch, loss, None, temperature, infonce=lse - pos_mean, ess=ess,
+                      negative_logit_sum=negative_logit_sum, pos_mean=pos_mean,
                       extra={"target_entropy": batch.anchor_mean(entropy, None)})

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from data_pipeline.text import load_tokenizer, tokenize
+from pretrain.chunked import chunked_forward_loss
 from pretrain.engine import DeepSpeedEngine, Engine, EngineConfig, build_engine
 from pretrain.losses import ObjectiveConfig, objective_from_config
 from pretrain.model import ModelConfig, build_model
@@ -56,9 +57,10 @@ def full_gradients(engine: Engine) -> dict[str, Tensor]:
 
 
 def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
-             rows: slice | None = None) -> dict[str, Any]:
+             rows: slice | None = None, chunk_size: int = 0) -> dict[str, Any]:
     """Loss and full parameter gradients of one step on ``rows`` of the batch (the
-    rank's own rows under a process group, every row in the reference)."""
+    rank's own rows under a process group, every row in the reference); with
+    ``chunk_size``, through the cached-gradient chunks."""
     torch.manual_seed(0)
     cfg = objective_config(name, hparams)
     model = build_model(MODEL, cfg, torch.device("cpu")).double()
@@ -72,9 +74,14 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
     if rows is None and dist.is_initialized():
         rows = slice(0, SPLIT) if dist.get_rank() == 0 else slice(SPLIT, 19)
     batch = {k: v[rows] for k, v in batch.items()} if rows is not None else batch
-    out = forward_loss(engine, batch, objective_from_config(cfg), cfg, cfg.temperature,
-                       step=5)
-    engine.backward(out.loss)
+    if chunk_size:
+        out, backward = chunked_forward_loss(engine, batch, objective_from_config(cfg), cfg,
+                                             cfg.temperature, step=5, chunk_size=chunk_size)
+        backward()
+    else:
+        out = forward_loss(engine, batch, objective_from_config(cfg), cfg, cfg.temperature,
+                           step=5)
+        engine.backward(out.loss)
     return {"loss": out.loss.detach(), "grads": full_gradients(engine)}
 
 

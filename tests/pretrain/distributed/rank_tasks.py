@@ -16,14 +16,16 @@ def local_rows(n: int) -> slice:
     return slice(0, SPLIT) if dist.get_rank() == 0 else slice(SPLIT, n)
 
 
-def objective_on_rank(name: str, hparams: dict, num_negatives: int | None) -> dict:
+def objective_on_rank(name: str, hparams: dict, num_negatives: int | None,
+                      tile_size: int | None = None) -> dict:
     """Loss, metrics and gradients of this rank's share of the fixed test batch."""
     b = make_multiview_batch(seed=4)
     rows = local_rows(len(b.ids))
     z = b.z.detach()[rows].clone().requires_grad_()
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
     batch = build_global_batch(z, b.ids[rows], labels=b.labels[rows], captions=b.captions[rows],
-                               text=b.text[rows], num_negatives=num_negatives, negatives_seed=7)
+                               text=b.text[rows], num_negatives=num_negatives, negatives_seed=7,
+                               tile_size=tile_size)
     out = get_objective(name, **hparams)(batch, tau)
     grad_z, grad_tau = torch.autograd.grad(out.loss, [z, tau])
     return {"loss": out.loss.detach(), "grad_z": grad_z, "grad_tau": grad_tau,

@@ -16,11 +16,13 @@ CASES = [(name, {}) for name in OBJECTIVES if name != "projnce"] + [
     ("projnce", {"projection": "kernel", "bandwidth": 2.0})]
 
 
+@pytest.mark.parametrize("tile_size", [None, 5], ids=["dense", "tiled"])
 @pytest.mark.parametrize("num_negatives", [None, 5])
 @pytest.mark.parametrize(("name", "hparams"), CASES,
                          ids=[f"{n}-{h.get('projection', '')}".rstrip("-") for n, h in CASES])
-def test_two_ranks_equal_one_process(gloo2, name, hparams, num_negatives):
-    ranks = gloo2.run(rank_tasks.objective_on_rank, name, hparams, num_negatives)
+def test_two_ranks_equal_one_process(gloo2, name, hparams, num_negatives, tile_size):
+    """Each rank's tiles (when on) against the dense single process."""
+    ranks = gloo2.run(rank_tasks.objective_on_rank, name, hparams, num_negatives, tile_size)
     b = make_multiview_batch(seed=4)
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
     whole = get_objective(name, **hparams)(

@@ -1,0 +1,166 @@
+"""Memory and time of the objectives against many negatives: dense [n, N] logits against
+column tiles (``objective.tile_size``, docs/negatives.md).
+
+    python -m bench.negatives                         # N = 8192 ... 131072, D = 128
+    python -m bench.negatives --sizes 8192 16384      # a quick run
+
+One process holds all N embeddings as anchors and candidates (N/2 images x 2 views, 100
+classes). Each (path, N) runs forward + backward of infonce in a fresh child process with
+glibc's default allocator, which reports its wall time and peak resident memory above the
+process before the loss; dense runs only while its
+[N, N] float32 logits and their softmax fit in ``--dense-limit-gib``. In this process,
+every objective's tiled time is timed against its dense time at N = 8192 (interleaved).
+
+Targets: tiled peak memory grows linearly in N (doubling N at most 2.3x the memory above
+the idle process); tiled infonce time at N = 8192 within 1.3x of dense. Writes
+bench/results/negatives.json and prints tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import keep_freed_memory, machine, print_table, time_interleaved, write_json
+from bench.objectives import objective_cases
+from pretrain.losses import get_objective, make_batch
+from pretrain.losses.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
+
+NUM_CLASSES = 100
+RATIO_N = 8192
+
+
+def embeddings(n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    z = torch.randn(n, dim, generator=gen).requires_grad_()
+    ids = torch.arange(n // 2).repeat(2)
+    return z, ids, ids % NUM_CLASSES
+
+
+def child(n: int, dim: int, tile_size: int | None, repeats: int) -> dict:
+    """Forward + backward of infonce in this (fresh) process: seconds and peak RSS, with
+    the default allocator (keep_freed_memory would hold on to every freed tile)."""
+    z, ids, labels = embeddings(n, dim)
+    idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        z.grad = None
+        batch = make_batch(z, ids, labels, tile_size=tile_size)
+        if tile_size is None:  # dense even above the automatic choice's limit
+            batch = dataclasses.replace(batch, tile_size=None)
+        get_objective("infonce")(batch, 0.1).loss.backward()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"seconds": min(times), "peak_gib": peak / 2**30, "idle_gib": idle / 2**30}
+
+
+def run_child(n: int, dim: int, tile_size: int | None, repeats: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.negatives", "--child", str(n), str(tile_size or 0),
+         "--dim", str(dim), "--repeats", str(repeats)],
+        check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def dense_gib(n: int) -> float:
+    """Approximate peak of the dense path: logits, softmax and a masked copy, float32."""
+    return 3 * n * n * 4 / 2**30
+
+
+def scaling_rows(sizes: list[int], dim: int, tile_size: int, dense_limit: float) -> list[dict]:
+    rows = []
+    for n in sizes:
+        repeats = 3 if n <= 16384 else 1
+        for path in ("dense", "tiled"):
+            if path == "dense" and dense_gib(n) > dense_limit:
+                rows.append({"N": n, "path": path, "fits": False})
+                continue
+            result = run_child(n, dim, tile_size if path == "tiled" else None, repeats)
+            rows.append({"N": n, "path": path, "fits": True, **result,
+                         "above_idle_gib": result["peak_gib"] - result["idle_gib"]})
+            print(f"  N={n} {path}: {result['seconds']:.2f} s, "
+                  f"peak {result['peak_gib']:.2f} GiB", flush=True)
+    return rows
+
+
+def objective_ratios(dim: int, tile_size: int, repeats: int) -> list[dict]:
+    """Every objective at N = RATIO_N: tiled time over dense time, in this process."""
+    keep_freed_memory()
+    z, ids, labels = embeddings(RATIO_N, dim)
+    gen = torch.Generator().manual_seed(1)
+    captions = torch.randn(RATIO_N // 2, 384, generator=gen)[ids]
+    names = torch.nn.functional.normalize(torch.randn(NUM_CLASSES, 384, generator=gen), dim=1)
+    inputs = (z, ids, labels, captions, names @ names.T,
+              torch.randn(RATIO_N, dim, generator=gen).requires_grad_(),
+              torch.randn(NUM_CLASSES, dim, generator=gen).requires_grad_())
+    dense = objective_cases(*inputs)  # the automatic choice is dense at RATIO_N
+    tiled = objective_cases(*inputs, tile_size=tile_size)
+    rows = []
+    for name in dense:
+        def step(fn):
+            def run() -> None:
+                z.grad = None
+                fn().backward()
+            return run
+        seconds = time_interleaved({"dense": step(dense[name]), "tiled": step(tiled[name])},
+                                   repeats)
+        rows.append({"objective": name, "dense_ms": seconds["dense"] * 1e3,
+                     "tiled_ms": seconds["tiled"] * 1e3,
+                     "tiled_vs_dense": seconds["tiled"] / seconds["dense"]})
+        print(f"  {name}: {rows[-1]['tiled_vs_dense']:.2f}x", flush=True)
+    return rows
+
+
+def linear_growth(rows: list[dict]) -> dict[str, float]:
+    """Memory above the idle process at 2N over that at N, per doubling of tiled N."""
+    tiled = sorted((r for r in rows if r["path"] == "tiled"), key=lambda r: r["N"])
+    return {f"{a['N']}->{b['N']}": b["above_idle_gib"] / a["above_idle_gib"]
+            for a, b in zip(tiled, tiled[1:], strict=False) if b["N"] == 2 * a["N"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+",
+                        default=[8192, 16384, 32768, 65536, 131072])
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--tile-size", type=int, default=AUTO_TILE_SIZE)
+    parser.add_argument("--dense-limit-gib", type=float, default=16.0)
+    parser.add_argument("--repeats", type=int, default=5, help="timing rounds")
+    parser.add_argument("--child", type=int, nargs=2, metavar=("N", "TILE"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/negatives.json"))
+    args = parser.parse_args()
+    if args.child:
+        n, tile = args.child
+        print(json.dumps(child(n, args.dim, tile or None, args.repeats)))
+        return
+    print("forward + backward of infonce, one process per row:")
+    scaling = scaling_rows(args.sizes, args.dim, args.tile_size, args.dense_limit_gib)
+    assert RATIO_N <= DENSE_MAX_CANDIDATES  # the automatic choice is dense there
+    print(f"every objective at N = {RATIO_N}, tiled against dense:")
+    ratios = objective_ratios(args.dim, args.tile_size, args.repeats)
+    growth = linear_growth(scaling)
+    infonce = next(r for r in ratios if r["objective"] == "infonce")["tiled_vs_dense"]
+    checks = {"tiled memory grows linearly (<= 2.3x per doubling of N)":
+              bool(growth) and all(g <= 2.3 for g in growth.values()),
+              f"tiled infonce <= 1.3x dense at N = {RATIO_N}": infonce <= 1.3}
+    write_json(args.out, {"machine": machine(), "dim": args.dim, "tile_size": args.tile_size,
+                          "scaling": scaling, "memory_growth_per_doubling": growth,
+                          "objectives": ratios, "targets": checks})
+    print_table(scaling, ["N", "path", "fits", "seconds", "peak_gib", "above_idle_gib"])
+    print_table(ratios, ["objective", "dense_ms", "tiled_ms", "tiled_vs_dense"])
+    print("memory growth per doubling of N:", {k: round(v, 2) for k, v in growth.items()})
+    for name, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Which columns of each anchor's row enter a row-wise reduction, densely or one tile of
+columns at a time.
+
+A row of anchor i runs over the N candidates j. Its negatives are the candidates whose key
+(instance id or class label) differs from i's, restricted under ``num_negatives`` to a
+seeded subset of k; a :class:`ColumnSet` adds the anchor's positives and/or its own
+column. The subset is the k negatives of smallest :func:`subset_scores`: scores are unique
+within a row, so the dense path (a top-k over the row) and the tiled path (a threshold
+found tile by tile) keep exactly the same negatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+PositiveKind = Literal["instance", "label"]
+
+_HASH_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39, 0x7FEB352D)
+_MASK32 = 0xFFFFFFFF
+# Stands in for -inf at masked logits: exp() of it is exactly 0, yet rows with nothing left
+# stay finite in forward and backward (a row of -inf makes logsumexp's backward NaN).
+MASKED_LOGIT = -1e30
+NOT_A_NEGATIVE = torch.iinfo(torch.int64).max  # the score of a column outside the subset's pool
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash on int64 tensors; every product stays below 2**63."""
+    for mult in _HASH_MULTIPLIERS:
+        x = x ^ (x >> 16)
+        x = (x * mult) & _MASK32
+    return x ^ (x >> 16)
+
+
+def pair_hash(seed: int, rows: Tensor, cols: Tensor) -> Tensor:
+    """Deterministic pseudo-random int in [0, 2**32) per (seed, global row, global column),
+    [n, T] for ``rows`` [n] and ``cols`` [T]."""
+    row_key = _mix32((rows.long() * 0x01000193 + seed * 0x9E3779B) & _MASK32)
+    return _mix32((row_key[:, None] * 0x01000193 + cols.long()[None, :]) & _MASK32)
+
+
+def subset_scores(seed: int, rows: Tensor, cols: Tensor, num_candidates: int) -> Tensor:
+    """[n, T] int64 scores, unique within a row: pair_hash * N + column (below 2**63)."""
+    return pair_hash(seed, rows, cols) * num_candidates + cols.long()[None, :]
+
+
+@dataclass(frozen=True)
+class ColumnSet:
+    """The columns of a reduction: the negatives of ``kind``, plus the anchor's other
+    positives (``positives``) and its own column (``self_column``)."""
+
+    kind: PositiveKind
+    positives: bool = True
+    self_column: bool = False
+
+    @property
+    def negatives(self) -> ColumnSet:
+        """The negatives alone: the columns the ESS and negative-cosine monitors read."""
+        return ColumnSet(self.kind, positives=False, self_column=False)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The columns of a row-wise softmax over an [n, T] block: a dense ``keep`` mask, or
+    sparse ``drop`` positions (rows, cols) to leave out; neither means every column."""
+
+    keep: Tensor | None = None
+    drop: tuple[Tensor, Tensor] | None = None
+
+    def fill_(self, logits: Tensor, fill: float) -> Tensor:
+        """Set the left-out entries of ``logits`` [n, T] to ``fill`` in place."""
+        if self.keep is not None:
+            logits.masked_fill_(~self.keep, fill)
+        elif self.drop is not None:
+            logits[self.drop] = fill
+        return logits
+
+    def apply(self, logits: Tensor, fill: float) -> Tensor:
+        """A copy of ``logits`` [n, T] with the left-out entries set to ``fill``."""
+        if self.keep is not None:
+            return torch.where(self.keep, logits, torch.full((), fill, dtype=logits.dtype,
+                                                            device=logits.device))
+        return self.fill_(logits.clone(), fill)
+
+
+@dataclass(frozen=True)
+class ColumnTiles:
+    """One :class:`ColumnSet` cut into column tiles [start, stop): each tile's
+    :class:`Columns`, relative to the tile, without building the [n, N] set.
+
+    ``drop``: the left-out (row, column) pairs sorted by column (every column kept but
+    these); otherwise ``keys`` (anchor keys [n], candidate keys [N]) decide per tile, with
+    the subset's per-row ``threshold`` [n] on :func:`subset_scores`.
+    """
+
+    columns: ColumnSet
+    anchor_index: Tensor
+    drop: tuple[Tensor, Tensor] | None = None
+    anchor_keys: Tensor | None = None
+    keys: Tensor | None = None
+    threshold: Tensor | None = None
+    seed: int = 0
+
+    @staticmethod
+    def sparse(columns: ColumnSet, anchor_index: Tensor, rows: Tensor,
+               cols: Tensor) -> ColumnTiles:
+        order = torch.argsort(cols, stable=True)
+        return ColumnTiles(columns, anchor_index, drop=(rows[order], cols[order]))
+
+    def tile(self, start: int, stop: int) -> Columns:
+        """The :class:`Columns` of candidate columns [start, stop) for every anchor row."""
+        if self.drop is not None:
+            rows, cols = self.drop
+            lo, hi = torch.searchsorted(cols, torch.tensor([start, stop], device=cols.device))
+            return Columns(drop=(rows[lo:hi], cols[lo:hi] - start))
+        cols = torch.arange(start, stop, device=self.anchor_index.device)
+        same = self.anchor_keys[:, None] == self.keys[None, start:stop]
+        keep = ~same
+        if self.threshold is not None:
+            scores = subset_scores(self.seed, self.anchor_index, cols, len(self.keys))
+            keep &= scores <= self.threshold[:, None]
+        is_self = self.anchor_index[:, None] == cols[None, :]
+        if self.columns.positives:
+            keep |= same & ~is_self
+        if self.columns.self_column:
+            keep |= is_self
+        return Columns(keep=keep)
+
+
+def subset_threshold(seed: int, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,
+                     k: int, tile_size: int) -> Tensor:
+    """[n] the k-th smallest :func:`subset_scores` among each row's negatives (the largest
+    one if a row has fewer), found tile by tile with a running top-k: O(n (k + T))."""
+    best = torch.full((len(anchor_index), 0), NOT_A_NEGATIVE, dtype=torch.long,
+                      device=anchor_index.device)
+    for start in range(0, len(keys), tile_size):
+        cols = torch.arange(start, min(start + tile_size, len(keys)), device=keys.device)
+        scores = subset_scores(seed, anchor_index, cols, len(keys))
+        scores.masked_fill_(anchor_keys[:, None] == keys[None, cols], NOT_A_NEGATIVE)
+        merged = torch.cat([best, scores], dim=1)
+        best = merged.topk(min(k, merged.shape[1]), dim=1, largest=False).values
+    return best.max(dim=1).values

@@ -1,0 +1,91 @@
+"""The one row reduction every objective needs, dense or tiled.
+
+``row_logsumexp(batch, anchors, columns, column_set)`` is log sum_j exp(a_i . c_j) over the
+columns of ``column_set``, with the monitors over the negatives. With ``batch.tile_size``
+unset it materialises the [n, N] logits (fastest while they fit); with it set it walks
+column tiles (``tiles.py``) and no [n, N] tensor exists. Both give the same values and
+gradients (``tests/pretrain/losses/test_tiles.py``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.columns import ColumnSet, PositiveKind
+from pretrain.losses.common import as_float, row_softmax_
+from pretrain.losses.tiles import TiledRows, TilePlan, tiled_rows
+
+
+class RowTerms(NamedTuple):
+    """Per-anchor results [n]: ``lse`` with gradient; the monitors when asked for."""
+
+    lse: Tensor
+    ess: Tensor | None = None  # ESS of the softmax restricted to the negatives
+    negative_logit_sum: Tensor | None = None  # under num_negatives: sum of negatives' logits
+
+
+def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -> Tensor:
+    """[n] ESS = (sum_j w_j)^2 / (K sum_j w_j^2) over the K negatives, from the ratio."""
+    return ratio / batch.num_negatives_per_anchor(kind).to(ratio.dtype).clamp(min=1)
+
+
+def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
+              targets=None) -> TilePlan:
+    """The :class:`TilePlan` of ``column_set`` (and its negatives' monitors) on ``batch``."""
+    return TilePlan(
+        tile_size=batch.tile_size,
+        columns=batch.column_tiles(column_set),
+        targets=targets,
+        negatives=batch.column_tiles(column_set.negatives) if monitors else None,
+        negative_logit_sum=monitors and batch.num_negatives is not None)
+
+
+def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
+                  column_set: ColumnSet, *, monitors: bool = False) -> RowTerms:
+    """log sum over ``column_set`` of exp(``anchors`` [n, D] . ``columns`` [N, D]).
+
+    ``anchors`` are already divided by the temperature. ``monitors`` adds the ESS over the
+    negatives of ``column_set.kind`` and, under ``num_negatives``, their logit sum.
+    """
+    columns = as_float(columns)
+    if batch.tile_size is not None:
+        rows = tiled_rows(anchors, columns, tile_plan(batch, column_set, monitors=monitors))
+        return _terms(batch, column_set, rows, monitors)
+    logits = anchors @ columns.T  # [n, N]
+    lse, probs = row_softmax_(logits, batch.columns(column_set))
+    if not monitors:
+        return RowTerms(lse)
+    with torch.no_grad():
+        negatives = _negatives_only(batch, column_set, probs)
+        ratio = (negatives.sum(1) / torch.linalg.vector_norm(negatives, dim=1)).square()
+        neg_logits = None
+        if batch.num_negatives is not None:
+            mask = batch.negative_mask(column_set.kind)
+            neg_logits = torch.where(mask, logits, logits.new_zeros(())).sum(1)
+    return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits)
+
+
+def _terms(batch: ContrastiveBatch, column_set: ColumnSet, rows: TiledRows,
+           monitors: bool) -> RowTerms:
+    if not monitors:
+        return RowTerms(rows.lse)
+    return RowTerms(rows.lse, ess_from_ratio(batch, column_set.kind, rows.ess_ratio),
+                    rows.negative_logit_sum)
+
+
+def _negatives_only(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tensor) -> Tensor:
+    """[n, N] ``probs`` with every column that is not a negative set to 0."""
+    if column_set == column_set.negatives:
+        return probs
+    if batch.num_negatives is not None:
+        return torch.where(batch.negative_mask(column_set.kind), probs, probs.new_zeros(()))
+    pairs = [] if not column_set.positives else [batch.positive_pairs(column_set.kind)]
+    if column_set.self_column:
+        pairs.append(batch.self_pairs())
+    rows = torch.cat([p[0] for p in pairs])
+    cols = torch.cat([p[1] for p in pairs])
+    return probs.index_put((rows, cols), probs.new_zeros(()))

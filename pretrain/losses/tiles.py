@@ -1,0 +1,218 @@
+"""Row reductions of the logits A @ B.T over column tiles, never building [n, N]
+(``docs/negatives.md``).
+
+The forward walks the N columns in tiles of T, keeping per row a running maximum and a
+rescaled sum (the online log-sum-exp of Milakov & Gimelshein 2018, as in FlashAttention
+and Inf-CL); the backward recomputes each tile's logits from the saved A [n, D], B [N, D]
+and log-sum-exp [n], so memory is O((n + N) D + n T). Besides the log-sum-exp it can
+carry, in the same pass, a soft-target term sum_j t_ij l_ij with t = softmax of target
+logits over the same columns (X-CLR), and the monitors over the negatives (the ESS sums
+and the negatives' logit sum) without gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from pretrain.losses.columns import MASKED_LOGIT, ColumnTiles
+
+TargetLogits = Callable[[int, int], Tensor]  # (start, stop) -> [n, stop - start], no grad
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """What one tiled pass computes: ``columns`` of the log-sum-exp (and of the targets),
+    optional ``targets`` logits, and optional monitors over the ``negatives``."""
+
+    tile_size: int
+    columns: ColumnTiles
+    targets: TargetLogits | None = None
+    negatives: ColumnTiles | None = None
+    negative_logit_sum: bool = False
+
+
+class TiledRows(NamedTuple):
+    """Per-row results [n] of a tiled pass; entries a plan did not ask for are None."""
+
+    lse: Tensor  # log sum_j exp l_ij over the columns (with gradient)
+    target_term: Tensor | None  # sum_j t_ij l_ij (with gradient)
+    target_entropy: Tensor | None  # -sum_j t_ij log t_ij
+    ess_ratio: Tensor | None  # (sum_neg p)^2 / sum_neg p^2, p the softmax of the columns
+    negative_logit_sum: Tensor | None  # sum over the negatives of l_ij
+
+
+class _Running:
+    """Online log-sum-exp of one row set: max ``top`` [n] and sum of exp(x - top)."""
+
+    def __init__(self, n: int, like: Tensor) -> None:
+        self.top = like.new_full((n,), MASKED_LOGIT)
+        self.total = like.new_zeros(n)
+
+    def update(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Fold in x [n, T]; returns (exp(x - new top), the old sums' rescale factor)."""
+        top = torch.maximum(self.top, x.amax(dim=1))
+        scale = torch.exp(self.top - top)
+        weights = torch.exp(x - top[:, None])
+        self.total = self.total * scale + weights.sum(1)
+        self.top = top
+        return weights, scale
+
+    def lse(self) -> Tensor:
+        return self.top + torch.log(self.total)
+
+
+def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> tuple[Tensor, ...]:
+    n, num_columns = anchors.shape[0], columns.shape[0]
+    rows = _Running(n, anchors)
+    targets = _Running(n, anchors) if plan.targets is not None else None
+    term = anchors.new_zeros(n)  # sum exp(target - top) * l, rescaled with the targets' top
+    cross = anchors.new_zeros(n)  # sum exp(target - top) * target
+    neg_sum, neg_sq = anchors.new_zeros(n), anchors.new_zeros(n)
+    neg_logits = anchors.new_zeros(n)
+    for start in range(0, num_columns, plan.tile_size):
+        stop = min(start + plan.tile_size, num_columns)
+        tile = plan.columns.tile(start, stop)
+        logits = tile.fill_(anchors @ columns[start:stop].T, MASKED_LOGIT)
+        weights, scale = rows.update(logits)
+        if plan.negatives is not None:  # the negatives are a subset of the columns
+            negatives = plan.negatives.tile(start, stop)
+            neg_weights = negatives.fill_(weights, 0.0)
+            neg_sum = neg_sum * scale + neg_weights.sum(1)
+            neg_sq = neg_sq * scale.square() + torch.linalg.vecdot(neg_weights, neg_weights)
+            if plan.negative_logit_sum:
+                neg_logits += negatives.apply(logits, 0.0).sum(1)
+        if targets is not None:
+            target = tile.fill_(plan.targets(start, stop), MASKED_LOGIT)
+            target_weights, target_scale = targets.update(target)
+            term = term * target_scale + torch.linalg.vecdot(target_weights, logits)
+            cross = cross * target_scale + torch.linalg.vecdot(target_weights, target)
+    lse = rows.lse()
+    target_lse, entropy = lse.new_zeros(0), lse.new_zeros(0)
+    if targets is not None:
+        target_lse = targets.lse()
+        term, entropy = term / targets.total, target_lse - cross / targets.total
+    return lse, term, target_lse, entropy, neg_sum.square() / neg_sq, neg_logits
+
+
+class _TiledLogSumExp(torch.autograd.Function):
+    """(lse [n], target term [n]) of the logits ``anchors @ columns.T`` under ``plan``;
+    the other outputs are monitors without gradient."""
+
+    @staticmethod
+    def forward(ctx, anchors: Tensor, columns: Tensor, plan: TilePlan) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        outputs = _forward(anchors, columns, plan)
+        lse, _, target_lse, *monitors = outputs
+        ctx.plan = plan
+        ctx.save_for_backward(anchors, columns, lse, target_lse)
+        ctx.mark_non_differentiable(target_lse, *monitors)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_lse: Tensor | None, grad_term: Tensor | None,
+                 *_: None) -> tuple[Tensor | None, Tensor | None, None]:
+        anchors, columns, lse, target_lse = ctx.saved_tensors
+        plan: TilePlan = ctx.plan
+        if grad_term is not None and plan.targets is None:
+            grad_term = None
+        if grad_lse is None and grad_term is None:
+            return None, None, None
+        grad_anchors = torch.zeros_like(anchors)
+        grad_columns = torch.zeros_like(columns) if ctx.needs_input_grad[1] else None
+        for start in range(0, columns.shape[0], plan.tile_size):
+            stop = min(start + plan.tile_size, columns.shape[0])
+            tile = plan.columns.tile(start, stop)
+            block = columns[start:stop]
+            grad_logits = anchors.new_zeros(anchors.shape[0], stop - start)
+            if grad_lse is not None:  # d lse / d l = softmax
+                logits = tile.fill_(anchors @ block.T, MASKED_LOGIT)
+                grad_logits += torch.exp(logits - lse[:, None]).mul_(grad_lse[:, None])
+            if grad_term is not None:  # d term / d l = targets
+                target = tile.fill_(plan.targets(start, stop), MASKED_LOGIT)
+                grad_logits += torch.exp(target - target_lse[:, None]).mul_(grad_term[:, None])
+            grad_anchors += grad_logits @ block
+            if grad_columns is not None:
+                grad_columns[start:stop] = grad_logits.T @ anchors
+        return grad_anchors, grad_columns, None
+
+
+def tiled_rows(anchors: Tensor, columns: Tensor, plan: TilePlan) -> TiledRows:
+    """Row reductions of ``anchors`` [n, D] @ ``columns`` [N, D].T under ``plan``."""
+    lse, term, _, entropy, ess_ratio, neg_logits = _TiledLogSumExp.apply(anchors, columns, plan)
+    has_targets = plan.targets is not None
+    return TiledRows(
+        lse=lse,
+        target_term=term if has_targets else None,
+        target_entropy=entropy if has_targets else None,
+        ess_ratio=ess_ratio if plan.negatives is not None else None,
+        negative_logit_sum=neg_logits if plan.negative_logit_sum else None,
+    )
+
+
+@dataclass(frozen=True)
+class PositiveTiles:
+    """Per column tile, the [n, T] mask of each anchor's positives (same key, not itself)."""
+
+    tile_size: int
+    anchor_index: Tensor  # [n]
+    anchor_keys: Tensor  # [n]
+    keys: Tensor  # [N]
+
+    def tile(self, start: int, stop: int) -> Tensor:
+        cols = torch.arange(start, stop, device=self.keys.device)
+        return ((self.anchor_keys[:, None] == self.keys[None, start:stop])
+                & (self.anchor_index[:, None] != cols[None, :]))
+
+
+class _TiledPairTerms(torch.autograd.Function):
+    """sum over positives p of softplus(lse_neg_i - l_ip + eps) - eps, per anchor [n]
+    (SINCERE's pair terms), and the positives' log-sum-exp [n] without gradient."""
+
+    @staticmethod
+    def forward(ctx, anchors: Tensor, columns: Tensor, lse_neg: Tensor, eps: float,
+                positives: PositiveTiles) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        total = anchors.new_zeros(anchors.shape[0])
+        running = _Running(anchors.shape[0], anchors)
+        for start in range(0, columns.shape[0], positives.tile_size):
+            stop = min(start + positives.tile_size, columns.shape[0])
+            logits = anchors @ columns[start:stop].T
+            mask = positives.tile(start, stop)
+            terms = torch.nn.functional.softplus(lse_neg[:, None] - logits + eps) - eps
+            total += torch.where(mask, terms, terms.new_zeros(())).sum(1)
+            running.update(logits.masked_fill_(~mask, MASKED_LOGIT))
+        ctx.eps, ctx.positives = eps, positives
+        ctx.save_for_backward(anchors, columns, lse_neg)
+        pos_lse = running.lse()
+        ctx.mark_non_differentiable(pos_lse)
+        return total, pos_lse
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor | None, _: None) -> tuple[Tensor | None, ...]:
+        if grad_total is None:
+            return None, None, None, None, None
+        anchors, columns, lse_neg = ctx.saved_tensors
+        positives: PositiveTiles = ctx.positives
+        grad_anchors, grad_columns = torch.zeros_like(anchors), torch.zeros_like(columns)
+        grad_lse = torch.zeros_like(lse_neg)
+        for start in range(0, columns.shape[0], positives.tile_size):
+            stop = min(start + positives.tile_size, columns.shape[0])
+            block = columns[start:stop]
+            slope = torch.sigmoid(lse_neg[:, None] - anchors @ block.T + ctx.eps)
+            slope = torch.where(positives.tile(start, stop), slope, slope.new_zeros(()))
+            slope.mul_(grad_total[:, None])  # d total / d lse_neg; minus d total / d l
+            grad_lse += slope.sum(1)
+            grad_anchors -= slope @ block
+            grad_columns[start:stop] = -(slope.T @ anchors)
+        return grad_anchors, grad_columns, grad_lse, None, None
+
+
+def tiled_pair_terms(anchors: Tensor, columns: Tensor, lse_neg: Tensor, eps: float,
+                     positives: PositiveTiles) -> tuple[Tensor, Tensor]:
+    """([n] sum of SINCERE's pair terms with gradient, [n] positives' log-sum-exp)."""
+    return _TiledPairTerms.apply(anchors, columns, lse_neg, eps, positives)

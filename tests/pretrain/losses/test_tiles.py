@@ -1,0 +1,151 @@
+"""Tiled objectives equal the dense ones, and no [n, N] tensor exists while they run.
+
+Float64 throughout, so values and gradients must agree to rounding (the tiles only
+reorder sums). Tile widths that do not divide N leave a short last tile; width 1 is every
+column on its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pretrain.losses import OBJECTIVES, batch_loss, get_objective
+from pretrain.losses.batch import ContrastiveBatch, auto_tile_size, make_batch
+from tests.pretrain.losses.conftest import Batch, make_multiview_batch
+
+CASES = [(name, {}) for name in OBJECTIVES if name not in ("projnce", "xclr")] + [
+    ("xclr", {"targets": "captions"}), ("xclr", {"targets": "class_graph"}),
+    ("projnce", {"projection": "centroid"}), ("projnce", {"projection": "median"}),
+    ("projnce", {"projection": "kernel", "bandwidth": 1.2}),
+    ("projnce", {"projection": "learned"})]
+IDS = [f"{n}-{h.get('projection', h.get('targets', ''))}".rstrip("-") for n, h in CASES]
+
+
+def inputs(b: Batch, name: str, hparams: dict) -> tuple[dict, list[torch.Tensor]]:
+    """Keyword arguments of ``batch_loss`` and the extra leaves to differentiate."""
+    hparams = dict(hparams)
+    kwargs = {"labels": b.labels, "text": b.text}
+    leaves = []
+    targets = hparams.pop("targets", "captions")
+    if name == "xclr" and targets == "class_graph":
+        graph = F.normalize(torch.randn(6, 5, dtype=torch.float64,
+                                        generator=torch.Generator().manual_seed(3)), dim=1)
+        kwargs["class_graph"] = graph @ graph.T
+    else:
+        kwargs["captions"] = b.captions
+    if name == "clip":
+        kwargs["text"] = b.text.clone().requires_grad_()
+        leaves.append(kwargs["text"])
+    if hparams.get("projection") == "learned":
+        hparams["class_embeddings"] = torch.randn(
+            6, b.z.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(5),
+        ).requires_grad_()
+        leaves.append(hparams["class_embeddings"])
+    return {**kwargs, **hparams}, leaves
+
+
+@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
+@pytest.mark.parametrize("num_negatives", [None, 5])
+@pytest.mark.parametrize("tile_size", [1, 4, 7])
+def test_tiled_equals_dense(name, hparams, num_negatives, tile_size):
+    b = make_multiview_batch(seed=2)
+    kwargs, leaves = inputs(b, name, hparams)
+    results = []
+    for tiles in (None, tile_size):
+        tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)  # learnable
+        loss, metrics = batch_loss(name, b.z, b.ids, temperature=tau, tile_size=tiles,
+                                   num_negatives=num_negatives, negatives_seed=3, **kwargs)
+        results.append((loss, metrics, torch.autograd.grad(loss, [b.z, tau, *leaves])))
+    (dense, dense_metrics, dense_grads), (tiled, tiled_metrics, tiled_grads) = results
+    torch.testing.assert_close(tiled, dense, rtol=1e-12, atol=1e-12)
+    assert tiled_metrics.keys() == dense_metrics.keys()
+    for key, value in dense_metrics.items():
+        torch.testing.assert_close(tiled_metrics[key], value, rtol=1e-10, atol=1e-12, msg=key)
+    for got, want in zip(tiled_grads, dense_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_negatives", [None, 5])
+@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
+def test_tiled_rank_slices_average_to_the_whole_batch(name, hparams, num_negatives):
+    """The distributed arithmetic (rows of one rank against all columns) with tiles on."""
+    b = make_multiview_batch(seed=4)
+    kwargs, _ = inputs(b, name, hparams)
+    objective = get_objective(name, **{k: v for k, v in kwargs.items()
+                                       if k not in ("labels", "text", "captions",
+                                                    "class_graph")})
+    tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    whole = objective(make_batch(b.z, b.ids, labels=b.labels, captions=kwargs.get("captions"),
+                                 class_graph=kwargs.get("class_graph"), text=b.text,
+                                 num_negatives=num_negatives, negatives_seed=7), tau)
+    want = torch.autograd.grad(whole.loss, [b.z, tau])
+    slices = [torch.arange(0, 6), torch.arange(6, 19)]
+    loss, grads = 0.0, [torch.zeros_like(b.z), torch.zeros_like(tau)]
+    captions = kwargs.get("captions")
+    for rows in slices:
+        local = ContrastiveBatch(
+            candidates=F.normalize(b.z, dim=1), anchor_index=rows, ids=b.ids, labels=b.labels,
+            captions=None if captions is None else F.normalize(captions, dim=1),
+            class_graph=kwargs.get("class_graph"), text=F.normalize(b.text, dim=1),
+            num_negatives=num_negatives, negatives_seed=7, tile_size=5, world_size=2)
+        out = objective(local, tau)
+        loss = loss + out.loss / 2
+        for acc, g in zip(grads, torch.autograd.grad(out.loss, [b.z, tau]), strict=True):
+            acc += g / 2
+    torch.testing.assert_close(loss, whole.loss, rtol=1e-12, atol=1e-12)
+    for got, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the largest number of elements any operator produced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+        self.op = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                self.largest, self.op = t.numel(), str(func)
+        return out
+
+
+@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
+@pytest.mark.parametrize("num_negatives", [None, 9])
+def test_no_tensor_of_anchors_by_candidates(name, hparams, num_negatives):
+    """Forward and backward with tiles of 8 over N = 192 candidates: no operator output
+    reaches n * N / 8 elements (a dense run makes [n, N] ones: the probe works). The kernel
+    projection keeps its pairs within the bandwidth (docs/negatives.md): a narrow one here."""
+    gen = torch.Generator().manual_seed(0)
+    n, dim = 192, 6
+    ids = torch.arange(n // 2).repeat_interleave(2)
+    b = Batch(z=torch.randn(n, dim, dtype=torch.float64, generator=gen).requires_grad_(),
+              ids=ids, labels=ids % 6,
+              captions=torch.randn(n // 2, 5, dtype=torch.float64, generator=gen)[ids],
+              text=torch.randn(n, dim, dtype=torch.float64, generator=gen))
+    kwargs, leaves = inputs(b, name, hparams)
+    if "bandwidth" in kwargs:
+        kwargs["bandwidth"] = 0.3
+    limit = n * n // 8
+    sizes = {}
+    for tiles in (None, 8):
+        probe = LargestOutput()
+        with probe:
+            loss, _ = batch_loss(name, b.z, b.ids, temperature=0.3, tile_size=tiles,
+                                 num_negatives=num_negatives, **kwargs)
+            torch.autograd.grad(loss, [b.z, *leaves])
+        sizes[tiles] = (probe.largest, probe.op)
+    assert sizes[None][0] >= n * n, sizes  # dense materialises [n, N]
+    assert sizes[8][0] < limit, sizes
+
+
+def test_auto_tile_size_is_dense_for_small_batches():
+    assert auto_tile_size(None, 512) is None
+    assert auto_tile_size(None, 10**6) is not None
+    assert auto_tile_size(64, 512) == 64
