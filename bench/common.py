@@ -77,6 +77,15 @@ def peak_memory_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     return peak
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux VmHWM: unlike ru_maxrss, not inherited
+    from the parent across fork and exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
 def machine() -> dict[str, Any]:
     return {
         "torch": torch.__version__,

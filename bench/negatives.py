@@ -11,6 +11,11 @@ process before the loss; dense runs only while its
 [N, N] float32 logits and their softmax fit in ``--dense-limit-gib``. In this process,
 every objective's tiled time is timed against its dense time at N = 8192 (interleaved).
 
+A training step with cached-gradient chunks (``train.chunk_size``): 4,096 views per
+process (2,048 images x 2), the small CNN at 32 px, infonce, at chunk sizes 4,096 (one
+chunk, plus the chunked path's extra no-gradient forward), 512 and 128 against the plain
+step, each in a fresh child process: time per step and peak resident memory.
+
 Targets: tiled peak memory grows linearly in N (doubling N at most 2.3x the memory above
 the idle process); tiled infonce time at N = 8192 within 1.3x of dense. Writes
 bench/results/negatives.json and prints tables.
@@ -21,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -29,7 +33,14 @@ from pathlib import Path
 
 import torch
 
-from bench.common import keep_freed_memory, machine, print_table, time_interleaved, write_json
+from bench.common import (
+    keep_freed_memory,
+    machine,
+    peak_rss_bytes,
+    print_table,
+    time_interleaved,
+    write_json,
+)
 from bench.objectives import objective_cases
 from pretrain.losses import get_objective, make_batch
 from pretrain.losses.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
@@ -49,7 +60,7 @@ def child(n: int, dim: int, tile_size: int | None, repeats: int) -> dict:
     """Forward + backward of infonce in this (fresh) process: seconds and peak RSS, with
     the default allocator (keep_freed_memory would hold on to every freed tile)."""
     z, ids, labels = embeddings(n, dim)
-    idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    idle = peak_rss_bytes()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -59,7 +70,7 @@ def child(n: int, dim: int, tile_size: int | None, repeats: int) -> dict:
             batch = dataclasses.replace(batch, tile_size=None)
         get_objective("infonce")(batch, 0.1).loss.backward()
         times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return {"seconds": min(times), "peak_gib": peak / 2**30, "idle_gib": idle / 2**30}
 
 
@@ -127,6 +138,55 @@ def linear_growth(rows: list[dict]) -> dict[str, float]:
             for a, b in zip(tiled, tiled[1:], strict=False) if b["N"] == 2 * a["N"]}
 
 
+def chunk_child(rows: int, chunk_size: int, repeats: int) -> dict:
+    """Training steps (forward, backward, SGD update) in this fresh process; chunk 0 is the
+    plain step."""
+    from pretrain.chunked import chunked_forward_loss
+    from pretrain.engine import EngineConfig, build_engine
+    from pretrain.losses import ObjectiveConfig, objective_from_config
+    from pretrain.model import ModelConfig, build_model
+    from pretrain.step import forward_loss
+
+    torch.manual_seed(0)
+    cfg = ObjectiveConfig(name="infonce", temperature=0.2)
+    model = build_model(ModelConfig(), cfg, torch.device("cpu"))
+    engine = build_engine(model, torch.optim.SGD(model.parameters(), lr=0.01), EngineConfig(),
+                          torch.device("cpu"), micro_batch=rows)
+    batch = {"images": torch.randn(rows, 3, 32, 32), "ids": torch.arange(rows // 2).repeat(2)}
+    objective = objective_from_config(cfg)
+    idle = peak_rss_bytes()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if chunk_size:
+            _, backward = chunked_forward_loss(engine, batch, objective, cfg, 0.2, 0, chunk_size)
+            backward()
+        else:
+            engine.backward(forward_loss(engine, batch, objective, cfg, 0.2, 0).loss)
+        engine.step()
+        times.append(time.perf_counter() - start)
+    peak = peak_rss_bytes()
+    return {"seconds": min(times), "peak_gib": peak / 2**30,
+            "above_idle_gib": (peak - idle) / 2**30}
+
+
+def chunk_rows(rows: int, chunk_sizes: list[int], repeats: int) -> list[dict]:
+    results = []
+    for chunk in [0, *chunk_sizes]:
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.negatives", "--chunk-child", str(rows), str(chunk),
+             "--repeats", str(repeats)], check=True, capture_output=True, text=True)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        results.append({"views": rows, "chunk_size": chunk or "off", **result})
+        print(f"  chunk {chunk or 'off'}: {result['seconds']:.2f} s, "
+              f"peak {result['peak_gib']:.2f} GiB", flush=True)
+    plain = results[0]
+    for row in results:
+        row["time_vs_plain"] = row["seconds"] / plain["seconds"]
+        row["memory_vs_plain"] = row["above_idle_gib"] / plain["above_idle_gib"]
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+",
@@ -135,13 +195,33 @@ def main() -> None:
     parser.add_argument("--tile-size", type=int, default=AUTO_TILE_SIZE)
     parser.add_argument("--dense-limit-gib", type=float, default=16.0)
     parser.add_argument("--repeats", type=int, default=5, help="timing rounds")
+    parser.add_argument("--part", choices=["tiles", "chunks", "all"], default="all")
+    parser.add_argument("--chunk-views", type=int, default=4096)
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[4096, 512, 128])
     parser.add_argument("--child", type=int, nargs=2, metavar=("N", "TILE"), help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-child", type=int, nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/negatives.json"))
     args = parser.parse_args()
     if args.child:
         n, tile = args.child
         print(json.dumps(child(n, args.dim, tile or None, args.repeats)))
         return
+    if args.chunk_child:
+        print(json.dumps(chunk_child(*args.chunk_child, args.repeats)))
+        return
+    payload = {"machine": machine()}
+    if args.part in ("tiles", "all"):
+        payload.update(tiles_part(args))
+    if args.part in ("chunks", "all"):
+        print(f"training step, {args.chunk_views} views, chunked:")
+        chunks = chunk_rows(args.chunk_views, args.chunk_sizes, min(args.repeats, 2))
+        payload["chunks"] = chunks
+        print_table(chunks, ["views", "chunk_size", "seconds", "peak_gib", "above_idle_gib",
+                             "time_vs_plain", "memory_vs_plain"])
+    write_json(args.out, payload)
+
+
+def tiles_part(args: argparse.Namespace) -> dict:
     print("forward + backward of infonce, one process per row:")
     scaling = scaling_rows(args.sizes, args.dim, args.tile_size, args.dense_limit_gib)
     assert RATIO_N <= DENSE_MAX_CANDIDATES  # the automatic choice is dense there
@@ -152,14 +232,13 @@ def main() -> None:
     checks = {"tiled memory grows linearly (<= 2.3x per doubling of N)":
               bool(growth) and all(g <= 2.3 for g in growth.values()),
               f"tiled infonce <= 1.3x dense at N = {RATIO_N}": infonce <= 1.3}
-    write_json(args.out, {"machine": machine(), "dim": args.dim, "tile_size": args.tile_size,
-                          "scaling": scaling, "memory_growth_per_doubling": growth,
-                          "objectives": ratios, "targets": checks})
     print_table(scaling, ["N", "path", "fits", "seconds", "peak_gib", "above_idle_gib"])
     print_table(ratios, ["objective", "dense_ms", "tiled_ms", "tiled_vs_dense"])
     print("memory growth per doubling of N:", {k: round(v, 2) for k, v in growth.items()})
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
+    return {"dim": args.dim, "tile_size": args.tile_size, "scaling": scaling,
+            "memory_growth_per_doubling": growth, "objectives": ratios, "targets": checks}
 
 
 if __name__ == "__main__":

@@ -36,6 +36,15 @@ def mean_over_ranks(values: dict[str, float], device: torch.device) -> dict[str,
     return {k: v / world for k, v in totals_over_ranks(values, device).items()}
 
 
+def mean_over_ranks_on_device(value: Tensor) -> Tensor:
+    """[] the mean of a scalar tensor over ranks, left on the device (no host sync)."""
+    value = value.detach().float().reshape(1).clone()
+    if active():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value[0]
+
+
 def sum_over_ranks(value: float, device: torch.device) -> float:
     if not active():
         return float(value)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from core.config import InvalidValue
+from pretrain.optim import step_unless
 from pretrain.reshard import zero_partition_for
 
 
@@ -68,6 +69,7 @@ class Engine:
     """Shared parts; subclasses set ``wrapped`` and ``optimizer``."""
 
     optimizer_sharded = False  # True when each rank holds only its share of the state
+    skips_on_device = False  # step(skip=...) decides on the device, no host synchronisation
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.module = model
@@ -122,10 +124,17 @@ class DDPEngine(Engine):
             loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self) -> None:
+    skips_on_device = True
+
+    def step(self, skip: Tensor | None = None) -> None:
+        """Clip, update and zero the gradients; where ``skip`` [] (bool, on the device) is
+        true the update leaves weights and optimiser state untouched."""
         if self.clip > 0:
             nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
-        self.optimizer.step()
+        if skip is None:
+            self.optimizer.step()
+        else:
+            step_unless(self.optimizer, skip)
         self.optimizer.zero_grad(set_to_none=True)
 
 

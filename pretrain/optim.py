@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from core.config import InvalidValue
 
@@ -45,6 +45,10 @@ class LARS(torch.optim.Optimizer):
     For an adapted parameter w with gradient g: d = g + wd * w,
     ratio = eta * ||w|| / ||d|| (1 when either norm is 0), v = momentum * v + lr * ratio * d,
     w -= v. Groups with ``adapt=False`` skip the weight decay and the ratio.
+
+    Like torch's fused optimisers under a GradScaler, it reads ``self.found_inf`` (a
+    float tensor, 1 = skip): when set and nonzero, weights and velocities stay as they were,
+    decided on the device without a host synchronisation (:func:`step_unless`).
     """
 
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.9,
@@ -56,6 +60,8 @@ class LARS(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = None if closure is None else closure()
+        found_inf = getattr(self, "found_inf", None)
+        skip = None if found_inf is None else found_inf.reshape(()) > 0
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -71,8 +77,14 @@ class LARS(torch.optim.Optimizer):
                 state = self.state[p]
                 if "velocity" not in state:
                     state["velocity"] = torch.zeros_like(p)
-                velocity = state["velocity"].mul_(group["momentum"]).add_(d, alpha=group["lr"])
-                p.sub_(velocity)
+                if skip is None:
+                    velocity = state["velocity"].mul_(group["momentum"]).add_(
+                        d, alpha=group["lr"])
+                    p.sub_(velocity)
+                    continue
+                velocity = state["velocity"].mul(group["momentum"]).add_(d, alpha=group["lr"])
+                state["velocity"].copy_(torch.where(skip, state["velocity"], velocity))
+                p.copy_(torch.where(skip, p, p - velocity))
         return loss
 
 
@@ -96,9 +108,26 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, global_batch: int,
                     trust_coefficient=cfg.trust_coefficient)
     for group in groups:
         group.pop("adapt")
+    # fused: one kernel per step, and it honours found_inf (a skip decided on the device)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, fused=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, fused=True)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
+    """``optimizer.step()``, leaving weights and state untouched where ``skip`` [] (bool,
+    on the device) is true: no host synchronisation (torch's fused optimisers and
+    :class:`LARS` read ``found_inf``, as under a GradScaler)."""
+    if isinstance(optimizer, torch.optim.SGD):  # a skipped first step must leave zeros
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if group["momentum"] and "momentum_buffer" not in optimizer.state[p]:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    optimizer.found_inf = skip.float().reshape(())
+    try:
+        optimizer.step()
+    finally:
+        optimizer.found_inf = None
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int):

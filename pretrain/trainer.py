@@ -3,15 +3,17 @@
 Per step: set the learning rate from the schedule, forward under autocast, build the
 global batch and the objective (:func:`pretrain.step.forward_loss`), then backward and
 update through the engine. A non-finite loss on any rank skips the update on every rank
-and is counted; ``max_nonfinite`` in a row stops the run with a message. Every
-``log_every`` steps the training monitors (averaged over ranks and steps) go to
-MLflow and the progress bar; checkpoints follow :mod:`pretrain.checkpoint`.
+and is counted; ``max_nonfinite`` in a row stops the run with a message. The metrics, the
+finite check and the skip stay on the device (:mod:`pretrain.device_metrics`): under DDP
+the host reads them once per ``log_every`` steps, when the training monitors (averaged
+over ranks and steps) go to MLflow and the progress bar; DeepSpeed's step decides on the
+host. Checkpoints follow :mod:`pretrain.checkpoint`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,9 +22,8 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-from core.collectives import all_ranks_agree, mean_over_ranks, sum_over_ranks, totals_over_ranks
+from core.collectives import mean_over_ranks_on_device, sum_over_ranks, totals_over_ranks
 from core.config import InvalidValue
-from core.errors import RunError
 from core.runtime import Runtime, autocast, peak_memory_mib
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import LoaderState, train_batches
@@ -31,6 +32,11 @@ from data_pipeline.text import TextConfig
 from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state
 from pretrain.chunked import chunked_forward_loss
 from pretrain.collapse import CollapseConfig, CollapseWatch
+from pretrain.device_metrics import (
+    MetricWindow,
+    NonFiniteGuard,
+    finite_on_every_rank,
+)
 from pretrain.engine import Engine
 from pretrain.losses import EssTemperatureController, ObjectiveConfig
 from pretrain.step import forward_loss, to_device
@@ -63,10 +69,6 @@ class TrainConfig:
                 raise InvalidValue(key, f"must be >= 0, got {getattr(self, key)}")
 
 
-class NonFiniteLoss(RunError):
-    """``train.max_nonfinite`` non-finite losses in a row: the run stops with one line."""
-
-
 @dataclass
 class Parts:
     """What the loop drives, assembled by :mod:`app.pretrain`."""
@@ -91,13 +93,13 @@ class Trainer:
         self.cfg, self.p, self.precision = cfg, parts, precision
         self.step = 0
         self.loader_state = LoaderState()
-        self.nonfinite_in_row = self.nonfinite_total = 0
+        self.guard = NonFiniteGuard(cfg.max_nonfinite, parts.runtime.device)
         ess = parts.objective_cfg.ess_control
         self.controller = (EssTemperatureController(ess, parts.objective_cfg.temperature)
                            if ess.enabled else None)
         self.collapse = CollapseWatch(cfg.collapse)
-        self.window: dict[str, float] = {}
-        self.window_steps, self.window_start = 0, time.perf_counter()
+        self.window = MetricWindow()  # on the device until reported
+        self.views, self.window_start = 0, time.perf_counter()
         self.last_saved = -1
         self.last_row: dict[str, float] = {}  # the newest logged metrics (all ranks' mean)
         self.last_knn: dict[str, float] = {}  # the newest kNN monitor result
@@ -108,7 +110,7 @@ class Trainer:
         world = self.p.runtime.world
         shared = {"step": self.step, "world": world, "model": engine["model"],
                   "global_batch": self.p.data_cfg.batch_size * world,
-                  "nonfinite_total": self.nonfinite_total, "config": self.p.config_yaml,
+                  "nonfinite_total": self.guard.check(self.step), "config": self.p.config_yaml,
                   "controller": self.controller.state_dict() if self.controller else {}}
         own = {"rng": rng_state(), "loader": self.loader_state.state_dict()}
         (own if self.p.engine.optimizer_sharded else shared)["optimizer"] = engine["optimizer"]
@@ -128,7 +130,7 @@ class Trainer:
             state["optimizer"] = (own if self.p.engine.optimizer_sharded else shared)["optimizer"]
         self.p.engine.load_state_dict(state)
         self.step = self.last_saved = shared["step"]
-        self.nonfinite_total = shared["nonfinite_total"]
+        self.guard.total = shared["nonfinite_total"]
         if self.controller:
             self.controller.load_state_dict(shared["controller"])
         self.loader_state = LoaderState.from_state_dict(own["loader"])
@@ -184,26 +186,28 @@ class Trainer:
             else:
                 out = forward_loss(p.engine, batch, p.objective, p.objective_cfg, tau,
                                    self.step, p.class_graph)
-        if all_ranks_agree(bool(torch.isfinite(out.loss)), rt.device):
-            if self.cfg.chunk_size:
-                backward()
-            else:
-                p.engine.backward(out.loss)
+                backward = functools.partial(p.engine.backward, out.loss)
+        finite = finite_on_every_rank(out.loss)  # a non-finite loss anywhere skips everywhere
+        self.guard.record(finite)
+        if p.engine.skips_on_device:  # no host synchronisation: the update is masked
+            backward()
+            p.engine.step(skip=~finite)
+        elif bool(finite):
+            backward()
             p.engine.step()
-            self.nonfinite_in_row = 0
         else:
             if not self.cfg.chunk_size:  # chunks ran no forward with gradient yet
                 p.engine.skip(out.loss)
-            self._nonfinite(float(out.loss))
-        metrics = {k: float(v) for k, v in out.metrics.items()}
+            self.guard.check(self.step)  # synchronised anyway: stop at once
         if self.controller:
-            ess = mean_over_ranks({"ess": metrics["ess"]}, rt.device)["ess"]
-            self.controller.update(ess, self.step / max(1, p.total_steps))
+            self.controller.update(mean_over_ranks_on_device(out.metrics["ess"]),
+                                   self.step / max(1, p.total_steps))
         self.step += 1
-        self._accumulate(metrics, lr, len(batch["images"]))
+        self.window.add(out.metrics)
+        self.views += len(batch["images"])
         bar.update(1)
         if self.step % self.cfg.log_every == 0 or self.step == p.total_steps:
-            self._report(bar)
+            self._report(bar, lr)
         if p.monitor is not None and self.step % self.cfg.knn_every == 0:
             self._monitor()
         if p.checkpointer.due(self.step):
@@ -217,38 +221,19 @@ class Trainer:
             if self.p.tracker is not None:
                 self.p.tracker.log_metrics(self.step, result)
 
-    def _nonfinite(self, loss: float) -> None:
-        self.nonfinite_in_row += 1
-        self.nonfinite_total += 1
-        log.warning("step %d: non-finite loss (%s on this rank); update skipped (%d in a row, "
-                    "%d in total)", self.step, loss, self.nonfinite_in_row, self.nonfinite_total)
-        if self.nonfinite_in_row >= self.cfg.max_nonfinite:
-            raise NonFiniteLoss(
-                f"{self.nonfinite_in_row} non-finite losses in a row (train.max_nonfinite="
-                f"{self.cfg.max_nonfinite}) at step {self.step}: lower optim.lr, raise "
-                f"objective.temperature or use train.precision=fp32")
-
-    def _accumulate(self, metrics: dict[str, float], lr: float, views: int) -> None:
-        for key, value in metrics.items():
-            if math.isfinite(value):
-                self.window[key] = self.window.get(key, 0.0) + value
-        self.window["lr"] = lr
-        self.window["views"] = self.window.get("views", 0.0) + views
-        self.window_steps += 1
-
-    def _report(self, bar: tqdm) -> None:
+    def _report(self, bar: tqdm, lr: float) -> None:
+        """The window's metric row: the host synchronises here, once per log_every steps."""
         rt = self.p.runtime
+        nonfinite_total = self.guard.check(self.step)
         elapsed = time.perf_counter() - self.window_start
-        views = sum_over_ranks(self.window.pop("views"), rt.device)
-        lr = self.window.pop("lr")
-        means = {k: v / self.window_steps for k, v in self.window.items()}
-        row = mean_over_ranks(means, rt.device)
+        views = sum_over_ranks(self.views, rt.device)
+        row = self.window.means_over_ranks()
         row.update(lr=lr, images_per_s=views / elapsed, memory_mib=peak_memory_mib(rt.device),
                    skipped_samples=sum_over_ranks(sum(self.loader_state.skipped.values()),
                                                   rt.device),
-                   nonfinite_steps=float(self.nonfinite_total))
+                   nonfinite_steps=float(nonfinite_total))
         if self.controller:
-            row["temperature"] = self.controller.temperature
+            row["temperature"] = float(self.controller.temperature)
         self.last_row = {"step": self.step, **row}
         warning = self.collapse.check(self.step, row)
         row["collapse"] = float(warning is not None)
@@ -262,6 +247,6 @@ class Trainer:
                 self.p.tracker.log_metrics(self.step, row)
             log.info("step %d %s", self.step,
                      " ".join(f"{k}={v:.4g}" for k, v in sorted(row.items())))
-        self.window, self.window_steps = {}, 0
+        self.views = 0
         self.window_start = time.perf_counter()
         self.collapse.stop_if_spent()

@@ -110,19 +110,24 @@ class ColumnTiles:
         order = torch.argsort(cols, stable=True)
         return ColumnTiles(columns, anchor_index, drop=(rows[order], cols[order]))
 
-    def tile(self, start: int, stop: int) -> Columns:
-        """The :class:`Columns` of candidate columns [start, stop) for every anchor row."""
+    def tile(self, start: int, stop: int, rows: slice = slice(None)) -> Columns:
+        """The :class:`Columns` of candidate columns [start, stop) for the anchor ``rows``
+        (a block of rows, contiguous), relative to the block."""
         if self.drop is not None:
-            rows, cols = self.drop
+            drop_rows, cols = self.drop
             lo, hi = torch.searchsorted(cols, torch.tensor([start, stop], device=cols.device))
-            return Columns(drop=(rows[lo:hi], cols[lo:hi] - start))
-        cols = torch.arange(start, stop, device=self.anchor_index.device)
-        same = self.anchor_keys[:, None] == self.keys[None, start:stop]
+            drop_rows, cols = drop_rows[lo:hi], cols[lo:hi] - start
+            first, last, _ = rows.indices(len(self.anchor_index))
+            inside = (drop_rows >= first) & (drop_rows < last)
+            return Columns(drop=(drop_rows[inside] - first, cols[inside]))
+        anchor_index = self.anchor_index[rows]
+        cols = torch.arange(start, stop, device=anchor_index.device)
+        same = self.anchor_keys[rows, None] == self.keys[None, start:stop]
         keep = ~same
         if self.threshold is not None:
-            scores = subset_scores(self.seed, self.anchor_index, cols, len(self.keys))
-            keep &= scores <= self.threshold[:, None]
-        is_self = self.anchor_index[:, None] == cols[None, :]
+            scores = subset_scores(self.seed, anchor_index, cols, len(self.keys))
+            keep &= scores <= self.threshold[rows, None]
+        is_self = anchor_index[:, None] == cols[None, :]
         if self.columns.positives:
             keep |= same & ~is_self
         if self.columns.self_column:

@@ -50,9 +50,10 @@ def as_float(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def scalar(value: Temperature) -> float:
-    """A float from a float or a (possibly grad-carrying) 0-dim tensor."""
-    return float(value.detach()) if isinstance(value, Tensor) else float(value)
+def scalar(value: Temperature) -> Temperature:
+    """tau for the monitors: a float, or a 0-dim tensor detached from the graph (read on the
+    host only when the metrics are reported, so a step never waits on the device)."""
+    return value.detach() if isinstance(value, Tensor) else float(value)
 
 
 def scaled(anchors: Tensor, temperature: Temperature) -> Tensor:
@@ -174,7 +175,7 @@ def summarize_metrics(batch: ContrastiveBatch, kind: PositiveKind | None, *, inf
     }
 
 
-def negative_cosine_sum(batch: ContrastiveBatch, kind: PositiveKind, tau: float,
+def negative_cosine_sum(batch: ContrastiveBatch, kind: PositiveKind, tau: Temperature,
                         negative_logit_sum: Tensor | None,
                         of: Literal["candidates", "text"] = "candidates") -> Tensor:
     """[n] sum of the cosines between each anchor and its negatives' embeddings (``of`` the

@@ -17,7 +17,7 @@ from torch import Tensor
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import ColumnSet, PositiveKind
 from pretrain.losses.common import as_float, row_softmax_
-from pretrain.losses.tiles import TiledRows, TilePlan, tiled_rows
+from pretrain.losses.tiles import TargetLogits, TiledRows, TilePlan, tiled_rows
 
 
 class RowTerms(NamedTuple):
@@ -34,7 +34,7 @@ def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -
 
 
 def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
-              targets=None) -> TilePlan:
+              targets: TargetLogits | None = None) -> TilePlan:
     """The :class:`TilePlan` of ``column_set`` (and its negatives' monitors) on ``batch``."""
     return TilePlan(
         tile_size=batch.tile_size,

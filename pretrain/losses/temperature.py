@@ -18,6 +18,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+from torch import Tensor
+
 from core.config import InvalidValue
 
 
@@ -61,16 +64,28 @@ class EssTemperatureController:
         mix = progress if cfg.schedule == "linear" else 0.5 * (1 - math.cos(math.pi * progress))
         return cfg.target + (cfg.final_target - cfg.target) * mix
 
-    def update(self, ess: float, progress: float = 0.0) -> float:
-        """Apply one step of the rule for the measured ``ess``; returns the new temperature."""
+    def update(self, ess: float | Tensor, progress: float = 0.0) -> float | Tensor:
+        """Apply one step of the rule for the measured ``ess``; returns the new temperature.
+
+        Given a tensor (the trainer's ESS, on the device) the rule runs as tensor operations
+        and the temperature becomes a 0-dim tensor: no host synchronisation per step.
+        """
         cfg = self.config
+        above = ess > self.target_at(progress)
+        if isinstance(above, Tensor):
+            factor = torch.where(above, 1 + cfg.rate, 1 - cfg.rate)
+            temperature = torch.as_tensor(self.temperature, device=above.device,
+                                          dtype=torch.float32)
+            self.temperature = (temperature / factor).clamp(cfg.min_temperature,
+                                                           cfg.max_temperature)
+            return self.temperature
         beta = 1.0 / self.temperature
-        beta *= (1 + cfg.rate) if ess > self.target_at(progress) else (1 - cfg.rate)
+        beta *= (1 + cfg.rate) if above else (1 - cfg.rate)
         self.temperature = min(max(1.0 / beta, cfg.min_temperature), cfg.max_temperature)
         return self.temperature
 
     def state_dict(self) -> dict[str, float]:
-        return {"temperature": self.temperature}
+        return {"temperature": float(self.temperature)}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.temperature = float(state["temperature"])

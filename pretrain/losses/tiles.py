@@ -21,7 +21,9 @@ from torch import Tensor
 
 from pretrain.losses.columns import MASKED_LOGIT, ColumnTiles
 
-TargetLogits = Callable[[int, int], Tensor]  # (start, stop) -> [n, stop - start], no grad
+# (start, stop, rows) -> [rows, stop - start] target logits of a block of anchor rows, no grad
+TargetLogits = Callable[[int, int, slice], Tensor]
+CPU_BLOCK_ELEMENTS = 2**18  # a CPU [rows, T] tile: 1 MiB of float32, about a core's L2
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,17 @@ class _Running:
         return self.top + torch.log(self.total)
 
 
-def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> tuple[Tensor, ...]:
+def row_blocks(n: int, tile_size: int, device: torch.device) -> list[slice]:
+    """Anchor rows in blocks whose [rows, T] tiles stay small on a CPU (in cache, and under
+    glibc's mmap threshold, so temporaries are reused instead of page-faulted in per tile);
+    one block on a GPU, whose caching allocator reuses memory and wants large matmuls."""
+    size = n if device.type == "cuda" else max(1, CPU_BLOCK_ELEMENTS // tile_size)
+    return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
+                   block: slice) -> tuple[Tensor, ...]:
+    """The forward pass for one block of anchor rows (``anchors`` are that block's)."""
     n, num_columns = anchors.shape[0], columns.shape[0]
     rows = _Running(n, anchors)
     targets = _Running(n, anchors) if plan.targets is not None else None
@@ -76,18 +88,18 @@ def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> tuple[Tensor, 
     neg_logits = anchors.new_zeros(n)
     for start in range(0, num_columns, plan.tile_size):
         stop = min(start + plan.tile_size, num_columns)
-        tile = plan.columns.tile(start, stop)
+        tile = plan.columns.tile(start, stop, block)
         logits = tile.fill_(anchors @ columns[start:stop].T, MASKED_LOGIT)
         weights, scale = rows.update(logits)
         if plan.negatives is not None:  # the negatives are a subset of the columns
-            negatives = plan.negatives.tile(start, stop)
+            negatives = plan.negatives.tile(start, stop, block)
             neg_weights = negatives.fill_(weights, 0.0)
             neg_sum = neg_sum * scale + neg_weights.sum(1)
             neg_sq = neg_sq * scale.square() + torch.linalg.vecdot(neg_weights, neg_weights)
             if plan.negative_logit_sum:
                 neg_logits += negatives.apply(logits, 0.0).sum(1)
         if targets is not None:
-            target = tile.fill_(plan.targets(start, stop), MASKED_LOGIT)
+            target = tile.fill_(plan.targets(start, stop, block), MASKED_LOGIT)
             target_weights, target_scale = targets.update(target)
             term = term * target_scale + torch.linalg.vecdot(target_weights, logits)
             cross = cross * target_scale + torch.linalg.vecdot(target_weights, target)
@@ -97,6 +109,12 @@ def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> tuple[Tensor, 
         target_lse = targets.lse()
         term, entropy = term / targets.total, target_lse - cross / targets.total
     return lse, term, target_lse, entropy, neg_sum.square() / neg_sq, neg_logits
+
+
+def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> tuple[Tensor, ...]:
+    blocks = [_forward_block(anchors[block], columns, plan, block)
+              for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device)]
+    return tuple(torch.cat(parts) for parts in zip(*blocks, strict=True))
 
 
 class _TiledLogSumExp(torch.autograd.Function):
@@ -124,20 +142,24 @@ class _TiledLogSumExp(torch.autograd.Function):
             return None, None, None
         grad_anchors = torch.zeros_like(anchors)
         grad_columns = torch.zeros_like(columns) if ctx.needs_input_grad[1] else None
-        for start in range(0, columns.shape[0], plan.tile_size):
-            stop = min(start + plan.tile_size, columns.shape[0])
-            tile = plan.columns.tile(start, stop)
-            block = columns[start:stop]
-            grad_logits = anchors.new_zeros(anchors.shape[0], stop - start)
-            if grad_lse is not None:  # d lse / d l = softmax
-                logits = tile.fill_(anchors @ block.T, MASKED_LOGIT)
-                grad_logits += torch.exp(logits - lse[:, None]).mul_(grad_lse[:, None])
-            if grad_term is not None:  # d term / d l = targets
-                target = tile.fill_(plan.targets(start, stop), MASKED_LOGIT)
-                grad_logits += torch.exp(target - target_lse[:, None]).mul_(grad_term[:, None])
-            grad_anchors += grad_logits @ block
-            if grad_columns is not None:
-                grad_columns[start:stop] = grad_logits.T @ anchors
+        for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device):
+            block_anchors = anchors[block]
+            for start in range(0, columns.shape[0], plan.tile_size):
+                stop = min(start + plan.tile_size, columns.shape[0])
+                tile = plan.columns.tile(start, stop, block)
+                part = columns[start:stop]
+                grad_logits = block_anchors.new_zeros(block_anchors.shape[0], stop - start)
+                if grad_lse is not None:  # d lse / d l = softmax
+                    logits = tile.fill_(block_anchors @ part.T, MASKED_LOGIT)
+                    grad_logits += torch.exp(logits - lse[block, None]).mul_(
+                        grad_lse[block, None])
+                if grad_term is not None:  # d term / d l = targets
+                    target = tile.fill_(plan.targets(start, stop, block), MASKED_LOGIT)
+                    grad_logits += torch.exp(target - target_lse[block, None]).mul_(
+                        grad_term[block, None])
+                grad_anchors[block] += grad_logits @ part
+                if grad_columns is not None:
+                    grad_columns[start:stop] += grad_logits.T @ block_anchors
         return grad_anchors, grad_columns, None
 
 
@@ -156,17 +178,17 @@ def tiled_rows(anchors: Tensor, columns: Tensor, plan: TilePlan) -> TiledRows:
 
 @dataclass(frozen=True)
 class PositiveTiles:
-    """Per column tile, the [n, T] mask of each anchor's positives (same key, not itself)."""
+    """Per tile, the [rows, T] mask of each anchor's positives (same key, not itself)."""
 
     tile_size: int
     anchor_index: Tensor  # [n]
     anchor_keys: Tensor  # [n]
     keys: Tensor  # [N]
 
-    def tile(self, start: int, stop: int) -> Tensor:
+    def tile(self, start: int, stop: int, rows: slice) -> Tensor:
         cols = torch.arange(start, stop, device=self.keys.device)
-        return ((self.anchor_keys[:, None] == self.keys[None, start:stop])
-                & (self.anchor_index[:, None] != cols[None, :]))
+        return ((self.anchor_keys[rows, None] == self.keys[None, start:stop])
+                & (self.anchor_index[rows, None] != cols[None, :]))
 
 
 class _TiledPairTerms(torch.autograd.Function):
@@ -177,20 +199,25 @@ class _TiledPairTerms(torch.autograd.Function):
     def forward(ctx, anchors: Tensor, columns: Tensor, lse_neg: Tensor, eps: float,
                 positives: PositiveTiles) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
-        total = anchors.new_zeros(anchors.shape[0])
-        running = _Running(anchors.shape[0], anchors)
-        for start in range(0, columns.shape[0], positives.tile_size):
-            stop = min(start + positives.tile_size, columns.shape[0])
-            logits = anchors @ columns[start:stop].T
-            mask = positives.tile(start, stop)
-            terms = torch.nn.functional.softplus(lse_neg[:, None] - logits + eps) - eps
-            total += torch.where(mask, terms, terms.new_zeros(())).sum(1)
-            running.update(logits.masked_fill_(~mask, MASKED_LOGIT))
+        totals, lses = [], []
+        for block in row_blocks(anchors.shape[0], positives.tile_size, anchors.device):
+            block_anchors, block_lse = anchors[block], lse_neg[block, None]
+            total = anchors.new_zeros(block_anchors.shape[0])
+            running = _Running(block_anchors.shape[0], anchors)
+            for start in range(0, columns.shape[0], positives.tile_size):
+                stop = min(start + positives.tile_size, columns.shape[0])
+                logits = block_anchors @ columns[start:stop].T
+                mask = positives.tile(start, stop, block)
+                terms = torch.nn.functional.softplus(block_lse - logits + eps) - eps
+                total += torch.where(mask, terms, terms.new_zeros(())).sum(1)
+                running.update(logits.masked_fill_(~mask, MASKED_LOGIT))
+            totals.append(total)
+            lses.append(running.lse())
         ctx.eps, ctx.positives = eps, positives
         ctx.save_for_backward(anchors, columns, lse_neg)
-        pos_lse = running.lse()
+        pos_lse = torch.cat(lses)
         ctx.mark_non_differentiable(pos_lse)
-        return total, pos_lse
+        return torch.cat(totals), pos_lse
 
     @staticmethod
     def backward(ctx, grad_total: Tensor | None, _: None) -> tuple[Tensor | None, ...]:
@@ -200,15 +227,18 @@ class _TiledPairTerms(torch.autograd.Function):
         positives: PositiveTiles = ctx.positives
         grad_anchors, grad_columns = torch.zeros_like(anchors), torch.zeros_like(columns)
         grad_lse = torch.zeros_like(lse_neg)
-        for start in range(0, columns.shape[0], positives.tile_size):
-            stop = min(start + positives.tile_size, columns.shape[0])
-            block = columns[start:stop]
-            slope = torch.sigmoid(lse_neg[:, None] - anchors @ block.T + ctx.eps)
-            slope = torch.where(positives.tile(start, stop), slope, slope.new_zeros(()))
-            slope.mul_(grad_total[:, None])  # d total / d lse_neg; minus d total / d l
-            grad_lse += slope.sum(1)
-            grad_anchors -= slope @ block
-            grad_columns[start:stop] = -(slope.T @ anchors)
+        for block in row_blocks(anchors.shape[0], positives.tile_size, anchors.device):
+            block_anchors = anchors[block]
+            for start in range(0, columns.shape[0], positives.tile_size):
+                stop = min(start + positives.tile_size, columns.shape[0])
+                part = columns[start:stop]
+                slope = torch.sigmoid(lse_neg[block, None] - block_anchors @ part.T + ctx.eps)
+                slope = torch.where(positives.tile(start, stop, block), slope,
+                                    slope.new_zeros(()))
+                slope.mul_(grad_total[block, None])  # d total / d lse_neg; -d total / d l
+                grad_lse[block] += slope.sum(1)
+                grad_anchors[block] -= slope @ part
+                grad_columns[start:stop] -= slope.T @ block_anchors
         return grad_anchors, grad_columns, grad_lse, None, None
 
 

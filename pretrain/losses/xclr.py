@@ -128,15 +128,16 @@ def _dense_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: 
 
 
 def target_logits(batch: ContrastiveBatch, target_temperature: float) -> TargetLogits:
-    """Per column tile [start, stop): the [n, T] target logits c_i . c_j / tau_s."""
+    """Per column tile [start, stop) and block of anchor rows: the [rows, T] target logits
+    c_i . c_j / tau_s."""
     dtype = as_float(batch.candidates).dtype
     if batch.class_graph is not None:
         rows = batch.class_graph.to(dtype).index_select(0, batch.labels[batch.anchor_index])
         rows = rows / target_temperature  # [n, C]
-        return lambda start, stop: rows[:, batch.labels[start:stop]]
+        return lambda start, stop, block: rows[block][:, batch.labels[start:stop]]
     captions = batch.captions.to(dtype)
     anchors = captions[batch.anchor_index] / target_temperature  # [n, E]
-    return lambda start, stop: anchors @ captions[start:stop].T
+    return lambda start, stop, block: anchors[block] @ captions[start:stop].T
 
 
 def xclr(batch: ContrastiveBatch, temperature: Temperature, *,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from bench.common import peak_memory_bytes
 from pretrain.chunked import chunk_count, chunked_forward_loss, chunks_of
 from pretrain.losses import ObjectiveConfig, objective_from_config
 from pretrain.model import ModelConfig, build_model
@@ -102,17 +102,6 @@ def test_batch_norm_and_dropout_replay_the_first_pass(dropout):
         torch.testing.assert_close(chunk_buffers[key], buffer, rtol=1e-12, atol=0, msg=key)
 
 
-def peak_bytes(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.cpu_memory_usage if event.name == "[memory]" else \
-            event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
-
-
 def test_peak_memory_falls_with_the_chunk_size():
     """64 images of 32 px: chunks of 8 hold a fraction of the activations of one chunk of
     64 (the embeddings and their cached gradient are all that spans the batch)."""
@@ -133,7 +122,7 @@ def test_peak_memory_falls_with_the_chunk_size():
             model.zero_grad(set_to_none=True)
         return run
 
-    peaks = {size: peak_bytes(step(size)) for size in (64, 8)}
+    peaks = {size: peak_memory_bytes(step(size), torch.device("cpu")) for size in (64, 8)}
     assert peaks[8] < 0.4 * peaks[64], peaks
 
 

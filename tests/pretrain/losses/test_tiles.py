@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain.losses import OBJECTIVES, batch_loss, get_objective
+from pretrain.losses import OBJECTIVES, batch_loss, get_objective, tiles
 from pretrain.losses.batch import ContrastiveBatch, auto_tile_size, make_batch
 from tests.pretrain.losses.conftest import Batch, make_multiview_batch
 
@@ -47,16 +47,23 @@ def inputs(b: Batch, name: str, hparams: dict) -> tuple[dict, list[torch.Tensor]
     return {**kwargs, **hparams}, leaves
 
 
+@pytest.fixture(params=[False, True], ids=["one-row-block", "row-blocks-of-3"])
+def row_blocks(request, monkeypatch) -> None:
+    """Also cut the anchors into blocks of 21 // T rows, as a CPU cuts large n."""
+    if request.param:
+        monkeypatch.setattr(tiles, "CPU_BLOCK_ELEMENTS", 3 * 7)
+
+
 @pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
 @pytest.mark.parametrize("num_negatives", [None, 5])
 @pytest.mark.parametrize("tile_size", [1, 4, 7])
-def test_tiled_equals_dense(name, hparams, num_negatives, tile_size):
+def test_tiled_equals_dense(name, hparams, num_negatives, tile_size, row_blocks):
     b = make_multiview_batch(seed=2)
     kwargs, leaves = inputs(b, name, hparams)
     results = []
-    for tiles in (None, tile_size):
+    for width in (None, tile_size):
         tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)  # learnable
-        loss, metrics = batch_loss(name, b.z, b.ids, temperature=tau, tile_size=tiles,
+        loss, metrics = batch_loss(name, b.z, b.ids, temperature=tau, tile_size=width,
                                    num_negatives=num_negatives, negatives_seed=3, **kwargs)
         results.append((loss, metrics, torch.autograd.grad(loss, [b.z, tau, *leaves])))
     (dense, dense_metrics, dense_grads), (tiled, tiled_metrics, tiled_grads) = results
@@ -70,7 +77,8 @@ def test_tiled_equals_dense(name, hparams, num_negatives, tile_size):
 
 @pytest.mark.parametrize("num_negatives", [None, 5])
 @pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
-def test_tiled_rank_slices_average_to_the_whole_batch(name, hparams, num_negatives):
+def test_tiled_rank_slices_average_to_the_whole_batch(name, hparams, num_negatives,
+                                                      row_blocks):
     """The distributed arithmetic (rows of one rank against all columns) with tiles on."""
     b = make_multiview_batch(seed=4)
     kwargs, _ = inputs(b, name, hparams)
@@ -134,13 +142,13 @@ def test_no_tensor_of_anchors_by_candidates(name, hparams, num_negatives):
         kwargs["bandwidth"] = 0.3
     limit = n * n // 8
     sizes = {}
-    for tiles in (None, 8):
+    for width in (None, 8):
         probe = LargestOutput()
         with probe:
-            loss, _ = batch_loss(name, b.z, b.ids, temperature=0.3, tile_size=tiles,
+            loss, _ = batch_loss(name, b.z, b.ids, temperature=0.3, tile_size=width,
                                  num_negatives=num_negatives, **kwargs)
             torch.autograd.grad(loss, [b.z, *leaves])
-        sizes[tiles] = (probe.largest, probe.op)
+        sizes[width] = (probe.largest, probe.op)
     assert sizes[None][0] >= n * n, sizes  # dense materialises [n, N]
     assert sizes[8][0] < limit, sizes
 
