@@ -15,6 +15,7 @@ two augmented views) and per core.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from pathlib import Path
@@ -119,11 +120,15 @@ def main() -> None:
     size = tuple(int(x) for x in args.size.split("x"))
     suffix = "" if args.size == "400x350" else f"-{args.size}"
     out = args.out or Path(f"bench/results/data_pipeline{suffix}.json")
-    tree, shards = args.workdir / f"jpegs-{args.size}", args.workdir / f"shards-{args.size}"
+    name = f"{args.size}-{args.images}"
+    tree, shards = args.workdir / f"jpegs-{name}", args.workdir / f"shards-{name}"
     if not tree.exists():
         write_jpegs(tree, args.images, size)
+    # at least two shards per worker: a shard is read by one worker, so with fewer shards
+    # than workers the stream would run on fewer cores than ImageFolder
+    shard_size = max(1, min(100, math.ceil(args.images / (2 * cores))))
     make_shards(ShardsConfig(source="imagenet", input=str(tree), output=str(shards),
-                             shard_size=100, workers=cores))
+                             shard_size=shard_size, workers=cores))
     mean_kb = np.mean([p.stat().st_size for p in tree.rglob("*.JPEG")]) / 1024
     rounds = {"stream": [], "imagefolder": [], "imagefolder_our_transforms": [],
               "stream_full_decode": []}

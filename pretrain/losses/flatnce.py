@@ -19,7 +19,6 @@ from pretrain.losses.common import (
     Temperature,
     finish,
     full_precision,
-    pair_logits,
     positive_logit_mean,
     scaled,
 )
@@ -43,11 +42,11 @@ def flatnce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutpu
     kind = "instance"
     with full_precision(batch):
         anchors = scaled(batch.anchors, temperature)  # [n, D]
+        pairs = batch.positive_pairs(kind)  # [P], P = views - 1 per anchor
         negatives = row_logsumexp(batch, anchors, batch.candidates,
-                                  ColumnSet(kind, positives=False), monitors=True)
+                                  ColumnSet(kind, positives=False), monitors=True, pairs=pairs)
         pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
-        pairs = batch.positive_pairs(kind)
-        pos_logits = pair_logits(anchors, batch.candidates, pairs).detach()  # [P]
+        pos_logits = negatives.pair_logits.detach()  # [P]
         loss = batch.anchor_mean(flat_nce(pos_mean, negatives.lse), kind)
         return finish(batch, loss, kind, temperature, report_infonce=True, pos_mean=pos_mean,
                       infonce=with_positives(negatives.lse, pos_logits, pairs[0])

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import ColumnSet, PositiveKind
-from pretrain.losses.common import as_float, row_softmax_
+from pretrain.losses.common import as_float, pair_logits, row_softmax_
 from pretrain.losses.tiles import TargetLogits, TiledRows, TilePlan, tiled_rows
 
 
@@ -26,6 +26,7 @@ class RowTerms(NamedTuple):
     lse: Tensor
     ess: Tensor | None = None  # ESS of the softmax restricted to the negatives
     negative_logit_sum: Tensor | None = None  # under num_negatives: sum of negatives' logits
+    pair_logits: Tensor | None = None  # [P] the logits at the requested (row, column) pairs
 
 
 def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -> Tensor:
@@ -45,20 +46,26 @@ def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
 
 
 def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                  column_set: ColumnSet, *, monitors: bool = False) -> RowTerms:
+                  column_set: ColumnSet, *, monitors: bool = False,
+                  pairs: tuple[Tensor, Tensor] | None = None) -> RowTerms:
     """log sum over ``column_set`` of exp(``anchors`` [n, D] . ``columns`` [N, D]).
 
     ``anchors`` are already divided by the temperature. ``monitors`` adds the ESS over the
-    negatives of ``column_set.kind`` and, under ``num_negatives``, their logit sum.
+    negatives of ``column_set.kind`` and, under ``num_negatives``, their logit sum;
+    ``pairs`` (rows [P], cols [P]) adds the logits there, with gradient (dense: read from
+    the [n, N] logits, cheaper than P dot products when P is of order n N / C).
     """
     columns = as_float(columns)
     if batch.tile_size is not None:
         rows = tiled_rows(anchors, columns, tile_plan(batch, column_set, monitors=monitors))
-        return _terms(batch, column_set, rows, monitors)
+        terms = _terms(batch, column_set, rows, monitors)
+        return terms if pairs is None else terms._replace(
+            pair_logits=pair_logits(anchors, columns, pairs))
     logits = anchors @ columns.T  # [n, N]
+    at_pairs = None if pairs is None else logits[pairs]  # before the softmax masks them
     lse, probs = row_softmax_(logits, batch.columns(column_set))
     if not monitors:
-        return RowTerms(lse)
+        return RowTerms(lse, pair_logits=at_pairs)
     with torch.no_grad():
         negatives = _negatives_only(batch, column_set, probs)
         ratio = (negatives.sum(1) / torch.linalg.vector_norm(negatives, dim=1)).square()
@@ -66,7 +73,7 @@ def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
         if batch.num_negatives is not None:
             mask = batch.negative_mask(column_set.kind)
             neg_logits = torch.where(mask, logits, logits.new_zeros(())).sum(1)
-    return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits)
+    return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits, at_pairs)
 
 
 def _terms(batch: ContrastiveBatch, column_set: ColumnSet, rows: TiledRows,

@@ -21,13 +21,12 @@ from pretrain.losses.common import (
     as_float,
     finish,
     full_precision,
-    pair_logits,
     positive_logit_mean,
     require_labels,
     scaled,
     segment_logsumexp,
 )
-from pretrain.losses.rows import row_logsumexp
+from pretrain.losses.rows import RowTerms, row_logsumexp
 from pretrain.losses.tiles import PositiveTiles, tiled_pair_terms
 
 
@@ -38,10 +37,11 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
     require_labels(batch, "sincere" if eps == 0 else "eps_supinfonce")
     with full_precision(batch):
         anchors = scaled(batch.anchors, temperature)  # [n, D]
+        dense_pairs = None if batch.tile_size is not None else batch.positive_pairs(kind)
         negatives = row_logsumexp(batch, anchors, batch.candidates,
-                                  ColumnSet(kind, positives=False), monitors=True)
-        lse_neg = negatives.lse  # [n]
-        pair_sum, all_lse = _pair_terms(batch, anchors, lse_neg, eps)  # [n], [n]
+                                  ColumnSet(kind, positives=False), monitors=True,
+                                  pairs=dense_pairs)
+        pair_sum, all_lse = _pair_terms(batch, anchors, negatives, eps)  # [n], [n]
         pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
         loss = batch.anchor_mean(pair_sum / num_pos.clamp(min=1), kind)
         return finish(batch, loss, kind, temperature, pos_mean=pos_mean,
@@ -49,20 +49,22 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
                       negative_logit_sum=negatives.negative_logit_sum)
 
 
-def _pair_terms(batch: ContrastiveBatch, anchors: Tensor, lse_neg: Tensor,
+def _pair_terms(batch: ContrastiveBatch, anchors: Tensor, negatives: RowTerms,
                 eps: float) -> tuple[Tensor, Tensor]:
     """([n] sum over positives p of softplus(lse_neg - s_ip/tau + eps) - eps, with gradient;
     [n] logsumexp over negatives and positives, without). Dense: from the [P] positive
-    pairs; tiled: per column tile, so that no [P] (of order n N / C) tensor exists."""
-    candidates = as_float(batch.candidates)
+    pairs' logits read off the [n, N] logits; tiled: per column tile, so that no [P] (of
+    order n N / C) tensor exists."""
+    lse_neg = negatives.lse
     if batch.tile_size is not None:
+        candidates = as_float(batch.candidates)
         labels = batch.labels
         positives = PositiveTiles(batch.tile_size, batch.anchor_index,
                                   labels[batch.anchor_index], labels)
         pair_sum, pos_lse = tiled_pair_terms(anchors, candidates, lse_neg, eps, positives)
         return pair_sum, torch.logaddexp(lse_neg.detach(), pos_lse)
-    rows, cols = batch.positive_pairs("label")  # [P] positive pairs
-    pos_logits = pair_logits(anchors, candidates, (rows, cols))  # [P]
+    rows, _ = batch.positive_pairs("label")  # [P] positive pairs
+    pos_logits = negatives.pair_logits  # [P]
     pair_loss = F.softplus(lse_neg[rows] - pos_logits + eps) - eps  # [P]
     pair_sum = torch.zeros_like(lse_neg).index_add(0, rows, pair_loss)
     return pair_sum, with_positives(lse_neg, pos_logits, rows)

@@ -12,7 +12,7 @@ and the negatives' logit sum) without gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -191,54 +191,59 @@ class PositiveTiles:
                 & (self.anchor_index[rows, None] != cols[None, :]))
 
 
+def _tile_pairs(positives: PositiveTiles, n: int, num_columns: int,
+                device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
+    """Each tile's positive pairs as global (rows [P_t], cols [P_t]): found with an
+    [rows, T] mask, then handled as P_t dot products instead of a [rows, T] matmul."""
+    for block in row_blocks(n, positives.tile_size, device):
+        for start in range(0, num_columns, positives.tile_size):
+            stop = min(start + positives.tile_size, num_columns)
+            rows, cols = positives.tile(start, stop, block).nonzero(as_tuple=True)
+            yield rows + block.start, cols + start
+
+
 class _TiledPairTerms(torch.autograd.Function):
     """sum over positives p of softplus(lse_neg_i - l_ip + eps) - eps, per anchor [n]
-    (SINCERE's pair terms), and the positives' log-sum-exp [n] without gradient."""
+    (SINCERE's pair terms), and the positives' log-sum-exp [n] without gradient. The
+    positives of a tile are gathered and their logits taken as dot products: O(P D) in
+    all, about 1/C of the logits' matmul for C classes."""
 
     @staticmethod
     def forward(ctx, anchors: Tensor, columns: Tensor, lse_neg: Tensor, eps: float,
                 positives: PositiveTiles) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
-        totals, lses = [], []
-        for block in row_blocks(anchors.shape[0], positives.tile_size, anchors.device):
-            block_anchors, block_lse = anchors[block], lse_neg[block, None]
-            total = anchors.new_zeros(block_anchors.shape[0])
-            running = _Running(block_anchors.shape[0], anchors)
-            for start in range(0, columns.shape[0], positives.tile_size):
-                stop = min(start + positives.tile_size, columns.shape[0])
-                logits = block_anchors @ columns[start:stop].T
-                mask = positives.tile(start, stop, block)
-                terms = torch.nn.functional.softplus(block_lse - logits + eps) - eps
-                total += torch.where(mask, terms, terms.new_zeros(())).sum(1)
-                running.update(logits.masked_fill_(~mask, MASKED_LOGIT))
-            totals.append(total)
-            lses.append(running.lse())
+        n = anchors.shape[0]
+        total = anchors.new_zeros(n)
+        top, sums = anchors.new_full((n,), MASKED_LOGIT), anchors.new_zeros(n)
+        for rows, cols in _tile_pairs(positives, n, columns.shape[0], anchors.device):
+            logits = torch.linalg.vecdot(anchors[rows], columns[cols])  # [P_t]
+            terms = torch.nn.functional.softplus(lse_neg[rows] - logits + eps) - eps
+            total.index_add_(0, rows, terms)
+            new_top = top.scatter_reduce(0, rows, logits, reduce="amax")
+            sums = sums * torch.exp(top - new_top) + torch.zeros_like(sums).index_add_(
+                0, rows, torch.exp(logits - new_top[rows]))
+            top = new_top
         ctx.eps, ctx.positives = eps, positives
         ctx.save_for_backward(anchors, columns, lse_neg)
-        pos_lse = torch.cat(lses)
+        pos_lse = top + torch.log(sums.clamp(min=torch.finfo(sums.dtype).tiny))
         ctx.mark_non_differentiable(pos_lse)
-        return torch.cat(totals), pos_lse
+        return total, pos_lse
 
     @staticmethod
     def backward(ctx, grad_total: Tensor | None, _: None) -> tuple[Tensor | None, ...]:
         if grad_total is None:
             return None, None, None, None, None
         anchors, columns, lse_neg = ctx.saved_tensors
-        positives: PositiveTiles = ctx.positives
         grad_anchors, grad_columns = torch.zeros_like(anchors), torch.zeros_like(columns)
         grad_lse = torch.zeros_like(lse_neg)
-        for block in row_blocks(anchors.shape[0], positives.tile_size, anchors.device):
-            block_anchors = anchors[block]
-            for start in range(0, columns.shape[0], positives.tile_size):
-                stop = min(start + positives.tile_size, columns.shape[0])
-                part = columns[start:stop]
-                slope = torch.sigmoid(lse_neg[block, None] - block_anchors @ part.T + ctx.eps)
-                slope = torch.where(positives.tile(start, stop, block), slope,
-                                    slope.new_zeros(()))
-                slope.mul_(grad_total[block, None])  # d total / d lse_neg; -d total / d l
-                grad_lse[block] += slope.sum(1)
-                grad_anchors[block] -= slope @ part
-                grad_columns[start:stop] -= slope.T @ block_anchors
+        for rows, cols in _tile_pairs(ctx.positives, anchors.shape[0], columns.shape[0],
+                                      anchors.device):
+            logits = torch.linalg.vecdot(anchors[rows], columns[cols])
+            # d total / d lse_neg = sigmoid(...) = -d total / d l, times the incoming grad
+            slope = torch.sigmoid(lse_neg[rows] - logits + ctx.eps) * grad_total[rows]
+            grad_lse.index_add_(0, rows, slope)
+            grad_anchors.index_add_(0, rows, -slope[:, None] * columns[cols])
+            grad_columns.index_add_(0, cols, -slope[:, None] * anchors[rows])
         return grad_anchors, grad_columns, grad_lse, None, None
 
 

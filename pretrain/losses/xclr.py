@@ -158,7 +158,7 @@ def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
             negative_logit_sum = tiled.negative_logit_sum
         else:
             rows = row_logsumexp(batch, anchors, batch.candidates, COLUMNS, monitors=True)
-            lse, ess, negative_logit_sum = rows
+            lse, ess, negative_logit_sum = rows.lse, rows.ess, rows.negative_logit_sum
             kind, sim = target_groups(batch, target_temperature)
             if batch.num_negatives is None:
                 term, entropy = _grouped_target_term(batch, kind, sim, temperature)
