@@ -89,6 +89,7 @@ class DataConfig:
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
     draft_decode: bool = True  # decode JPEGs at the reduced size every view allows (1/2-1/8)
     prefetch: int = 2  # batches each loader worker prepares ahead
+    persistent_workers: bool = True  # training: keep the workers from one epoch to the next
     pin_memory: bool = True  # page-locked batches for faster host-to-GPU copies (CUDA only)
     retries: int = 5  # remote shards: read attempts before failing (resumes mid-shard)
     retry_wait: float = 1.0  # remote shards: seconds before the first retry, doubling after

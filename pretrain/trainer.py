@@ -26,7 +26,7 @@ from core.collectives import mean_over_ranks_on_device, sum_over_ranks, totals_o
 from core.config import InvalidValue
 from core.runtime import Runtime, autocast, peak_memory_mib
 from data_pipeline.config import DataConfig
-from data_pipeline.loader import LoaderState, train_batches
+from data_pipeline.loader import LoaderState, TrainLoader
 from data_pipeline.samples import SKIP_REASONS
 from data_pipeline.text import TextConfig
 from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state
@@ -147,12 +147,13 @@ class Trainer:
         if self.cfg.chunk_size and rt.is_main:
             log.info("encoder runs in chunks of at most %d rows per rank, with the cached "
                      "embedding gradient (train.chunk_size)", self.cfg.chunk_size)
+        loader = TrainLoader(self.p.data_cfg, rt.rank, rt.world, self.loader_state, self.p.text)
         while self.step < self.p.total_steps:
-            for batch in train_batches(self.p.data_cfg, rt.rank, rt.world, self.loader_state,
-                                       self.p.text):
+            for batch in loader.epoch():
                 self.train_step(batch, bar)
                 if self.step >= self.p.total_steps:
                     break
+        loader.close()
         bar.close()
         if self.last_saved != self.step:
             self.save()

@@ -58,6 +58,7 @@ class TrainStream(IterableDataset):
         self.state, self.text = state or LoaderState(), text
         if cfg.caption_store:  # fail at start on a broken store; workers re-open it (mmap)
             CaptionStore.open(cfg.caption_store)
+        self.epochs_begun = 0  # by this copy: persistent workers count their own epochs
         self.batches_per_epoch = shards.total // (world * cfg.batch_size)
         if self.batches_per_epoch == 0:
             raise ValueError(f"data.batch_size={cfg.batch_size} x {world} ranks exceeds the "
@@ -66,8 +67,18 @@ class TrainStream(IterableDataset):
     def __len__(self) -> int:
         return self.batches_per_epoch - self.state.batches
 
+    def position(self) -> tuple[int, int, list[str]]:
+        """(epoch, first batch, known undecodable keys) of the epoch an iteration delivers.
+        The main process reads the live state; a worker holds a copy of the state as it was
+        when the workers started, so a persistent worker's later iterations are the epochs
+        after it, from their first batch."""
+        begun, self.epochs_begun = self.epochs_begun, self.epochs_begun + 1
+        if get_worker_info() is None or begun == 0:
+            return self.state.epoch, self.state.batches, self.state.bad_keys
+        return self.state.epoch + begun, 0, []
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        epoch, start = self.state.epoch, self.state.batches
+        epoch, start, bad_keys = self.position()
         worker_id, workers = worker_slot()
         # The DataLoader polls workers round-robin from worker 0, and batch `start` belongs
         # to stream start % K: worker i carries on stream (i + start) % K.
@@ -75,7 +86,7 @@ class TrainStream(IterableDataset):
         rng = random.Random(stable_int(self.cfg.seed, epoch, self.rank, worker, workers))
         checker = SampleChecker(len(self.shards.class_names), self.cfg.max_skip_fraction)
         reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry)
-        replay = Replay(bad_keys=set(self.state.bad_keys))
+        replay = Replay(bad_keys=set(bad_keys))
         instances = self._instances(self._shuffled(rng, reader), checker, replay)
         collate = TrainCollator(self.cfg, self.text, reader.store)
         counter = 0

@@ -1,0 +1,105 @@
+"""Training batches epoch after epoch, from one DataLoader whose workers persist.
+
+A DataLoader made per epoch starts its worker processes again at every epoch boundary and
+the trainer waits while they open shards and fill their shuffle buffers. With
+``data.persistent_workers`` one DataLoader serves the whole run, and when the last batch
+of an epoch arrives the workers are already sent on to the next epoch, so their start-up
+overlaps the trainer's last step. The order of batches is the same either way: each
+worker counts the epochs it has begun (:meth:`TrainStream.position`), so the batches of
+epoch e are those a fresh loader would deliver for e.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from data_pipeline.config import DataConfig
+from data_pipeline.loader.state import LoaderState
+from data_pipeline.loader.train import TrainStream
+from data_pipeline.shards import ShardSet
+from data_pipeline.text import TextConfig
+
+log = logging.getLogger(__name__)
+
+
+def loader_options(cfg: DataConfig) -> dict[str, Any]:
+    """Worker count, prefetch depth and pinned host memory (when a GPU will copy it)."""
+    options: dict[str, Any] = {"num_workers": cfg.workers,
+                               "pin_memory": cfg.pin_memory and torch.cuda.is_available()}
+    if cfg.workers > 0:
+        options["prefetch_factor"] = cfg.prefetch
+    return options
+
+
+class TrainLoader:
+    """One rank's training batches, an epoch per :meth:`epoch` call, from ``state`` on
+    (updated as batches arrive; a checkpoint saves it)."""
+
+    def __init__(self, cfg: DataConfig, rank: int = 0, world: int = 1,
+                 state: LoaderState | None = None, text: TextConfig | None = None) -> None:
+        self.cfg, self.state = cfg, state or LoaderState()
+        shards = ShardSet.open(cfg.shards, cfg.verify_checksums, cfg.retry)
+        self.stream = TrainStream(cfg, shards, rank, world, self.state, text)
+        self.persistent = cfg.persistent_workers and cfg.workers > 0
+        self.loader: DataLoader | None = None
+        self.prepared: Iterator[dict[str, Any]] | None = None  # the next epoch's, started
+
+    def _start(self) -> Iterator[dict[str, Any]]:
+        if self.loader is None or not self.persistent:
+            self.loader = DataLoader(self.stream, batch_size=None,
+                                     persistent_workers=self.persistent,
+                                     **loader_options(self.cfg))
+        return iter(self.loader)
+
+    def epoch(self) -> Iterator[dict[str, Any]]:
+        """The batches of the current epoch; the state moves to the next epoch after the
+        last one. An epoch left unfinished ends the workers (the next call starts anew
+        from the state)."""
+        batches = self.prepared if self.prepared is not None else self._start()
+        self.prepared = None
+        skips: Counter = Counter()
+        finished = False
+        try:
+            for batch in batches:
+                self.state.record(batch)
+                skips.update(batch["skipped"])
+                last = self.state.batches == self.stream.batches_per_epoch
+                if last and self.persistent:
+                    next(batches, None)  # the end of this epoch: every worker is done
+                    # workers begin the next epoch now (a persistent loader hands out the
+                    # same iterator again, reset: hence the break below)
+                    self.prepared = self._start()
+                yield batch
+                if last:
+                    break
+            finished = True
+        finally:
+            if not finished:
+                self.close()
+        if skips:
+            log.warning("data: epoch %d skipped %s (totals so far %s)", self.state.epoch,
+                        dict(skips), self.state.skipped)
+        self.state.next_epoch()
+
+    def close(self) -> None:
+        """End the worker processes (they also end with the process)."""
+        self.prepared = self.loader = None
+
+
+def train_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
+                  state: LoaderState | None = None,
+                  text: TextConfig | None = None) -> Iterator[dict[str, Any]]:
+    """One epoch of training batches from ``state`` on (updating it as batches arrive),
+    from a loader of its own.
+
+    ``text``: tokenise each instance's caption with this sentence model (CLIP).
+    """
+    single = dataclasses.replace(cfg, persistent_workers=False)
+    yield from TrainLoader(single, rank, world, state, text).epoch()

@@ -1,0 +1,91 @@
+"""Persistent loader workers: the same batches as a loader made per epoch, exact resume,
+and workers that outlive an epoch."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from data_pipeline.loader import LoaderState, TrainLoader, train_batches
+from tests.data_pipeline.test_loader import config, planted_set
+
+EPOCHS = 3
+
+
+def epochs_per_loader(cfg, state: LoaderState, epochs: int) -> list[list[dict]]:
+    """The reference: a fresh single-epoch loader for every epoch."""
+    return [list(train_batches(cfg, state=state)) for _ in range(epochs)]
+
+
+def assert_same(got: list[list[dict]], want: list[list[dict]]) -> None:
+    assert [len(e) for e in got] == [len(e) for e in want]
+    for got_epoch, want_epoch in zip(got, want, strict=True):
+        for a, b in zip(got_epoch, want_epoch, strict=True):
+            assert a["keys"] == b["keys"] and a["skipped"] == b["skipped"]
+            assert torch.equal(a["images"], b["images"])
+
+
+def test_persistent_workers_deliver_every_epoch_as_a_loader_per_epoch_does(tmp_path):
+    planted_set(tmp_path)  # undecodable samples: skips must be counted in every epoch
+    cfg = config(tmp_path, batch_size=4, shuffle_buffer=8)
+    want_state, got_state = LoaderState(), LoaderState()
+    want = epochs_per_loader(cfg, want_state, EPOCHS)
+    loader = TrainLoader(cfg, state=got_state)
+    got = [list(loader.epoch()) for _ in range(EPOCHS)]
+    loader.close()
+    assert_same(got, want)
+    assert got_state == want_state and got_state.epoch == EPOCHS
+    assert got[0][0]["keys"] != got[1][0]["keys"]  # the epochs differ
+
+
+def test_the_workers_outlive_an_epoch(tmp_path):
+    planted_set(tmp_path)
+    loader = TrainLoader(config(tmp_path, batch_size=4))
+    pids = []
+    for _ in range(EPOCHS):
+        for _batch in loader.epoch():
+            pass
+        pids.append(sorted(w.pid for w in loader.loader._iterator._workers))
+    assert pids[0] == pids[1] == pids[2]
+    single = TrainLoader(config(tmp_path, batch_size=4, persistent_workers=False))
+    assert not single.persistent
+    loader.close()
+
+
+def test_a_persistent_loader_resumes_mid_epoch_exactly(tmp_path):
+    planted_set(tmp_path)
+    cfg = config(tmp_path, batch_size=4, shuffle_buffer=8)
+    state = LoaderState()
+    loader = TrainLoader(cfg, state=state)
+    full, snapshot = [], None
+    for epoch in range(EPOCHS):
+        full.append([])
+        for batch in loader.epoch():
+            full[-1].append(batch)
+            if epoch == 1 and state.batches == 2:
+                snapshot = copy.deepcopy(state)
+    loader.close()
+    resumed = TrainLoader(cfg, state=snapshot)
+    got = [list(resumed.epoch()) for _ in range(EPOCHS - 1)]
+    resumed.close()
+    assert_same(got, [full[1][2:], full[2]])
+
+
+def test_an_unfinished_epoch_continues_from_the_state(tmp_path):
+    """A consumer that stops taking batches mid-epoch ends the workers; the next epoch()
+    call carries on where the state says, as a resumed run would."""
+    planted_set(tmp_path)
+    cfg = config(tmp_path, batch_size=4, shuffle_buffer=8)
+    want = epochs_per_loader(cfg, LoaderState(), 2)
+    state = LoaderState()
+    loader = TrainLoader(cfg, state=state)
+    head = []
+    for batch in loader.epoch():
+        head.append(batch)
+        if len(head) == 3:
+            break
+    assert loader.loader is None and state.batches == 3
+    rest = [list(loader.epoch()) for _ in range(2)]
+    loader.close()
+    assert_same([head + rest[0], rest[1]], want)
