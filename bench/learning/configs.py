@@ -52,6 +52,7 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     "sweep_infonce_crop0.5": ("infonce.yaml", ("data.crop_min_scale=0.5",)),
     "sweep_infonce_width64": ("infonce.yaml", ("model.width=64",)),
     "sweep_infonce_epochs20": ("infonce.yaml", ("train.epochs=20",)),
+    "sweep_infonce_epochs30": ("infonce.yaml", ("train.epochs=30",)),
     "sweep_infonce_gray1.0": ("infonce.yaml", ("data.grayscale=1.0",)),
     "sweep_infonce_gray0": ("infonce.yaml", ("data.grayscale=0.0",)),
     "sweep_infonce_split_views": ("infonce.yaml", ("model.split_views=true",)),
