@@ -3,6 +3,7 @@ the caption-store rows or caption tokens the objective needs."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -12,41 +13,42 @@ from data_pipeline.config import DataConfig
 from data_pipeline.graph.store import CaptionStore
 from data_pipeline.samples import RawSample, SkipLog, stable_int
 from data_pipeline.text import TextConfig, load_tokenizer, tokenize
-from data_pipeline.transforms import eval_view, view_transform
+from data_pipeline.transforms import eval_view
+from data_pipeline.views import PerView, batch_views
 
 Instance = list[tuple[RawSample, Any]]  # one image (views) or two of one class (same_label)
 
 
 class TrainCollator:
     """``(instances, seeds, skips) -> batch``. Each instance's views are drawn under its
-    own seed, so a batch does not depend on which worker built it."""
+    own seed, so a batch does not depend on which worker built it; the drawn views are
+    then rendered as one batch (``data_pipeline/views.py``)."""
 
     def __init__(self, cfg: DataConfig, text: TextConfig | None,
                  store: CaptionStore | None) -> None:
-        self.augment = view_transform(cfg.augment, cfg.resolution, cfg.crop_min_scale,
-                                      cfg.color_strength, cfg.grayscale, cfg.blur, cfg.flip,
-                                      cfg.hue)
-        self.augment_second = self.augment if cfg.grayscale_second is None else view_transform(
-            cfg.augment, cfg.resolution, cfg.crop_min_scale, cfg.color_strength,
-            cfg.grayscale_second, cfg.blur, cfg.flip, cfg.hue)  # asymmetric views (BYOL)
-        self.plain = eval_view(cfg.resolution)
+        views = functools.partial(batch_views, cfg.augment, cfg.resolution,
+                                  cfg.crop_min_scale, cfg.color_strength, blur=cfg.blur,
+                                  flip=cfg.flip, hue=cfg.hue)
+        if cfg.pairing == "same_label":  # two images of a class, not augmented
+            self.first = self.second = PerView(eval_view(cfg.resolution))
+        else:
+            self.first = views(grayscale=cfg.grayscale)
+            self.second = self.first if cfg.grayscale_second is None else views(
+                grayscale=cfg.grayscale_second)  # asymmetric views (BYOL)
         self.text, self.store, self.tokenizer = text, store, None
 
     def __call__(self, group: list[Instance], seeds: list[int], skips: SkipLog,
                  ) -> dict[str, Any]:
         first, second = [], []
-        for instance, seed in zip(group, seeds, strict=True):
-            with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
+            for instance, seed in zip(group, seeds, strict=True):
                 torch.manual_seed(seed)
-                if len(instance) == 1:
-                    first.append(self.augment(instance[0][1]))
-                    second.append(self.augment_second(instance[0][1]))
-                else:
-                    first.append(self.plain(instance[0][1]))
-                    second.append(self.plain(instance[1][1]))
+                # one image drawn twice (views), or the two images of a class (same_label)
+                first.append(self.first.draw(instance[0][1]))
+                second.append(self.second.draw(instance[-1][1]))
         heads = [instance[0][0] for instance in group]
         batch = {
-            "images": torch.stack(first + second),  # [2B, 3, R, R]: view 1 rows, then view 2
+            "images": self.first.render(first + second),  # [2B, 3, R, R]: view 1s, view 2s
             "ids": torch.tensor([stable_int(s.key) for s in heads]).repeat(2),
             "keys": ["+".join(s.key for s, _ in instance) for instance in group],
             "captions": [s.caption for s in heads],

@@ -1,0 +1,68 @@
+"""SimCLR views per image (torchvision's transforms, one call per view) against the batched
+views the training loader renders (``data_pipeline/views.py``), on one core.
+
+    python -m bench.views
+    python -m bench.views --batch 256 --rounds 5
+
+Both produce the same tensors (``tests/data_pipeline/test_views.py``); the table reports
+milliseconds per view and the batched/per-view time ratio for each recipe and size.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import machine, print_table, time_interleaved, write_json
+from data_pipeline.transforms import simclr_view
+from data_pipeline.views import SimCLRViews
+
+RECIPES = {
+    "cluttered self-supervised (hue 0.5, gray 0.5)": {
+        "min_scale": 0.3, "color_strength": 1.0, "grayscale": 0.5, "blur": 0.0, "flip": 0.0,
+        "hue": 0.5},
+    "SimCLR CIFAR (s 0.5, blur 0.5)": {"min_scale": 0.08, "color_strength": 0.5,
+                                       "grayscale": 0.2, "blur": 0.5, "flip": 0.5},
+}
+SIZES = [(40, 32), (36, 32), (256, 224)]  # (decoded image side, view resolution)
+
+
+def cases(pictures: list[torch.Tensor], resolution: int,
+          recipe: dict) -> dict[str, Callable[[], torch.Tensor]]:
+    reference = simclr_view(resolution, **recipe)
+    batched = SimCLRViews(resolution, **recipe)
+    return {"per_view": lambda: torch.stack([reference(p) for p in pictures]),
+            "batched": lambda: batched.render([batched.draw(p) for p in pictures])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/views.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # a loader worker's share
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, recipe in RECIPES.items():
+        for side, resolution in SIZES:
+            if side == 36 and "cluttered" in name:
+                continue
+            pictures = [torch.randint(0, 256, (3, side, side), generator=gen,
+                                      dtype=torch.uint8) for _ in range(args.batch)]
+            times = time_interleaved(cases(pictures, resolution, recipe), args.rounds)
+            rows.append({"recipe": name, "image": f"{side} px -> {resolution} px",
+                         "per_view_ms": 1000 * times["per_view"] / args.batch,
+                         "batched_ms": 1000 * times["batched"] / args.batch,
+                         "batched_vs_per_view": times["batched"] / times["per_view"]})
+    write_json(args.out, {"machine": machine(), "batch": args.batch, "threads": 1,
+                          "rows": rows})
+    print(f"SimCLR views, batches of {args.batch}, one thread; ms per view")
+    print_table(rows, ["recipe", "image", "per_view_ms", "batched_ms", "batched_vs_per_view"])
+
+
+if __name__ == "__main__":
+    main()
