@@ -53,6 +53,7 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     "sweep_infonce_width64": ("infonce.yaml", ("model.width=64",)),
     "sweep_infonce_epochs20": ("infonce.yaml", ("train.epochs=20",)),
     "sweep_infonce_epochs30": ("infonce.yaml", ("train.epochs=30",)),
+    "sweep_flatnce_epochs30": ("flatnce.yaml", ("train.epochs=30",)),
     "sweep_infonce_gray1.0": ("infonce.yaml", ("data.grayscale=1.0",)),
     "sweep_infonce_gray0": ("infonce.yaml", ("data.grayscale=0.0",)),
     "sweep_infonce_split_views": ("infonce.yaml", ("model.split_views=true",)),
