@@ -189,9 +189,15 @@ class ContrastiveBatch:
 
     def _dropped(self, columns: ColumnSet) -> tuple[Tensor, Tensor]:
         """(rows, cols) left out of ``columns`` when every negative is kept."""
-        pairs = [] if columns.self_column else [self.self_pairs()]
-        if not columns.positives:
-            pairs.append(self.positive_pairs(columns.kind))
+        return self.non_negative_pairs(columns.kind, positives=not columns.positives,
+                                       self_column=not columns.self_column)
+
+    def non_negative_pairs(self, kind: PositiveKind, positives: bool,
+                           self_column: bool) -> tuple[Tensor, Tensor]:
+        """(rows, cols) [P] each of the anchors' positive pairs and/or self pairs."""
+        pairs = [self.positive_pairs(kind)] if positives else []
+        if self_column:
+            pairs.append(self.self_pairs())
         if not pairs:
             empty = self.anchor_index[:0]
             return empty, empty

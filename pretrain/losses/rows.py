@@ -90,9 +90,6 @@ def _negatives_only(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tenso
         return probs
     if batch.num_negatives is not None:
         return torch.where(batch.negative_mask(column_set.kind), probs, probs.new_zeros(()))
-    pairs = [] if not column_set.positives else [batch.positive_pairs(column_set.kind)]
-    if column_set.self_column:
-        pairs.append(batch.self_pairs())
-    rows = torch.cat([p[0] for p in pairs])
-    cols = torch.cat([p[1] for p in pairs])
-    return probs.index_put((rows, cols), probs.new_zeros(()))
+    pairs = batch.non_negative_pairs(column_set.kind, column_set.positives,
+                                     column_set.self_column)
+    return probs.index_put(pairs, probs.new_zeros(()))
