@@ -69,15 +69,16 @@ class SimCLRViews:
     def __init__(self, resolution: int, min_scale: float = 0.08, color_strength: float = 0.5,
                  grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
                  hue: float | None = None) -> None:
-        self.pipeline = simclr_view(resolution, min_scale, color_strength, grayscale, blur,
-                                    flip, hue)
-        crop, flip_t, jitter_apply, gray, blur_apply, *_ = self.pipeline.transforms
+        # simclr_view's own transform objects (one source of truth for the recipe), the
+        # colour steps among them turned into recorders; its normalisation is left out
+        crop, flip_step, jitter_apply, gray, blur_apply = simclr_view(
+            resolution, min_scale, color_strength, grayscale, blur, flip, hue).transforms[:5]
+        assert isinstance(blur_apply.transforms[0], SeparableGaussianBlur)
         self.jitter = _deferred(jitter_apply.transforms[0])
         self.gray = _deferred(gray)
         self.blur = _deferred(blur_apply.transforms[0])
         self.kernel_size = self.blur.kernel_size
-        self.draw_steps = self.pipeline.transforms[:5]
-        assert isinstance(self.blur, SeparableGaussianBlur)
+        self.draw_steps = [crop, flip_step, jitter_apply, self.gray, blur_apply]
 
     def draw(self, image: Tensor) -> DrawnView:
         """Consumes the random stream exactly as ``simclr_view`` does for ``image``."""
