@@ -79,7 +79,7 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
                                         ("objective.target_temperature=0.1",)),
     "sweep_xclr_captions_tau_s0.05": ("xclr_captions.yaml",
                                       ("objective.target_temperature=0.05",)),
-    "sweep_xclr_captions_epochs30": ("xclr_captions.yaml", ("train.epochs=30",)),
+    "sweep_xclr_captions_epochs10": ("xclr_captions.yaml", TEN),
     "sweep_xclr_captions_no_color_jitter": ("xclr_captions.yaml", (
         "data.color_strength=0.0", "data.grayscale=0.0")),
 }
