@@ -5,11 +5,13 @@ raw tar read rate.
     python -m bench.data_pipeline                    # 600 JPEGs of ~400 x 350 px, 224 px views
     python -m bench.data_pipeline --images 200       # quicker
     python -m bench.data_pipeline --size 1000x750 --images 300   # full-size photos
+    python -m bench.data_pipeline --step-rate        # with a GPU: is ResNet-50 (bf16) fed?
 
 The JPEGs are the bundled digits upsampled to ImageNet's mean size with film-grain noise,
 so they compress like photographs (~60-90 KB) rather than like flat line drawings. Both
 loaders use every core as a worker; the table reports images per second (each image gives
-two augmented views) and per core.
+two augmented views) and per core. With DALI installed a row times ``data.backend=dali``:
+nvJPEG and the views on the GPU when there is one, DALI's CPU operators otherwise.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
+from torchvision.models import resnet50
 from torchvision.transforms import v2
 
 from bench.common import machine, print_table, write_json
 from data_pipeline.config import DataConfig, ShardsConfig
+from data_pipeline.dali.device import dali_available
 from data_pipeline.loader import train_batches
 from data_pipeline.make_shards import make_shards
 from data_pipeline.manifest import Manifest
@@ -86,14 +90,40 @@ def time_imagefolder(root: Path, batch: int, workers: int, stock: bool) -> float
     return images / (time.perf_counter() - start)
 
 
-def time_stream(shards: Path, batch: int, workers: int, draft: bool = True) -> float:
+def time_stream(shards: Path, batch: int, workers: int, draft: bool = True,
+                backend: str = "cpu", device: torch.device | None = None) -> float:
     cfg = DataConfig(shards=str(shards), batch_size=batch, workers=workers,
                      resolution=RESOLUTION, augment="simclr", crop_min_scale=0.08,
-                     draft_decode=draft)
+                     draft_decode=draft, backend=backend)
     start, images = time.perf_counter(), 0
-    for b in train_batches(cfg):
+    for b in train_batches(cfg, device=device):
         images += b["images"].shape[0] // 2
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
     return images / (time.perf_counter() - start)
+
+
+def step_rate(batch: int, device: torch.device, steps: int = 5) -> float:
+    """Images/s (two views each) of ResNet-50 training steps at 224 px on ``device`` (bf16
+    autocast on CUDA), after two warm-up steps: the rate the loader has to feed."""
+    model = resnet50().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    views = torch.randn(2 * batch, 3, RESOLUTION, RESOLUTION, device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    start = 0.0
+    for step in range(steps + 2):
+        if step == 2:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            loss = model(views).float().logsumexp(dim=1).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return steps * batch / (time.perf_counter() - start)
 
 
 def tar_read_rate(shards: Path) -> tuple[float, float]:
@@ -113,6 +143,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--size", default="400x350", help="JPEG width x height")
     parser.add_argument("--workdir", type=Path, default=Path("bench/results/data_pipeline"))
+    parser.add_argument("--step-rate", action="store_true",
+                        help="also time ResNet-50 training steps: is the GPU fed?")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: bench/results/data_pipeline[-WxH].json")
     args = parser.parse_args()
@@ -138,7 +170,12 @@ def main() -> None:
         rounds["imagefolder"].append(time_imagefolder(tree, args.batch, cores, stock=True))
         rounds["imagefolder_our_transforms"].append(
             time_imagefolder(tree, args.batch, cores, stock=False))
-    stream, folder, folder_ours, full = (float(np.median(v)) for v in rounds.values())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dali_available():  # DALI's CPU operators here, nvJPEG with a GPU
+        rounds["dali"] = [time_stream(shards, args.batch, cores, backend="dali", device=device)
+                          for _ in range(3)]
+    stream, folder, folder_ours, full = (float(np.median(rounds[k])) for k in (
+        "stream", "imagefolder", "imagefolder_our_transforms", "stream_full_decode"))
     tar_samples, tar_mib = tar_read_rate(shards)
     rows = [
         {"loader": "WebDataset stream (ours)", "images_per_s": stream,
@@ -152,6 +189,15 @@ def main() -> None:
         {"loader": "raw tar read (no decode)", "images_per_s": tar_samples,
          "per_core": tar_samples, "vs_imagefolder": None},
     ]
+    if "dali" in rounds:
+        dali = float(np.median(rounds["dali"]))
+        rows.insert(2, {"loader": f"WebDataset stream, data.backend=dali on {device.type}",
+                        "images_per_s": dali, "per_core": dali / cores,
+                        "vs_imagefolder": dali / folder})
+    if args.step_rate:
+        rate = step_rate(args.batch, device)
+        rows.append({"loader": f"ResNet-50 training steps on {device.type} (to feed)",
+                     "images_per_s": rate, "per_core": None, "vs_imagefolder": None})
     write_json(out, {"machine": machine(), "cores": cores, "images": args.images,
                           "size": args.size,
                           "mean_jpeg_kib": mean_kb, "resolution": RESOLUTION, "rows": rows,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
@@ -87,6 +88,7 @@ class DataConfig:
     max_skip_fraction: float = 0.01  # fail when more than this fraction of samples is bad
     verify_checksums: bool = False  # hash every shard against the manifest before reading
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
+    backend: Literal["cpu", "dali"] = "cpu"  # training views: CPU workers, or DALI (GPU)
     draft_decode: bool = True  # decode JPEGs at the reduced size every view allows (1/2-1/8)
     prefetch: int = 2  # batches each loader worker prepares ahead
     persistent_workers: bool = True  # training: keep the workers from one epoch to the next
@@ -116,5 +118,10 @@ class DataConfig:
             raise InvalidValue("color_strength", "need color_strength >= 0 and hue in [0, 0.5]")
         if self.retries < 1 or self.retry_wait < 0:
             raise InvalidValue("retries", "need retries >= 1 and retry_wait >= 0")
+        if self.backend == "dali" and (self.augment, self.pairing) != ("simclr", "views"):
+            raise InvalidValue("backend", "dali renders SimCLR views of one image: needs "
+                                          "data.augment=simclr and data.pairing=views")
+        if self.backend == "dali" and importlib.util.find_spec("nvidia.dali") is None:
+            raise InvalidValue("backend", "dali needs NVIDIA DALI: pip install '.[dali]'")
         if not 0 < self.crop_min_scale <= 1:
             raise InvalidValue("crop_min_scale", f"must lie in (0, 1], got {self.crop_min_scale}")

@@ -99,6 +99,11 @@ def _finish() -> list[v2.Transform]:
     return [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]
 
 
+def view_kernel_size(resolution: int) -> int:
+    """SimCLR's blur kernel: odd, about 10% of the view's side."""
+    return max(3, (resolution // 10) | 1)
+
+
 def simclr_view(resolution: int, min_scale: float = 0.08, color_strength: float = 0.5,
                 grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
                 hue: float | None = None) -> v2.Compose:
@@ -106,7 +111,7 @@ def simclr_view(resolution: int, min_scale: float = 0.08, color_strength: float 
     colour jitter of strength s (brightness, contrast, saturation 0.8 s, hue 0.2 s or
     ``hue``, capped at a full turn 0.5; applied with p = 0.8), grayscale with p =
     ``grayscale``, Gaussian blur with p = ``blur``."""
-    kernel = max(3, (resolution // 10) | 1)  # odd, ~10% of the image as in SimCLR
+    kernel = view_kernel_size(resolution)
     s = color_strength
     return v2.Compose([
         v2.RandomResizedCrop(resolution, scale=(min_scale, 1.0), antialias=True),

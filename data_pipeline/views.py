@@ -56,7 +56,9 @@ class _Deferred:
         return inpt
 
 
-def _deferred(transform: Any) -> Any:
+def recording(transform: Any) -> Any:
+    """``transform`` (a torchvision transform object), made to record its params in
+    ``.recorded`` instead of applying them: its random draws stay its own."""
     transform.__class__ = type(f"Deferred{type(transform).__name__}",
                                (_Deferred, type(transform)), {})
     return transform
@@ -74,9 +76,9 @@ class SimCLRViews:
         crop, flip_step, jitter_apply, gray, blur_apply = simclr_view(
             resolution, min_scale, color_strength, grayscale, blur, flip, hue).transforms[:5]
         assert isinstance(blur_apply.transforms[0], SeparableGaussianBlur)
-        self.jitter = _deferred(jitter_apply.transforms[0])
-        self.gray = _deferred(gray)
-        self.blur = _deferred(blur_apply.transforms[0])
+        self.jitter = recording(jitter_apply.transforms[0])
+        self.gray = recording(gray)
+        self.blur = recording(blur_apply.transforms[0])
         self.kernel_size = self.blur.kernel_size
         self.draw_steps = [crop, flip_step, jitter_apply, self.gray, blur_apply]
 

@@ -147,7 +147,8 @@ class Trainer:
         if self.cfg.chunk_size and rt.is_main:
             log.info("encoder runs in chunks of at most %d rows per rank, with the cached "
                      "embedding gradient (train.chunk_size)", self.cfg.chunk_size)
-        loader = TrainLoader(self.p.data_cfg, rt.rank, rt.world, self.loader_state, self.p.text)
+        loader = TrainLoader(self.p.data_cfg, rt.rank, rt.world, self.loader_state, self.p.text,
+                             rt.device)
         while self.step < self.p.total_steps:
             for batch in loader.epoch():
                 self.train_step(batch, bar)

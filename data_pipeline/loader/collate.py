@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from data_pipeline.config import DataConfig
+from data_pipeline.dali.params import SimCLRParams
 from data_pipeline.graph.store import CaptionStore
 from data_pipeline.samples import RawSample, SkipLog, stable_int
 from data_pipeline.text import TextConfig, load_tokenizer, tokenize
@@ -26,9 +27,11 @@ class TrainCollator:
 
     def __init__(self, cfg: DataConfig, text: TextConfig | None,
                  store: CaptionStore | None) -> None:
-        views = functools.partial(batch_views, cfg.augment, cfg.resolution,
-                                  cfg.crop_min_scale, cfg.color_strength, blur=cfg.blur,
-                                  flip=cfg.flip, hue=cfg.hue)
+        # the DALI backend draws parameters only: the main process renders the views
+        kind = (SimCLRParams if cfg.backend == "dali"
+                else functools.partial(batch_views, cfg.augment))
+        views = functools.partial(kind, cfg.resolution, cfg.crop_min_scale,
+                                  cfg.color_strength, blur=cfg.blur, flip=cfg.flip, hue=cfg.hue)
         if cfg.pairing == "same_label":  # two images of a class, not augmented
             self.first = self.second = PerView(eval_view(cfg.resolution))
         else:
@@ -47,8 +50,9 @@ class TrainCollator:
                 first.append(self.first.draw(instance[0][1]))
                 second.append(self.second.draw(instance[-1][1]))
         heads = [instance[0][0] for instance in group]
+        views = self.first.render(first + second)  # [2B, 3, R, R]: view 1s, view 2s
         batch = {
-            "images": self.first.render(first + second),  # [2B, 3, R, R]: view 1s, view 2s
+            **(views if isinstance(views, dict) else {"images": views}),
             "ids": torch.tensor([stable_int(s.key) for s in heads]).repeat(2),
             "keys": ["+".join(s.key for s, _ in instance) for instance in group],
             "captions": [s.caption for s in heads],

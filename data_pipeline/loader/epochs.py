@@ -21,10 +21,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from data_pipeline.config import DataConfig
+from data_pipeline.dali.device import DaliViews
 from data_pipeline.loader.state import LoaderState
 from data_pipeline.loader.train import TrainStream
 from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
+from data_pipeline.transforms import view_kernel_size
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +45,15 @@ class TrainLoader:
     (updated as batches arrive; a checkpoint saves it)."""
 
     def __init__(self, cfg: DataConfig, rank: int = 0, world: int = 1,
-                 state: LoaderState | None = None, text: TextConfig | None = None) -> None:
+                 state: LoaderState | None = None, text: TextConfig | None = None,
+                 device: torch.device | None = None) -> None:
         self.cfg, self.state = cfg, state or LoaderState()
         shards = ShardSet.open(cfg.shards, cfg.verify_checksums, cfg.retry)
         self.stream = TrainStream(cfg, shards, rank, world, self.state, text)
+        # data.backend=dali: workers send encoded images, views are made on ``device``
+        self.device_views = (DaliViews(cfg.resolution, view_kernel_size(cfg.resolution),
+                                       device or torch.device("cpu"), max(1, cfg.workers))
+                             if cfg.backend == "dali" else None)
         self.persistent = cfg.persistent_workers and cfg.workers > 0
         self.loader: DataLoader | None = None
         self.prepared: Iterator[dict[str, Any]] | None = None  # the next epoch's, started
@@ -68,6 +75,8 @@ class TrainLoader:
         finished = False
         try:
             for batch in batches:
+                if self.device_views is not None:
+                    batch = self.device_views(batch)
                 self.state.record(batch)
                 skips.update(batch["skipped"])
                 last = self.state.batches == self.stream.batches_per_epoch
@@ -94,12 +103,12 @@ class TrainLoader:
 
 
 def train_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
-                  state: LoaderState | None = None,
-                  text: TextConfig | None = None) -> Iterator[dict[str, Any]]:
+                  state: LoaderState | None = None, text: TextConfig | None = None,
+                  device: torch.device | None = None) -> Iterator[dict[str, Any]]:
     """One epoch of training batches from ``state`` on (updating it as batches arrive),
     from a loader of its own.
 
     ``text``: tokenise each instance's caption with this sentence model (CLIP).
     """
     single = dataclasses.replace(cfg, persistent_workers=False)
-    yield from TrainLoader(single, rank, world, state, text).epoch()
+    yield from TrainLoader(single, rank, world, state, text, device).epoch()

@@ -23,6 +23,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_pipeline.config import DataConfig
+from data_pipeline.dali.params import encoded_image
 from data_pipeline.formats import SkipSample
 from data_pipeline.graph.store import CaptionStore
 from data_pipeline.loader.collate import Instance, TrainCollator
@@ -114,12 +115,13 @@ class TrainStream(IterableDataset):
 
     def _instances(self, samples: Iterator[RawSample], checker: SampleChecker,
                    replay: Replay) -> Iterator[Instance]:
-        """Decoded samples grouped into instances: one image (``views``) or two images of
-        one class (``same_label``)."""
+        """Decoded samples (the DALI backend: header-checked, still encoded) grouped into
+        instances: one image (``views``) or two images of one class (``same_label``)."""
         pending: dict[int, tuple[RawSample, Any]] = {}
         kind = self.cfg.augment if self.cfg.pairing == "views" else "none"
         size = (decode_size(kind, self.cfg.resolution, self.cfg.crop_min_scale)
                 if self.cfg.draft_decode else None)
+        encoded = self.cfg.backend == "dali"  # the main process decodes, on its device
         for sample in samples:
             if replay.active:
                 if sample.key in replay.bad_keys:  # skipped by the run being replayed
@@ -128,7 +130,8 @@ class TrainStream(IterableDataset):
                 image = None
             else:
                 try:
-                    image = decode(sample.image, f"{sample.shard}:{sample.key}", size)
+                    image = (encoded_image(sample.image, sample.shard, sample.key) if encoded
+                             else decode(sample.image, f"{sample.shard}:{sample.key}", size))
                 except SkipSample as skip:
                     checker.skip(skip.reason, sample.shard, bad_key=sample.key,
                                  detail=skip.detail)

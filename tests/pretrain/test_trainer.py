@@ -110,3 +110,15 @@ def test_skips_are_summarised_when_max_steps_stops_mid_epoch(tmp_path):
     logged = client.get_metric_history(run_id, "skipped.truncated_shard")
     assert [(m.step, m.value) for m in logged] == [(2, float(total.group(1)))]
     assert client.get_metric_history(run_id, "skipped.corrupt_image")[0].value == 0
+
+
+def test_two_ranks_train_on_views_rendered_by_dali(digits_shards, tmp_path):
+    """data.backend=dali through the whole run (DALI's CPU operators here): each rank's
+    main process decodes and renders its views; checkpoints and the loader state as ever."""
+    overrides = train_overrides(digits_shards, tmp_path, **{
+        "data.backend": "dali", "train.max_steps": 3, "checkpoint.every": 3, "data.workers": 1})
+    result = run_pretrain(overrides, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    step3 = tmp_path / "run" / "checkpoints" / "step_00000003"
+    own = torch.load(step3 / "rank_001.pt", weights_only=True)
+    assert own["loader"]["batches"] == 3

@@ -1,0 +1,126 @@
+"""Loader workers' half of the DALI backend: each view's random parameters, no pixels.
+
+With ``data.backend=dali`` a worker reads, shuffles and checks samples as on the CPU path
+but does not decode them: it reads each image's size from its header and draws every view's
+crop box, flip and colour steps through the very transform objects of :func:`simclr_view`
+(the recipe has one source of truth, and a view's parameters follow from its seed exactly
+as on the CPU path, so resume stays exact). The batch carries the encoded images and these
+parameters; the main process decodes and crops on the GPU and applies the colour steps
+there (``data_pipeline/dali/device.py``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+
+from data_pipeline.formats import SkipSample
+from data_pipeline.transforms import SeparableGaussianBlur, simclr_view
+from data_pipeline.views import BRIGHTNESS, CONTRAST, HUE, SATURATION, recording
+
+FACTOR_NAMES = {BRIGHTNESS: "brightness_factor", CONTRAST: "contrast_factor",
+                SATURATION: "saturation_factor", HUE: "hue_factor"}
+
+
+@dataclass
+class EncodedImage:
+    """An image as stored: its bytes and the size its header declares."""
+
+    data: bytes
+    height: int
+    width: int
+    source: tuple[str, str]  # (shard, key)
+
+
+def encoded_image(data: bytes, shard: str, key: str) -> EncodedImage:
+    """The image's header read (not decoded); SkipSample('corrupt_image') when Pillow
+    cannot identify it. A body that fails to decode is caught when the batch is decoded."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise SkipSample("corrupt_image", f"{shard}:{key}: {err}") from None
+    return EncodedImage(data, height, width, (shard, key))
+
+
+@dataclass
+class ViewParams:
+    """One view's draws: crop box (top, left, height, width) in the stored image, flip,
+    the colour jitter's order and factors (NaN: not applied), grayscale, blur sigma."""
+
+    image: EncodedImage
+    box: tuple[int, int, int, int]
+    flip: bool
+    order: list[int]
+    factors: list[float]  # indexed by BRIGHTNESS, CONTRAST, SATURATION, HUE
+    grayscale: bool
+    sigma: float
+
+
+class SimCLRParams:
+    """``draw(image)`` per view under the view's seed, ``render(views)`` once per batch ->
+    the batch entries ``encoded`` (the B images of the first views) and ``view_params``
+    (tensors over the 2B views, first views then second views)."""
+
+    def __init__(self, resolution: int, min_scale: float = 0.08, color_strength: float = 0.5,
+                 grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
+                 hue: float | None = None) -> None:
+        steps = simclr_view(resolution, min_scale, color_strength, grayscale, blur, flip,
+                            hue).transforms[:5]
+        crop, flip_step, jitter_apply, gray, blur_apply = steps
+        assert isinstance(blur_apply.transforms[0], SeparableGaussianBlur)
+        # every step records its params instead of touching pixels
+        self.crop, self.flip, self.gray = recording(crop), recording(flip_step), recording(gray)
+        self.jitter = recording(jitter_apply.transforms[0])
+        self.blur = recording(blur_apply.transforms[0])
+        self.steps = [self.crop, self.flip, jitter_apply, self.gray, blur_apply]
+        self.kernel_size = self.blur.kernel_size
+
+    def draw(self, image: EncodedImage) -> ViewParams:
+        """Consumes the random stream exactly as ``simclr_view`` does for an image of
+        ``image``'s size (the placeholder below has that shape and no memory)."""
+        recorders = (self.crop, self.flip, self.jitter, self.gray, self.blur)
+        for step in recorders:
+            step.recorded = None
+        placeholder = torch.empty((3, 1, 1), dtype=torch.uint8).expand(
+            3, image.height, image.width)
+        for step in self.steps:
+            step(placeholder)
+        box = self.crop.recorded
+        jitter = self.jitter.recorded
+        factors = [math.nan] * 4
+        order = [0, 1, 2, 3]
+        if jitter is not None:
+            order = [int(i) for i in jitter["fn_idx"]]
+            for index, name in FACTOR_NAMES.items():
+                if jitter[name] is not None:
+                    factors[index] = float(jitter[name])
+        return ViewParams(image, (box["top"], box["left"], box["height"], box["width"]),
+                          self.flip.recorded is not None, order, factors,
+                          self.gray.recorded is not None,
+                          math.nan if self.blur.recorded is None
+                          else float(self.blur.recorded["sigma"]))
+
+    def render(self, views: list[ViewParams]) -> dict[str, Any]:
+        half = len(views) // 2
+        assert all(a.image is b.image for a, b in zip(views[:half], views[half:], strict=True))
+        return {"encoded": [v.image.data for v in views[:half]],
+                "encoded_from": [v.image.source for v in views[:half]], "view_params": {
+            "box": torch.tensor([v.box for v in views], dtype=torch.int64),  # [2B, 4]
+            "flip": torch.tensor([v.flip for v in views]),  # [2B] bool
+            "order": torch.tensor([v.order for v in views], dtype=torch.int64),  # [2B, 4]
+            "factors": torch.tensor([v.factors for v in views], dtype=torch.float64),
+            "grayscale": torch.tensor([v.grayscale for v in views]),  # [2B] bool
+            "sigma": torch.tensor([v.sigma for v in views], dtype=torch.float64),  # [2B]
+        }}
+
+
+def view_rows(params: dict[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
+    """The parameters of the views ``keep`` [2B] bool selects."""
+    return {name: value[keep] for name, value in params.items()}

@@ -1,0 +1,122 @@
+"""The DALI backend end to end (DALI's CPU operators here, nvJPEG where CUDA is present):
+its crops match torchvision's, its batches match the CPU backend's, resume is exact, and an
+image that does not decode is dropped and counted."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms.v2 import functional as TF
+
+from core.config import InvalidValue
+from data_pipeline.config import DataConfig
+from data_pipeline.dali.device import DaliViews
+from data_pipeline.loader import LoaderState, train_batches
+from data_pipeline.sources import Sample
+from data_pipeline.transforms import decode
+from tests.data_pipeline.helpers import digit_jpeg, digit_sample, uneven_set, write_set
+
+LEVEL = 1 / 255 / 0.229  # one uint8 level after normalising (the largest of the channels)
+
+
+def config(directory, **kw) -> DataConfig:
+    base = {"shards": str(directory), "batch_size": 8, "workers": 2, "resolution": 16,
+            "shuffle_buffer": 16, "max_skip_fraction": 0.5, "backend": "dali"}
+    return DataConfig(**(base | kw))
+
+
+def photo_jpeg(seed: int, size: tuple[int, int] = (120, 90)) -> bytes:
+    """A smooth colour picture (an upsampled random 6 x 5 image), as photos are."""
+    gen = torch.Generator().manual_seed(seed)
+    small = torch.randint(0, 256, (5, 6, 3), generator=gen, dtype=torch.uint8).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(small).resize(size, Image.BICUBIC).save(buffer, "JPEG", quality=95)
+    return buffer.getvalue()
+
+
+def undecodable_jpeg() -> bytes:
+    """A JPEG whose header reads but whose Huffman table is bogus: only decoding finds it."""
+    data = bytearray(digit_jpeg(0))
+    table = data.index(b"\xff\xc4")
+    data[table + 5:table + 21] = b"\xff" * 16
+    return bytes(data)
+
+
+def test_crops_match_torchvision_resized_crop():
+    """DALI's antialiased linear resize of a box vs torchvision's: within a quarter of a
+    level on average and 8 levels at worst (the filters' footprints differ at the edges)."""
+    pictures = [photo_jpeg(i) for i in range(6)]
+    boxes = torch.tensor([[0, 0, 90, 120], [10, 20, 40, 50], [5, 7, 80, 60],
+                          [30, 0, 33, 120], [0, 60, 90, 60], [1, 1, 20, 24]] * 2)
+    got = DaliViews(16, 3, torch.device("cpu")).crops(pictures, boxes)
+    want = torch.stack([TF.resized_crop(decode(p, "p"), *box.tolist(), [16, 16], antialias=True)
+                        for p, box in zip(pictures * 2, boxes, strict=True)])
+    diff = (got.int() - want.int()).abs()
+    assert got.shape == (12, 3, 16, 16) and got.dtype == torch.uint8
+    assert diff.float().mean() < 0.25 and diff.max() <= 8
+
+
+def test_batches_match_the_cpu_backend(tmp_path):
+    """Same keys, ids, labels and view parameters; the pixels differ only by the resize
+    filters (CPU backend without reduced decoding, so both crop the stored image)."""
+    uneven_set(tmp_path, [24, 24])
+    cpu = list(train_batches(config(tmp_path, backend="cpu", draft_decode=False)))
+    dali = list(train_batches(config(tmp_path)))
+    assert len(cpu) == len(dali) == 6
+    for want, got in zip(cpu, dali, strict=True):
+        assert got["keys"] == want["keys"] and got["captions"] == want["captions"]
+        assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["labels"],
+                                                                    want["labels"])
+        assert "encoded" not in got and got["images"].shape == want["images"].shape
+        assert (got["images"] - want["images"]).abs().mean() < 0.5 * LEVEL
+
+
+def test_resume_continues_exactly_and_undecodable_images_are_dropped(tmp_path):
+    def bogus(key: str) -> Sample:
+        return Sample(key, undecodable_jpeg(), "jpg", 1, "a caption")
+
+    shards = [[digit_sample(i) for i in range(20)] + [bogus("bogus0")],
+              [digit_sample(i) for i in range(20, 40)] + [bogus("bogus1")]]
+    write_set(tmp_path, shards)
+    cfg = config(tmp_path, batch_size=4, shuffle_buffer=8)
+    state, full, snapshots = LoaderState(), [], []
+    for batch in train_batches(cfg, state=state):
+        full.append(batch)
+        snapshots.append(LoaderState.from_state_dict(copy.deepcopy(state.state_dict())))
+    stop = 3
+    dropped = [b for b in full[stop:] if len(b["keys"]) < 4]
+    assert dropped, "an undecodable sample is drawn after the resume point"
+    for batch in dropped:
+        assert batch["images"].shape[0] == batch["ids"].shape[0] == 2 * len(batch["keys"])
+        assert not any("bogus" in key for key in batch["keys"])
+        assert batch["skipped"]["corrupt_image"] >= 1
+        assert any("bogus" in e for e in batch["skipped_examples"])
+    assert state.skipped["corrupt_image"] == sum(b["skipped"].get("corrupt_image", 0)
+                                                 for b in full)
+    resumed = list(train_batches(cfg, state=snapshots[stop - 1]))
+    assert len(resumed) == len(full) - stop
+    for got, want in zip(resumed, full[stop:], strict=True):
+        assert got["keys"] == want["keys"] and torch.equal(got["images"], want["images"])
+
+
+def test_the_backend_renders_simclr_views_of_one_image_only():
+    for kw in ({"augment": "autoaugment"}, {"pairing": "same_label"}):
+        with pytest.raises(InvalidValue, match="needs data.augment=simclr"):
+            DataConfig(backend="dali", **kw).validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="nvJPEG needs CUDA")
+def test_gpu_decoding_matches_the_cpu_operators(tmp_path):
+    pictures = [photo_jpeg(i, (640, 480)) for i in range(8)]
+    boxes = torch.tensor([[i * 10, i * 20, 300, 400] for i in range(8)] * 2)
+    on_cpu = DaliViews(64, 7, torch.device("cpu")).crops(pictures, boxes)
+    on_gpu = DaliViews(64, 7, torch.device("cuda")).crops(pictures, boxes)
+    assert on_gpu.is_cuda
+    assert (on_gpu.cpu().int() - on_cpu.int()).abs().float().mean() < 1.0
+    uneven_set(tmp_path, [24, 24])
+    batch = next(iter(train_batches(config(tmp_path), device=torch.device("cuda"))))
+    assert batch["images"].is_cuda and batch["images"].shape == (16, 3, 16, 16)
