@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from data_pipeline.dali.colour import render_colour
-from data_pipeline.dali.params import view_rows
 
 INSTALL_HINT = "data.backend=dali needs NVIDIA DALI: pip install '.[dali]'"
 
@@ -128,4 +127,5 @@ def drop_instances(batch: dict[str, Any], encoded: list[bytes],
                             (out["skipped_places"], f"corrupt_image {shard}")):
             entry[name] = entry.get(name, 0) + 1
         out["skipped_examples"].append(f"corrupt_image {shard} {key}: DALI cannot decode it")
-    return out, [e for e, k in zip(encoded, keep, strict=True) if k], view_rows(params, views)
+    return (out, [e for e, k in zip(encoded, keep, strict=True) if k],
+            {name: value[views] for name, value in params.items()})

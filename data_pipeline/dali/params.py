@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch import Tensor
 
 from data_pipeline.formats import SkipSample
 from data_pipeline.transforms import SeparableGaussianBlur, simclr_view
@@ -120,7 +119,3 @@ class SimCLRParams:
             "sigma": torch.tensor([v.sigma for v in views], dtype=torch.float64),  # [2B]
         }}
 
-
-def view_rows(params: dict[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
-    """The parameters of the views ``keep`` [2B] bool selects."""
-    return {name: value[keep] for name, value in params.items()}
