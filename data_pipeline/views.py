@@ -103,7 +103,7 @@ class SimCLRViews:
                     hue_rows.append(i)
                 elif step != HUE:
                     images[i] = _blend_step(images[i], step, view.jitter)
-            rows = max(1, HUE_CHUNK_PIXELS // images[0][0].numel()) if hue_rows else 1
+            rows = max(1, HUE_CHUNK_PIXELS // images[0][0].numel())
             for start in range(0, len(hue_rows), rows):  # chunks that stay in cache
                 chunk = hue_rows[start:start + rows]
                 factors = torch.tensor([views[i].jitter["hue_factor"] for i in chunk])
