@@ -45,6 +45,9 @@ class DaliViews:
 
         self.ndd, self.types = ndd, types
         self.resolution, self.kernel_size, self.device = resolution, kernel_size, device
+        # DALI's dynamic API names the GPU "gpu" (its nvJPEG decoder is the "mixed" backend)
+        self.dali_device = ("cpu" if device.type != "cuda" else
+                            "gpu" if device.index is None else f"gpu:{device.index}")
         if device.type == "cuda":
             self.context = ndd.EvalContext(device_id=device.index or 0, num_threads=threads,
                                            cuda_stream=torch.cuda.current_stream(device))
@@ -74,7 +77,7 @@ class DaliViews:
         applied: the crop boxes were drawn on the stored size, as the CPU path decodes)."""
         return self.ndd.decoders.image(
             self.ndd.batch([np.frombuffer(data, np.uint8) for data in encoded]),
-            device="mixed" if self.device.type == "cuda" else "cpu",
+            device=self.dali_device,
             output_type=self.types.RGB, adjust_orientation=False)
 
     def undecodable(self, encoded: list[bytes]) -> list[int]:
