@@ -45,13 +45,14 @@ class DaliViews:
 
         self.ndd, self.types = ndd, types
         self.resolution, self.kernel_size, self.device = resolution, kernel_size, device
-        # DALI's dynamic API names the GPU "gpu" (its nvJPEG decoder is the "mixed" backend)
-        self.dali_device = ("cpu" if device.type != "cuda" else
-                            "gpu" if device.index is None else f"gpu:{device.index}")
         if device.type == "cuda":
-            self.context = ndd.EvalContext(device_id=device.index or 0, num_threads=threads,
+            index = torch.cuda.current_device() if device.index is None else device.index
+            # DALI's dynamic API names the GPU "gpu" (nvJPEG is its "mixed" backend)
+            self.dali_device = f"gpu:{index}"
+            self.context = ndd.EvalContext(device_id=index, num_threads=threads,
                                            cuda_stream=torch.cuda.current_stream(device))
         else:
+            self.dali_device = "cpu"
             self.context = ndd.EvalContext(num_threads=threads)
 
     def crops(self, encoded: list[bytes], boxes: Tensor) -> Tensor:
