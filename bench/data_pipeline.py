@@ -32,7 +32,7 @@ from torchvision.transforms import v2
 
 from bench.common import machine, print_table, write_json
 from data_pipeline.config import DataConfig, ShardsConfig
-from data_pipeline.dali.device import dali_available
+from data_pipeline.dali import dali_available
 from data_pipeline.loader import train_batches
 from data_pipeline.make_shards import make_shards
 from data_pipeline.manifest import Manifest

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
 from core.config import InvalidValue
+from data_pipeline.dali import INSTALL_HINT, dali_available
 
 Source = Literal["digits", "cluttered_digits", "imagenet", "captions", "img2dataset"]
 
@@ -121,7 +121,7 @@ class DataConfig:
         if self.backend == "dali" and (self.augment, self.pairing) != ("simclr", "views"):
             raise InvalidValue("backend", "dali renders SimCLR views of one image: needs "
                                           "data.augment=simclr and data.pairing=views")
-        if self.backend == "dali" and importlib.util.find_spec("nvidia.dali") is None:
-            raise InvalidValue("backend", "dali needs NVIDIA DALI: pip install '.[dali]'")
+        if self.backend == "dali" and not dali_available():
+            raise InvalidValue("backend", INSTALL_HINT)
         if not 0 < self.crop_min_scale <= 1:
             raise InvalidValue("crop_min_scale", f"must lie in (0, 1], got {self.crop_min_scale}")

@@ -64,6 +64,33 @@ def recording(transform: Any) -> Any:
     return transform
 
 
+@dataclass
+class RecordedSteps:
+    """``simclr_view``'s own transform objects (one source of truth for the recipe) without
+    its normalisation: ``steps`` in order, the colour ones (``jitter``, ``gray``, ``blur``)
+    turned into recorders."""
+
+    steps: list[Any]
+    jitter: Any
+    gray: Any
+    blur: Any
+
+    @classmethod
+    def of(cls, *recipe: Any) -> RecordedSteps:
+        """``recipe``: :func:`simclr_view`'s arguments."""
+        crop, flip_step, jitter_apply, gray, blur_apply = simclr_view(*recipe).transforms[:5]
+        assert isinstance(blur_apply.transforms[0], SeparableGaussianBlur)
+        return cls([crop, flip_step, jitter_apply, recording(gray), blur_apply],
+                   recording(jitter_apply.transforms[0]), gray,
+                   recording(blur_apply.transforms[0]))
+
+    def start(self) -> None:
+        """Forget the last view's records (also of steps made recorders later)."""
+        for step in (*self.steps, self.jitter, self.blur):
+            if isinstance(step, _Deferred):
+                step.recorded = None
+
+
 class SimCLRViews:
     """``draw(image)`` per view under the view's seed, then ``render(views)`` once per batch
     -> [N, 3, R, R] float32, normalised; equal to ``simclr_view(...)(image)`` per view."""
@@ -71,25 +98,18 @@ class SimCLRViews:
     def __init__(self, resolution: int, min_scale: float = 0.08, color_strength: float = 0.5,
                  grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
                  hue: float | None = None) -> None:
-        # simclr_view's own transform objects (one source of truth for the recipe), the
-        # colour steps among them turned into recorders; its normalisation is left out
-        crop, flip_step, jitter_apply, gray, blur_apply = simclr_view(
-            resolution, min_scale, color_strength, grayscale, blur, flip, hue).transforms[:5]
-        assert isinstance(blur_apply.transforms[0], SeparableGaussianBlur)
-        self.jitter = recording(jitter_apply.transforms[0])
-        self.gray = recording(gray)
-        self.blur = recording(blur_apply.transforms[0])
-        self.kernel_size = self.blur.kernel_size
-        self.draw_steps = [crop, flip_step, jitter_apply, self.gray, blur_apply]
+        self.recorded = RecordedSteps.of(resolution, min_scale, color_strength, grayscale,
+                                         blur, flip, hue)
+        self.kernel_size = self.recorded.blur.kernel_size
 
     def draw(self, image: Tensor) -> DrawnView:
         """Consumes the random stream exactly as ``simclr_view`` does for ``image``."""
-        for step in (self.jitter, self.gray, self.blur):
-            step.recorded = None
-        for step in self.draw_steps:
+        rec = self.recorded
+        rec.start()
+        for step in rec.steps:
             image = step(image)
-        return DrawnView(image, self.jitter.recorded, self.gray.recorded is not None,
-                         None if self.blur.recorded is None else self.blur.recorded["sigma"])
+        return DrawnView(image, rec.jitter.recorded, rec.gray.recorded is not None,
+                         None if rec.blur.recorded is None else rec.blur.recorded["sigma"])
 
     def render(self, views: list[DrawnView]) -> Tensor:
         images = [v.image for v in views]

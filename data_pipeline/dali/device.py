@@ -16,20 +16,14 @@ gathering boundary accepts ranks with different row counts), so resume stays exa
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from data_pipeline.dali import INSTALL_HINT, dali_available
 from data_pipeline.dali.colour import render_colour
-
-INSTALL_HINT = "data.backend=dali needs NVIDIA DALI: pip install '.[dali]'"
-
-
-def dali_available() -> bool:
-    return importlib.util.find_spec("nvidia.dali") is not None
 
 
 class DaliViews:
@@ -39,7 +33,7 @@ class DaliViews:
     def __init__(self, resolution: int, kernel_size: int, device: torch.device,
                  threads: int = 2) -> None:
         if not dali_available():
-            raise RuntimeError(INSTALL_HINT)
+            raise RuntimeError(f"data.backend={INSTALL_HINT}")
         import nvidia.dali.experimental.dynamic as ndd
         from nvidia.dali import types
 

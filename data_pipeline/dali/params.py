@@ -20,8 +20,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from data_pipeline.formats import SkipSample
-from data_pipeline.transforms import SeparableGaussianBlur, simclr_view
-from data_pipeline.views import BRIGHTNESS, CONTRAST, HUE, SATURATION, recording
+from data_pipeline.views import BRIGHTNESS, CONTRAST, HUE, SATURATION, RecordedSteps, recording
 
 FACTOR_NAMES = {BRIGHTNESS: "brightness_factor", CONTRAST: "contrast_factor",
                 SATURATION: "saturation_factor", HUE: "hue_factor"}
@@ -70,29 +69,21 @@ class SimCLRParams:
     def __init__(self, resolution: int, min_scale: float = 0.08, color_strength: float = 0.5,
                  grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
                  hue: float | None = None) -> None:
-        steps = simclr_view(resolution, min_scale, color_strength, grayscale, blur, flip,
-                            hue).transforms[:5]
-        crop, flip_step, jitter_apply, gray, blur_apply = steps
-        assert isinstance(blur_apply.transforms[0], SeparableGaussianBlur)
-        # every step records its params instead of touching pixels
-        self.crop, self.flip, self.gray = recording(crop), recording(flip_step), recording(gray)
-        self.jitter = recording(jitter_apply.transforms[0])
-        self.blur = recording(blur_apply.transforms[0])
-        self.steps = [self.crop, self.flip, jitter_apply, self.gray, blur_apply]
-        self.kernel_size = self.blur.kernel_size
+        self.recorded = RecordedSteps.of(resolution, min_scale, color_strength, grayscale,
+                                         blur, flip, hue)
+        crop, flip_step = self.recorded.steps[:2]  # recorders too: no pixels are touched
+        self.crop, self.flip = recording(crop), recording(flip_step)
 
     def draw(self, image: EncodedImage) -> ViewParams:
         """Consumes the random stream exactly as ``simclr_view`` does for an image of
         ``image``'s size (the placeholder below has that shape and no memory)."""
-        recorders = (self.crop, self.flip, self.jitter, self.gray, self.blur)
-        for step in recorders:
-            step.recorded = None
+        rec = self.recorded
+        rec.start()
         placeholder = torch.empty((3, 1, 1), dtype=torch.uint8).expand(
             3, image.height, image.width)
-        for step in self.steps:
+        for step in rec.steps:
             step(placeholder)
-        box = self.crop.recorded
-        jitter = self.jitter.recorded
+        box, jitter = self.crop.recorded, rec.jitter.recorded
         factors = [math.nan] * 4
         order = [0, 1, 2, 3]
         if jitter is not None:
@@ -102,9 +93,9 @@ class SimCLRParams:
                     factors[index] = float(jitter[name])
         return ViewParams(image, (box["top"], box["left"], box["height"], box["width"]),
                           self.flip.recorded is not None, order, factors,
-                          self.gray.recorded is not None,
-                          math.nan if self.blur.recorded is None
-                          else float(self.blur.recorded["sigma"]))
+                          rec.gray.recorded is not None,
+                          math.nan if rec.blur.recorded is None
+                          else float(rec.blur.recorded["sigma"]))
 
     def render(self, views: list[ViewParams]) -> dict[str, Any]:
         half = len(views) // 2

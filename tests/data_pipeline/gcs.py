@@ -8,6 +8,7 @@ import datetime
 import socket
 import ssl
 import threading
+import urllib.request
 from pathlib import Path
 
 from cryptography import x509
@@ -106,8 +107,6 @@ class GcsEndpoint:
                       data, "application/octet-stream")
 
     def _request(self, method: str, path: str, body: bytes, kind: str) -> None:
-        import urllib.request
-
         request = urllib.request.Request(f"http://127.0.0.1:{self.api_port}{path}", body,
                                          {"Content-Type": kind}, method=method)
         urllib.request.urlopen(request, timeout=10).close()
