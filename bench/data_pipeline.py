@@ -33,10 +33,10 @@ from torchvision.transforms import v2
 from bench.common import machine, print_table, write_json
 from data_pipeline.config import DataConfig, ShardsConfig
 from data_pipeline.dali import dali_available
+from data_pipeline.digits import DigitsSource
 from data_pipeline.loader import train_batches
 from data_pipeline.make_shards import make_shards
 from data_pipeline.manifest import Manifest
-from data_pipeline.sources import DigitsSource
 from data_pipeline.tario import iter_shard
 from data_pipeline.transforms import simclr_view
 

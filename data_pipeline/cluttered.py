@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from data_pipeline.formats import SkipSample
+from data_pipeline.digits import DIGIT_NAMES
+from data_pipeline.formats import Sample, SkipSample
 from data_pipeline.samples import stable_int
-from data_pipeline.sources import DIGIT_NAMES, Sample
 
 COLOURS = {  # name -> RGB
     "red": (214, 40, 40), "green": (40, 160, 70), "blue": (40, 80, 215),

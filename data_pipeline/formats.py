@@ -7,6 +7,8 @@ A sample is the run of tar members sharing a ``__key__``: one image (``jpg``, ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 IMAGE_SUFFIXES = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}  # file -> field
 
@@ -22,3 +24,12 @@ class SkipSample(Exception):
 def image_of(sample: dict) -> bytes | None:
     """The encoded image of a raw ``{"__key__", "jpg", ...}`` sample, or None."""
     return next((sample[f] for f in IMAGE_FIELDS if f in sample), None)
+
+
+@dataclass(frozen=True)
+class Sample:
+    key: str  # unique and stable; no dots (WebDataset splits the key at the first dot)
+    image: bytes
+    ext: str  # jpg, png or webp
+    label: int | None = None
+    caption: str | None = None

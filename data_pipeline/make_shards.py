@@ -14,15 +14,16 @@ import multiprocessing as mp
 import os
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 from tqdm import tqdm
 
 from data_pipeline.config import ShardsConfig
-from data_pipeline.formats import SkipSample, image_of
-from data_pipeline.manifest import Manifest, ShardInfo, file_sha256
-from data_pipeline.sources import Sample, build_source
-from data_pipeline.tario import TruncatedShard, iter_shard, write_shard
+from data_pipeline.formats import Sample, SkipSample, image_of
+from data_pipeline.manifest import HashingReader, Manifest, ShardInfo, file_sha256
+from data_pipeline.sources import build_source
+from data_pipeline.tario import TruncatedShard, iter_stream, write_shard
 
 _SOURCE = None  # the source, set once per worker process
 
@@ -109,8 +110,27 @@ def img2dataset_failures(root: Path) -> Counter[str]:
     return +failed
 
 
+def _index_tar(tar: Path) -> tuple[ShardInfo, dict[str, int]]:
+    """One img2dataset tar's samples counted and its checksum taken in the same read."""
+    skipped: Counter[str] = Counter()
+    count = 0
+    with open(tar, "rb") as raw:
+        stream = HashingReader(raw)
+        try:
+            for sample in iter_stream(stream, str(tar)):
+                if image_of(sample):
+                    count += 1
+                else:
+                    skipped["missing_image"] += 1
+        except TruncatedShard:
+            skipped["truncated_shard"] += 1
+        digest = stream.drain()
+    return ShardInfo(str(tar.resolve()), count, tar.stat().st_size, digest), dict(skipped)
+
+
 def index_img2dataset(cfg: ShardsConfig) -> Manifest:
-    """Validate img2dataset's shards in place and write a manifest that points at them."""
+    """Validate img2dataset's shards in place, ``cfg.workers`` tars at a time, and write a
+    manifest that points at them."""
     root = Path(cfg.input)
     tars = sorted(root.glob("*.tar"))
     if not tars:
@@ -118,20 +138,15 @@ def index_img2dataset(cfg: ShardsConfig) -> Manifest:
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     skipped = img2dataset_failures(root)
-    shards = []
-    for tar in tqdm(tars, unit="shard", desc="index img2dataset"):
-        count = 0
-        try:
-            for sample in iter_shard(tar):
-                if image_of(sample):
-                    count += 1
-                else:
-                    skipped["missing_image"] += 1
-        except TruncatedShard:
-            skipped["truncated_shard"] += 1
-        shards.append(ShardInfo(str(tar.resolve()), count, tar.stat().st_size,
-                                file_sha256(tar)))
-    manifest = Manifest(source="img2dataset", shards=shards, skipped=dict(skipped))
+    workers = min(cfg.workers, len(tars))
+    with mp.get_context("spawn").Pool(workers) if workers > 1 else nullcontext() as pool:
+        indexed = pool.imap(_index_tar, tars) if pool else map(_index_tar, tars)
+        shards = []
+        for info, tar_skipped in tqdm(indexed, total=len(tars), unit="shard",
+                                      desc="index img2dataset"):
+            shards.append(info)
+            skipped.update(tar_skipped)
+    manifest = Manifest(source="img2dataset", shards=shards, skipped=dict(+skipped))
     manifest.write(out)
     return manifest
 

@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from core.errors import RunError
 
@@ -79,6 +80,25 @@ class Manifest:
                 raise ManifestError(f"{path}: {size} bytes, the manifest says {shard.bytes}")
             if checksums and file_sha256(path) != shard.sha256:
                 raise ManifestError(f"{path}: checksum differs from {directory / MANIFEST}")
+
+
+class HashingReader:
+    """A binary stream that hashes (SHA-256) every byte read through it, so a file can be
+    parsed and checksummed in one read; ``drain`` reads what the parser left."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.digest = raw, hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.digest.update(data)
+        return data
+
+    def drain(self) -> str:
+        """Read to the end; the hex digest of the whole stream."""
+        while self.read(1 << 20):
+            pass
+        return self.digest.hexdigest()
 
 
 def file_sha256(path: str | Path) -> str:

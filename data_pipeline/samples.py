@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import io
 from collections import Counter
 from dataclasses import dataclass, field
+
+from PIL import Image, UnidentifiedImageError
 
 from data_pipeline.formats import SkipSample, image_of
 
@@ -16,6 +19,17 @@ MAX_EXAMPLES = 20  # skipped samples named per batch (and kept per run: LoaderSt
 
 class SkipLimitExceeded(RuntimeError):
     """More than ``data.max_skip_fraction`` of the samples were bad."""
+
+
+def check_image(data: bytes, where: str) -> None:
+    """Raise SkipSample('corrupt_image') unless ``data`` decodes as an image."""
+    if not data:
+        raise SkipSample("missing_image", where)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise SkipSample("corrupt_image", f"{where}: {err}") from None
 
 
 def stable_int(*parts: object, bits: int = 63) -> int:

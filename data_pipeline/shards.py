@@ -10,10 +10,10 @@ Accepted forms (as webdataset and open_clip users write them):
   several patterns join with ``::``.
 
 A URL list needs no manifest. Sample counts come, in order of preference, from a
-``manifest.json`` beside the shards (also giving class names), from img2dataset's
-``<shard>_stats.json`` (``successes``), or from a one-time counting pass whose result is
-cached per URL in ``$XDG_CACHE_HOME/contrastive-pretrain/shard-counts.json`` (delete it
-after a shard changes).
+``manifest.json`` beside the shards (also giving class names), else from a per-machine
+cache, ``$XDG_CACHE_HOME/contrastive-pretrain/shard-counts.json`` (delete it after a shard
+changes), filled on first sight from img2dataset's ``<shard>_stats.json`` (``successes``)
+or, without one, from a counting pass.
 """
 
 from __future__ import annotations
@@ -158,20 +158,20 @@ def cache_path() -> Path:
 
 
 def sample_counts(urls: list[str], retry: Retry = DEFAULT_RETRY) -> list[int]:
-    """Samples per shard: img2dataset's stats, else the cache, else a counting pass."""
+    """Samples per shard: the cache, else img2dataset's stats, else a counting pass. What
+    was fetched or counted joins the cache, so a shard costs one request per machine, not
+    one per open (a run opens its shard list several times per rank)."""
     path = cache_path()
     cached = json.loads(path.read_text()) if path.is_file() else {}
-    counts, counted = [], {}
-    for url in tqdm(urls, desc="shard sizes", unit="shard", disable=len(urls) < 8):
+    found: dict[str, int] = {}
+    missing = [url for url in urls if url not in cached]
+    for url in tqdm(missing, desc="shard sizes", unit="shard", disable=len(missing) < 8):
         count = _stats_count(url)
-        if count is None:
-            count = cached.get(url)
-        if count is None:
-            count = counted[url] = _count(url, retry)
-        counts.append(count)
-    if counted:
+        found[url] = count if count is not None else _count(url, retry)
+    counts = [found[url] if url in found else cached[url] for url in urls]
+    if found:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**cached, **counted}, indent=0, sort_keys=True))
+        tmp.write_text(json.dumps({**cached, **found}, indent=0, sort_keys=True))
         os.replace(tmp, path)
     return counts

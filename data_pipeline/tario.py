@@ -24,7 +24,7 @@ from typing import IO
 
 from core.errors import RunError
 from data_pipeline.config import Retry
-from data_pipeline.sources import Sample
+from data_pipeline.formats import Sample
 
 log = logging.getLogger(__name__)
 REMOTE = ("http://", "https://", "pipe:", "s3://", "gs://")
@@ -61,6 +61,15 @@ def _samples(stream: IO[bytes], url: str) -> Iterator[dict[str, bytes | str]]:
     for sample in group_by_keys(files):
         sample.pop("__url__", None)
         yield sample
+
+
+def iter_stream(stream: IO[bytes], url: str) -> Iterator[dict[str, bytes | str]]:
+    """The samples of an open tar stream; raise TruncatedShard at a broken tail after
+    yielding every complete sample before it (no retry: the caller owns the stream)."""
+    try:
+        yield from _samples(stream, url)
+    except (tarfile.ReadError, EOFError, ValueError, OSError) as err:
+        raise TruncatedShard(f"{url}: {err}") from None
 
 
 def _reason(url: str, error: OSError) -> str:

@@ -73,3 +73,73 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     assert upward_imports(bad, "data_pipeline") == [
         "data_pipeline/_layer_probe.py:2 imports pretrain.trainer",
         "data_pipeline/_layer_probe.py:2 imports pretrain.trainer.Trainer"]
+
+
+def module_file(name: str) -> Path | None:
+    """The file that defines module ``name`` in this repository, or None (a third-party
+    module, or an attribute of a module rather than a module)."""
+    path = REPO.joinpath(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def import_graph() -> dict[Path, set[Path]]:
+    """Each module of the layers -> the modules of the layers it imports, each import
+    resolved to the most specific module it names (``from a.b import c``: ``a/b/c.py``
+    when that file exists, else ``a/b``)."""
+    graph: dict[Path, set[Path]] = {}
+    for layer in LAYERS:
+        for path in modules(layer):
+            targets = {module_file(module) for _, module in imported_modules(path)
+                       if module.split(".")[0] in LAYERS}
+            graph[path] = {t for t in targets if t is not None and t != path}
+    return graph
+
+
+def import_cycles(graph: dict[Path, set[Path]]) -> list[list[Path]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm):
+    each is a set of modules that import each other, directly or through others."""
+    index: dict[Path, int] = {}
+    low: dict[Path, int] = {}
+    stack: list[Path] = []
+    cycles: list[list[Path]] = []
+
+    def visit(node: Path) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or through others; an import inside a
+    function counts, since it only defers the circle."""
+    cycles = import_cycles(import_graph())
+    assert not cycles, "\n".join(" <-> ".join(str(p.relative_to(REPO)) for p in cycle)
+                                 for cycle in cycles)
+
+
+def test_the_circle_check_sees_a_circle():
+    a, b, c = (REPO / name for name in ("a.py", "b.py", "c.py"))
+    assert import_cycles({a: {b}, b: {c}, c: {a}}) == [[a, b, c]]
+    assert import_cycles({a: {b}, b: {c}, c: set()}) == []

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from PIL import Image
 
+from data_pipeline.digits import DigitsSource
+from data_pipeline.formats import Sample
 from data_pipeline.manifest import Manifest, ShardInfo, file_sha256
-from data_pipeline.sources import DigitsSource, Sample
 from data_pipeline.tario import write_shard
 
 _DIGITS = DigitsSource(size=24)

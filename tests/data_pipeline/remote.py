@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -24,18 +26,20 @@ def free_port() -> int:
 
 
 class ShardServer:
-    """Serves ``directory`` at ``url``; ``stop``/``start`` kill and restart it (same port)."""
+    """Serves ``directory`` at ``url``; ``stop``/``start`` kill and restart it (same port);
+    ``requests()`` lists the paths asked for so far (http.server's access log)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory, self.port = directory, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.log = tempfile.NamedTemporaryFile(prefix="http-server-", suffix=".log")
 
     def start(self) -> ShardServer:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "http.server", str(self.port), "--bind", "127.0.0.1",
+            [sys.executable, "-u", "-m", "http.server", str(self.port), "--bind", "127.0.0.1",
              "--directory", str(self.directory)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
@@ -44,6 +48,10 @@ class ShardServer:
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError(f"http.server on {self.url} did not start")
+
+    def requests(self) -> list[str]:
+        """The path of every GET so far, in order (the probes of ``start`` included)."""
+        return re.findall(r'"GET (\S+) HTTP', Path(self.log.name).read_text())
 
     def stop(self) -> None:
         if self.process is not None:

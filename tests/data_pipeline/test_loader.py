@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from data_pipeline.config import DataConfig
+from data_pipeline.formats import Sample
 from data_pipeline.loader import LoaderState, eval_batches, train_batches
 from data_pipeline.loader.collate import TrainCollator
 from data_pipeline.manifest import ManifestError
 from data_pipeline.samples import RawSample, SkipLimitExceeded, SkipLog
-from data_pipeline.sources import Sample
 from data_pipeline.transforms import MEAN, STD
 from tests.data_pipeline.helpers import (
     cut_inside_header,

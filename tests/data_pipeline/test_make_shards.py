@@ -12,9 +12,10 @@ from sklearn.datasets import load_digits
 
 from data_pipeline.config import ShardsConfig
 from data_pipeline.make_shards import make_shards
-from data_pipeline.manifest import Manifest, ManifestError
+from data_pipeline.manifest import Manifest, ManifestError, file_sha256
 from data_pipeline.tario import iter_shard
 from tests.data_pipeline.helpers import digit_jpeg, save_image
+from tests.data_pipeline.remote import img2dataset_shards
 
 
 def read_all(directory):
@@ -174,3 +175,22 @@ def test_manifest_mismatch_names_the_shard(tmp_path):
     shard.unlink()
     with pytest.raises(ManifestError, match="shard-000001.tar: listed in .* but missing"):
         manifest.verify(tmp_path / "d")
+
+
+def test_img2dataset_indexing_in_parallel_equals_one_process_and_hashes_every_byte(tmp_path):
+    """Indexing counts and checksums each tar in one read, ``shards.workers`` tars at a
+    time; a tar cut mid-member is counted up to the cut and its checksum is the file's."""
+    raw = tmp_path / "img2dataset"
+    img2dataset_shards(raw, shards=5, per_shard=6)
+    cut = raw / "00003.tar"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    manifests = [make_shards(ShardsConfig(source="img2dataset", input=str(raw), workers=w,
+                                          output=str(tmp_path / f"index{w}")))
+                 for w in (1, 2)]
+    assert manifests[0].shards == manifests[1].shards
+    assert manifests[0].skipped == manifests[1].skipped
+    assert manifests[0].skipped["truncated_shard"] == 1
+    for shard in manifests[1].shards:
+        assert shard.sha256 == file_sha256(shard.name)
+    counts = [s.samples for s in manifests[1].shards]
+    assert counts[:3] + counts[4:] == [6] * 4 and 0 < counts[3] < 6

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections import Counter
 
 import pytest
 import torch
@@ -50,21 +51,29 @@ def test_brace_list_over_http_gives_what_the_folder_gives(served):
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(local, remote, strict=True))
 
 
-def test_counts_from_img2dataset_stats_or_a_cached_counting_pass(tmp_path, monkeypatch):
+def test_counts_from_img2dataset_stats_or_a_counting_pass_cost_one_request_per_shard(
+        tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    img2dataset_shards(tmp_path / "web", shards=2, per_shard=7)
+    img2dataset_shards(tmp_path / "web" / "stats", shards=2, per_shard=7)
+    img2dataset_shards(tmp_path / "web" / "bare", shards=2, per_shard=5)
+    for stats in (tmp_path / "web" / "bare").glob("*_stats.json"):
+        stats.unlink()
     server = ShardServer(tmp_path / "web").start()
+    stats_url, bare_url = (f"{server.url}/{d}/{{00000..00001}}.tar" for d in ("stats", "bare"))
     try:
-        url = f"{server.url}/{{00000..00001}}.tar"
-        assert ShardSet.open(url).counts == [7, 7]  # successes of *_stats.json
-        assert not cache_path().exists()
-        for stats in (tmp_path / "web").glob("*_stats.json"):
-            stats.unlink()
-        assert ShardSet.open(url).counts == [7, 7]  # counted ...
-        assert cache_path().is_file()
+        for _ in range(3):  # a run opens its list several times; only the first asks
+            assert ShardSet.open(stats_url).counts == [7, 7]  # successes of *_stats.json
+            assert ShardSet.open(bare_url).counts == [5, 5]  # counted
+        asked = Counter(path for path in server.requests() if path != "/")
     finally:
         server.stop()
-    assert ShardSet.open(url, retry=FAST).counts == [7, 7]  # ... once: no server needed
+    assert asked == {"/stats/00000_stats.json": 1, "/stats/00001_stats.json": 1,
+                     "/bare/00000_stats.json": 1, "/bare/00001_stats.json": 1,
+                     "/bare/00000.tar": 1, "/bare/00001.tar": 1,
+                     "/stats/manifest.json": 3, "/bare/manifest.json": 3}
+    assert cache_path().is_file()
+    for url, counts in ((stats_url, [7, 7]), (bare_url, [5, 5])):  # no server needed now
+        assert ShardSet.open(url, retry=FAST).counts == counts
 
 
 def test_a_server_killed_mid_shard_is_retried_and_the_read_resumes_exactly(tmp_path, caplog):

@@ -11,9 +11,10 @@ import mlflow
 import numpy as np
 import pytest
 
+from data_pipeline.digits import DIGIT_NAMES
+from data_pipeline.formats import Sample
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.job import run_captions
-from data_pipeline.sources import DIGIT_NAMES, Sample
 from tests.app.helpers import REPO, run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_jpeg, digit_sample, write_set
 

@@ -9,7 +9,7 @@ import json
 import mlflow
 import pytest
 
-from data_pipeline.sources import DIGIT_NAMES
+from data_pipeline.digits import DIGIT_NAMES
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.evaluation.test_evaluate import evaluate

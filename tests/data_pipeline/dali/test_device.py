@@ -15,8 +15,8 @@ from torchvision.transforms.v2 import functional as TF
 from core.config import InvalidValue
 from data_pipeline.config import DataConfig
 from data_pipeline.dali.device import DaliViews
+from data_pipeline.formats import Sample
 from data_pipeline.loader import LoaderState, train_batches
-from data_pipeline.sources import Sample
 from data_pipeline.transforms import decode
 from tests.data_pipeline.helpers import digit_jpeg, digit_sample, uneven_set, write_set
 

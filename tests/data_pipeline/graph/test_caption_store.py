@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from data_pipeline.config import DataConfig
+from data_pipeline.formats import Sample
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import encode, load_encoder
 from data_pipeline.graph.job import collect, encode_part, merge, run_captions
 from data_pipeline.graph.neighbours import build_neighbours, describe, exact_topk, ivf_topk
 from data_pipeline.graph.store import CaptionStore, StoreError
 from data_pipeline.loader import LoaderState, eval_batches, train_batches
-from data_pipeline.sources import Sample
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.data_pipeline.remote import ShardServer
 

@@ -1,0 +1,140 @@
+"""A CC3M/CC12M-style caption table (CSV or TSV of caption and local image path) as a
+make-shards source that no process holds whole.
+
+The constructor makes one streaming pass over the table and keeps the byte offset of every
+``stride``-th record (each shard's first): 1,200 integers for CC12M's 12M rows in shards of
+10,000, where the rows themselves would be ~3.5 GB of Python strings in every worker.
+``load(i)`` in a worker seeks to the recorded offset at or before row ``i`` and reads
+forward; make-shards asks for a shard's rows in order, so each worker reads exactly its own
+shards' rows, once.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from core.errors import RunError
+from data_pipeline.config import ShardsConfig
+from data_pipeline.formats import IMAGE_SUFFIXES, Sample, SkipSample
+from data_pipeline.samples import check_image
+
+URL_PREFIXES = ("http://", "https://")
+URL_PROBE_ROWS = 100  # rows looked at for image URLs before any work starts
+
+
+class ImageURLs(RunError):
+    """A caption table that lists image URLs instead of local files."""
+
+
+def records(handle: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, line) of each line of ``handle`` from its current position."""
+    offset = handle.tell()
+    for line in iter(handle.readline, b""):
+        yield offset, line
+        offset += len(line)
+
+
+def rows(handle: BinaryIO, delimiter: str) -> Iterator[tuple[int, list[str]]]:
+    """(byte offset, fields) of each CSV record of ``handle`` from its current position.
+    csv's reader takes one line at a time and returns a record as soon as its quotes
+    close, so a record's offset is that of the first line it took, also when a quoted
+    field spans lines. Lines are decoded as UTF-8 with undecodable bytes replaced (a
+    newline byte never sits inside a UTF-8 sequence)."""
+    starts: list[int] = []  # offsets of the lines the reader took for this record
+
+    def lines() -> Iterator[str]:
+        for offset, line in records(handle):
+            starts.append(offset)
+            yield line.decode("utf-8", errors="replace")
+
+    for fields in csv.reader(lines(), delimiter=delimiter):
+        yield starts[0], fields
+        starts.clear()
+
+
+def _column(spec: str, header: list[str], table: Path) -> int:
+    if spec.isdigit():
+        return int(spec)
+    if spec not in header:
+        raise ValueError(f"caption table {table}: no column {spec!r} in header {header}")
+    return header.index(spec)
+
+
+class CaptionTableSource:
+    """Rows of a caption table as samples keyed ``row_<index>`` (index 0 = the first row
+    after the header); bad rows raise :class:`SkipSample`."""
+
+    def __init__(self, cfg: ShardsConfig) -> None:
+        table = Path(cfg.input)
+        if not table.is_file():
+            raise FileNotFoundError(f"caption table {table}: not found")
+        self.table, self.class_names = table, []
+        self.delimiter = cfg.delimiter or ("\t" if table.suffix.lower() == ".tsv" else ",")
+        self.root = Path(cfg.image_root) if cfg.image_root else table.parent
+        self.stride = cfg.shard_size
+        self.offsets: list[int] = []  # byte offset of rows 0, stride, 2 * stride, ...
+        self.count = 0
+        with open(table, "rb") as handle:
+            stream = rows(handle, self.delimiter)
+            header = next(stream, (0, []))[1] if cfg.has_header else []
+            self.caption_col = _column(cfg.caption_column, header, table)
+            self.image_col = _column(cfg.image_column, header, table)
+            for offset, fields in stream:
+                if self.count < URL_PROBE_ROWS:
+                    self._refuse_urls(fields, cfg.image_column)
+                if self.count % self.stride == 0:
+                    self.offsets.append(offset)
+                self.count += 1
+        self._cursor: tuple[int, Iterator[tuple[int, list[str]]], BinaryIO] | None = None
+
+    def _refuse_urls(self, fields: list[str], column: str) -> None:
+        if len(fields) > self.image_col and fields[self.image_col].startswith(URL_PREFIXES):
+            raise ImageURLs(f"caption table {self.table}: column {column!r} holds URLs "
+                            f"({fields[self.image_col][:60]}); make-shards reads local images: "
+                            "download them with img2dataset and index its output "
+                            "(shards.source=img2dataset)")
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_cursor": None}  # an open file does not travel to workers
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _row(self, i: int) -> list[str]:
+        """Row ``i``: the next row of the open stream when reading in order, else read
+        forward from the nearest recorded offset."""
+        if self._cursor is None or self._cursor[0] != i:
+            if self._cursor is not None:
+                self._cursor[2].close()
+            handle = open(self.table, "rb")
+            handle.seek(self.offsets[i // self.stride])
+            stream = rows(handle, self.delimiter)
+            for _ in range(i % self.stride):
+                next(stream)
+            self._cursor = (i, stream, handle)
+        _, stream, handle = self._cursor
+        fields = next(stream)[1]
+        self._cursor = (i + 1, stream, handle)
+        return fields
+
+    def load(self, i: int) -> Sample:
+        row = self._row(i)
+        where = f"row {i + 1}"
+        if len(row) <= max(self.caption_col, self.image_col):
+            raise SkipSample("bad_row", f"{where}: {len(row)} columns")
+        caption = row[self.caption_col].strip()
+        if not caption:
+            raise SkipSample("bad_caption", f"{where}: empty caption")
+        if "\ufffd" in caption:
+            raise SkipSample("bad_caption", f"{where}: not valid UTF-8")
+        path = Path(row[self.image_col])
+        path = path if path.is_absolute() else self.root / path
+        if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
+            raise SkipSample("missing_image", f"{where}: {path}")
+        data = path.read_bytes()
+        check_image(data, str(path))
+        return Sample(key=f"row_{i:09d}", image=data, ext=IMAGE_SUFFIXES[path.suffix.lower()],
+                      caption=caption)
