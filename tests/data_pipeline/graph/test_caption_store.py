@@ -16,6 +16,7 @@ import torch
 
 from data_pipeline.config import DataConfig
 from data_pipeline.formats import Sample
+from data_pipeline.graph import neighbours
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import encode, load_encoder
 from data_pipeline.graph.job import collect, encode_part, merge, run_captions
@@ -170,6 +171,7 @@ def test_neighbour_graph_and_inspection(tmp_path):
     vectors = np.asarray(store.embeddings, dtype=np.float32)
     with np.load(tmp_path / "s" / "neighbours.npz") as graph:
         ids, sims = graph["ids"], graph["similarities"]
+        assert str(graph["index"]) == "exact" and float(graph["recall"]) == 1.0
     brute = vectors @ vectors.T
     np.fill_diagonal(brute, -np.inf)
     assert (np.sort(ids, 1) == np.sort(np.argsort(-brute, 1)[:, :4], 1)).all()
@@ -195,12 +197,43 @@ def test_show_without_a_neighbour_graph_says_which_task_to_run(tmp_path, capsys)
             f"graph-precompute: error: {expected}")
 
 
-def test_ivf_recall_against_exact():
-    gen = np.random.default_rng(0)
-    centres = gen.normal(size=(50, 32))
-    data = centres[gen.integers(0, 50, 5000)] + 0.3 * gen.normal(size=(5000, 32))
-    data /= np.linalg.norm(data, axis=1, keepdims=True)
-    _, exact = exact_topk(data, 10)
+def clustered(n: int, dim: int = 32, seed: int = 0) -> np.ndarray:
+    gen = np.random.default_rng(seed)
+    centres = gen.normal(size=(50, dim))
+    data = centres[gen.integers(0, 50, n)] + 0.3 * gen.normal(size=(n, dim))
+    return (data / np.linalg.norm(data, axis=1, keepdims=True)).astype(np.float16)
+
+
+def brute_topk(data: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """The reference: every score of the query rows in float64, the row itself excluded."""
+    full = data.astype(np.float64)
+    scores = full[rows] @ full.T
+    scores[np.arange(len(rows)), rows] = -np.inf
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
+def test_exact_topk_in_chunks_over_a_float16_memmap_equals_brute_force(tmp_path, monkeypatch):
+    monkeypatch.setattr(neighbours, "CHUNK", 37)  # many chunks, a short last one
+    np.save(tmp_path / "e.npy", clustered(300))
+    data = np.load(tmp_path / "e.npy", mmap_mode="r")
+    sims, ids = exact_topk(data, 7, block=50)
+    want = brute_topk(np.asarray(data), np.arange(300), 7)
+    assert (np.sort(ids, 1) == np.sort(want, 1)).all()
+    np.testing.assert_allclose(np.sort(sims, 1)[:, ::-1],
+                               np.take_along_axis(np.asarray(data, np.float64)
+                                                  @ np.asarray(data, np.float64).T, want, 1),
+                               rtol=0, atol=1e-5)  # float32 products of float16 inputs
+    rows = np.array([0, 36, 37, 299])
+    assert (exact_topk(data, 7, queries=rows)[1] == ids[rows]).all()
+
+
+def test_ivf_graph_and_its_measured_recall(monkeypatch):
+    monkeypatch.setattr(neighbours, "CHUNK", 1000)
+    data = clustered(5000)
     _, approx = ivf_topk(data, 10)
-    recall = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx, exact, strict=True)])
-    assert recall > 0.9
+    sample = np.sort(np.random.default_rng(0).permutation(5000)[:neighbours.RECALL_QUERIES])
+    exact = brute_topk(data, sample, 10)
+    expected = np.mean([len(set(a) & set(e)) / 10
+                        for a, e in zip(approx[sample], exact, strict=True)])
+    assert neighbours.recall(data, approx) == pytest.approx(expected, abs=1e-3)  # ties
+    assert expected > 0.9  # measured 1.000 here, under avx2 and FAISS's generic kernels
