@@ -1,0 +1,336 @@
+"""Costs that grow with the data set, measured at rising cardinalities with tiny payloads
+(16 px JPEGs), each fitted to a power law and extrapolated to CC12M (~12M samples in
+~1,200 shards of 10,000).
+
+    python -m bench.scale                               # every part, default sizes
+    python -m bench.scale --part captions --rows 100000 1000000
+
+Parts:
+
+- ``captions``: ``make-shards`` of a CC-style caption table (``shards.workers=2``, shards of
+  10,000), time and peak resident memory of the parent and of the largest worker, beside
+  the memory that the whole table takes as Python rows (how the source read it before it
+  streamed: once per process).
+- ``index``: ``make-shards shards.source=img2dataset`` indexing tars in place (one read per
+  tar for count and checksum), 1 against 2 workers.
+- ``counts``: opening a remote shard list without a manifest (a real ``http.server`` on
+  127.0.0.1): requests per open, first and later.
+- ``neighbours``: the caption-neighbour graph (IVF, k = 10) over a memory-mapped store of
+  clustered float16 384-d embeddings (all-MiniLM-L6-v2's width): time, peak resident
+  memory beside the store's size, and the recall against exact search.
+
+Each size runs in a fresh process so that peak memory is its own. Writes JSON and prints a
+table; ``docs/benchmarks.md`` records the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+from PIL import Image
+
+from bench.common import machine, peak_rss_bytes, print_table, write_json
+
+CC12M_ROWS, CC12M_SHARDS = 12_000_000, 1_200
+SHARD = 10_000
+IMAGES = 256  # distinct image files the table's rows point at
+
+
+class PeakMemory:
+    """Peak resident memory of ``process`` and of its descendants (its workers), sampled
+    every ``interval`` seconds from each one's VmHWM (its own high-water mark, so a late
+    sample still sees an earlier peak)."""
+
+    def __init__(self, process: subprocess.Popen, interval: float = 0.05) -> None:
+        self.root, self.interval = psutil.Process(process.pid), interval
+        self.command = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        self.peaks: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pids = [self.root.pid, *(c.pid for c in self.root.children(recursive=True))]
+            except psutil.NoSuchProcess:
+                return
+            for pid in pids:
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    forked = (pid != self.root.pid and Path(f"/proc/{pid}/cmdline").read_bytes()
+                              == self.command)
+                except OSError:
+                    continue
+                if forked:  # a child between fork and exec still shows its parent's memory
+                    continue
+                for line in status.splitlines():
+                    if line.startswith("VmHWM"):
+                        self.peaks[pid] = max(self.peaks.get(pid, 0), int(line.split()[1]) << 10)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> tuple[float, float]:
+        """(the process's peak, the largest descendant's peak), MiB."""
+        self._stop.set()
+        self._thread.join()
+        children = [v for pid, v in self.peaks.items() if pid != self.root.pid]
+        return self.peaks.get(self.root.pid, 0) / 2**20, max(children, default=0) / 2**20
+
+
+def make_shards_cli(overrides: list[str]) -> dict[str, float]:
+    """Run the real ``make-shards`` command; its time and peak memory (command, worker)."""
+    command = [sys.executable, "-m", "app.make_shards", *overrides]
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    memory = PeakMemory(process)
+    out, err = process.communicate()
+    seconds = time.perf_counter() - start
+    command_mib, worker_mib = memory.stop()
+    if process.returncode != 0:
+        raise RuntimeError(f"make-shards failed: {err[-2000:]}")
+    return {"seconds": seconds, "command_rss_mib": command_mib, "worker_rss_mib": worker_mib,
+            "printed": out.strip()}
+
+
+def tiny_jpegs(folder: Path) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = np.random.default_rng(0)
+    names = []
+    for i in range(IMAGES):
+        path = folder / f"{i:04d}.jpg"
+        if not path.is_file():
+            pixels = gen.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(path, quality=90)
+        names.append(f"images/{path.name}")
+    return names
+
+
+def caption_table(root: Path, rows: int) -> Path:
+    """A CC3M-style TSV (caption, image path) of ``rows`` rows: captions of about CC12M's
+    length (~100 characters), images from a pool of tiny JPEGs."""
+    table = root / f"captions-{rows}.tsv"
+    if table.is_file():
+        return table
+    images = tiny_jpegs(root / "images")
+    gen = np.random.default_rng(rows)
+    words = ["a", "photo", "of", "the", "dog", "cat", "on", "red", "blue", "street", "with",
+             "in", "person", "holding", "sunset", "over", "beach", "and", "two", "old"]
+    with open(table, "w", newline="") as handle:
+        writer = csv.writer(handle, delimiter="\t")
+        for i in range(rows):
+            caption = " ".join(words[j] for j in gen.integers(0, len(words), 18))
+            writer.writerow([f"{caption} {i}", images[i % IMAGES]])
+    return table
+
+
+def run_captions(rows: int, workdir: Path) -> dict[str, Any]:
+    """make-shards of a table of ``rows`` rows."""
+    table = caption_table(workdir, rows)
+    out = workdir / f"shards-{rows}"
+    result = make_shards_cli([
+        "shards.source=captions", f"shards.input={table}", f"shards.output={out}",
+        "shards.caption_column=0", "shards.image_column=1", "shards.has_header=false",
+        f"shards.shard_size={SHARD}", "shards.workers=2"])
+    assert f"{rows} samples" in result.pop("printed")
+    for shard in out.glob("*.tar"):
+        shard.unlink()
+    shutil.rmtree(out)
+    return {"rows": rows, **result, "rows_per_s": rows / result["seconds"],
+            "table_mib": table.stat().st_size / 2**20}
+
+
+def run_whole_table(rows: int, workdir: Path) -> dict[str, Any]:
+    """Child process: the table read whole into Python rows (the earlier source's way)."""
+    table = caption_table(workdir, rows)
+    before = peak_rss_bytes()
+    with open(table, newline="", encoding="utf-8") as handle:
+        loaded = list(csv.reader(handle, delimiter="\t"))
+    return {"rows": len(loaded), "whole_table_rss_mib": (peak_rss_bytes() - before) / 2**20}
+
+
+def img2dataset_tars(folder: Path, tars: int, per_tar: int) -> None:
+    from webdataset import TarWriter
+
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = io.BytesIO()
+    Image.new("RGB", (16, 16), (120, 30, 200)).save(payload, format="JPEG")
+    for t in range(tars):
+        path = folder / f"{t:05d}.tar"
+        if path.is_file():
+            continue
+        with TarWriter(str(path)) as writer:
+            for i in range(per_tar):
+                writer.write({"__key__": f"{t:05d}{i:05d}", "jpg": payload.getvalue(),
+                              "txt": f"caption {i}", "json": {"key": i}})
+
+
+def run_index(tars: int, workers: int, workdir: Path) -> dict[str, Any]:
+    folder = workdir / f"img2dataset-{tars}"
+    img2dataset_tars(folder, tars, SHARD)
+    result = make_shards_cli(["shards.source=img2dataset", f"shards.input={folder}",
+                              f"shards.output={workdir / f'index-{tars}-{workers}'}",
+                              f"shards.workers={workers}"])
+    assert f"{tars * SHARD} samples" in result.pop("printed")
+    return {"tars": tars, "workers": workers, **result, "tars_per_s": tars / result["seconds"]}
+
+
+def run_counts(shards: int, workdir: Path) -> dict[str, Any]:
+    """Requests a remote list without a manifest costs, first open and later ones."""
+    import os
+
+    from data_pipeline.shards import ShardSet
+    from tests.data_pipeline.remote import ShardServer
+
+    folder = workdir / f"remote-{shards}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        (folder / f"{s:05d}_stats.json").write_text(json.dumps({"successes": SHARD}))
+    os.environ["XDG_CACHE_HOME"] = str(workdir / f"cache-{shards}")
+    server = ShardServer(folder).start()
+    try:
+        url = f"{server.url}/{{00000..{shards - 1:05d}}}.tar"
+        asked = []
+        for _ in range(3):
+            before = len(server.requests())
+            start = time.perf_counter()
+            assert ShardSet.open(url).total == shards * SHARD
+            asked.append((len(server.requests()) - before, time.perf_counter() - start))
+    finally:
+        server.stop()
+    return {"shards": shards, "first_open_requests": asked[0][0],
+            "first_open_s": asked[0][1], "later_open_requests": asked[1][0],
+            "later_open_s": asked[1][1]}
+
+
+def run_neighbours(rows: int, workdir: Path) -> dict[str, Any]:
+    """Child process: the IVF neighbour graph of ``rows`` float16 embeddings."""
+    from data_pipeline.graph.neighbours import ivf_topk, recall
+
+    path = workdir / f"embeddings-{rows}.npy"
+    if not path.is_file():
+        gen = np.random.default_rng(rows)
+        centres = gen.normal(size=(2_000, 384)).astype(np.float32)
+        store = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16,
+                                          shape=(rows, 384))
+        for start in range(0, rows, 100_000):
+            n = min(100_000, rows - start)
+            block = centres[gen.integers(0, len(centres), n)] + gen.normal(
+                scale=0.5, size=(n, 384)).astype(np.float32)
+            store[start:start + n] = block / np.linalg.norm(block, axis=1, keepdims=True)
+        store.flush()
+        del store
+    vectors = np.load(path, mmap_mode="r")
+    before = peak_rss_bytes()
+    start = time.perf_counter()
+    _, ids = ivf_topk(vectors, 10)
+    seconds = time.perf_counter() - start
+    measured = recall(vectors, ids)
+    return {"rows": rows, "seconds": seconds, "recall": measured,
+            "rss_mib": peak_rss_bytes() / 2**20, "rss_growth_mib": (peak_rss_bytes() - before)
+            / 2**20, "store_mib": path.stat().st_size / 2**20}
+
+
+def child(part: str, size: int, workers: int, workdir: Path) -> dict[str, Any]:
+    command = [sys.executable, "-m", "bench.scale", "--child", part, "--size", str(size),
+               "--workers", str(workers), "--workdir", str(workdir)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{part} at {size}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def exponent(sizes: list[float], costs: list[float]) -> float:
+    """The slope of log(cost) against log(size): 1 is linear, 0 constant."""
+    return float(np.polyfit(np.log(sizes), np.log(costs), 1)[0])
+
+
+def extrapolate(size: float, cost: float, slope: float, target: float) -> float:
+    return cost * (target / size) ** slope
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["all", "captions", "index", "counts", "neighbours"],
+                        default="all")
+    parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
+    parser.add_argument("--tars", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--shards", type=int, nargs="+", default=[120, 1_200])
+    parser.add_argument("--captions", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
+    parser.add_argument("--workdir", type=Path, default=Path("bench/results/scale"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
+    parser.add_argument("--child", choices=["whole_table", "counts", "neighbours"])
+    parser.add_argument("--size", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        run = {"whole_table": lambda: run_whole_table(args.size, args.workdir),
+               "counts": lambda: run_counts(args.size, args.workdir),
+               "neighbours": lambda: run_neighbours(args.size, args.workdir)}[args.child]
+        print(json.dumps(run()))
+        return
+    results: dict[str, Any] = {"machine": machine()}
+    if args.part in ("all", "captions"):
+        rows = []
+        for n in args.rows:
+            row = run_captions(n, args.workdir) | child("whole_table", n, 1, args.workdir)
+            rows.append(row)
+        fit = {key: exponent(args.rows, [r[key] for r in rows])
+               for key in ("seconds", "command_rss_mib", "worker_rss_mib", "whole_table_rss_mib")}
+        last = rows[-1]
+        results["captions"] = {"rows": rows, "exponent": fit, "cc12m": {
+            key: extrapolate(last["rows"], last[key], fit[key], CC12M_ROWS) for key in fit}}
+        print("make-shards of a caption table (2 workers, shards of 10,000):")
+        print_table(rows, ["rows", "seconds", "rows_per_s", "command_rss_mib",
+                           "worker_rss_mib", "whole_table_rss_mib", "table_mib"])
+        print("exponent:", {k: round(v, 2) for k, v in fit.items()})
+        print("at CC12M:", {k: round(v, 1) for k, v in results["captions"]["cc12m"].items()})
+    if args.part in ("all", "index"):
+        rows = [run_index(t, w, args.workdir) for t in args.tars for w in (1, 2)]
+        two = [r for r in rows if r["workers"] == 2]
+        slope = exponent([r["tars"] for r in two], [r["seconds"] for r in two])
+        results["index"] = {"rows": rows, "exponent": slope, "cc12m_seconds": extrapolate(
+            two[-1]["tars"], two[-1]["seconds"], slope, CC12M_SHARDS)}
+        print("img2dataset indexing (tars of 10,000 samples):")
+        print_table(rows, ["tars", "workers", "seconds", "tars_per_s", "command_rss_mib",
+                           "worker_rss_mib"])
+        print(f"exponent {slope:.2f}; at CC12M ({CC12M_SHARDS} tars, 2 workers): "
+              f"{results['index']['cc12m_seconds'] / 60:.1f} min")
+    if args.part in ("all", "counts"):
+        rows = [child("counts", s, 1, args.workdir) for s in args.shards]
+        results["counts"] = {"rows": rows}
+        print("remote shard list without a manifest, requests per open:")
+        print_table(rows, ["shards", "first_open_requests", "first_open_s",
+                           "later_open_requests", "later_open_s"])
+    if args.part in ("all", "neighbours"):
+        rows = [child("neighbours", n, 1, args.workdir) for n in args.captions]
+        fit = {key: exponent(args.captions, [r[key] for r in rows])
+               for key in ("seconds", "rss_growth_mib")}
+        results["neighbours"] = {"rows": rows, "exponent": fit, "cc12m": {
+            key: extrapolate(rows[-1]["rows"], rows[-1][key], fit[key], CC12M_ROWS)
+            for key in fit}}
+        print("caption-neighbour graph (IVF, float16 codes, k = 10, 384-d):")
+        print_table(rows, ["rows", "seconds", "recall", "rss_mib", "rss_growth_mib",
+                           "store_mib"])
+        print("exponent:", {k: round(v, 2) for k, v in fit.items()})
+        print("at CC12M:", {k: round(v, 1) for k, v in results["neighbours"]["cc12m"].items()})
+    write_json(args.out, results)
+    print(f"written: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
