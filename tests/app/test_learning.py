@@ -9,7 +9,7 @@ standard deviations below the mean gain that the recipe delivers over 5 seeds of
 learning benchmark (``docs/learning.md``, "What CI asserts"), where the runs and the
 command are recorded; the run here is that benchmark's seed 0. The gains here are therefore
 "it learned" checks, not the benchmark's claim (a), whose margins (15 and 30 kNN points) are
-judged over its seeds. InfoNCE runs its whole recipe (30 epochs, about 6.5 minutes on 2
+judged over its seeds. InfoNCE runs its whole recipe (30 epochs, 8-12 minutes on 2
 cores): at 10 epochs its gain over 3 seeds was 9.9 +- 7.2 kNN points, which leaves no
 threshold 3 standard deviations below the mean that still means anything.
 """
@@ -84,7 +84,7 @@ def scores(model: EmbeddingModel, train: Path, test: Path) -> Scores:
     return Scores(accuracy["k20"]["top1"], probe["top1"])
 
 
-@pytest.mark.timeout(1800)  # InfoNCE's 30 epochs take about 7 minutes on 2 cores
+@pytest.mark.timeout(1800)  # InfoNCE's 30 epochs take 8-12 minutes on 2 cores
 @pytest.mark.parametrize("check", CHECKS, ids=[c.recipe for c in CHECKS])
 def test_recipe_learns_beyond_the_untrained_encoder(cluttered, tmp_path, check):
     train, test = cluttered
