@@ -84,14 +84,14 @@ def scores(model: EmbeddingModel, train: Path, test: Path) -> Scores:
     return Scores(accuracy["k20"]["top1"], probe["top1"])
 
 
-@pytest.mark.timeout(1800)  # InfoNCE's 30 epochs take 8-12 minutes on 2 cores
+@pytest.mark.timeout(3000)  # InfoNCE's 30 epochs take 8-12 minutes on 2 cores
 @pytest.mark.parametrize("check", CHECKS, ids=[c.recipe for c in CHECKS])
 def test_recipe_learns_beyond_the_untrained_encoder(cluttered, tmp_path, check):
     train, test = cluttered
     recipe = REPO / "launch" / "configs" / "cluttered" / f"{check.recipe}.yaml"
     overrides = [f"output_dir={tmp_path}", "name=run", f"data.shards={train}",
                  "tracking.enabled=false", "train.progress=false", "checkpoint.every=0"]
-    result = run_pretrain(["--config", str(recipe), *overrides], nproc=2, timeout=1500)
+    result = run_pretrain(["--config", str(recipe), *overrides], nproc=2, timeout=2400)
     assert result.returncode == 0, result.stderr[-3000:]
     trained = from_checkpoint(list_checkpoints(tmp_path / "run")[0])[0]
     config = load_config(RunConfig, recipe, overrides)
