@@ -102,8 +102,5 @@ class HashingReader:
 
 
 def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return HashingReader(handle).drain()
