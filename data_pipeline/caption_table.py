@@ -1,20 +1,26 @@
 """A CC3M/CC12M-style caption table (CSV or TSV of caption and local image path) as a
 make-shards source that no process holds whole.
 
-The constructor makes one streaming pass over the table and keeps the byte offset of every
-``stride``-th record (each shard's first): 1,200 integers for CC12M's 12M rows in shards of
-10,000, where the rows themselves would be ~3.5 GB of Python strings in every worker.
-``load(i)`` in a worker seeks to the recorded offset at or before row ``i`` and reads
-forward; make-shards asks for a shard's rows in order, so each worker reads exactly its own
-shards' rows, once.
+The constructor makes one streaming pass over the table and writes the byte offset of
+every record to a temporary file of int64 (8 bytes a row: 96 MB for CC12M's 12M rows, where
+the rows themselves would be ~3.5 GB of Python strings in every worker). Workers map that
+file (the pages they touch are shared through the page cache) and ``load(i)`` seeks
+straight to row ``i``: make-shards asks for rows in a seeded random order, and each row is
+read once, by the worker writing its shard. What travels to a worker is the file's name.
 """
 
 from __future__ import annotations
 
 import csv
+import os
+import tempfile
+import weakref
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+import numpy as np
 
 from core.errors import RunError
 from data_pipeline.config import ShardsConfig
@@ -74,10 +80,11 @@ class CaptionTableSource:
         self.table, self.class_names = table, []
         self.delimiter = cfg.delimiter or ("\t" if table.suffix.lower() == ".tsv" else ",")
         self.root = Path(cfg.image_root) if cfg.image_root else table.parent
-        self.stride = cfg.shard_size
-        self.offsets: list[int] = []  # byte offset of rows 0, stride, 2 * stride, ...
         self.count = 0
-        with open(table, "rb") as handle:
+        handle_fd, self.offsets_path = tempfile.mkstemp(prefix="caption-rows-", suffix=".i64")
+        weakref.finalize(self, _remove, self.offsets_path)  # in this process only
+        chunk = array("q")
+        with open(table, "rb") as handle, os.fdopen(handle_fd, "wb") as offsets:
             stream = rows(handle, self.delimiter)
             header = next(stream, (0, []))[1] if cfg.has_header else []
             self.caption_col = _column(cfg.caption_column, header, table)
@@ -85,10 +92,13 @@ class CaptionTableSource:
             for offset, fields in stream:
                 if self.count < URL_PROBE_ROWS:
                     self._refuse_urls(fields, cfg.image_column)
-                if self.count % self.stride == 0:
-                    self.offsets.append(offset)
+                chunk.append(offset)
+                if len(chunk) == 1 << 16:
+                    chunk.tofile(offsets)
+                    chunk = array("q")
                 self.count += 1
-        self._cursor: tuple[int, Iterator[tuple[int, list[str]]], BinaryIO] | None = None
+            chunk.tofile(offsets)
+        self._offsets: np.ndarray | None = None
 
     def _refuse_urls(self, fields: list[str], column: str) -> None:
         if len(fields) > self.image_col and fields[self.image_col].startswith(URL_PREFIXES):
@@ -98,27 +108,19 @@ class CaptionTableSource:
                             "(shards.source=img2dataset)")
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_cursor": None}  # an open file does not travel to workers
+        return {**self.__dict__, "_offsets": None}  # workers map the file themselves
 
     def __len__(self) -> int:
         return self.count
 
     def _row(self, i: int) -> list[str]:
-        """Row ``i``: the next row of the open stream when reading in order, else read
-        forward from the nearest recorded offset."""
-        if self._cursor is None or self._cursor[0] != i:
-            if self._cursor is not None:
-                self._cursor[2].close()
-            handle = open(self.table, "rb")
-            handle.seek(self.offsets[i // self.stride])
-            stream = rows(handle, self.delimiter)
-            for _ in range(i % self.stride):
-                next(stream)
-            self._cursor = (i, stream, handle)
-        _, stream, handle = self._cursor
-        fields = next(stream)[1]
-        self._cursor = (i + 1, stream, handle)
-        return fields
+        """Row ``i``, read from its recorded offset."""
+        if self._offsets is None:
+            self._offsets = (np.memmap(self.offsets_path, np.int64, "r") if self.count
+                             else np.zeros(0, np.int64))
+        with open(self.table, "rb") as handle:
+            handle.seek(int(self._offsets[i]))
+            return next(rows(handle, self.delimiter))[1]
 
     def load(self, i: int) -> Sample:
         row = self._row(i)
@@ -138,3 +140,10 @@ class CaptionTableSource:
         check_image(data, str(path))
         return Sample(key=f"row_{i:09d}", image=data, ext=IMAGE_SUFFIXES[path.suffix.lower()],
                       caption=caption)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -39,7 +39,8 @@ class ShardsConfig:
     samples: int = 0  # cluttered_digits: canvases to draw; 0 = one per source digit
     canvas_size: int = 40  # cluttered_digits: side of the canvas, pixels
     clutter: int = 2  # cluttered_digits: fragments of other digits per canvas
-    seed: int = 0  # cluttered_digits: every draw follows from (seed, split, index)
+    seed: int = 0  # the order of samples across shards; cluttered_digits' draws
+    shuffle: bool = True  # write samples in a seeded random order (false: source order)
 
     def validate(self) -> None:
         if self.shard_size < 1:
@@ -83,7 +84,8 @@ class DataConfig:
     grayscale_second: float | None = None  # simclr: the second view's (null: grayscale)
     blur: float = 0.5  # simclr: probability of a Gaussian blur
     flip: float = 0.5  # simclr: probability of a horizontal flip
-    shuffle_buffer: int = 512  # samples in each worker's shuffle buffer
+    shuffle_buffer: int = 512  # samples shuffled together in each stream (a block)
+    lanes: int = 4  # places of the data set each stream reads side by side (mixing)
     seed: int = 0  # seed of shard order, shuffling and augmentation
     max_skip_fraction: float = 0.01  # fail when more than this fraction of samples is bad
     verify_checksums: bool = False  # hash every shard against the manifest before reading
@@ -101,7 +103,7 @@ class DataConfig:
         return Retry(self.retries, self.retry_wait)
 
     def validate(self) -> None:
-        for key in ("batch_size", "resolution"):
+        for key in ("batch_size", "resolution", "shuffle_buffer", "lanes"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
         if self.prefetch < 1:

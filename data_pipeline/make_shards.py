@@ -1,7 +1,9 @@
 """Write WebDataset shards and their manifest (the ``make-shards`` stage).
 
-Shard i holds samples [i * shard_size, (i + 1) * shard_size) of the source, written by a
-pool of processes. Each finished shard leaves a sidecar ``shard-XXXXXX.json`` (count,
+The source's samples are written in a seeded random order (``shards.shuffle``, on by
+default): shard i holds items [i * shard_size, (i + 1) * shard_size) of a permutation of the
+source drawn from ``shards.seed``, so a source listed class by class (an image tree) gives
+shards that each hold every class. A pool of processes writes them. Each finished shard leaves a sidecar ``shard-XXXXXX.json`` (count,
 bytes, checksum, skipped samples); a re-run skips shards whose sidecar matches the file, so
 an interrupted job resumes and ends with the same manifest. img2dataset output is indexed
 where it lies, never rewritten.
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.config import ShardsConfig
@@ -46,12 +49,12 @@ def _finished(path: Path) -> dict | None:
         return None
 
 
-def _write_one(job: tuple[Path, int, int]) -> dict:
-    path, start, stop = job
+def _write_one(job: tuple[Path, np.ndarray]) -> dict:
+    path, items = job
     skipped: Counter[str] = Counter()
 
     def samples() -> Iterator[Sample]:
-        for i in range(start, stop):
+        for i in items.tolist():
             try:
                 yield _SOURCE.load(i)
             except SkipSample as skip:
@@ -75,7 +78,9 @@ def write_source_shards(cfg: ShardsConfig) -> Manifest:
     paths = [out / f"shard-{i:06d}.tar" for i in range((total + cfg.shard_size - 1)
                                                         // cfg.shard_size)]
     infos = {p: _finished(p) for p in paths}
-    jobs = [(p, i * cfg.shard_size, min(total, (i + 1) * cfg.shard_size))
+    order = (np.random.default_rng(cfg.seed).permutation(total) if cfg.shuffle
+             else np.arange(total))
+    jobs = [(p, order[i * cfg.shard_size:(i + 1) * cfg.shard_size])
             for i, p in enumerate(paths) if infos[p] is None]
     bar = tqdm(total=len(paths), initial=len(paths) - len(jobs), unit="shard",
                desc=f"make-shards {cfg.source}")

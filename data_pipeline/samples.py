@@ -6,6 +6,7 @@ import hashlib
 import io
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from PIL import Image, UnidentifiedImageError
 
@@ -48,25 +49,40 @@ class RawSample:
     row: int = -1  # the caption store's embedding row, when a store is joined
 
 
+class Skip(NamedTuple):
+    """One cause of skipped samples: ``count`` samples of ``shard`` for ``reason``."""
+
+    reason: str
+    shard: str
+    detail: str = ""
+    count: int = 1
+
+
 @dataclass
 class SkipLog:
     """Skips met while one batch was assembled: counts per reason, per "reason shard", a
-    few named samples ("reason shard detail") and the undecodable keys."""
+    few named samples ("reason shard detail")."""
 
     counts: Counter = field(default_factory=Counter)
-    bad_keys: list[str] = field(default_factory=list)
     places: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
 
+    def add(self, skip: Skip) -> None:
+        self.counts[skip.reason] += skip.count
+        self.places[f"{skip.reason} {skip.shard}"] += skip.count
+        example = f"{skip.reason} {skip.shard} {skip.detail}".strip()
+        if len(self.examples) < MAX_EXAMPLES and example not in self.examples:
+            self.examples.append(example)
+
     def take(self) -> SkipLog:
         """What was logged so far, leaving this log empty for the next batch."""
-        taken = SkipLog(self.counts, self.bad_keys, self.places, self.examples)
-        self.counts, self.bad_keys, self.places, self.examples = Counter(), [], Counter(), []
+        taken = SkipLog(self.counts, self.places, self.examples)
+        self.counts, self.places, self.examples = Counter(), Counter(), []
         return taken
 
     def as_batch(self) -> dict:
         """The batch entries that carry these skips to the training loop."""
-        return {"skipped": dict(self.counts), "skipped_keys": list(self.bad_keys),
+        return {"skipped": dict(self.counts),
                 "skipped_places": dict(self.places), "skipped_examples": list(self.examples)}
 
 
@@ -109,20 +125,18 @@ class SampleChecker:
                 raise SkipSample("bad_caption", f"{key}: empty")
         return RawSample(key, shard, image, label, caption)
 
-    def skip(self, reason: str, shard: str, bad_key: str | None = None, detail: str = "",
-             count: int = 1) -> None:
-        """Count ``count`` skips of one cause (``bad_key``: an undecodable sample,
-        remembered for replays; ``detail``: names the sample); abort when the bad fraction
-        exceeds the limit."""
+    def skip(self, reason: str, shard: str, detail: str = "", count: int = 1) -> None:
+        """Count and log ``count`` skips of one cause (``detail`` names the sample)."""
+        self.log.add(self.tally(reason, shard, detail, count))
+
+    def tally(self, reason: str, shard: str, detail: str = "", count: int = 1) -> Skip:
+        """Count ``count`` skips of one cause without logging them (the caller logs the
+        :class:`Skip` with the batch it belongs to); abort when the bad fraction exceeds
+        the limit."""
         self.skipped += count
-        self.log.counts[reason] += count
-        self.log.places[f"{reason} {shard}"] += count
-        if len(self.log.examples) < MAX_EXAMPLES:
-            self.log.examples.append(f"{reason} {shard} {detail or bad_key or ''}".strip())
-        if bad_key is not None:
-            self.log.bad_keys.append(bad_key)
         if (self.seen >= MIN_SEEN_FOR_LIMIT
                 and self.skipped > self.max_skip_fraction * self.seen):
             raise SkipLimitExceeded(
                 f"{self.skipped} of {self.seen} samples skipped (> data.max_skip_fraction="
                 f"{self.max_skip_fraction}); last in shard {shard} ({reason})")
+        return Skip(reason, shard, detail, count)

@@ -28,6 +28,7 @@ from data_pipeline.formats import Sample
 
 log = logging.getLogger(__name__)
 REMOTE = ("http://", "https://", "pipe:", "s3://", "gs://")
+META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
 
 
 class TruncatedShard(Exception):
@@ -83,18 +84,22 @@ def _reason(url: str, error: OSError) -> str:
     return f"{tool} exit status {status.group(1)}"
 
 
-def iter_shard(url: str | Path, retry: Retry = DEFAULT_RETRY) -> Iterator[dict[str, bytes | str]]:
-    """Yield ``{"__key__": key, ext: bytes, ...}`` per sample; raise TruncatedShard at a
-    broken tail after yielding every complete sample before it. Remote reads retry (see the
-    module docstring); a local file is read once."""
+def iter_shard(url: str | Path, retry: Retry = DEFAULT_RETRY,
+               skip: int = 0) -> Iterator[dict[str, bytes | str]]:
+    """Yield ``{"__key__": key, ext: bytes, ...}`` per sample from sample ``skip`` on; raise
+    TruncatedShard at a broken tail after yielding every complete sample before it. Remote
+    reads retry (see the module docstring); a local file is read once, and reaches sample
+    ``skip`` by reading tar headers only (:func:`sample_offset`)."""
     url = str(url)
-    delivered, failures = 0, 0
+    delivered, failures = skip, 0
     while True:
         try:
-            stream = open_url(url)
+            stream, first = open_url(url), 0
+            if skip and not is_remote(url):
+                first = _seek_to_sample(stream, url, skip)
             try:
-                for index, sample in enumerate(_samples(stream, url)):
-                    if index >= delivered:  # after a retry: skip what was delivered
+                for index, sample in enumerate(_samples(stream, url), start=first):
+                    if index >= delivered:  # skip what was asked for or already delivered
                         delivered += 1
                         yield sample
             finally:
@@ -115,6 +120,44 @@ def iter_shard(url: str | Path, retry: Retry = DEFAULT_RETRY) -> Iterator[dict[s
         log.warning("data: reading %s failed after %d samples (%s); retry %d of %d in %.1fs",
                     url, delivered, _reason(url, error), failures, retry.attempts - 1, wait)
         time.sleep(wait)
+
+
+def sample_offset(path: str | Path, index: int) -> int | None:
+    """The byte offset of the first member of sample ``index`` of a local tar, found by
+    reading headers only (tarfile seeks over member data); None when the tar has fewer
+    samples or its headers do not read. Samples are delimited as webdataset's
+    ``tar_file_iterator`` and ``group_by_keys`` delimit them: regular members, metadata
+    names (``__*__``) left out, a new sample wherever the key changes."""
+    from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
+
+    key, seen = None, -1
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                name = member.name
+                if (not member.isreg() or META.match(name)
+                        or ("/" not in name and name.startswith(meta_prefix)
+                            and name.endswith(meta_suffix))):
+                    continue
+                prefix, _ = base_plus_ext(name)
+                if prefix is None or prefix == key:
+                    continue
+                key, seen = prefix, seen + 1
+                if seen == index:
+                    return member.offset
+    except (tarfile.TarError, EOFError, OSError):
+        return None
+    return None
+
+
+def _seek_to_sample(stream: IO[bytes], url: str, index: int) -> int:
+    """Move ``stream`` (a local file) to sample ``index``; the index it now stands at (0
+    when the offset is unknown: the caller then reads up to it)."""
+    offset = sample_offset(url, index)
+    if offset is None:
+        return 0
+    stream.seek(offset)
+    return index
 
 
 def write_shard(path: Path, samples: Iterable[Sample]) -> int:

@@ -159,7 +159,7 @@ class Checkpointer:
             if shared.get("world") == self.world:
                 own = torch.load(path / f"rank_{self.rank:03d}.pt", map_location="cpu",
                                  weights_only=True)
-                if old_global and new_global != old_global:
+                if old_global and new_global != old_global and not own["loader"].get("layout"):
                     loader = own["loader"]
                     loader["batches"] = batches_done(loader["batches"], old_global, new_global)
             else:

@@ -6,16 +6,13 @@ state is sharded: each old rank saved its partition, and :func:`zero_partition_f
 cuts the new rank's partition out of their concatenation. What else is per rank is
 rebuilt for the new world:
 
-- Data: the epoch continues from the same number of samples. The old run delivered
-  ``b`` batches per rank at global batch ``G`` (ranks x per-rank batch), ``b * G``
-  samples of the epoch; the new ranks continue at batch ``floor(b * G / G')`` of the new
-  layout, so no part of the epoch is skipped, and when ``b * G`` is not a multiple of
-  ``G'`` less than one global batch of the epoch is drawn again. (The same holds when
-  only the batch size changes.) Streams are seeded per rank and
-  world, so the samples after the resume are new draws from the same shards (the
-  training stream samples shards with replacement), not the ones the old ranks would
-  have drawn. The replay list of undecodable samples belongs to the old streams and is
-  dropped.
+- Data: the loader state (epoch, batches delivered, the layout that delivered them and
+  the epoch's earlier layouts) is the same on every old rank and is carried over whole.
+  The new loader sees another layout and continues with exactly the work the old one
+  left (``data_pipeline/loader/plan.py``): nothing of the epoch is lost or drawn again,
+  whatever the new number of ranks, workers or batch size. A state saved before layouts
+  were recorded continues at ``floor(b * G / G')`` batches of the new layout (less than
+  one global batch drawn again).
 - Skip counts: the old ranks' totals are summed into the new rank 0, so the run's
   totals continue.
 - Random number generators: every new rank is seeded from (step, rank).
@@ -37,7 +34,7 @@ PADDINGS, ALIGNMENT_PADDINGS = "group_paddings", "param_alignment_paddings"
 
 def batches_done(batches: int, old_global: int, new_global: int) -> int:
     """Per-rank batches of the new layout that cover at most the ``batches * old_global``
-    samples the old run consumed in the epoch (less than one global batch short)."""
+    samples the old run consumed in the epoch (for states without a recorded layout)."""
     return batches * old_global // new_global
 
 
@@ -46,10 +43,12 @@ def loader_state_for(loaders: list[dict[str, Any]], rank: int, old_global: int,
     """The loader state of new ``rank`` from the states of the ranks that wrote the
     checkpoint (``loaders[r]`` of old rank ``r``) at global batch ``old_global``."""
     first = loaders[0]
-    loader: dict[str, Any] = {"epoch": first["epoch"],
-                              "batches": batches_done(first["batches"], old_global, new_global),
-                              "bad_keys": [], "skipped": {}, "skipped_places": {},
-                              "skipped_examples": []}
+    loader: dict[str, Any] = {"epoch": first["epoch"], "batches": first["batches"],
+                              "layout": list(first.get("layout", [])),
+                              "layouts": [list(x) for x in first.get("layouts", [])],
+                              "skipped": {}, "skipped_places": {}, "skipped_examples": []}
+    if not loader["layout"]:
+        loader["batches"] = batches_done(first["batches"], old_global, new_global)
     if rank == 0:
         for old in loaders:
             for name in ("skipped", "skipped_places"):

@@ -37,6 +37,8 @@ def loader_options(cfg: DataConfig) -> dict[str, Any]:
                                "pin_memory": cfg.pin_memory and torch.cuda.is_available()}
     if cfg.workers > 0:
         options["prefetch_factor"] = cfg.prefetch
+        if cfg.backend == "dali":  # a fork would copy DALI's thread pools half-alive
+            options["multiprocessing_context"] = "forkserver"
     return options
 
 

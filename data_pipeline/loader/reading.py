@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from data_pipeline.formats import SkipSample
 from data_pipeline.graph.store import CaptionStore
-from data_pipeline.samples import RawSample, SampleChecker
+from data_pipeline.samples import RawSample, SampleChecker, Skip
 from data_pipeline.shards import ShardSet
 from data_pipeline.tario import DEFAULT_RETRY, Retry, TruncatedShard, iter_shard
 
@@ -27,23 +27,43 @@ class ShardReader:
         self.store = CaptionStore.open(caption_store) if caption_store else None
 
     def read(self, index: int) -> Iterator[RawSample]:
+        """The valid samples of shard ``index``, in file order, to the end of its file."""
+        for _, sample in self.read_range(index, 0, None):
+            if isinstance(sample, Skip):
+                self.checker.log.add(sample)
+            else:
+                yield sample
+
+    def read_range(self, index: int, start: int, stop: int | None,
+                   ) -> Iterator[tuple[int, RawSample | Skip]]:
+        """``(i, sample)`` for each sample i in [start, stop) of shard ``index`` (None: to
+        the end of the file): the sample, or the :class:`Skip` it was (counted, not yet
+        logged). Samples the shard lacks (truncated, or fewer than its manifest lists)
+        are each a ``truncated_shard`` skip."""
         url, name = self.shards.urls[index], self.shards.names[index]
         expected = self.shards.counts[index]
-        read, broken = 0, ""
+        position, broken = start, ""
         try:
-            for raw in iter_shard(url, self.retry):
-                read += 1
+            for raw in iter_shard(url, self.retry, skip=start):
+                if stop is not None and position >= stop:
+                    break
                 try:
-                    yield self._join(self.checker.parse(raw, name))
+                    yield position, self._join(self.checker.parse(raw, name))
                 except SkipSample as skip:
-                    self.checker.skip(skip.reason, name, detail=skip.detail)
+                    yield position, self.checker.tally(skip.reason, name, skip.detail)
+                position += 1
         except TruncatedShard as err:
             broken = str(err)
-        if read < expected:
-            self.checker.seen += expected - read
-            self.checker.skip("truncated_shard", name, count=expected - read,
-                              detail=f"{read} of the manifest's {expected} samples read")
-        elif broken:
+        whole, stop = stop is None, expected if stop is None else stop
+        if position < stop:
+            self.checker.seen += stop - position
+            detail = (f"{position} of the manifest's {expected} samples read"
+                      if position > start else
+                      f"no sample from {start} on (the manifest lists {expected})")
+            self.checker.tally("truncated_shard", name, detail, count=stop - position)
+            for missing in range(position, stop):
+                yield missing, Skip("truncated_shard", name, detail)
+        elif broken and whole:  # a broken tail after every listed sample
             self.checker.skip("truncated_shard", name, detail=broken)
 
     def _join(self, sample: RawSample) -> RawSample:

@@ -1,13 +1,15 @@
 """Where the training stream stands; saved in and restored from checkpoints.
 
-``epoch`` and ``batches`` (batches delivered in that epoch) say where to continue.
-``bad_keys`` lists the undecodable samples met so far in the epoch, so a resumed stream
-skips exactly what the first run skipped without decoding anything it replays.
+``epoch`` and ``batches`` (batches delivered in that epoch under ``layout``, the
+``[world, workers, positions per batch]`` that delivered them) say where to continue.
+``layouts`` lists the earlier layouts of the epoch as ``[world, workers, per batch,
+batches]``: a run resumed under another layout continues with the work the earlier ones
+left (``data_pipeline/loader/plan.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from data_pipeline.samples import MAX_EXAMPLES
@@ -16,15 +18,15 @@ from data_pipeline.samples import MAX_EXAMPLES
 @dataclass
 class LoaderState:
     epoch: int = 0
-    batches: int = 0  # batches delivered in this epoch
-    bad_keys: list[str] = field(default_factory=list)  # undecodable samples this epoch
+    batches: int = 0  # batches delivered in this epoch under `layout`
+    layout: list[int] = field(default_factory=list)  # [world, workers, per batch]
+    layouts: list[list[int]] = field(default_factory=list)  # earlier ones of the epoch
     skipped: dict[str, int] = field(default_factory=dict)  # all epochs, per reason
     skipped_places: dict[str, int] = field(default_factory=dict)  # per "reason shard"
     skipped_examples: list[str] = field(default_factory=list)  # the first named skips
 
     def record(self, batch: dict[str, Any]) -> None:
         self.batches += 1
-        self.bad_keys.extend(batch["skipped_keys"])
         for reason, count in batch["skipped"].items():
             self.skipped[reason] = self.skipped.get(reason, 0) + count
         for place, count in batch.get("skipped_places", {}).items():
@@ -43,12 +45,22 @@ class LoaderState:
         lines += [f"  e.g. {example}" for example in self.skipped_examples]
         return "\n".join(lines)
 
+    def enter(self, layout: list[int]) -> None:
+        """Continue under ``layout``: after batches delivered under another one, that one
+        joins the epoch's earlier layouts and the count starts again."""
+        if self.layout and self.layout != layout and self.batches:
+            self.layouts.append([*self.layout, self.batches])
+            self.batches = 0
+        self.layout = list(layout)
+
     def next_epoch(self) -> None:
-        self.epoch, self.batches, self.bad_keys = self.epoch + 1, 0, []
+        self.epoch, self.batches, self.layouts = self.epoch + 1, 0, []
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> LoaderState:
-        return cls(**state)
+        """The state saved by :meth:`state_dict`; keys of older versions are dropped."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in state.items() if k in known})

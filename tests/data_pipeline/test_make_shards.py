@@ -114,8 +114,11 @@ def test_caption_tables(tmp_path, layout):
     _, samples = read_all(tmp_path / "s")
     assert manifest.total_samples == 7
     assert manifest.skipped == {"bad_caption": 1, "missing_image": 1}
-    assert [s["txt"].decode() for s in samples] == [f"caption number {i}" for i in range(7)]
-    assert samples[3]["jpg"] == (images / "3.jpg").read_bytes()
+    rows_of = [int(s["__key__"].split("_")[1]) for s in samples]  # key row_<index>
+    assert sorted(rows_of) == list(range(7)) and rows_of != sorted(rows_of)  # shuffled
+    for row, sample in zip(rows_of, samples, strict=True):
+        assert sample["txt"].decode() == f"caption number {row}"
+        assert sample["jpg"] == (images / f"{row}.jpg").read_bytes()
 
 
 def test_a_caption_table_of_image_urls_is_refused_with_what_to_do(tmp_path, capsys):

@@ -129,11 +129,14 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(references, digits_shar
     # the schedule continues exactly: the same learning rate at every logged step
     assert logged(result.stderr, "lr") == {s: v for s, v in logged(uninterrupted, "lr").items()
                                            if s > 12}
-    # the loss trajectory: after the resume the ranks draw other samples than the
-    # uninterrupted run would have (streams are seeded per rank and world), so the curves
-    # agree in distribution, not value: the mean of the 6 logged rows after step 12 must
-    # agree within 3 standard errors of the difference, from the rows' own spread.
-    resumed, reference = logged(result.stderr, "loss"), logged(uninterrupted, "loss")
+    # the loss trajectory, in distribution: after the resume the ranks train on exactly the
+    # samples the old run left in the epoch (tests/data_pipeline/test_plan.py), in other
+    # batches. The loss depends on the per-rank batch (BatchNorm statistics per rank: 2 x 8
+    # logs ~0.5 more than 1 x 16 here from step 12 on), so the resumed run is compared with
+    # the uninterrupted run on the new number of ranks: the mean of the 6 logged rows after
+    # step 12 must agree within 3 standard errors of the difference, from the rows' spread.
+    resumed, reference = logged(result.stderr, "loss"), logged(references(engine, new)[1],
+                                                                "loss")
     after = [s for s in reference if s > 12]
     a, b = torch.tensor([resumed[s] for s in after]), torch.tensor([reference[s] for s in after])
     tolerance = 3 * float((a.var() / len(a) + b.var() / len(b)).sqrt())
