@@ -3,10 +3,10 @@
 The source's samples are written in a seeded random order (``shards.shuffle``, on by
 default): shard i holds items [i * shard_size, (i + 1) * shard_size) of a permutation of the
 source drawn from ``shards.seed``, so a source listed class by class (an image tree) gives
-shards that each hold every class. A pool of processes writes them. Each finished shard leaves a sidecar ``shard-XXXXXX.json`` (count,
-bytes, checksum, skipped samples); a re-run skips shards whose sidecar matches the file, so
-an interrupted job resumes and ends with the same manifest. img2dataset output is indexed
-where it lies, never rewritten.
+shards that each hold every class. A pool of processes writes them. Each finished shard
+leaves a sidecar ``shard-XXXXXX.json`` (count, bytes, checksum, skipped samples); a re-run
+skips shards whose sidecar matches the file, so an interrupted job resumes and ends with the
+same manifest. img2dataset output is indexed where it lies, never rewritten.
 """
 
 from __future__ import annotations
