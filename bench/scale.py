@@ -15,6 +15,11 @@ Parts:
   tar for count and checksum), 1 against 2 workers.
 - ``counts``: opening a remote shard list without a manifest (a real ``http.server`` on
   127.0.0.1): requests per open, first and later.
+- ``epochs``: the training stream's epoch plan at simulated 8 x 8, 64 x 8 and 512 x 8
+  worlds: CC12M's samples delivered once each, and batch class mixing on ImageNet listed
+  class by class (``bench/scale_loader.py``).
+- ``resume``: time from a loader resumed at 10% and at 90% of an epoch to its first batch,
+  local and HTTP shards.
 - ``neighbours``: the caption-neighbour graph (IVF, k = 10) over a memory-mapped store of
   clustered float16 384-d embeddings (all-MiniLM-L6-v2's width): time, peak resident
   memory beside the store's size, and the recall against exact search.
@@ -42,6 +47,8 @@ import psutil
 from PIL import Image
 
 from bench.common import machine, peak_rss_bytes, print_table, write_json
+from bench.scale_loader import class_mixing, epoch_coverage, resume_latency
+from data_pipeline.loader.plan import Layout
 
 CC12M_ROWS, CC12M_SHARDS = 12_000_000, 1_200
 SHARD = 10_000
@@ -241,6 +248,19 @@ def run_neighbours(rows: int, workdir: Path) -> dict[str, Any]:
             "rss_mib": peak_rss_bytes() / 2**20, "store_mib": path.stat().st_size / 2**20}
 
 
+def loader_epochs(worlds: list[Layout]) -> dict[str, Any]:
+    coverage = [epoch_coverage(CC12M_ROWS, w._replace(per_batch=256)) for w in worlds]
+    print("epoch coverage, CC12M (12M samples, 1,200 shards), batch 256 per rank:")
+    print_table(coverage, ["world", "samples", "delivered", "twice", "left", "global_batch",
+                           "batches_per_rank", "max_shard_ranges_per_stream", "seconds",
+                           "ms_per_stream"])
+    mixing = [class_mixing(w._replace(per_batch=128), shuffled)
+              for w in worlds for shuffled in (True, False)]
+    print("distinct classes per batch of 128, ImageNet listed class by class:")
+    print_table(mixing, ["world", "shards", "distinct_classes", "iid", "ratio", "batches"])
+    return {"coverage": coverage, "mixing": mixing}
+
+
 def child(part: str, size: int, workers: int, workdir: Path) -> dict[str, Any]:
     command = [sys.executable, "-m", "bench.scale", "--child", part, "--size", str(size),
                "--workers", str(workers), "--workdir", str(workdir)]
@@ -265,8 +285,9 @@ def extrapolate(size: float, cost: float, slope: float, target: float, time: boo
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["all", "captions", "index", "counts", "neighbours"],
-                        default="all")
+    parser.add_argument("--part", choices=["all", "captions", "index", "counts", "epochs",
+                                           "resume", "neighbours"], default="all")
+    parser.add_argument("--worlds", nargs="+", default=["8x8", "64x8", "512x8"])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
     parser.add_argument("--tars", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--shards", type=int, nargs="+", default=[120, 1_200])
@@ -318,6 +339,17 @@ def main() -> None:
         print("remote shard list without a manifest, requests per open:")
         print_table(rows, ["shards", "first_open_requests", "first_open_s",
                            "later_open_requests", "later_open_s"])
+    if args.part in ("all", "epochs"):
+        results["epochs"] = loader_epochs([Layout(*map(int, w.split("x")), 0)
+                                           for w in args.worlds])
+    if args.part in ("all", "resume"):
+        rows = resume_latency(args.workdir)
+        seconds = {(r["source"], r["fraction"]): r["seconds"] for r in rows}
+        ratios = {where: seconds[where, 0.9] / seconds[where, 0.1] for where in ("local", "http")}
+        results["resume"] = {"rows": rows, "ratio_90_to_10": ratios}
+        print("resume latency (first batch after building the loader, median of 3):")
+        print_table(rows, ["source", "fraction", "seconds", "samples", "world"])
+        print("90% / 10%:", {k: round(v, 2) for k, v in ratios.items()})
     if args.part in ("all", "neighbours"):
         rows = [child("neighbours", n, 1, args.workdir) for n in args.captions]
         fit = {key: exponent(args.captions, [r[key] for r in rows])

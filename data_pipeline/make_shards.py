@@ -69,6 +69,12 @@ def _write_one(job: tuple[Path, np.ndarray]) -> dict:
     return info
 
 
+def sample_order(total: int, seed: int, shuffle: bool = True) -> np.ndarray:
+    """The source items in the order make-shards writes them: shard i holds items
+    ``order[i * shard_size:(i + 1) * shard_size]``."""
+    return np.random.default_rng(seed).permutation(total) if shuffle else np.arange(total)
+
+
 def write_source_shards(cfg: ShardsConfig) -> Manifest:
     """Cut the configured source into shards under ``cfg.output`` and write the manifest."""
     source = build_source(cfg)  # a source that cannot be read fails before any output
@@ -78,8 +84,7 @@ def write_source_shards(cfg: ShardsConfig) -> Manifest:
     paths = [out / f"shard-{i:06d}.tar" for i in range((total + cfg.shard_size - 1)
                                                         // cfg.shard_size)]
     infos = {p: _finished(p) for p in paths}
-    order = (np.random.default_rng(cfg.seed).permutation(total) if cfg.shuffle
-             else np.arange(total))
+    order = sample_order(total, cfg.seed, cfg.shuffle)
     jobs = [(p, order[i * cfg.shard_size:(i + 1) * cfg.shard_size])
             for i, p in enumerate(paths) if infos[p] is None]
     bar = tqdm(total=len(paths), initial=len(paths) - len(jobs), unit="shard",

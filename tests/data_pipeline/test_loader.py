@@ -3,6 +3,7 @@ bad input skipped and counted exactly, exact resume."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from pathlib import Path
 
@@ -167,7 +168,7 @@ def test_manifest_that_does_not_match_fails_before_reading(tmp_path):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_continues_exactly_where_the_run_stopped(tmp_path, workers):
-    planted_set(tmp_path)  # undecodable samples make the replay depend on bad_keys
+    planted_set(tmp_path)  # skips must be counted once, in the batch that holds them
     cfg = config(tmp_path, workers=workers, batch_size=4, shuffle_buffer=8)
     state = LoaderState()
     full, snapshots = [], []
@@ -181,8 +182,39 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path, workers):
     resumed = list(train_batches(cfg, state=snapshots[stop - 1]))
     assert len(resumed) == len(full) - stop
     for got, want in zip(resumed, full[stop:], strict=True):
-        assert got["keys"] == want["keys"]
+        assert got["keys"] == want["keys"] and got["skipped"] == want["skipped"]
         assert torch.equal(got["images"], want["images"])
+
+
+def keys_of(cfg, world: int, state=None) -> list[list[str]]:
+    """Every key each rank's stream delivers, in order (whole epochs from ``state``)."""
+    return [[k for b in train_batches(cfg, rank, world, copy.deepcopy(state)) for k in b["keys"]]
+            for rank in range(world)]
+
+
+def test_an_epoch_of_real_shards_reads_every_sample_once_over_3_ranks_x_2_workers(tmp_path):
+    uneven_set(tmp_path, [37, 5, 90, 13, 1])  # 146 samples: fewer shards than the 6 streams
+    per_rank = keys_of(config(tmp_path, batch_size=4), world=3)
+    keys = [k for rank in per_rank for k in rank]
+    assert [len(r) for r in per_rank] == [146 // 12 * 4] * 3
+    assert len(set(keys)) == len(keys) == 146 // 12 * 12
+
+
+def test_a_resume_on_another_number_of_ranks_loses_and_repeats_nothing(tmp_path):
+    uneven_set(tmp_path, [37, 25, 90, 13, 31])  # 196 samples
+    cfg = config(tmp_path, batch_size=4)
+    states, before = [LoaderState() for _ in range(2)], []
+    for rank in range(2):  # 2 ranks deliver 7 batches each, then stop
+        for i, batch in enumerate(train_batches(cfg, rank, 2, states[rank])):
+            before += batch["keys"]
+            if i == 6:
+                break
+    assert states[0].batches == states[1].batches == 7
+    after = [k for rank in keys_of(config(tmp_path, batch_size=3, workers=1), 3, states[0])
+             for k in rank]
+    seen = before + after
+    assert len(seen) == len(set(seen))  # nothing twice
+    assert 196 - len(seen) < 3 * 3  # nothing lost but less than a global batch
 
 
 def test_same_label_pairs_are_two_images_of_one_class(tmp_path):
