@@ -10,15 +10,20 @@ Phases, each resumable from what it left on disk (validated by counts and checks
    chunks do not depend on P, so 1 and N workers produce identical bytes.
 3. ``merge``: assembles the store (``store.py``) and ``meta.json``.
 
-``phase=all`` runs the three in order; under torchrun every rank is one part, synchronised
-by barriers of a gloo group (a slurm array instead runs each phase per task with
-``graph.part``/``graph.num_parts``, then one merge).
+``phase=all`` runs the three in order; under torchrun every rank is one part. The ranks
+meet through the files the phases write, not through collectives: a rank that finished a
+phase polls for the other parts' sidecars (logging what it waits for every minute), so a
+slow part (a large shard, a slow encoder) never trips a collective's timeout; rank 0 merges
+once every chunk is there, the others end after their encode. (A slurm array instead runs
+each phase per task with ``graph.part``/``graph.num_parts``, then one merge.)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -31,6 +36,8 @@ from data_pipeline.graph.store import CaptionStore
 from data_pipeline.manifest import file_sha256
 from data_pipeline.shards import ShardSet
 from data_pipeline.tario import TruncatedShard, iter_shard
+
+log = logging.getLogger(__name__)
 
 
 def part_of(cfg: GraphConfig) -> tuple[int, int]:
@@ -62,9 +69,13 @@ def _finish(data: Path, info: dict) -> dict:
     return info
 
 
+def _part(cfg: GraphConfig, part: int) -> Path:
+    return Path(cfg.output) / "parts" / f"captions-{part:05d}.jsonl"
+
+
 def collect(cfg: GraphConfig, part: int, num_parts: int) -> dict:
     """Phase 1: this part's (key, caption) pairs."""
-    path = Path(cfg.output) / "parts" / f"captions-{part:05d}.jsonl"
+    path = _part(cfg, part)
     if (info := _valid(path)) is not None:
         return info
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +108,7 @@ def collected(cfg: GraphConfig, num_parts: int) -> tuple[list[str], list[str], C
     """(keys, captions, skipped) of every part; fails naming a part that is not done."""
     keys, captions, skipped = [], [], Counter()
     for part in range(num_parts):
-        path = Path(cfg.output) / "parts" / f"captions-{part:05d}.jsonl"
+        path = _part(cfg, part)
         info = _valid(path)
         if info is None:
             raise RuntimeError(f"{path}: collect part {part} of {num_parts} is not finished "
@@ -114,8 +125,9 @@ def _chunk(cfg: GraphConfig, index: int) -> Path:
     return Path(cfg.output) / "chunks" / f"chunk-{index:07d}.npy"
 
 
-def encode_part(cfg: GraphConfig, part: int, num_parts: int) -> None:
-    """Phase 2: embed chunks c % num_parts == part of the sorted distinct captions."""
+def encode_part(cfg: GraphConfig, part: int, num_parts: int) -> int:
+    """Phase 2: embed chunks c % num_parts == part of the sorted distinct captions; returns
+    the number of chunks of all parts."""
     _, captions, _ = collected(cfg, num_parts)
     distinct = sorted(set(captions))
     size = cfg.batch_size
@@ -135,6 +147,7 @@ def encode_part(cfg: GraphConfig, part: int, num_parts: int) -> None:
         _finish(_chunk(cfg, c), {"rows": len(batch), "truncated": truncated})
         bar.update(len(batch))
     bar.close()
+    return (len(distinct) + size - 1) // size
 
 
 def merge(cfg: GraphConfig, num_parts: int) -> CaptionStore:
@@ -191,16 +204,23 @@ def run_captions(cfg: GraphConfig) -> CaptionStore | None:
 
 def _run_ranks(cfg: GraphConfig, part: int, num_parts: int) -> CaptionStore | None:
     """All phases across torchrun ranks, one part each, rank 0 merging."""
-    import torch.distributed as dist
+    collect(cfg, part, num_parts)
+    wait_for([_part(cfg, p) for p in range(num_parts)], "collect")
+    chunks = encode_part(cfg, part, num_parts)
+    if part != 0:
+        return None
+    wait_for([_chunk(cfg, c) for c in range(chunks)], "encode")
+    return merge(cfg, num_parts)
 
-    dist.init_process_group("gloo")
-    try:
-        collect(cfg, part, num_parts)
-        dist.barrier()
-        encode_part(cfg, part, num_parts)
-        dist.barrier()
-        store = merge(cfg, num_parts) if part == 0 else None
-        dist.barrier()
-        return store
-    finally:
-        dist.destroy_process_group()
+
+def wait_for(paths: list[Path], phase: str, poll: float = 1.0, report: float = 60.0) -> None:
+    """Return once every one of ``paths`` has its sidecar (written last, atomically, when
+    the file is finished); log what is still missing every ``report`` seconds."""
+    waited = 0.0
+    while missing := [p for p in paths if not p.with_suffix(".json").is_file()]:
+        if waited >= report:
+            log.info("graph-precompute: waiting for %d of %d %s files (%s, ...)",
+                     len(missing), len(paths), phase, missing[0])
+            waited = 0.0
+        time.sleep(poll)
+        waited += poll

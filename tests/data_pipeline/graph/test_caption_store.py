@@ -106,6 +106,24 @@ def test_encode_refuses_to_start_before_every_part_is_collected(tmp_path):
         encode_part(cfg, 0, 2)
 
 
+def test_ranks_meet_through_files_and_a_late_rank_is_waited_for(tmp_path):
+    """Two torchrun-style ranks (RANK/WORLD_SIZE) as real processes, the second started 5 s
+    after the first: rank 0 waits for its collect part, both encode, rank 0 merges; no
+    process group is made, so nothing can time out. The store equals one part's."""
+    caption_set(tmp_path / "shards")
+    run_captions(GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "one"),
+                             batch_size=8))
+    args = [sys.executable, "-m", "app.graph_precompute", f"graph.shards={tmp_path / 'shards'}",
+            f"graph.output={tmp_path / 'ranks'}", "graph.batch_size=8"]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
+    first = subprocess.Popen(args, env=env | {"RANK": "0"}, stderr=subprocess.PIPE, text=True)
+    time.sleep(5)
+    second = subprocess.run(args, env=env | {"RANK": "1"}, capture_output=True, text=True)
+    _, err = first.communicate(timeout=300)
+    assert second.returncode == 0 and first.returncode == 0, err + second.stderr
+    assert store_bytes(tmp_path / "one") == store_bytes(tmp_path / "ranks")
+
+
 def test_killed_job_restarts_and_equals_an_uninterrupted_run(tmp_path):
     caption_set(tmp_path / "shards", distinct=160, repeats=1)
     run_captions(GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "whole"),
