@@ -101,9 +101,12 @@ def test_skips_are_summarised_when_max_steps_stops_mid_epoch(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     total = re.search(r"skipped per reason over all ranks: \{'truncated_shard': (\d+)\}",
                       result.stderr)
-    assert total and int(total.group(1)) % 20 == 0 and int(total.group(1)) > 0
+    # each of the 20 lost samples counts once, in the batch its position falls in: those
+    # of the 2 batches delivered
+    assert total and 0 < int(total.group(1)) <= 20
     assert f"{total.group(1)}  truncated_shard shard-000000.tar" in result.stderr
-    assert "40 of the manifest's 60 samples read" in result.stderr
+    assert re.search(r"truncated_shard shard-000000.tar (40 of the manifest's 60 samples read"
+                     r"|no sample from \d+ on \(the manifest lists 60\))", result.stderr)
     uri = f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
     run_id = (tmp_path / "run" / "mlflow_run_id").read_text()
