@@ -78,9 +78,10 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
         raise RunError(f"objective.name={objective.name} needs class labels, and "
                        f"data.shards={data.shards} lists no classes (no manifest with class names)")
     global_batch = data.batch_size * rt.world
-    if shards.total < global_batch:
+    if shards.total < data.samples_per_batch * rt.world:
         raise RunError(f"data.batch_size={data.batch_size} on {rt.world} ranks needs "
-                       f"{global_batch} samples per step and data.shards={data.shards} holds "
+                       f"{data.samples_per_batch * rt.world} samples per step and "
+                       f"data.shards={data.shards} holds "
                        f"{shards.total}: lower data.batch_size")
     candidates = 2 * global_batch - 2  # other views an anchor can be contrasted with
     if objective.num_negatives is not None and objective.num_negatives >= candidates:
@@ -96,7 +97,8 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
     model = build_model(config.model, objective, rt.device)
     optimizer = build_optimizer(model, config.optim, global_batch)
     engine = build_engine(model, optimizer, config.engine, rt.device, 2 * data.batch_size)
-    total = config.train.max_steps or config.train.epochs * (shards.total // global_batch)
+    per_epoch = shards.total // (data.samples_per_batch * rt.world)  # the loader's epoch
+    total = config.train.max_steps or config.train.epochs * per_epoch
     return Parts(engine=engine, monitor=knn_monitor_for(config, rt),
                  objective=objective_from_config(objective), objective_cfg=objective,
                  data_cfg=data, text=text_for(config), runtime=rt,

@@ -99,6 +99,12 @@ class DataConfig:
     retry_wait: float = 1.0  # remote shards: seconds before the first retry, doubling after
 
     @property
+    def samples_per_batch(self) -> int:
+        """Samples of the data set a rank's batch takes: one per instance, two for
+        ``pairing=same_label`` (pairs are found among them)."""
+        return self.batch_size * (2 if self.pairing == "same_label" else 1)
+
+    @property
     def retry(self) -> Retry:
         return Retry(self.retries, self.retry_wait)
 

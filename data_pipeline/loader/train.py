@@ -54,8 +54,7 @@ class TrainStream(IterableDataset):
         if cfg.caption_store:  # fail at start on a broken store; workers re-open it (mmap)
             CaptionStore.open(cfg.caption_store)
         self.epochs_begun = 0  # by this copy: persistent workers count their own epochs
-        per_batch = cfg.batch_size * (2 if cfg.pairing == "same_label" else 1)
-        self.layout = Layout(world, max(1, cfg.workers), per_batch)
+        self.layout = Layout(world, max(1, cfg.workers), cfg.samples_per_batch)
         self.state.enter(list(self.layout))
         self._resumed: tuple[tuple[int, str], int] | None = None  # (epoch, layouts) -> batches
         if self.layout.batches(shards.total) == 0:
