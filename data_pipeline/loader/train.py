@@ -171,7 +171,19 @@ class TrainStream(IterableDataset):
 
 
 def _read(work: Work, shards: ShardOrder, reader: ShardReader) -> Iterator[Placed]:
-    """The samples of ``work`` in order, each at its epoch position."""
-    for shard, first, stop, base in shards.pieces(work):
-        for offset, sample in reader.read_range(shard, first, stop):
-            yield base + offset, sample
+    """The samples of ``work`` in order, each at its epoch position. Consecutive pieces of
+    one shard at rising offsets (the sorted leftovers a resume under another layout deals
+    out) are read in one pass over the shard, not one open each."""
+    pieces = list(shards.pieces(work))
+    i = 0
+    while i < len(pieces):
+        shard, first, _, base = pieces[i]
+        j = i + 1
+        while j < len(pieces) and pieces[j][0] == shard and pieces[j][1] >= pieces[j - 1][2]:
+            j += 1
+        run = pieces[i:j]
+        wanted = {p for _, a, b, _ in run for p in range(a, b)} if len(run) > 1 else None
+        for offset, sample in reader.read_range(shard, first, run[-1][2]):
+            if wanted is None or offset in wanted:
+                yield base + offset, sample
+        i = j
