@@ -23,8 +23,8 @@ from data_pipeline.formats import Sample
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import load_encoder
 from data_pipeline.graph.job import run_captions
+from data_pipeline.image_tree import read_class_names
 from data_pipeline.manifest import Manifest, ShardInfo, file_sha256
-from data_pipeline.sources import read_class_names
 from data_pipeline.tario import write_shard
 
 TEMPLATES = ["a photo of a {}.", "a blurry photo of the {} in the park.",

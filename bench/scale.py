@@ -20,6 +20,14 @@ Parts:
   class by class (``bench/scale_loader.py``).
 - ``resume``: time from a loader resumed at 10% and at 90% of an epoch to its first batch,
   local and HTTP shards.
+- ``tree``: ``make-shards`` of an ImageNet-style tree listed class by class (1,000
+  folders, up to ImageNet's 1.28M images, 2 workers), beside the memory of the tree listed
+  as ``Path`` objects (how the source held it before its listing went to files).
+- ``graph``: ``graph-precompute`` of a caption set in parts of 10,000 (one shard each):
+  collect and encode of part 0 and the merge through the real command, beside the memory
+  of every caption held as Python strings (how encode and merge held them before they
+  streamed). Part 0's chunks are encoded by the real model; the others' are random unit
+  vectors (the real model embeds ~75 captions/s on 2 cores: 1M captions would take ~3.7 h).
 - ``neighbours``: the caption-neighbour graph (IVF, k = 10) over a memory-mapped store of
   clustered float16 384-d embeddings (all-MiniLM-L6-v2's width): time, peak resident
   memory beside the store's size, and the recall against exact search.
@@ -47,6 +55,14 @@ import psutil
 from PIL import Image
 
 from bench.common import machine, peak_rss_bytes, print_table, write_json
+from bench.scale_ingest import (
+    all_captions,
+    collect_rest,
+    other_chunks,
+    run_graph,
+    run_tree,
+    run_tree_listing,
+)
 from bench.scale_loader import class_mixing, epoch_coverage, resume_latency
 from data_pipeline.loader.plan import Layout
 
@@ -282,19 +298,40 @@ def extrapolate(size: float, cost: float, slope: float, target: float, time: boo
     return cost * (target / size) ** (max(slope, 1.0) if time else slope)
 
 
+def sized(results: dict[str, Any], name: str, rows: list[dict[str, Any]], size: str,
+          fitted: list[str], target: int, title: str, columns: list[str]) -> None:
+    """Fit each of ``fitted`` against ``size`` over ``rows``, carry the largest to ``target``
+    (times end in ``_s`` or are ``seconds``), store under ``name`` and print."""
+    sizes = [r[size] for r in rows]
+    fit = {key: exponent(sizes, [r[key] for r in rows]) for key in fitted}
+    results[name] = {"rows": rows, "exponent": fit, "target": target, "at_target": {
+        key: extrapolate(sizes[-1], rows[-1][key], fit[key], target,
+                         key == "seconds" or key.endswith("_s")) for key in fitted}}
+    print(title)
+    print_table(rows, columns)
+    print("exponent:", {k: round(v, 2) for k, v in fit.items()})
+    print(f"at {target:,}:", {k: round(v, 1) for k, v in results[name]["at_target"].items()})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["all", "captions", "index", "counts", "epochs",
-                                           "resume", "neighbours"], default="all")
+                                           "resume", "tree", "graph", "neighbours"],
+                        default="all")
     parser.add_argument("--worlds", nargs="+", default=["8x8", "64x8", "512x8"])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
     parser.add_argument("--tars", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--shards", type=int, nargs="+", default=[120, 1_200])
     parser.add_argument("--captions", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
+    parser.add_argument("--images", type=int, nargs="+", default=[128_000, 400_000, 1_281_167])
+    parser.add_argument("--graph-rows", type=int, nargs="+",
+                        default=[100_000, 300_000, 1_000_000])
     parser.add_argument("--workdir", type=Path, default=Path("bench/results/scale"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
-    parser.add_argument("--child", choices=["whole_table", "counts", "neighbours"])
+    parser.add_argument("--child", choices=["whole_table", "counts", "neighbours",
+                                            "tree_listing", "collect_rest", "other_chunks",
+                                            "all_captions"])
     parser.add_argument("--size", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
@@ -302,7 +339,11 @@ def main() -> None:
     if args.child:
         run = {"whole_table": lambda: run_whole_table(args.size, args.workdir),
                "counts": lambda: run_counts(args.size, args.workdir),
-               "neighbours": lambda: run_neighbours(args.size, args.workdir)}[args.child]
+               "neighbours": lambda: run_neighbours(args.size, args.workdir),
+               "tree_listing": lambda: run_tree_listing(args.size, args.workdir),
+               "collect_rest": lambda: collect_rest(args.size, args.workdir),
+               "other_chunks": lambda: other_chunks(args.size, args.workdir),
+               "all_captions": lambda: all_captions(args.size, args.workdir)}[args.child]
         print(json.dumps(run()))
         return
     results: dict[str, Any] = {"machine": machine()}
@@ -350,6 +391,23 @@ def main() -> None:
         print("resume latency (first batch after building the loader, median of 3):")
         print_table(rows, ["source", "fraction", "seconds", "samples", "world"])
         print("90% / 10%:", {k: round(v, 2) for k, v in ratios.items()})
+    if args.part in ("all", "tree"):
+        rows = [run_tree(n, args.workdir) | child("tree_listing", n, 1, args.workdir)
+                for n in args.images]
+        sized(results, "tree", rows, "images",
+              ["seconds", "command_rss_mib", "worker_rss_mib", "listing_rss_mib"], 1_281_167,
+              "make-shards of a class-sorted tree (1,000 classes, 2 workers, shards of 10,000):",
+              ["images", "seconds", "images_per_s", "command_rss_mib", "worker_rss_mib",
+               "listing_rss_mib"])
+    if args.part in ("all", "graph"):
+        rows = [run_graph(n, args.workdir, lambda name, size: child(name, size, 1, args.workdir))
+                | child("all_captions", n, 1, args.workdir) for n in args.graph_rows]
+        sized(results, "graph", rows, "rows",
+              ["collect_rss_mib", "encode_rss_mib", "merge_s", "merge_rss_mib",
+               "all_captions_rss_mib"], CC12M_ROWS,
+              "graph-precompute in parts of 10,000 captions (part 0 and the merge measured):",
+              ["rows", "parts", "collect_s", "collect_rss_mib", "encode_s", "encode_rss_mib",
+               "merge_s", "merge_rss_mib", "all_captions_rss_mib", "store_mib"])
     if args.part in ("all", "neighbours"):
         rows = [child("neighbours", n, 1, args.workdir) for n in args.captions]
         fit = {key: exponent(args.captions, [r[key] for r in rows])

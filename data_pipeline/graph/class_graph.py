@@ -9,8 +9,8 @@ import numpy as np
 
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import encode, load_encoder
+from data_pipeline.image_tree import read_class_names
 from data_pipeline.shards import ShardSet
-from data_pipeline.sources import read_class_names
 
 
 def class_embeddings(names: list[str], templates: list[str], model_name: str,

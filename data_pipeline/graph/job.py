@@ -3,12 +3,16 @@
 
 Phases, each resumable from what it left on disk (validated by counts and checksums):
 
-1. ``collect`` (part p of P): reads shards i with i % P == p, writes ``parts/captions-p.jsonl``
-   of (key, caption); empty, missing and non-UTF-8 captions are counted, not written.
-2. ``encode`` (part p of P): the distinct captions of all parts, sorted, cut into fixed
-   chunks of ``batch_size``; part p embeds chunks c with c % P == p into ``chunks/``. The
-   chunks do not depend on P, so 1 and N workers produce identical bytes.
-3. ``merge``: assembles the store (``store.py``) and ``meta.json``.
+1. ``collect`` (part p of P): reads shards i with i % P == p, writes its (key, caption)
+   pairs sorted by caption and by key (``parts.py``); empty, missing and non-UTF-8
+   captions are counted, not written.
+2. ``encode`` (part p of P): the distinct captions of all parts, streamed in sorted order
+   from the parts' files, cut into fixed chunks of ``batch_size``; part p embeds chunks c
+   with c % P == p into ``chunks/``. The chunks do not depend on P, so 1 and N workers
+   produce identical bytes.
+3. ``merge``: streams the store (``store.py``) and ``meta.json`` out of the parts and chunks.
+
+No phase holds more than one part's pairs in memory.
 
 ``phase=all`` runs the three in order; under torchrun every rank is one part. The ranks
 meet through the files the phases write, not through collectives: a rank that finished a
@@ -25,6 +29,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +37,18 @@ from tqdm import tqdm
 
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import encode, load_encoder
+from data_pipeline.graph.parts import (
+    PART_BLOCK,
+    NpyWriter,
+    PartFiles,
+    distinct_captions,
+    finish,
+    merged_captions,
+    merged_keys,
+    valid,
+    write_atomic,
+    write_part,
+)
 from data_pipeline.graph.store import CaptionStore
 from data_pipeline.manifest import file_sha256
 from data_pipeline.shards import ShardSet
@@ -47,41 +64,19 @@ def part_of(cfg: GraphConfig) -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        write(handle)
-    os.replace(tmp, path)
-
-
-def _valid(data: Path) -> dict | None:
-    """The sidecar of a finished file whose checksum still matches, else None."""
-    try:
-        info = json.loads(data.with_suffix(".json").read_text())
-        return info if file_sha256(data) == info["sha256"] else None
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def _finish(data: Path, info: dict) -> dict:
-    info = info | {"sha256": file_sha256(data)}
-    _write_atomic(data.with_suffix(".json"), lambda h: h.write(json.dumps(info).encode()))
-    return info
-
-
-def _part(cfg: GraphConfig, part: int) -> Path:
-    return Path(cfg.output) / "parts" / f"captions-{part:05d}.jsonl"
+def _parts(cfg: GraphConfig, num_parts: int) -> list[PartFiles]:
+    return [PartFiles.of(Path(cfg.output) / "parts", p) for p in range(num_parts)]
 
 
 def collect(cfg: GraphConfig, part: int, num_parts: int) -> dict:
-    """Phase 1: this part's (key, caption) pairs."""
-    path = _part(cfg, part)
-    if (info := _valid(path)) is not None:
+    """Phase 1: this part's (key, caption) pairs, sorted (``parts.py``)."""
+    files = _parts(cfg, part + 1)[part]
+    if (info := valid(files.captions)) is not None:
         return info
-    path.parent.mkdir(parents=True, exist_ok=True)
+    files.captions.parent.mkdir(parents=True, exist_ok=True)
     shards = ShardSet.open(cfg.shards)
     skipped: Counter[str] = Counter()
-    lines = []
+    pairs = []
     for url in shards.urls[part::num_parts]:
         try:
             for raw in iter_shard(url):
@@ -96,93 +91,125 @@ def collect(cfg: GraphConfig, part: int, num_parts: int) -> dict:
                 if not caption:
                     skipped["empty_caption"] += 1
                     continue
-                lines.append(json.dumps([raw["__key__"], caption], ensure_ascii=False))
+                pairs.append((raw["__key__"], caption))
         except TruncatedShard:
             skipped["truncated_shard"] += 1
-    text = "".join(line + "\n" for line in lines).encode("utf-8")
-    _write_atomic(path, lambda h: h.write(text))
-    return _finish(path, {"samples": len(lines), "skipped": dict(skipped)})
+    return write_part(files, pairs, {"skipped": dict(skipped)})
 
 
-def collected(cfg: GraphConfig, num_parts: int) -> tuple[list[str], list[str], Counter]:
-    """(keys, captions, skipped) of every part; fails naming a part that is not done."""
-    keys, captions, skipped = [], [], Counter()
-    for part in range(num_parts):
-        path = _part(cfg, part)
-        info = _valid(path)
-        if info is None:
-            raise RuntimeError(f"{path}: collect part {part} of {num_parts} is not finished "
-                               f"(run graph.phase=collect graph.part={part})")
-        for line in path.read_text(encoding="utf-8").splitlines():
-            key, caption = json.loads(line)
-            keys.append(key)
-            captions.append(caption)
-        skipped.update(info["skipped"])
-    return keys, captions, skipped
+def collected(cfg: GraphConfig, num_parts: int) -> list[dict]:
+    """The sidecar of every collect part; fails naming a part that is not done."""
+    infos = []
+    for part, files in enumerate(_parts(cfg, num_parts)):
+        if (info := valid(files.captions)) is None:
+            raise RuntimeError(f"{files.captions}: collect part {part} of {num_parts} is not "
+                               f"finished (run graph.phase=collect graph.part={part})")
+        infos.append(info)
+    return infos
 
 
-def _chunk(cfg: GraphConfig, index: int) -> Path:
+def chunk_path(cfg: GraphConfig, index: int) -> Path:
     return Path(cfg.output) / "chunks" / f"chunk-{index:07d}.npy"
 
 
+def _chunks_of(captions: Iterator[str], size: int) -> Iterator[list[str]]:
+    """Consecutive runs of ``size`` captions (the last one shorter)."""
+    batch: list[str] = []
+    for caption in captions:
+        batch.append(caption)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def encode_part(cfg: GraphConfig, part: int, num_parts: int) -> int:
-    """Phase 2: embed chunks c % num_parts == part of the sorted distinct captions; returns
-    the number of chunks of all parts."""
-    _, captions, _ = collected(cfg, num_parts)
-    distinct = sorted(set(captions))
-    size = cfg.batch_size
-    mine = range(part, (len(distinct) + size - 1) // size, num_parts)
-    todo = [c for c in mine if _valid(_chunk(cfg, c)) is None]
-    total = sum(len(distinct[c * size:(c + 1) * size]) for c in mine)
-    left = sum(len(distinct[c * size:(c + 1) * size]) for c in todo)
-    bar = tqdm(total=total, initial=total - left, unit="caption", unit_scale=True,
-               desc=f"graph-precompute encode part {part}/{num_parts}")
-    if todo:
-        model = load_encoder(cfg.model, cfg.device)
-        _chunk(cfg, 0).parent.mkdir(parents=True, exist_ok=True)
-    for c in todo:
-        batch = distinct[c * size:(c + 1) * size]
-        vectors, truncated = encode(model, batch, size)
-        _write_atomic(_chunk(cfg, c), lambda h, v=vectors: np.save(h, v))
-        _finish(_chunk(cfg, c), {"rows": len(batch), "truncated": truncated})
+    """Phase 2: embed chunks c % num_parts == part of the sorted distinct captions, streamed
+    from the parts' sorted files; returns the number of chunks of all parts."""
+    infos = collected(cfg, num_parts)
+    bar = tqdm(total=sum(i["samples"] for i in infos), unit="caption", unit_scale=True,
+               desc=f"graph-precompute encode part {part}/{num_parts} (captions streamed)")
+    model, chunks = None, 0
+    for c, batch in enumerate(_chunks_of(distinct_captions(_parts(cfg, num_parts)),
+                                              cfg.batch_size)):
+        chunks = c + 1
         bar.update(len(batch))
+        if c % num_parts != part or valid(chunk_path(cfg, c)) is not None:
+            continue
+        if model is None:
+            model = load_encoder(cfg.model, cfg.device)
+            chunk_path(cfg, 0).parent.mkdir(parents=True, exist_ok=True)
+        vectors, truncated = encode(model, batch, cfg.batch_size)
+        write_atomic(chunk_path(cfg, c), lambda h, v=vectors: np.save(h, v))
+        finish([chunk_path(cfg, c)], {"rows": len(batch), "truncated": truncated})
     bar.close()
-    return (len(distinct) + size - 1) // size
+    return chunks
 
 
 def merge(cfg: GraphConfig, num_parts: int) -> CaptionStore:
-    """Phase 3: write the store from all parts and chunks."""
-    keys, captions, skipped = collected(cfg, num_parts)
-    distinct = sorted(set(captions))
-    row_of = {caption: i for i, caption in enumerate(distinct)}
-    chunks, truncated = [], 0
-    for c in range((len(distinct) + cfg.batch_size - 1) // cfg.batch_size):
-        info = _valid(_chunk(cfg, c))
-        if info is None:
-            raise RuntimeError(f"{_chunk(cfg, c)}: missing or corrupt; run graph.phase=encode")
-        chunks.append(np.load(_chunk(cfg, c)))
-        truncated += info["truncated"]
-    embeddings = np.concatenate(chunks) if chunks else np.zeros((0, 384), np.float16)
-    encoded = np.array([k.encode() for k in keys])
-    order = np.argsort(encoded, kind="stable")
-    sorted_keys = encoded[order]
-    if len(sorted_keys) > 1 and (same := np.flatnonzero(sorted_keys[1:] == sorted_keys[:-1])).size:
-        raise ValueError(f"{cfg.shards}: key {sorted_keys[same[0]].decode()} occurs twice")
-    rows = np.array([row_of[captions[i]] for i in order], dtype=np.int32)
-    out = Path(cfg.output)
-    files = {"keys.npy": sorted_keys, "rows.npy": rows, "embeddings.npy": embeddings}
-    for name, array in files.items():
-        _write_atomic(out / name, lambda h, a=array: np.save(h, a))
-    text = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in distinct).encode("utf-8")
-    _write_atomic(out / "captions.jsonl", lambda h: h.write(text))
+    """Phase 3: write the store from all parts and chunks (``store.py``), streaming."""
+    infos = collected(cfg, num_parts)
+    parts, out = _parts(cfg, num_parts), Path(cfg.output)
+    part_rows = [NpyWriter(p.rows, (i["samples"],), np.int32, PART_BLOCK)
+                 for p, i in zip(parts, infos, strict=True)]
+    unique, previous = -1, None
+    with open(out / "captions.jsonl.tmp", "wb") as text:
+        for caption, part in merged_captions(parts):
+            if caption != previous:
+                unique, previous = unique + 1, caption
+                text.write((json.dumps(caption, ensure_ascii=False) + "\n").encode("utf-8"))
+            part_rows[part].add(unique)
+    os.replace(out / "captions.jsonl.tmp", out / "captions.jsonl")
+    for writer in part_rows:
+        writer.close()
+    num_unique, num_keys = unique + 1, sum(i["samples"] for i in infos)
+    dim, truncated = _write_embeddings(cfg, num_unique, out / "embeddings.npy")
+    _write_key_index(cfg, parts, infos, out)
+    skipped = sum((Counter(i["skipped"]) for i in infos), Counter())
+    files = ["keys.npy", "rows.npy", "embeddings.npy"]
     meta = {
-        "model": cfg.model, "dim": int(embeddings.shape[1]), "num_keys": len(keys),
-        "num_unique": len(distinct), "duplicate_rate": 1 - len(distinct) / max(len(keys), 1),
-        "truncated": truncated, "skipped": dict(skipped), "shards": str(cfg.shards),
+        "model": cfg.model, "dim": dim, "num_keys": num_keys, "num_unique": num_unique,
+        "duplicate_rate": 1 - num_unique / max(num_keys, 1), "truncated": truncated,
+        "skipped": dict(skipped), "shards": str(cfg.shards),
         "sha256": {name: file_sha256(out / name) for name in files},
     }
-    _write_atomic(out / "meta.json", lambda h: h.write(json.dumps(meta, indent=1).encode()))
+    write_atomic(out / "meta.json", lambda h: h.write(json.dumps(meta, indent=1).encode()))
     return CaptionStore.open(out)
+
+
+def _write_embeddings(cfg: GraphConfig, num_unique: int, path: Path) -> tuple[int, int]:
+    """Concatenate the chunks into ``path`` [U, dim] float16; (dim, truncated captions)."""
+    size = cfg.batch_size
+    infos = [valid(chunk_path(cfg, c)) for c in range((num_unique + size - 1) // size)]
+    if (missing := next((c for c, i in enumerate(infos) if i is None), None)) is not None:
+        raise RuntimeError(f"{chunk_path(cfg, missing)}: missing or corrupt; "
+                           "run graph.phase=encode")
+    dim = np.load(chunk_path(cfg, 0), mmap_mode="r").shape[1] if infos else 384
+    embeddings = NpyWriter(path, (num_unique, dim), np.float16)
+    for c in range(len(infos)):
+        embeddings.write(np.load(chunk_path(cfg, c)))
+    embeddings.close()
+    return dim, sum(i["truncated"] for i in infos)
+
+
+def _write_key_index(cfg: GraphConfig, parts: list[PartFiles], infos: list[dict],
+                     out: Path) -> None:
+    """``keys.npy`` (every key, sorted) and ``rows.npy`` (its embedding row), streamed from
+    the parts' sorted keys; a key in two samples fails naming it."""
+    num_keys = sum(i["samples"] for i in infos)
+    width = max((i["key_width"] for i in infos), default=1)
+    keys = NpyWriter(out / "keys.npy", (num_keys,), f"S{width}")
+    rows = NpyWriter(out / "rows.npy", (num_keys,), np.int32)
+    previous = None
+    for key, row in merged_keys(parts):
+        if key == previous:
+            raise ValueError(f"{cfg.shards}: key {key.decode()} occurs twice")
+        previous = key
+        keys.add(key)
+        rows.add(row)
+    keys.close()
+    rows.close()
 
 
 def run_captions(cfg: GraphConfig) -> CaptionStore | None:
@@ -205,11 +232,11 @@ def run_captions(cfg: GraphConfig) -> CaptionStore | None:
 def _run_ranks(cfg: GraphConfig, part: int, num_parts: int) -> CaptionStore | None:
     """All phases across torchrun ranks, one part each, rank 0 merging."""
     collect(cfg, part, num_parts)
-    wait_for([_part(cfg, p) for p in range(num_parts)], "collect")
+    wait_for([p.captions for p in _parts(cfg, num_parts)], "collect")
     chunks = encode_part(cfg, part, num_parts)
     if part != 0:
         return None
-    wait_for([_chunk(cfg, c) for c in range(chunks)], "encode")
+    wait_for([chunk_path(cfg, c) for c in range(chunks)], "encode")
     return merge(cfg, num_parts)
 
 

@@ -9,6 +9,7 @@ Files: ``keys.npy`` [N] sorted fixed-width bytes, ``rows.npy`` [N] int32, ``embe
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,14 @@ class CaptionStore:
         found = self.keys[pos] == wanted if len(self.keys) else np.zeros(len(keys), bool)
         return np.where(found, self.rows[pos], -1), found
 
-    def captions(self) -> list[str]:
-        lines = (self.directory / "captions.jsonl").read_text(encoding="utf-8").splitlines()
-        return [json.loads(line) for line in lines]
+    def captions(self, rows: Iterable[int] | None = None) -> list[str]:
+        """The distinct captions (all, or those of ``rows`` in that order), read line by
+        line from ``captions.jsonl``: only the wanted ones are kept."""
+        wanted = None if rows is None else list(rows)
+        keep = None if wanted is None else set(wanted)
+        found: dict[int, str] = {}
+        with open(self.directory / "captions.jsonl", encoding="utf-8") as handle:
+            for row, line in enumerate(handle):
+                if keep is None or row in keep:
+                    found[row] = json.loads(line)
+        return list(found.values()) if wanted is None else [found[r] for r in wanted]

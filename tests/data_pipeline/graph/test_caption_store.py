@@ -83,6 +83,48 @@ def test_two_parts_equal_one(tmp_path):
     assert store_bytes(tmp_path / "one") == store_bytes(tmp_path / "two")
 
 
+def test_streamed_merge_of_seven_parts_equals_an_in_memory_reference(tmp_path):
+    """Seven parts over five shards (two parts empty), captions whose code-point order
+    differs from their UTF-8 byte order and keys of several lengths: the store equals the
+    in-memory reference (every key sorted, every caption sorted and deduplicated)."""
+    odd = ["\ufb01ne", "\U0001f600 smile", "z end", "é", "a \"quoted\", comma",
+           "two\nlines", "a photo", "ascii"]
+    samples = [digit_sample(i, key=f"k{i * 37 % 101}" + "x" * (i % 4), caption=odd[i % 8])
+               for i in range(45)]
+    write_set(tmp_path / "shards", [samples[i::5] for i in range(5)])
+    cfg = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "seven"),
+                      batch_size=3, num_parts=7)
+    for part in range(7):
+        collect(cfg, part, 7)
+    for part in reversed(range(7)):
+        encode_part(cfg, part, 7)
+    store = merge(cfg, 7)
+    distinct = sorted(set(odd))
+    reference = sorted((s.key.encode(), distinct.index(s.caption)) for s in samples)
+    assert store.keys.tolist() == [k for k, _ in reference]
+    assert store.rows.tolist() == [r for _, r in reference]
+    assert store.captions() == distinct
+    one = run_captions(GraphConfig(shards=str(tmp_path / "shards"),
+                                   output=str(tmp_path / "one"), batch_size=3))
+    assert store_bytes(tmp_path / "one") == store_bytes(tmp_path / "seven")
+    fresh, _ = encode(load_encoder("bundled"), distinct, 8)
+    cosines = (np.asarray(one.embeddings, np.float32) * fresh.astype(np.float32)).sum(1)
+    assert cosines.min() > 0.999
+
+
+def test_a_key_in_two_parts_fails_naming_it(tmp_path):
+    write_set(tmp_path / "shards", [[digit_sample(0, key="same", caption="one")],
+                                    [digit_sample(1, key="same", caption="two")]])
+    cfg = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "s"),
+                      num_parts=2)
+    for part in (0, 1):
+        collect(cfg, part, 2)
+    for part in (0, 1):
+        encode_part(cfg, part, 2)
+    with pytest.raises(ValueError, match="key same occurs twice"):
+        merge(cfg, 2)
+
+
 def test_shards_served_over_http_give_the_same_store(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     caption_set(tmp_path / "shards")
@@ -246,7 +288,9 @@ def test_exact_topk_in_chunks_over_a_float16_memmap_equals_brute_force(tmp_path,
 
 
 def test_ivf_graph_and_its_measured_recall(monkeypatch):
+    """100 lists of ~50 (nprobe 16 leaves 84 unread) behind the HNSW coarse quantizer."""
     monkeypatch.setattr(neighbours, "CHUNK", 1000)
+    monkeypatch.setattr(neighbours, "LIST_SIZE", 50)
     data = clustered(5000)
     _, approx = ivf_topk(data, 10)
     sample = np.sort(np.random.default_rng(0).permutation(5000)[:neighbours.RECALL_QUERIES])

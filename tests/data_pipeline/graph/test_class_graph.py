@@ -6,7 +6,7 @@ import numpy as np
 
 from data_pipeline.graph.class_graph import build_class_graph, class_embeddings, load_class_graph
 from data_pipeline.graph.config import GraphConfig
-from data_pipeline.sources import read_class_names
+from data_pipeline.image_tree import read_class_names
 
 GROUPS = {
     "cats": ["tabby", "tiger cat", "Persian cat", "Siamese cat", "Egyptian cat"],

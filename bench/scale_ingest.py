@@ -1,0 +1,199 @@
+"""Ingestion at data-set size for ``bench/scale.py``: ``make-shards`` of an ImageNet-style
+class-sorted tree and ``graph-precompute`` of a caption set, each through its real command
+in a subprocess (time and peak resident memory, ``PeakMemory``), beside what the whole
+data set costs held in one process (the baseline, in a child of its own).
+
+Payloads are tiny: the tree's images are hard links to 256 tiny JPEGs (1.28M files cost
+inodes, not 1.28M image bodies), captions are ~100 characters like CC12M's.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from bench.common import peak_rss_bytes
+from data_pipeline.graph.config import GraphConfig
+from data_pipeline.manifest import Manifest, ShardInfo, file_sha256
+
+SHARD = 10_000
+CLASSES = 1_000
+POOL = 256  # distinct image files; each is linked ~5,000 times at 1.28M (ext4 allows 65,000)
+DUPLICATES = 0.2  # share of samples whose caption another sample has too
+WORDS = ["a", "photo", "of", "the", "dog", "cat", "on", "red", "blue", "street", "with",
+         "in", "person", "holding", "sunset", "over", "beach", "and", "two", "old"]
+
+
+def run_command(module: str, overrides: list[str]) -> dict[str, float]:
+    """Run ``python -m module overrides``: seconds and peak memory (command, worker), MiB."""
+    from bench.scale import PeakMemory
+
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", module, *overrides],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    memory = PeakMemory(process)
+    out, err = process.communicate()
+    seconds = time.perf_counter() - start
+    command_mib, worker_mib = memory.stop()
+    if process.returncode != 0:
+        raise RuntimeError(f"{module} {overrides} failed: {err[-2000:]}")
+    return {"seconds": seconds, "command_rss_mib": command_mib, "worker_rss_mib": worker_mib,
+            "printed": out.strip()}
+
+
+def image_tree(root: Path, images: int) -> Path:
+    """``images`` files over ``CLASSES`` folders, listed class by class (as ImageNet's)."""
+    tree = root / f"tree-{images}"
+    if (tree / "done").is_file():
+        return tree
+    pool = root / "pool"
+    pool.mkdir(parents=True, exist_ok=True)
+    gen = np.random.default_rng(0)
+    for j in range(POOL):
+        Image.fromarray(gen.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(
+            pool / f"{j}.JPEG", quality=90)
+    for c in range(CLASSES):
+        (tree / f"n{c:08d}").mkdir(parents=True, exist_ok=True)
+    for i in range(images):
+        link = tree / f"n{i % CLASSES:08d}" / f"n{i % CLASSES:08d}_{i:07d}.JPEG"
+        if not link.exists():
+            os.link(pool / f"{i % POOL}.JPEG", link)
+    (tree / "done").write_text("")
+    return tree
+
+
+def run_tree(images: int, workdir: Path) -> dict[str, Any]:
+    """make-shards of a class-sorted tree of ``images`` images (2 workers)."""
+    tree = image_tree(workdir, images)
+    out = workdir / f"tree-shards-{images}"
+    result = run_command("app.make_shards", [
+        "shards.source=imagenet", f"shards.input={tree}", f"shards.output={out}",
+        f"shards.shard_size={SHARD}", "shards.workers=2"])
+    assert f"{images} samples" in result.pop("printed")
+    for shard in out.glob("*"):
+        shard.unlink()
+    out.rmdir()
+    return {"images": images, **result, "images_per_s": images / result["seconds"]}
+
+
+def run_tree_listing(images: int, workdir: Path) -> dict[str, Any]:
+    """Child process: the tree listed as (Path, label) pairs, the earlier source's way."""
+    tree = image_tree(workdir, images)
+    before = peak_rss_bytes()
+    folders = sorted(p for p in tree.iterdir() if p.is_dir())
+    items = [(path, label) for label, folder in enumerate(folders)
+             for path in sorted(folder.iterdir())]
+    return {"images": len(items), "listing_rss_mib": (peak_rss_bytes() - before) / 2**20}
+
+
+def caption_shards(root: Path, rows: int) -> Path:
+    """``rows`` samples in shards of ``SHARD``, 1 - ``DUPLICATES`` of the captions distinct."""
+    from webdataset import TarWriter
+
+    folder = root / f"caption-shards-{rows}"
+    if (folder / "done").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    distinct = int(rows * (1 - DUPLICATES))
+    words = np.random.default_rng(rows).integers(0, len(WORDS), (distinct, 18))
+    payload = io.BytesIO()
+    Image.new("RGB", (16, 16), (120, 30, 200)).save(payload, format="JPEG")
+    infos = []
+    for s in range(rows // SHARD):
+        path = folder / f"{s:05d}.tar"
+        with TarWriter(str(path)) as writer:
+            for i in range(s * SHARD, (s + 1) * SHARD):
+                j = i % distinct
+                caption = " ".join(WORDS[w] for w in words[j]) + f" {j}"
+                writer.write({"__key__": f"{i:09d}", "jpg": payload.getvalue(), "txt": caption})
+        infos.append(ShardInfo(path.name, SHARD, path.stat().st_size, file_sha256(path)))
+    Manifest("captions", infos).write(folder)
+    (folder / "done").write_text("")
+    return folder
+
+
+def graph_config(rows: int, workdir: Path) -> GraphConfig:
+    """rows / 10,000 parts, one shard each, so a part's size is the same at every size."""
+    return GraphConfig(shards=str(caption_shards(workdir, rows)),
+                       output=str(workdir / f"store-{rows}"), num_parts=rows // SHARD)
+
+
+def graph_args(rows: int, workdir: Path) -> list[str]:
+    cfg = graph_config(rows, workdir)
+    return [f"graph.shards={cfg.shards}", f"graph.output={cfg.output}",
+            f"graph.num_parts={cfg.num_parts}"]
+
+
+def collect_rest(rows: int, workdir: Path) -> dict[str, Any]:
+    """Child process: collect parts 1.. (part 0 runs through the command, measured)."""
+    from data_pipeline.graph.job import collect
+
+    cfg = graph_config(rows, workdir)
+    start = time.perf_counter()
+    for part in range(1, cfg.num_parts):
+        collect(cfg, part, cfg.num_parts)
+    return {"rows": rows, "seconds": time.perf_counter() - start}
+
+
+def other_chunks(rows: int, workdir: Path) -> dict[str, Any]:
+    """Child process: the chunks of parts 1.. as random unit vectors (encoding 1M captions
+    with the real model takes ~3.7 h on 2 cores; part 0's chunks are real and measured)."""
+    from data_pipeline.graph.job import chunk_path
+    from data_pipeline.graph.parts import finish
+
+    cfg = graph_config(rows, workdir)
+    distinct = int(rows * (1 - DUPLICATES))
+    gen = np.random.default_rng(0)
+    chunk_path(cfg, 0).parent.mkdir(parents=True, exist_ok=True)
+    for c in range((distinct + cfg.batch_size - 1) // cfg.batch_size):
+        if c % cfg.num_parts == 0:
+            continue
+        n = min(cfg.batch_size, distinct - c * cfg.batch_size)
+        vectors = gen.normal(size=(n, 384)).astype(np.float32)
+        np.save(chunk_path(cfg, c), (vectors / np.linalg.norm(vectors, axis=1,
+                                                           keepdims=True)).astype(np.float16))
+        finish([chunk_path(cfg, c)], {"rows": n, "truncated": 0})
+    return {"rows": rows}
+
+
+def all_captions(rows: int, workdir: Path) -> dict[str, Any]:
+    """Child process: every part's keys and captions as Python lists and their distinct
+    captions sorted: what each part's encode and the merge held before they streamed."""
+    from data_pipeline.tario import iter_shard
+
+    shards = caption_shards(workdir, rows)
+    before = peak_rss_bytes()
+    keys, captions = [], []
+    for tar in sorted(shards.glob("*.tar")):
+        for raw in iter_shard(str(tar)):
+            keys.append(raw["__key__"])
+            captions.append(raw["txt"].decode())
+    distinct = sorted(set(captions))
+    return {"rows": len(keys), "distinct": len(distinct),
+            "all_captions_rss_mib": (peak_rss_bytes() - before) / 2**20}
+
+
+def run_graph(rows: int, workdir: Path, child) -> dict[str, Any]:
+    """graph-precompute of ``rows`` captions in rows / 10,000 parts: part 0's collect and
+    encode and the merge through the real command, each measured."""
+    args = graph_args(rows, workdir)
+    collect = run_command("app.graph_precompute", [*args, "graph.phase=collect", "graph.part=0"])
+    child("collect_rest", rows)
+    encode = run_command("app.graph_precompute", [*args, "graph.phase=encode", "graph.part=0"])
+    child("other_chunks", rows)
+    merge = run_command("app.graph_precompute", [*args, "graph.phase=merge"])
+    return {"rows": rows, "parts": rows // SHARD,
+            "collect_s": collect["seconds"], "collect_rss_mib": collect["command_rss_mib"],
+            "encode_s": encode["seconds"], "encode_rss_mib": encode["command_rss_mib"],
+            "merge_s": merge["seconds"], "merge_rss_mib": merge["command_rss_mib"],
+            "store_mib": sum(f.stat().st_size for f in (workdir / f"store-{rows}").glob("*.npy"))
+            / 2**20}
