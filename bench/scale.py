@@ -45,16 +45,15 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 from PIL import Image
 
 from bench.common import machine, peak_rss_bytes, print_table, write_json
+from bench.processes import run_command
 from bench.scale_ingest import (
     all_captions,
     collect_rest,
@@ -69,63 +68,6 @@ from data_pipeline.loader.plan import Layout
 CC12M_ROWS, CC12M_SHARDS = 12_000_000, 1_200
 SHARD = 10_000
 IMAGES = 256  # distinct image files the table's rows point at
-
-
-class PeakMemory:
-    """Peak resident memory of ``process`` and of its descendants (its workers), sampled
-    every ``interval`` seconds from each one's VmHWM (its own high-water mark, so a late
-    sample still sees an earlier peak)."""
-
-    def __init__(self, process: subprocess.Popen, interval: float = 0.05) -> None:
-        self.root, self.interval = psutil.Process(process.pid), interval
-        self.command = Path(f"/proc/{process.pid}/cmdline").read_bytes()
-        self.peaks: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            try:
-                pids = [self.root.pid, *(c.pid for c in self.root.children(recursive=True))]
-            except psutil.NoSuchProcess:
-                return
-            for pid in pids:
-                try:
-                    status = Path(f"/proc/{pid}/status").read_text()
-                    forked = (pid != self.root.pid and Path(f"/proc/{pid}/cmdline").read_bytes()
-                              == self.command)
-                except OSError:
-                    continue
-                if forked:  # a child between fork and exec still shows its parent's memory
-                    continue
-                for line in status.splitlines():
-                    if line.startswith("VmHWM"):
-                        self.peaks[pid] = max(self.peaks.get(pid, 0), int(line.split()[1]) << 10)
-            self._stop.wait(self.interval)
-
-    def stop(self) -> tuple[float, float]:
-        """(the process's peak, the largest descendant's peak), MiB."""
-        self._stop.set()
-        self._thread.join()
-        children = [v for pid, v in self.peaks.items() if pid != self.root.pid]
-        return self.peaks.get(self.root.pid, 0) / 2**20, max(children, default=0) / 2**20
-
-
-def make_shards_cli(overrides: list[str]) -> dict[str, float]:
-    """Run the real ``make-shards`` command; its time and peak memory (command, worker)."""
-    command = [sys.executable, "-m", "app.make_shards", *overrides]
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    memory = PeakMemory(process)
-    out, err = process.communicate()
-    seconds = time.perf_counter() - start
-    command_mib, worker_mib = memory.stop()
-    if process.returncode != 0:
-        raise RuntimeError(f"make-shards failed: {err[-2000:]}")
-    return {"seconds": seconds, "command_rss_mib": command_mib, "worker_rss_mib": worker_mib,
-            "printed": out.strip()}
 
 
 def tiny_jpegs(folder: Path) -> list[str]:
@@ -163,7 +105,7 @@ def run_captions(rows: int, workdir: Path) -> dict[str, Any]:
     """make-shards of a table of ``rows`` rows."""
     table = caption_table(workdir, rows)
     out = workdir / f"shards-{rows}"
-    result = make_shards_cli([
+    result = run_command("app.make_shards", [
         "shards.source=captions", f"shards.input={table}", f"shards.output={out}",
         "shards.caption_column=0", "shards.image_column=1", "shards.has_header=false",
         f"shards.shard_size={SHARD}", "shards.workers=2"])
@@ -203,7 +145,7 @@ def img2dataset_tars(folder: Path, tars: int, per_tar: int) -> None:
 def run_index(tars: int, workers: int, workdir: Path) -> dict[str, Any]:
     folder = workdir / f"img2dataset-{tars}"
     img2dataset_tars(folder, tars, SHARD)
-    result = make_shards_cli(["shards.source=img2dataset", f"shards.input={folder}",
+    result = run_command("app.make_shards", ["shards.source=img2dataset", f"shards.input={folder}",
                               f"shards.output={workdir / f'index-{tars}-{workers}'}",
                               f"shards.workers={workers}"])
     assert f"{tars * SHARD} samples" in result.pop("printed")

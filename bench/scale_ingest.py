@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from bench.common import peak_rss_bytes
+from bench.processes import run_command
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.manifest import Manifest, ShardInfo, file_sha256
 
@@ -30,24 +29,6 @@ POOL = 256  # distinct image files; each is linked ~5,000 times at 1.28M (ext4 a
 DUPLICATES = 0.2  # share of samples whose caption another sample has too
 WORDS = ["a", "photo", "of", "the", "dog", "cat", "on", "red", "blue", "street", "with",
          "in", "person", "holding", "sunset", "over", "beach", "and", "two", "old"]
-
-
-def run_command(module: str, overrides: list[str]) -> dict[str, float]:
-    """Run ``python -m module overrides``: seconds and peak memory (command, worker), MiB."""
-    from bench.scale import PeakMemory
-
-    start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", module, *overrides],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=os.environ | {"HF_HUB_OFFLINE": "1"})
-    memory = PeakMemory(process)
-    out, err = process.communicate()
-    seconds = time.perf_counter() - start
-    command_mib, worker_mib = memory.stop()
-    if process.returncode != 0:
-        raise RuntimeError(f"{module} {overrides} failed: {err[-2000:]}")
-    return {"seconds": seconds, "command_rss_mib": command_mib, "worker_rss_mib": worker_mib,
-            "printed": out.strip()}
 
 
 def image_tree(root: Path, images: int) -> Path:

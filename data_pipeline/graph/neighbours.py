@@ -25,9 +25,6 @@ from data_pipeline.graph.store import CaptionStore
 EXACT_LIMIT = 200_000  # distinct captions up to which "auto" searches exactly
 CHUNK = 65_536  # rows read, added or searched at a time
 RECALL_QUERIES = 1_000  # captions whose neighbours are also searched exactly
-LIST_SIZE = 512  # captions per IVF list on average
-TRAIN_PER_LIST = 40  # k-means training points per list (FAISS warns below 39)
-HNSW_LINKS, HNSW_EF_SEARCH = 32, 64  # the coarse quantizer's graph degree and search width
 
 
 def _rows(vectors: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -61,36 +58,19 @@ def exact_topk(vectors: np.ndarray, k: int, block: int = 4096,
     return sims, ids
 
 
-def _coarse_quantizer(dim: int, gpu: bool, nprobe: int):
-    """The index that finds a query's ``nprobe`` nearest lists: an HNSW graph on the CPU
-    (O(log nlist) a query, so a query's cost stays constant as nlist grows with the data),
-    a flat index on GPUs (what FAISS's GPU IVF takes; brute force is cheap there)."""
-    import faiss
-
-    if gpu:
-        return faiss.IndexFlatIP(dim)  # pragma: no cover (no GPU in CI)
-    quantizer = faiss.IndexHNSWFlat(dim, HNSW_LINKS, faiss.METRIC_INNER_PRODUCT)
-    quantizer.hnsw.efSearch = max(HNSW_EF_SEARCH, 2 * nprobe)
-    return quantizer
-
-
 def ivf_topk(vectors: np.ndarray, k: int, nprobe: int = 16) -> tuple[np.ndarray, np.ndarray]:
     """Approximate top-k of every row with a FAISS IVF inner-product index over float16
-    codes, built and searched in chunks. Lists hold ~``LIST_SIZE`` captions (nlist grows
-    with the data) and the coarse quantizer is an HNSW graph, so building and searching
-    grow as U log U, not U^1.5 as with nlist ~ sqrt(U) and a flat quantizer."""
+    codes, built and searched in chunks."""
     import faiss
 
     n, dim = vectors.shape
-    nlist = max(1, math.ceil(n / LIST_SIZE))
-    gpu = torch.cuda.is_available() and hasattr(faiss, "index_cpu_to_all_gpus")
-    index = faiss.IndexIVFScalarQuantizer(_coarse_quantizer(dim, gpu, nprobe), dim, nlist,
-                                          faiss.ScalarQuantizer.QT_fp16,
+    nlist = max(1, int(4 * math.sqrt(n)))
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16,
                                           faiss.METRIC_INNER_PRODUCT)
-    train = min(n, max(nlist * TRAIN_PER_LIST, 10_000))
-    sample = np.sort(np.random.default_rng(0).choice(n, train, replace=False))
+    sample = np.sort(np.random.default_rng(0).permutation(n)[: max(nlist * 40, 10_000)])
     index.train(np.asarray(vectors[sample], dtype=np.float32))
-    if gpu:
+    if torch.cuda.is_available() and hasattr(faiss, "index_cpu_to_all_gpus"):
         index = faiss.index_cpu_to_all_gpus(index)  # pragma: no cover (no GPU in CI)
     for start in range(0, n, CHUNK):
         index.add(_rows(vectors, start, start + CHUNK))

@@ -288,9 +288,7 @@ def test_exact_topk_in_chunks_over_a_float16_memmap_equals_brute_force(tmp_path,
 
 
 def test_ivf_graph_and_its_measured_recall(monkeypatch):
-    """100 lists of ~50 (nprobe 16 leaves 84 unread) behind the HNSW coarse quantizer."""
     monkeypatch.setattr(neighbours, "CHUNK", 1000)
-    monkeypatch.setattr(neighbours, "LIST_SIZE", 50)
     data = clustered(5000)
     _, approx = ivf_topk(data, 10)
     sample = np.sort(np.random.default_rng(0).permutation(5000)[:neighbours.RECALL_QUERIES])
