@@ -67,9 +67,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def row_counts(local: Tensor, group: dist.ProcessGroup | None = None) -> list[int]:
-    """Every rank's number of rows of ``local``, in rank order."""
-    count = torch.tensor([local.shape[0]], device=local.device)
+def row_counts(local: Tensor, group: dist.ProcessGroup | None = None,
+               device: torch.device | None = None) -> list[int]:
+    """Every rank's number of rows of ``local``, in rank order (exchanged on ``device``,
+    default ``local``'s: the device the group's backend takes)."""
+    count = torch.tensor([local.shape[0]], device=device or local.device)
     counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, count, group=group)
     return [int(c) for c in counts]
@@ -120,3 +122,38 @@ def all_gather_rows(local: Tensor, group: dist.ProcessGroup | None = None) -> Te
     if not active(group):
         return local
     return gather_rows(local, row_counts(local, group), group)
+
+
+def gather_rows_to_main(local: Tensor, device: torch.device, chunk_rows: int) -> Tensor | None:
+    """On rank 0: every rank's rows of ``local`` [n_r, ...] in rank order, on the CPU; on
+    the other ranks: None. Rows travel through ``device`` ``chunk_rows`` at a time: a CUDA
+    group (NCCL) takes device tensors only, and the chunk bounds the device memory (rank 0
+    receives ``world`` chunks at once). No rank but 0 ever holds more than its own rows."""
+    if not active():
+        return local.cpu()
+    rank, world = rank_and_world()
+    counts = row_counts(local, device=device)
+    received: list[list[Tensor]] = [[] for _ in range(world)]
+    for start in range(0, max(counts), chunk_rows):
+        piece = torch.zeros((chunk_rows, *local.shape[1:]), dtype=local.dtype, device=device)
+        mine = local[start:start + chunk_rows]
+        piece[: len(mine)] = mine.to(device)
+        parts = [torch.empty_like(piece) for _ in range(world)] if rank == 0 else None
+        dist.gather(piece, parts, dst=0)
+        if parts is not None:
+            for r, part in enumerate(parts):
+                received[r].append(part[: max(0, min(chunk_rows, counts[r] - start))].cpu())
+    if rank != 0:
+        return None
+    empty = local.new_zeros((0, *local.shape[1:]), device="cpu")
+    return torch.cat([torch.cat(chunks) if chunks else empty for chunks in received])
+
+
+def gather_objects_to_main(items: list) -> list | None:
+    """On rank 0: every rank's list concatenated in rank order; on the others: None."""
+    if not active():
+        return items
+    rank, world = rank_and_world()
+    parts: list[list] | None = [[] for _ in range(world)] if rank == 0 else None
+    dist.gather_object(items, parts, dst=0)
+    return None if parts is None else [item for part in parts for item in part]

@@ -1,8 +1,9 @@
 """Feature extraction with the evaluation loader, distributed over ranks.
 
 Every sample is read exactly once across ranks and workers (``eval_batches``); each rank
-embeds its share, the rows are gathered to every rank (uneven counts allowed) and sorted
-by key, so the result does not depend on the number of ranks.
+embeds its share, the rows are gathered to rank 0 only (uneven counts allowed, through the
+run's device in bounded chunks, since NCCL takes device tensors only) and sorted by key,
+so the result does not depend on the number of ranks.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from core.collectives import all_gather_rows
+from core.collectives import gather_objects_to_main, gather_rows_to_main
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import eval_batches
 from data_pipeline.shards import ShardSet
@@ -32,21 +32,14 @@ class Features:
     captions: list[str | None]  # [n] each sample's caption (None: the shard has none)
 
 
-def _gather_strings(items: list) -> list:
-    """Every rank's list of strings, concatenated in rank order."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return items
-    parts: list[list] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(parts, items)
-    return [item for part in parts for item in part]
-
-
 @torch.no_grad()
 def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.device,
-            rank: int = 0, world: int = 1, progress: bool = True,
-            limit: int = 0) -> Features:
+            rank: int = 0, world: int = 1, progress: bool = True, limit: int = 0,
+            transfer_mib: int = 64) -> Features | None:
     """Backbone and projector features of every sample of ``shards`` (with ``limit``: of
-    the first ``limit // world`` samples each rank reads, a fixed subset for monitors)."""
+    the first ``limit // world`` samples each rank reads, a fixed subset for monitors), on
+    rank 0; None on the other ranks. Each rank keeps its own rows on the CPU and sends them
+    to rank 0 through ``device`` in chunks of about ``transfer_mib`` MiB received."""
     cfg = dataclasses.replace(data, shards=shards)
     shard_set = ShardSet.open(shards)
     model = model.to(device).eval()
@@ -70,8 +63,12 @@ def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.
     local = {"labels": torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)}
     for name, parts in (("backbone", backbone), ("projector", projector)):
         local[name] = torch.cat(parts) if parts else torch.empty(0, widths[name])
-    gathered = {k: all_gather_rows(v) for k, v in local.items()}
-    all_keys, all_captions = _gather_strings(keys), _gather_strings(captions)
+    row_bytes = 4 * (widths["backbone"] + widths["projector"]) + 8
+    chunk_rows = max(1, transfer_mib * 2**20 // (row_bytes * world))
+    gathered = {k: gather_rows_to_main(v, device, chunk_rows) for k, v in local.items()}
+    all_keys, all_captions = gather_objects_to_main(keys), gather_objects_to_main(captions)
+    if all_keys is None:
+        return None
     order = sorted(range(len(all_keys)), key=all_keys.__getitem__)
     index = torch.tensor(order, dtype=torch.long)
     return Features([all_keys[i] for i in order], gathered["labels"][index],

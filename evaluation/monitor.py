@@ -1,6 +1,7 @@
 """A cheap kNN monitor for training: backbone kNN top-1 (k = 20) of a fixed subset of the
 evaluation shards against a fixed subset of the training shards, every
-``train.knn_every`` steps. Every rank calls it (feature extraction is distributed)."""
+``train.knn_every`` steps. Every rank calls it (feature extraction is distributed); rank 0
+computes the number, the other ranks return ``{}``."""
 
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ class KnnMonitor:
         self.device, self.rank, self.world = device, rank, world
 
     def __call__(self, encoder: torch.nn.Module) -> dict[str, float]:
+        """{"knn_top1": ...} on rank 0, {} on the others."""
         was_training = encoder.training
         model = EmbeddingModel(encoder)
         bank, queries = (extract(model, self.data, shards, self.device, self.rank, self.world,
                                  progress=False, limit=self.samples)
                          for shards in (self.cfg.train_shards, self.cfg.test_shards))
         encoder.train(was_training)
+        if bank is None or queries is None:
+            return {}
         classes = max(len(bank.class_names), int(bank.labels.max()) + 1)
         result, _ = knn_accuracy(build_index(bank.backbone, "exact"), bank.labels,
                                  queries.backbone, queries.labels, [20],

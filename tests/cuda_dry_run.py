@@ -1,0 +1,54 @@
+"""A CUDA dry run on a machine without a GPU: fake CUDA tensors (``FakeTensorMode``: shapes,
+dtypes and devices, no values) and a process group whose only backend is registered for
+CUDA (torch's ``fake`` backend, as NCCL has no CPU backend).
+
+Inside :func:`fake_cuda`, a CPU tensor mixed with a CUDA one fails (FakeTensorMode's own
+device check), and so does a CPU tensor handed to any collective (:class:`CudaCollectives`:
+inside FakeTensorMode the fake backend would take it). The fake group moves no data, so
+code that reads values on the host (a count, an object gather) cannot run here: a test
+supplies those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class CudaCollectives(TorchDispatchMode):
+    """Refuses any ``c10d`` operation that is handed a tensor not on a CUDA device."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            for value in tree_flatten((args, kwargs or {}))[0]:
+                if isinstance(value, torch.Tensor) and value.device.type != "cuda":
+                    raise RuntimeError(f"{func}: a {value.device.type} tensor "
+                                       f"{tuple(value.shape)} handed to a collective of a "
+                                       "CUDA process group")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def cuda_world(world: int = 2, rank: int = 0) -> Iterator[None]:
+    """A process group of ``world`` ranks (this process is ``rank``) served by the fake
+    backend for CUDA tensors only: a CPU tensor in a collective fails as under NCCL."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("cuda:fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def fake_cuda() -> Iterator[None]:
+    """Fake tensors (real CPU inputs are converted on use) with collectives held to CUDA."""
+    with FakeTensorMode(allow_non_fake_inputs=True), CudaCollectives():
+        yield
