@@ -42,7 +42,6 @@ import argparse
 import csv
 import io
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -57,6 +56,7 @@ from bench.processes import run_command
 from bench.scale_ingest import (
     all_captions,
     collect_rest,
+    make_shards_measured,
     other_chunks,
     run_graph,
     run_tree,
@@ -104,15 +104,9 @@ def caption_table(root: Path, rows: int) -> Path:
 def run_captions(rows: int, workdir: Path) -> dict[str, Any]:
     """make-shards of a table of ``rows`` rows."""
     table = caption_table(workdir, rows)
-    out = workdir / f"shards-{rows}"
-    result = run_command("app.make_shards", [
-        "shards.source=captions", f"shards.input={table}", f"shards.output={out}",
-        "shards.caption_column=0", "shards.image_column=1", "shards.has_header=false",
-        f"shards.shard_size={SHARD}", "shards.workers=2"])
-    assert f"{rows} samples" in result.pop("printed")
-    for shard in out.glob("*.tar"):
-        shard.unlink()
-    shutil.rmtree(out)
+    result = make_shards_measured([
+        "shards.source=captions", f"shards.input={table}", "shards.caption_column=0",
+        "shards.image_column=1", "shards.has_header=false"], workdir / f"shards-{rows}", rows)
     return {"rows": rows, **result, "rows_per_s": rows / result["seconds"],
             "table_mib": table.stat().st_size / 2**20}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -52,17 +53,21 @@ def image_tree(root: Path, images: int) -> Path:
     return tree
 
 
+def make_shards_measured(source: list[str], out: Path, samples: int) -> dict[str, float]:
+    """The real make-shards of ``source`` overrides into ``out`` (2 workers, shards of
+    ``SHARD``), measured; it must write ``samples`` samples; ``out`` is removed after."""
+    result = run_command("app.make_shards", [*source, f"shards.output={out}",
+                                             f"shards.shard_size={SHARD}", "shards.workers=2"])
+    assert f"{samples} samples" in result.pop("printed")
+    shutil.rmtree(out)
+    return result
+
+
 def run_tree(images: int, workdir: Path) -> dict[str, Any]:
     """make-shards of a class-sorted tree of ``images`` images (2 workers)."""
     tree = image_tree(workdir, images)
-    out = workdir / f"tree-shards-{images}"
-    result = run_command("app.make_shards", [
-        "shards.source=imagenet", f"shards.input={tree}", f"shards.output={out}",
-        f"shards.shard_size={SHARD}", "shards.workers=2"])
-    assert f"{images} samples" in result.pop("printed")
-    for shard in out.glob("*"):
-        shard.unlink()
-    out.rmdir()
+    result = make_shards_measured(["shards.source=imagenet", f"shards.input={tree}"],
+                                  workdir / f"tree-shards-{images}", images)
     return {"images": images, **result, "images_per_s": images / result["seconds"]}
 
 

@@ -65,12 +65,16 @@ def part_of(cfg: GraphConfig) -> tuple[int, int]:
 
 
 def _parts(cfg: GraphConfig, num_parts: int) -> list[PartFiles]:
-    return [PartFiles.of(Path(cfg.output) / "parts", p) for p in range(num_parts)]
+    return [_part_files(cfg, p) for p in range(num_parts)]
+
+
+def _part_files(cfg: GraphConfig, part: int) -> PartFiles:
+    return PartFiles.of(Path(cfg.output) / "parts", part)
 
 
 def collect(cfg: GraphConfig, part: int, num_parts: int) -> dict:
     """Phase 1: this part's (key, caption) pairs, sorted (``parts.py``)."""
-    files = _parts(cfg, part + 1)[part]
+    files = _part_files(cfg, part)
     if (info := valid(files.captions)) is not None:
         return info
     files.captions.parent.mkdir(parents=True, exist_ok=True)
