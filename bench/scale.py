@@ -28,7 +28,8 @@ Parts:
   of every caption held as Python strings (how encode and merge held them before they
   streamed). Part 0's chunks are encoded by the real model; the others' are random unit
   vectors (the real model embeds ~75 captions/s on 2 cores: 1M captions would take ~3.7 h).
-- ``neighbours``: the caption-neighbour graph (IVF, k = 10) over a memory-mapped store of
+- ``neighbours``: the caption-neighbour graph (inverted file of lists of <= 256 rows, 16
+  probed, k = 10) over a memory-mapped store of
   clustered float16 384-d embeddings (all-MiniLM-L6-v2's width): time, peak resident
   memory beside the store's size, and the recall against exact search.
 
@@ -175,8 +176,10 @@ def run_counts(shards: int, workdir: Path) -> dict[str, Any]:
 
 
 def run_neighbours(rows: int, workdir: Path) -> dict[str, Any]:
-    """Child process: the IVF neighbour graph of ``rows`` float16 embeddings."""
-    from data_pipeline.graph.neighbours import ivf_topk, recall
+    """Child process: the neighbour graph (inverted file of constant-size lists) of
+    ``rows`` float16 embeddings."""
+    from data_pipeline.graph.inverted import inverted_topk
+    from data_pipeline.graph.neighbours import recall
 
     path = workdir / f"embeddings-{rows}.npy"
     if not path.is_file():
@@ -193,10 +196,10 @@ def run_neighbours(rows: int, workdir: Path) -> dict[str, Any]:
         del store
     vectors = np.load(path, mmap_mode="r")
     start = time.perf_counter()
-    _, ids = ivf_topk(vectors, 10)
+    _, ids, lists = inverted_topk(vectors, 10)
     seconds = time.perf_counter() - start
     measured = recall(vectors, ids)
-    return {"rows": rows, "seconds": seconds, "recall": measured,
+    return {"rows": rows, "seconds": seconds, "recall": measured, "lists": lists,
             "rss_mib": peak_rss_bytes() / 2**20, "store_mib": path.stat().st_size / 2**20}
 
 
@@ -351,8 +354,8 @@ def main() -> None:
         results["neighbours"] = {"rows": rows, "exponent": fit, "cc12m": {
             key: extrapolate(rows[-1]["rows"], rows[-1][key], fit[key], CC12M_ROWS,
                              key == "seconds") for key in fit}}
-        print("caption-neighbour graph (IVF, float16 codes, k = 10, 384-d):")
-        print_table(rows, ["rows", "seconds", "recall", "rss_mib", "store_mib"])
+        print("caption-neighbour graph (inverted file, lists <= 256, 16 probed, k = 10, 384-d):")
+        print_table(rows, ["rows", "lists", "seconds", "recall", "rss_mib", "store_mib"])
         print("exponent:", {k: round(v, 2) for k, v in fit.items()})
         print("at CC12M:", {k: round(v, 1) for k, v in results["neighbours"]["cc12m"].items()})
     write_json(args.out, results)

@@ -1,17 +1,15 @@
 """Caption-neighbour graph: the top-k nearest distinct captions of every caption in a store,
-exact for small stores and IVF (FAISS) for millions, its recall against exact search
-measured on a sample, and a command to inspect it.
+exact for small stores and an inverted file of constant-size lists for millions
+(``data_pipeline/graph/inverted.py``, time about linear in the store), its recall against
+exact search measured on a sample, and a command to inspect it.
 
 Memory stays near the store's own size: the store's float16 embeddings are read in chunks
-(never copied whole to float32), the IVF index keeps them as float16 (FAISS's scalar
-quantiser ``QT_fp16``: lossless for float16 data) and the queries run in chunks into the
-[U, k] result. With a CUDA device and a FAISS build that has GPU support, the index moves
-to the GPUs.
+(never copied whole to float32); the search holds the centroids, every row's probed lists
+[U, 16] int32 and the [U, k] result.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,15 +18,12 @@ import torch
 
 from core.errors import RunError
 from data_pipeline.graph.config import GraphConfig
+from data_pipeline.graph.inverted import float_rows, inverted_topk
 from data_pipeline.graph.store import CaptionStore
 
 EXACT_LIMIT = 200_000  # distinct captions up to which "auto" searches exactly
-CHUNK = 65_536  # rows read, added or searched at a time
+CHUNK = 65_536  # rows read at a time
 RECALL_QUERIES = 1_000  # captions whose neighbours are also searched exactly
-
-
-def _rows(vectors: np.ndarray, start: int, stop: int) -> np.ndarray:
-    return np.ascontiguousarray(vectors[start:stop], dtype=np.float32)
 
 
 def exact_topk(vectors: np.ndarray, k: int, block: int = 4096,
@@ -42,11 +37,11 @@ def exact_topk(vectors: np.ndarray, k: int, block: int = 4096,
     ids = np.empty((len(rows), k), np.int64)
     for start in range(0, len(rows), block):
         own = torch.from_numpy(rows[start:start + block])
-        query = torch.from_numpy(np.asarray(vectors[own.numpy()], dtype=np.float32))
+        query = torch.from_numpy(float_rows(vectors, own.numpy()))
         best_s = torch.full((len(own), k), -3.0)
         best_i = torch.zeros((len(own), k), dtype=torch.int64)
         for first in range(0, len(vectors), CHUNK):
-            scores = query @ torch.from_numpy(_rows(vectors, first, first + CHUNK)).T
+            scores = query @ torch.from_numpy(float_rows(vectors, slice(first, first + CHUNK))).T
             inside = (own >= first) & (own < first + scores.shape[1])
             scores[inside.nonzero()[:, 0], own[inside] - first] = -2.0
             top = scores.topk(min(k, scores.shape[1]), dim=1)
@@ -55,34 +50,6 @@ def exact_topk(vectors: np.ndarray, k: int, block: int = 4096,
             order = merged_s.topk(k, dim=1).indices
             best_s, best_i = merged_s.gather(1, order), merged_i.gather(1, order)
         sims[start:start + len(own)], ids[start:start + len(own)] = best_s, best_i
-    return sims, ids
-
-
-def ivf_topk(vectors: np.ndarray, k: int, nprobe: int = 16) -> tuple[np.ndarray, np.ndarray]:
-    """Approximate top-k of every row with a FAISS IVF inner-product index over float16
-    codes, built and searched in chunks."""
-    import faiss
-
-    n, dim = vectors.shape
-    nlist = max(1, int(4 * math.sqrt(n)))
-    quantizer = faiss.IndexFlatIP(dim)
-    index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16,
-                                          faiss.METRIC_INNER_PRODUCT)
-    sample = np.sort(np.random.default_rng(0).permutation(n)[: max(nlist * 40, 10_000)])
-    index.train(np.asarray(vectors[sample], dtype=np.float32))
-    if torch.cuda.is_available() and hasattr(faiss, "index_cpu_to_all_gpus"):
-        index = faiss.index_cpu_to_all_gpus(index)  # pragma: no cover (no GPU in CI)
-    for start in range(0, n, CHUNK):
-        index.add(_rows(vectors, start, start + CHUNK))
-    faiss.extract_index_ivf(index).nprobe = nprobe
-    sims = np.empty((n, k), np.float32)
-    ids = np.empty((n, k), np.int64)
-    for start in range(0, n, CHUNK):
-        found_s, found_i = index.search(_rows(vectors, start, start + CHUNK), k + 1)
-        own = found_i == np.arange(start, start + len(found_i))[:, None]
-        keep = np.argsort(own, axis=1, kind="stable")[:, :k]  # drop the caption itself
-        sims[start:start + len(found_i)] = np.take_along_axis(found_s, keep, 1)
-        ids[start:start + len(found_i)] = np.take_along_axis(found_i, keep, 1)
     return sims, ids
 
 
@@ -107,7 +74,8 @@ def build_neighbours(cfg: GraphConfig) -> NeighbourGraph:
     store = CaptionStore.open(cfg.output)
     vectors = store.embeddings
     exact = cfg.index == "exact" or (cfg.index == "auto" and len(vectors) <= EXACT_LIMIT)
-    sims, ids = (exact_topk if exact else ivf_topk)(vectors, cfg.neighbours)
+    sims, ids = (exact_topk(vectors, cfg.neighbours) if exact
+                 else inverted_topk(vectors, cfg.neighbours)[:2])
     measured = 1.0 if exact else recall(vectors, ids)
     path = Path(cfg.output) / "neighbours.npz"
     np.savez(path, ids=ids.astype(np.int32), similarities=sims.astype(np.float16),

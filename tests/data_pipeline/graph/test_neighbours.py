@@ -1,0 +1,108 @@
+"""Neighbour search: blockwise exact top-k and the inverted file of constant-size lists
+against a float64 brute-force reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data_pipeline.graph import inverted, neighbours
+from data_pipeline.graph.inverted import (
+    centroids_of,
+    inverted_topk,
+    probe_lists,
+    scan,
+    split_tree,
+)
+from data_pipeline.graph.neighbours import exact_topk
+
+
+def clustered(n: int, dim: int = 32, seed: int = 0) -> np.ndarray:
+    gen = np.random.default_rng(seed)
+    centres = gen.normal(size=(50, dim))
+    data = centres[gen.integers(0, 50, n)] + 0.3 * gen.normal(size=(n, dim))
+    return (data / np.linalg.norm(data, axis=1, keepdims=True)).astype(np.float16)
+
+
+def brute_topk(data: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """The reference: every score of the query rows in float64, the row itself excluded."""
+    full = data.astype(np.float64)
+    scores = full[rows] @ full.T
+    scores[np.arange(len(rows)), rows] = -np.inf
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
+def test_exact_topk_in_chunks_over_a_float16_memmap_equals_brute_force(tmp_path, monkeypatch):
+    monkeypatch.setattr(neighbours, "CHUNK", 37)  # many chunks, a short last one
+    np.save(tmp_path / "e.npy", clustered(300))
+    data = np.load(tmp_path / "e.npy", mmap_mode="r")
+    sims, ids = exact_topk(data, 7, block=50)
+    want = brute_topk(np.asarray(data), np.arange(300), 7)
+    assert (np.sort(ids, 1) == np.sort(want, 1)).all()
+    np.testing.assert_allclose(np.sort(sims, 1)[:, ::-1],
+                               np.take_along_axis(np.asarray(data, np.float64)
+                                                  @ np.asarray(data, np.float64).T, want, 1),
+                               rtol=0, atol=1e-5)  # float32 products of float16 inputs
+    rows = np.array([0, 36, 37, 299])
+    assert (exact_topk(data, 7, queries=rows)[1] == ids[rows]).all()
+
+
+def assert_exact(data: np.ndarray, sims: np.ndarray, ids: np.ndarray, k: int) -> None:
+    """``sims``/``ids`` [U, k] are an exact top-k up to ties: the scores equal the float64
+    reference's best k, and each id's own float64 score is the score reported for it.
+    Tolerance 1e-5: float32 products of unit float16 rows of 32 dims err by ~2e-6."""
+    full = data.astype(np.float64)
+    want = brute_topk(data, np.arange(len(data)), k)
+    scores = full @ full.T
+    np.testing.assert_allclose(sims, np.take_along_axis(scores, want, 1), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(sims, np.take_along_axis(scores, ids, 1), rtol=0, atol=1e-5)
+    assert (ids != np.arange(len(data))[:, None]).all()
+    assert all(len(set(row)) == k for row in ids.tolist())
+
+
+def test_split_tree_cuts_every_row_into_one_small_leaf():
+    data = clustered(3000)
+    leaves = split_tree(data, 100)
+    assert max(map(len, leaves)) <= 100
+    assert (np.sort(np.concatenate(leaves)) == np.arange(3000)).all()
+    same = np.repeat(data[:1], 500, axis=0)  # k-means cannot split identical rows
+    leaves = split_tree(same, 64)
+    assert max(map(len, leaves)) <= 64 and sum(map(len, leaves)) == 500
+
+
+def test_probing_every_list_is_exact_search(monkeypatch):
+    monkeypatch.setattr(inverted, "CHUNK", 700)
+    data = clustered(2000)
+    sims, ids, lists = inverted_topk(data, 10, list_size=40, probe=10_000)
+    assert lists >= 50
+    assert_exact(data, sims, ids, 10)
+
+
+def test_scan_in_blocks_equals_one_block(monkeypatch):
+    data = clustered(3000)
+    probes = probe_lists(data, centroids_of(data, split_tree(data, 50)), 8)
+    whole = scan(data, probes, 10)
+    monkeypatch.setattr(inverted, "QUERY_BLOCK", 333)
+    monkeypatch.setattr(inverted, "CHUNK", 256)
+    blocks = scan(data, probes, 10)
+    np.testing.assert_array_equal(whole[0], blocks[0])
+    np.testing.assert_array_equal(whole[1], blocks[1])
+
+
+def test_probe_lists_finds_the_nearest_centroids():
+    data = clustered(4000)
+    centroids = centroids_of(data, split_tree(data, 64))
+    probes = probe_lists(data, centroids, 4)
+    nearest = np.argsort(-(data.astype(np.float64) @ centroids.T.astype(np.float64)), 1)[:, :4]
+    assert np.mean(probes[:, 0] == nearest[:, 0]) > 0.99  # HNSW is approximate
+
+
+def test_inverted_graph_and_its_measured_recall():
+    data = clustered(5000)
+    approx = inverted_topk(data, 10, list_size=64).ids
+    sample = np.sort(np.random.default_rng(0).permutation(5000)[:neighbours.RECALL_QUERIES])
+    exact = brute_topk(data, sample, 10)
+    expected = np.mean([len(set(a) & set(e)) / 10
+                        for a, e in zip(approx[sample], exact, strict=True)])
+    assert neighbours.recall(data, approx) == pytest.approx(expected, abs=1e-3)  # ties
+    assert expected > 0.9  # measured 1.000 on seeds 0-5, also under ATEN_CPU_CAPABILITY=avx2
