@@ -36,6 +36,7 @@ class EvalConfig:
     class_groups: list[list[int]] = field(default_factory=list)  # heatmap groups; [] = all (<= 50)
     samples_per_class: int = 100  # learned vs target similarity: samples per class
     max_diagnostic_samples: int = 10000  # uniformity and MI estimates subsample to this
+    block_mib: int = 256  # bound on each block of pairwise scores (kNN, margin, diagnostics)
     mi_neighbours: int = 3  # k of the nearest-neighbour mutual-information estimate
     compare_untrained: bool = False  # also kNN and probe an untrained copy (the floor)
     # models with CLIP's text tower: retrieval and zero-shot classification
@@ -59,7 +60,7 @@ class EvalConfig:
         if not self.zero_shot_templates:
             raise InvalidValue("zero_shot_templates", "need at least one prompt template")
         for key in ("batch_size", "probe_epochs", "samples_per_class", "mi_neighbours",
-                    "promote_k", "text_batch_size"):
+                    "promote_k", "text_batch_size", "block_mib"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
         if self.promote_k not in self.ks:

@@ -1,5 +1,10 @@
 """Representation diagnostics (docs/evaluation.md). Inputs are feature matrices [n, d] and
-integer labels [n]; every function L2-normalises the features first."""
+integer labels [n]; every function L2-normalises the features first.
+
+Pairwise products ([queries, bank] or [n, n]) run in blocks of at most ``block_bytes``
+(``eval.block_mib``), so memory is bounded by the budget, not by the bank; each block
+holds the scores and their masks (``CELL_BYTES`` a pair). Blocking changes no result:
+maxima, k-th values and counts are per row, and the log-sum-exp is merged exactly."""
 
 from __future__ import annotations
 
@@ -12,23 +17,44 @@ from scipy.special import digamma
 from scipy.stats import spearmanr
 from torch import Tensor
 
-BLOCK = 4096
+BLOCK_BYTES = 256 * 2**20  # default score block (eval.block_mib)
+CELL_BYTES = 32  # a pair: its score and a masked copy (float64 at most) and two masks
+QUERY_ROWS = 4096  # query rows of a [queries, bank] block, at most
+
+
+def block_rows(columns: int, block_bytes: int) -> int:
+    """Rows of a [rows, columns] block within ``block_bytes``."""
+    return max(1, block_bytes // (max(1, columns) * CELL_BYTES))
+
+
+def unit(z: Tensor) -> Tensor:
+    """Rows L2-normalised, in float32 or float64 (the input's precision if higher)."""
+    return F.normalize(z if z.dtype == torch.float64 else z.float(), dim=1)
 
 
 def target_noise_margin(train: Tensor, train_labels: Tensor, test: Tensor,
-                        test_labels: Tensor) -> dict[str, object]:
+                        test_labels: Tensor,
+                        block_bytes: int = BLOCK_BYTES) -> dict[str, object]:
     """SINCERE's margin: for each test embedding, the cosine to its nearest training
     embedding of the same class and of any other class; margin = median(same) -
-    median(other). Returns both [n] arrays too (for the histograms)."""
-    bank, train_labels = F.normalize(train.float(), dim=1), train_labels.long()
-    queries = F.normalize(test.float(), dim=1)
-    same, other = [], []
-    for start in range(0, len(queries), BLOCK):
-        sims = queries[start:start + BLOCK] @ bank.T
-        match = test_labels[start:start + BLOCK, None].long() == train_labels[None]
-        same.append(sims.masked_fill(~match, -math.inf).max(1).values)
-        other.append(sims.masked_fill(match, -math.inf).max(1).values)
-    same_t, other_t = torch.cat(same), torch.cat(other)
+    median(other). Returns both [n] arrays too (for the histograms). The bank is read in
+    column blocks and normalised block by block (no normalised copy of it)."""
+    queries, train_labels = unit(test), train_labels.long()
+    rows = min(QUERY_ROWS, len(queries))
+    columns = block_rows(rows, block_bytes)
+    same = torch.full((len(queries),), -math.inf, dtype=queries.dtype)
+    other = same.clone()
+    for first in range(0, len(train), columns):
+        bank = unit(train[first:first + columns]).to(queries.dtype)
+        labels = train_labels[first:first + columns]
+        for start in range(0, len(queries), rows):
+            sims = queries[start:start + rows] @ bank.T
+            match = test_labels[start:start + rows, None].long() == labels[None]
+            block = slice(start, start + rows)
+            same[block] = torch.maximum(same[block], torch.where(match, sims, -math.inf).amax(1))
+            other[block] = torch.maximum(other[block],
+                                         sims.masked_fill_(match, -math.inf).amax(1))
+    same_t, other_t = same, other
     return {"margin": float(same_t.median() - other_t.median()),
             "same_median": float(same_t.median()), "other_median": float(other_t.median()),
             "same": same_t.numpy(), "other": other_t.numpy()}
@@ -87,36 +113,52 @@ def rank_correlation(learned: np.ndarray, target: np.ndarray) -> float:
     return float(spearmanr(learned[upper], target[upper]).statistic)
 
 
-def alignment_uniformity(z: Tensor, labels: Tensor, max_samples: int,
-                         seed: int = 0) -> dict[str, float]:
+def alignment_uniformity(z: Tensor, labels: Tensor, max_samples: int, seed: int = 0,
+                         block_bytes: int = BLOCK_BYTES) -> dict[str, float]:
     """Wang & Isola (2020): alignment E ||f(x) - f(y)||^2 over positive pairs (here: pairs
-    of the same class), uniformity log E exp(-2 ||f(x) - f(y)||^2) over all pairs."""
+    of the same class), uniformity log E exp(-2 ||f(x) - f(y)||^2) over all pairs; on a
+    seeded subsample of ``max_samples`` rows, in row blocks."""
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randperm(len(z), generator=gen)[:max_samples]
-    r, y = F.normalize(z[rows].float(), dim=1), labels[rows]
-    sq = (2 - 2 * (r @ r.T)).clamp(min=0)
-    off = ~torch.eye(len(r), dtype=torch.bool)
-    same = (y[:, None] == y[None]) & off
-    uniformity = torch.logsumexp(-2 * sq[off], 0) - math.log(int(off.sum()))
-    return {"alignment": float(sq[same].mean()), "uniformity": float(uniformity)}
+    r, y = unit(z[rows]), labels[rows]
+    step = block_rows(len(r), block_bytes)
+    pair_sums, aligned, positives = [], 0.0, 0
+    for start in range(0, len(r), step):
+        sq = (2 - 2 * (r[start:start + step] @ r.T)).clamp(min=0)
+        own = torch.arange(start, start + len(sq))
+        off = torch.ones_like(sq, dtype=torch.bool)
+        off[torch.arange(len(sq)), own] = False
+        same = (y[own, None] == y[None]) & off
+        pair_sums.append(torch.logsumexp(-2 * sq[off], 0))
+        aligned += float(sq[same].double().sum())
+        positives += int(same.sum())
+    pairs = len(r) * (len(r) - 1)
+    uniformity = torch.logsumexp(torch.stack(pair_sums), 0) - math.log(pairs)
+    return {"alignment": aligned / positives if positives else float("nan"),
+            "uniformity": float(uniformity)}
 
 
 def knn_mutual_information(z: Tensor, labels: Tensor, k: int, max_samples: int,
-                           seed: int = 0) -> float:
+                           seed: int = 0, block_bytes: int = BLOCK_BYTES) -> float:
     """I(Z; C) in nats by Ross (2014)'s nearest-neighbour estimator for a continuous Z and a
     discrete C: psi(N) - <psi(N_c)> + psi(k) - <psi(m)>, with m the number of points of any
-    class within the distance to the k-th same-class neighbour."""
+    class within the distance to the k-th same-class neighbour. On a seeded subsample of
+    ``max_samples`` rows; distances in row blocks."""
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randperm(len(z), generator=gen)[:max_samples]
     r, y = F.normalize(z[rows].double(), dim=1), labels[rows]
     counts = {int(c): int((y == c).sum()) for c in y.unique()}
     keep = torch.tensor([counts[int(c)] > k for c in y])
     r, y = r[keep], y[keep]
-    dist = torch.cdist(r, r)
-    dist.fill_diagonal_(math.inf)
-    same = y[:, None] == y[None]
-    radius = dist.masked_fill(~same, math.inf).kthvalue(k, dim=1).values
-    m = (dist <= radius[:, None]).sum(1).numpy()
+    step = block_rows(len(r), block_bytes)
+    m = []
+    for start in range(0, len(r), step):
+        dist = torch.cdist(r[start:start + step], r)
+        own = torch.arange(start, start + len(dist))
+        dist[torch.arange(len(dist)), own] = math.inf
+        same = y[own, None] == y[None]
+        radius = dist.masked_fill(~same, math.inf).kthvalue(k, dim=1).values
+        m.append((dist <= radius[:, None]).sum(1))
     class_sizes = np.array([counts[int(c)] for c in y])
     return float(digamma(len(r)) - digamma(class_sizes).mean() + digamma(k)
-                 - digamma(m).mean())
+                 - digamma(torch.cat(m).numpy()).mean())

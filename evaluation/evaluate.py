@@ -36,7 +36,7 @@ from evaluation.load import ModelRef, load_model, untrained_copy
 from evaluation.probe import linear_probe
 from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json, write_markdown
 from evaluation.retrieval import caption_evaluation
-from evaluation.tracking import log_evaluation, upload_outputs
+from evaluation.tracking import INDEX_DIR, log_evaluation, upload_outputs
 from pretrain.tracking import TrackingConfig, tracking_uri
 
 log = logging.getLogger("evaluate")
@@ -63,16 +63,20 @@ def class_groups(cfg: EvalConfig, num_classes: int) -> list[list[int]]:
 def diagnostics(space: str, train: Features, test: Features, cfg: EvalConfig,
                 target: np.ndarray | None, out: Path, plots: list[str]) -> dict[str, Any]:
     bank, queries = getattr(train, space), getattr(test, space)
-    margin = target_noise_margin(bank, train.labels, queries, test.labels)
+    budget = cfg.block_mib * 2**20
+    margin = target_noise_margin(bank, train.labels, queries, test.labels, budget)
     plot_margin(margin.pop("same"), margin.pop("other"), margin["margin"],
                 out / f"margin_{space}.png")
     geometry = class_geometry(queries, test.labels)
     geometry.pop("per_class_variance")
     geometry.pop("class_mean_cosine_matrix")
     result = {**margin, **geometry,
-              **alignment_uniformity(queries, test.labels, cfg.max_diagnostic_samples),
+              **alignment_uniformity(queries, test.labels, cfg.max_diagnostic_samples,
+                                     block_bytes=budget),
               "mutual_information": knn_mutual_information(
-                  queries, test.labels, cfg.mi_neighbours, cfg.max_diagnostic_samples)}
+                  queries, test.labels, cfg.mi_neighbours, cfg.max_diagnostic_samples,
+                  block_bytes=budget),
+              "diagnostic_samples": min(len(queries), cfg.max_diagnostic_samples)}
     correlations = []
     groups = class_groups(cfg, max(len(test.class_names), int(test.labels.max()) + 1))
     for number, group in enumerate(groups):
@@ -93,8 +97,10 @@ def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
                 results: dict[str, Any], identity: dict[str, str] | None = None) -> None:
     """kNN in both spaces and the linear probe into ``results``; with ``identity`` (model
     and bank digests) and ``cfg.save_index`` the index is saved under a name keyed by
-    them, and reused only by an evaluation of the same model on the same bank."""
+    them (under ``out/indexes``, kept out of MLflow: the results record the path), and
+    reused only by an evaluation of the same model on the same bank."""
     num_classes = max(len(train.class_names), int(train.labels.max()) + 1)
+    budget = cfg.block_mib * 2**20
     results["knn"] = {}
     settings = {"index": cfg.index, "ivf_lists": cfg.ivf_lists, "ivf_probe": cfg.ivf_probe}
     for space in ("backbone", "projector"):
@@ -102,16 +108,19 @@ def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
         path = None
         if cfg.save_index and identity is not None:
             key = index_key(identity["model_sha256"], identity["bank_sha256"], space, settings)
-            path = out / f"index_{space}_{cfg.index}_{key}"
-        index = build_index(bank, cfg.index, cfg.ivf_lists, cfg.ivf_probe, path)
+            path = out / INDEX_DIR / f"index_{space}_{cfg.index}_{key}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+        index = build_index(bank, cfg.index, cfg.ivf_lists, cfg.ivf_probe, path, budget)
         if path is not None:
-            index.save(path)
+            if not index.loaded:
+                index.save(path)
+            results.setdefault("indexes", {})[space] = str(path)
         accuracy, _ = knn_accuracy(index, train.labels, getattr(test, space), test.labels,
-                                   cfg.ks, cfg.knn_temperature, num_classes)
+                                   cfg.ks, cfg.knn_temperature, num_classes, budget)
         if cfg.index == "ivf":  # the approximate index's accuracy against exact search
-            exact, _ = knn_accuracy(build_index(bank, "exact"), train.labels,
-                                    getattr(test, space), test.labels, cfg.ks,
-                                    cfg.knn_temperature, num_classes)
+            exact, _ = knn_accuracy(build_index(bank, "exact", block_bytes=budget),
+                                    train.labels, getattr(test, space), test.labels, cfg.ks,
+                                    cfg.knn_temperature, num_classes, budget)
             if space == "backbone":
                 k = f"k{cfg.promote_k}"
                 results["ivf"] = {"k": cfg.promote_k, "top1": accuracy[k]["top1"],

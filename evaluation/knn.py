@@ -27,18 +27,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BLOCK_BYTES = 256 * 2**20  # similarity block [queries, bank] per matmul
+BLOCK_BYTES = 256 * 2**20  # default score block [queries, bank] (eval.block_mib)
 
 
 class ExactIndex:
-    def __init__(self, bank: Tensor) -> None:
+    loaded = False  # True when read from a saved file
+
+    def __init__(self, bank: Tensor, block_bytes: int = BLOCK_BYTES) -> None:
         self.bank = F.normalize(bank, dim=1)
+        self.block_bytes = block_bytes
 
     def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """queries [q, d] -> (similarities [q, k], bank indices [q, k]), best first."""
         queries = F.normalize(queries.to(self.bank.device, self.bank.dtype), dim=1)
         k = min(k, self.bank.shape[0])
-        rows = max(1, BLOCK_BYTES // (self.bank.shape[0] * self.bank.element_size()))
+        rows = max(1, self.block_bytes // (self.bank.shape[0] * self.bank.element_size()))
         # one reused output block: fresh 256 MiB buffers page-fault on every block (~30%)
         out = queries.new_empty(min(rows, queries.shape[0]), self.bank.shape[0])
         sims, index = [], []
@@ -55,6 +58,8 @@ class ExactIndex:
 
 
 class FaissIndex:
+    loaded = False  # True when read from a saved file
+
     def __init__(self, bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
                  index=None) -> None:
         import faiss
@@ -95,21 +100,26 @@ def _to_gpu(index):
 
 
 def build_index(bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
-                path: Path | None = None) -> ExactIndex | FaissIndex:
+                path: Path | None = None,
+                block_bytes: int = BLOCK_BYTES) -> ExactIndex | FaissIndex:
     """The bank's index, loaded from ``path`` (without suffix) when saved there before;
     ``path`` must name what the index was built from (:func:`evaluation.identity.index_key`)."""
     if kind == "exact":
         if path is not None and path.with_suffix(".pt").is_file():
             saved = torch.load(path.with_suffix(".pt"), weights_only=True)
             if saved.shape == bank.shape:
-                return ExactIndex(saved.to(bank.device))
-        return ExactIndex(bank)
+                index = ExactIndex(saved.to(bank.device), block_bytes)
+                index.loaded = True
+                return index
+        return ExactIndex(bank, block_bytes)
     if path is not None and path.with_suffix(".faiss").is_file():
         import faiss
 
         index = faiss.read_index(str(path.with_suffix(".faiss")))
         if index.ntotal == bank.shape[0]:
-            return FaissIndex(bank, kind, lists, probe, index=index)
+            loaded = FaissIndex(bank, kind, lists, probe, index=index)
+            loaded.loaded = True
+            return loaded
     return FaissIndex(bank, kind, lists, probe)
 
 
@@ -122,19 +132,29 @@ def weighted_votes(sims: Tensor, neighbour_labels: Tensor, num_classes: int,
 
 
 def knn_accuracy(index, bank_labels: Tensor, queries: Tensor, labels: Tensor, ks: list[int],
-                 temperature: float, num_classes: int) -> tuple[dict, dict[int, Tensor]]:
-    """({"k20": {"top1": .., "top5": ..}, ...}, {k: predicted class [q]})."""
+                 temperature: float, num_classes: int,
+                 block_bytes: int = BLOCK_BYTES) -> tuple[dict, dict[int, Tensor]]:
+    """({"k20": {"top1": .., "top5": ..}, ...}, {k: predicted class [q]}); the [q, C] votes
+    are counted for blocks of queries within ``block_bytes``."""
     sims, index_ = index.search(queries, max(ks))
     sims, index_ = sims.cpu(), index_.cpu()
     neighbour_labels = bank_labels.cpu()[index_]
     labels = labels.cpu()
-    results, predictions = {}, {}
-    for k in ks:
-        votes = weighted_votes(sims[:, :k], neighbour_labels[:, :k], num_classes, temperature)
-        top = votes.topk(min(5, num_classes), dim=1).indices
-        predictions[k] = top[:, 0]
-        voted = votes.gather(1, labels[:, None].clamp(min=0)).squeeze(1) > 0  # no vote: miss
-        in_top5 = (top == labels[:, None]).any(1) & voted
-        results[f"k{k}"] = {"top1": float((top[:, 0] == labels).double().mean()),
-                            "top5": float(in_top5.double().mean())}
-    return results, predictions
+    rows = max(1, block_bytes // (num_classes * 16))  # votes (float64) and their top-k
+    top1 = dict.fromkeys(ks, 0)
+    top5 = dict.fromkeys(ks, 0)
+    predictions: dict[int, list[Tensor]] = {k: [] for k in ks}
+    for start in range(0, len(labels), rows):
+        truth = labels[start:start + rows]
+        for k in ks:
+            votes = weighted_votes(sims[start:start + rows, :k],
+                                   neighbour_labels[start:start + rows, :k], num_classes,
+                                   temperature)
+            top = votes.topk(min(5, num_classes), dim=1).indices
+            predictions[k].append(top[:, 0])
+            voted = votes.gather(1, truth[:, None].clamp(min=0)).squeeze(1) > 0  # no vote: miss
+            top1[k] += int((top[:, 0] == truth).sum())
+            top5[k] += int(((top == truth[:, None]).any(1) & voted).sum())
+    results = {f"k{k}": {"top1": top1[k] / len(labels), "top5": top5[k] / len(labels)}
+               for k in ks}
+    return results, {k: torch.cat(predictions[k]) for k in ks}

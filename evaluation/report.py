@@ -91,6 +91,11 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         row = [results["diagnostics"][s].get(key) for s in ("backbone", "projector")]
         lines.append(f"| {key} | " + " | ".join("" if v is None else f"{v:.4f}"
                                                  for v in row) + " |")
+    sampled = results["diagnostics"]["backbone"].get("diagnostic_samples")
+    if sampled is not None and sampled < results["samples"]["test"]:
+        lines += ["", f"Alignment, uniformity and mutual information on a seeded subsample of "
+                      f"{sampled} of {results['samples']['test']} queries "
+                      "(`eval.max_diagnostic_samples`)."]
     lines += caption_lines(results)
     if "promotion" in results:
         p = results["promotion"]

@@ -1,6 +1,8 @@
 """Evaluation results to MLflow: a child run of the training run (``mlflow.parentRunId``)
 with every number as a metric and the plots, JSON and report as artifacts; optional
-registry promotion."""
+registry promotion. Saved kNN indexes (``INDEX_DIR``, as large as the bank) stay out of
+MLflow: they are kept next to the report, reused by the next evaluation of the same model
+and bank, and ``results.json`` records their paths."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from evaluation.report import scalars
 from pretrain.tracking import experiment_id
 
 log = logging.getLogger(__name__)
+INDEX_DIR = "indexes"  # under the evaluation's output folder
 
 
 def log_evaluation(uri: str, cfg: EvalConfig, experiment: str, run_name: str, ref: ModelRef,
@@ -49,5 +52,12 @@ def log_evaluation(uri: str, cfg: EvalConfig, experiment: str, run_name: str, re
 
 
 def upload_outputs(client: Any, run_id: str, out: Path) -> None:
-    client.log_artifacts(run_id, str(out))
+    """Log the evaluation's files (not its saved indexes) and close its run."""
+    for entry in sorted(out.iterdir()):
+        if entry.name == INDEX_DIR:
+            continue
+        if entry.is_dir():
+            client.log_artifacts(run_id, str(entry), artifact_path=entry.name)
+        else:
+            client.log_artifact(run_id, str(entry))
     client.set_terminated(run_id)

@@ -86,3 +86,52 @@ def test_knn_mutual_information_separated_vs_random():
                                                                                 abs=0.05)
     noise = torch.randn(800, 4, generator=gen, dtype=torch.float64)
     assert abs(knn_mutual_information(noise, labels, 3, 5000)) < 0.05
+
+
+def clouds(n: int, classes: int, dim: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, classes, (n,), generator=gen)
+    centres = torch.randn(classes, dim, generator=gen, dtype=torch.float64)
+    return centres[labels] + 0.8 * torch.randn(n, dim, generator=gen, dtype=torch.float64), labels
+
+
+def test_margin_in_small_blocks_equals_a_loop_over_pairs():
+    train, train_labels = clouds(300, 5)
+    test, test_labels = clouds(70, 5, seed=1)
+    result = target_noise_margin(train, train_labels, test, test_labels,
+                                 block_bytes=40 * 32)  # 40-column blocks, a short last one
+    unit_train = train / train.norm(dim=1, keepdim=True)
+    same, other = [], []
+    for query, label in zip(test / test.norm(dim=1, keepdim=True), test_labels, strict=True):
+        sims = [float(query @ row) for row in unit_train]
+        same.append(max(s for s, c in zip(sims, train_labels, strict=True) if c == label))
+        other.append(max(s for s, c in zip(sims, train_labels, strict=True) if c != label))
+    np.testing.assert_allclose(result["same"], same, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(result["other"], other, rtol=0, atol=1e-12)
+    lower_median = float(torch.tensor(same, dtype=torch.float64).median()
+                         - torch.tensor(other, dtype=torch.float64).median())  # torch: lower
+    assert result["margin"] == pytest.approx(lower_median, abs=1e-12)
+
+
+def dense_alignment_uniformity(r: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    r = r / r.norm(dim=1, keepdim=True)
+    sq = (2 - 2 * (r @ r.T)).clamp(min=0)
+    off = ~torch.eye(len(r), dtype=torch.bool)
+    same = (y[:, None] == y[None]) & off
+    return (float(sq[same].mean()),
+            float(torch.logsumexp(-2 * sq[off], 0) - math.log(int(off.sum()))))
+
+
+def test_alignment_uniformity_in_blocks_equals_the_dense_products():
+    z, labels = clouds(257, 6)
+    result = alignment_uniformity(z, labels, max_samples=1000, block_bytes=257 * 32 * 10)
+    rows = torch.randperm(257, generator=torch.Generator().manual_seed(0))
+    alignment, uniformity = dense_alignment_uniformity(z[rows], labels[rows])
+    assert result["alignment"] == pytest.approx(alignment, rel=1e-12)
+    assert result["uniformity"] == pytest.approx(uniformity, rel=1e-12)
+
+
+def test_mutual_information_in_blocks_equals_one_block():
+    z, labels = clouds(400, 4)
+    whole = knn_mutual_information(z, labels, 3, 5000, block_bytes=2**30)
+    assert knn_mutual_information(z, labels, 3, 5000, block_bytes=400 * 32 * 7) == whole

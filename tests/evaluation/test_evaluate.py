@@ -81,8 +81,12 @@ def test_registry_uri_end_to_end_with_promotion(trained):
     assert eval_run.data.metrics["knn.backbone.k20.top1"] == pytest.approx(top1)
     monitored = client.get_metric_history(training_run, "knn_top1")
     assert [m.step for m in monitored] == [2, 4]
-    assert {a.path for a in client.list_artifacts(eval_run.info.run_id)} >= {
-        "results.json", "report.md", "knn_accuracy.png"}
+    logged = {a.path for a in client.list_artifacts(eval_run.info.run_id)}
+    assert logged >= {"results.json", "report.md", "knn_accuracy.png"}
+    assert "indexes" not in logged  # as large as the bank: kept beside the report only
+    for space in ("backbone", "projector"):
+        saved = results["indexes"][space]
+        assert saved.startswith(str(out / "indexes")) and list(out.glob("indexes/*.faiss"))
     assert str(client.get_model_version_by_alias("digits-eval-test", "champion").version) == "1"
 
 
@@ -156,7 +160,7 @@ def test_a_saved_index_serves_only_the_model_and_bank_it_was_built_from(trained)
         assert runs["b"]["knn"][space] == runs["b-alone"]["knn"][space]
         assert runs["a-again"]["knn"][space] == runs["a"]["knn"][space]
         assert runs["a"]["knn"][space] != runs["b"]["knn"][space]
-        assert len(list(shared.glob(f"index_{space}_faiss_flat_*.faiss"))) == 2
+        assert len(list(shared.glob(f"indexes/index_{space}_faiss_flat_*.faiss"))) == 2
 
 
 def test_unlabelled_shards_fail_before_any_feature_extraction(trained, tmp_path):

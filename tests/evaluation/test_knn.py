@@ -83,3 +83,15 @@ def test_ivf_probing_every_list_is_exact(data):
     _, rows_exact = exact.search(queries.float(), 10)
     _, rows_ivf = ivf.search(queries.float(), 10)
     assert (rows_exact == rows_ivf).float().mean() > 0.99
+
+
+def test_votes_in_small_query_blocks_equal_one_block(data):
+    bank, bank_labels, queries, query_labels = (torch.from_numpy(x) for x in data)
+    index = build_index(bank.float(), "exact", block_bytes=4096)  # small mm blocks
+    whole, pred_whole = knn_accuracy(index, bank_labels, queries.float(), query_labels, KS,
+                                     0.07, 12)
+    blocks, pred_blocks = knn_accuracy(index, bank_labels, queries.float(), query_labels, KS,
+                                       0.07, 12, block_bytes=12 * 16 * 5)  # 5-query blocks
+    assert blocks == whole
+    for k in KS:
+        assert (pred_blocks[k] == pred_whole[k]).all()
