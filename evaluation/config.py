@@ -46,6 +46,11 @@ class EvalConfig:
     text_batch_size: int = 256  # captions per text-tower batch
     output: str = ""  # report directory; "" = <run_dir>/eval
 
+    @property
+    def block_bytes(self) -> int:
+        """``block_mib`` in bytes."""
+        return self.block_mib * 2**20
+
     def validate(self) -> None:
         if not self.ks or min(self.ks) < 1:
             raise InvalidValue("ks", f"need positive neighbour counts, got {self.ks}")

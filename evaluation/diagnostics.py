@@ -54,10 +54,9 @@ def target_noise_margin(train: Tensor, train_labels: Tensor, test: Tensor,
             same[block] = torch.maximum(same[block], torch.where(match, sims, -math.inf).amax(1))
             other[block] = torch.maximum(other[block],
                                          sims.masked_fill_(match, -math.inf).amax(1))
-    same_t, other_t = same, other
-    return {"margin": float(same_t.median() - other_t.median()),
-            "same_median": float(same_t.median()), "other_median": float(other_t.median()),
-            "same": same_t.numpy(), "other": other_t.numpy()}
+    return {"margin": float(same.median() - other.median()),
+            "same_median": float(same.median()), "other_median": float(other.median()),
+            "same": same.numpy(), "other": other.numpy()}
 
 
 def class_means(z: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

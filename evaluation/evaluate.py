@@ -63,7 +63,7 @@ def class_groups(cfg: EvalConfig, num_classes: int) -> list[list[int]]:
 def diagnostics(space: str, train: Features, test: Features, cfg: EvalConfig,
                 target: np.ndarray | None, out: Path, plots: list[str]) -> dict[str, Any]:
     bank, queries = getattr(train, space), getattr(test, space)
-    budget = cfg.block_mib * 2**20
+    budget = cfg.block_bytes
     margin = target_noise_margin(bank, train.labels, queries, test.labels, budget)
     plot_margin(margin.pop("same"), margin.pop("other"), margin["margin"],
                 out / f"margin_{space}.png")
@@ -100,7 +100,7 @@ def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
     them (under ``out/indexes``, kept out of MLflow: the results record the path), and
     reused only by an evaluation of the same model on the same bank."""
     num_classes = max(len(train.class_names), int(train.labels.max()) + 1)
-    budget = cfg.block_mib * 2**20
+    budget = cfg.block_bytes
     results["knn"] = {}
     settings = {"index": cfg.index, "ivf_lists": cfg.ivf_lists, "ivf_probe": cfg.ivf_probe}
     for space in ("backbone", "projector"):

@@ -31,11 +31,11 @@ BLOCK_BYTES = 256 * 2**20  # default score block [queries, bank] (eval.block_mib
 
 
 class ExactIndex:
-    loaded = False  # True when read from a saved file
-
-    def __init__(self, bank: Tensor, block_bytes: int = BLOCK_BYTES) -> None:
+    def __init__(self, bank: Tensor, block_bytes: int = BLOCK_BYTES,
+                 loaded: bool = False) -> None:
         self.bank = F.normalize(bank, dim=1)
         self.block_bytes = block_bytes
+        self.loaded = loaded  # read from a saved file
 
     def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """queries [q, d] -> (similarities [q, k], bank indices [q, k]), best first."""
@@ -58,14 +58,13 @@ class ExactIndex:
 
 
 class FaissIndex:
-    loaded = False  # True when read from a saved file
-
     def __init__(self, bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
                  index=None) -> None:
         import faiss
 
-        data = np.ascontiguousarray(F.normalize(bank.float(), dim=1).cpu().numpy())
+        self.loaded = index is not None  # read from a saved file
         if index is None:
+            data = np.ascontiguousarray(F.normalize(bank.float(), dim=1).cpu().numpy())
             dim = data.shape[1]
             if kind == "ivf":
                 lists = lists or max(1, int(4 * np.sqrt(len(data))))
@@ -108,18 +107,14 @@ def build_index(bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
         if path is not None and path.with_suffix(".pt").is_file():
             saved = torch.load(path.with_suffix(".pt"), weights_only=True)
             if saved.shape == bank.shape:
-                index = ExactIndex(saved.to(bank.device), block_bytes)
-                index.loaded = True
-                return index
+                return ExactIndex(saved.to(bank.device), block_bytes, loaded=True)
         return ExactIndex(bank, block_bytes)
     if path is not None and path.with_suffix(".faiss").is_file():
         import faiss
 
         index = faiss.read_index(str(path.with_suffix(".faiss")))
         if index.ntotal == bank.shape[0]:
-            loaded = FaissIndex(bank, kind, lists, probe, index=index)
-            loaded.loaded = True
-            return loaded
+            return FaissIndex(bank, kind, lists, probe, index=index)
     return FaissIndex(bank, kind, lists, probe)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from core.errors import RunError
 from data_pipeline.graph.config import GraphConfig
-from data_pipeline.graph.inverted import float_rows, inverted_topk
+from data_pipeline.graph.inverted import RunningTopK, float_rows, inverted_topk
 from data_pipeline.graph.store import CaptionStore
 
 EXACT_LIMIT = 200_000  # distinct captions up to which "auto" searches exactly
@@ -38,18 +38,14 @@ def exact_topk(vectors: np.ndarray, k: int, block: int = 4096,
     for start in range(0, len(rows), block):
         own = torch.from_numpy(rows[start:start + block])
         query = torch.from_numpy(float_rows(vectors, own.numpy()))
-        best_s = torch.full((len(own), k), -3.0)
-        best_i = torch.zeros((len(own), k), dtype=torch.int64)
+        best = RunningTopK(len(own), k)
         for first in range(0, len(vectors), CHUNK):
             scores = query @ torch.from_numpy(float_rows(vectors, slice(first, first + CHUNK))).T
             inside = (own >= first) & (own < first + scores.shape[1])
-            scores[inside.nonzero()[:, 0], own[inside] - first] = -2.0
+            scores[inside.nonzero()[:, 0], own[inside] - first] = -2.0  # never itself
             top = scores.topk(min(k, scores.shape[1]), dim=1)
-            merged_s = torch.cat([best_s, top.values], 1)
-            merged_i = torch.cat([best_i, top.indices + first], 1)
-            order = merged_s.topk(k, dim=1).indices
-            best_s, best_i = merged_s.gather(1, order), merged_i.gather(1, order)
-        sims[start:start + len(own)], ids[start:start + len(own)] = best_s, best_i
+            best.merge(np.arange(len(own)), top.values.numpy(), (top.indices + first).numpy())
+        sims[start:start + len(own)], ids[start:start + len(own)] = best.scores, best.rows
     return sims, ids
 
 
