@@ -4,9 +4,10 @@ CUDA (torch's ``fake`` backend, as NCCL has no CPU backend).
 
 Inside :func:`fake_cuda`, a CPU tensor mixed with a CUDA one fails (FakeTensorMode's own
 device check), and so does a CPU tensor handed to any collective (:class:`CudaCollectives`:
-inside FakeTensorMode the fake backend would take it). The fake group moves no data, so
-code that reads values on the host (a count, an object gather) cannot run here: a test
-supplies those.
+inside FakeTensorMode the fake backend would take it); the collectives that ran are listed.
+Shapes that depend on values (``unique``, boolean indexing) become symbolic sizes. The fake
+group moves no data, so code that reads values on the host (a count, an object gather, a
+branch on ``torch.equal``) cannot run here: a test supplies those.
 """
 
 from __future__ import annotations
@@ -17,15 +18,26 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
 class CudaCollectives(TorchDispatchMode):
-    """Refuses any ``c10d`` operation that is handed a tensor not on a CUDA device."""
+    """Refuses any ``c10d`` operation that is handed a tensor not on a CUDA device; lists
+    those that ran in ``ran``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
+            self.ran.append(str(func))
+            if func.__name__.startswith("barrier"):
+                # c10d hands a barrier its own placeholder (on the CPU for the fake backend,
+                # on the GPU for NCCL)
+                return func(*args, **(kwargs or {}))
             for value in tree_flatten((args, kwargs or {}))[0]:
                 if isinstance(value, torch.Tensor) and value.device.type != "cuda":
                     raise RuntimeError(f"{func}: a {value.device.type} tensor "
@@ -48,7 +60,10 @@ def cuda_world(world: int = 2, rank: int = 0) -> Iterator[None]:
 
 
 @contextmanager
-def fake_cuda() -> Iterator[None]:
-    """Fake tensors (real CPU inputs are converted on use) with collectives held to CUDA."""
-    with FakeTensorMode(allow_non_fake_inputs=True), CudaCollectives():
-        yield
+def fake_cuda() -> Iterator[CudaCollectives]:
+    """Fake tensors (real CPU inputs are converted on use, value-dependent sizes symbolic)
+    with collectives held to CUDA; yields the mode that lists the collectives that ran."""
+    shapes = ShapeEnv(allow_dynamic_output_shape_ops=True)
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shapes), \
+            CudaCollectives() as collectives:
+        yield collectives

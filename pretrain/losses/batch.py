@@ -144,9 +144,9 @@ class ContrastiveBatch:
             starts = torch.cumsum(counts, 0) - counts
             anchor_group = groups[self.anchor_index]
             sizes = counts[anchor_group]
-            rows = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes)
+            rows = torch.repeat_interleave(torch.arange(sizes.shape[0], device=sizes.device), sizes)
             first = torch.cumsum(sizes, 0) - sizes
-            offset = torch.arange(len(rows), device=rows.device) - first[rows]
+            offset = torch.arange(rows.shape[0], device=rows.device) - first[rows]
             cols = members[starts[anchor_group][rows] + offset]
             keep = cols != self.anchor_index[rows]
             self._cache["pairs", kind] = (rows[keep], cols[keep])

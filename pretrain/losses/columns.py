@@ -91,9 +91,9 @@ class ColumnTiles:
     """One :class:`ColumnSet` cut into column tiles [start, stop): each tile's
     :class:`Columns`, relative to the tile, without building the [n, N] set.
 
-    ``drop``: the left-out (row, column) pairs sorted by column (every column kept but
-    these); otherwise ``keys`` (anchor keys [n], candidate keys [N]) decide per tile, with
-    the subset's per-row ``threshold`` [n] on :func:`subset_scores`.
+    ``drop``: the left-out (row, column) pairs (every column kept but these); otherwise
+    ``keys`` (anchor keys [n], candidate keys [N]) decide per tile, with the subset's
+    per-row ``threshold`` [n] on :func:`subset_scores`.
     """
 
     columns: ColumnSet
@@ -107,19 +107,18 @@ class ColumnTiles:
     @staticmethod
     def sparse(columns: ColumnSet, anchor_index: Tensor, rows: Tensor,
                cols: Tensor) -> ColumnTiles:
-        order = torch.argsort(cols, stable=True)
-        return ColumnTiles(columns, anchor_index, drop=(rows[order], cols[order]))
+        return ColumnTiles(columns, anchor_index, drop=(rows, cols))
 
     def tile(self, start: int, stop: int, rows: slice = slice(None)) -> Columns:
         """The :class:`Columns` of candidate columns [start, stop) for the anchor ``rows``
         (a block of rows, contiguous), relative to the block."""
         if self.drop is not None:
+            # a mask over the P pairs, O(P) per tile against the tile's O(n T D) product;
+            # no slice bounds read back to the host
             drop_rows, cols = self.drop
-            lo, hi = torch.searchsorted(cols, torch.tensor([start, stop], device=cols.device))
-            drop_rows, cols = drop_rows[lo:hi], cols[lo:hi] - start
             first, last, _ = rows.indices(len(self.anchor_index))
-            inside = (drop_rows >= first) & (drop_rows < last)
-            return Columns(drop=(drop_rows[inside] - first, cols[inside]))
+            inside = (cols >= start) & (cols < stop) & (drop_rows >= first) & (drop_rows < last)
+            return Columns(drop=(drop_rows[inside] - first, cols[inside] - start))
         anchor_index = self.anchor_index[rows]
         cols = torch.arange(start, stop, device=anchor_index.device)
         same = self.anchor_keys[rows, None] == self.keys[None, start:stop]

@@ -56,6 +56,14 @@ def scalar(value: Temperature) -> Temperature:
     return value.detach() if isinstance(value, Tensor) else float(value)
 
 
+def as_metric(value: Temperature, like: Tensor) -> Tensor:
+    """[] ``value`` as a tensor on ``like``'s device, beside the other metrics (a float
+    would make a CPU tensor, which the metric window cannot stack with CUDA ones)."""
+    if isinstance(value, Tensor):
+        return value.to(like.device)
+    return like.new_full((), value, dtype=torch.get_default_dtype())
+
+
 def scaled(anchors: Tensor, temperature: Temperature) -> Tensor:
     """[n, D] anchors / tau: tau is folded in before any matmul with the columns."""
     return as_float(anchors) / temperature
@@ -215,6 +223,6 @@ def finish(batch: ContrastiveBatch, loss: Tensor, kind: PositiveKind | None,
             pos_cos=pos_mean.detach() * tau,
             neg_cos_sum=negative_cosine_sum(batch, kind, tau, negative_logit_sum))
     metrics["loss"] = metrics["infonce"] if report_infonce else loss.detach()
-    metrics["temperature"] = torch.as_tensor(tau)
+    metrics["temperature"] = as_metric(tau, loss)
     metrics.update({name: value.detach() for name, value in (extra or {}).items()})
     return ObjectiveOutput(loss, metrics)

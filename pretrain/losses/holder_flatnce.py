@@ -11,10 +11,8 @@ the configured tau and ``effective_temperature`` tau / gamma.
 
 from __future__ import annotations
 
-import torch
-
 from pretrain.losses.batch import ContrastiveBatch
-from pretrain.losses.common import ObjectiveOutput, Temperature, scalar
+from pretrain.losses.common import ObjectiveOutput, Temperature, as_metric, scalar
 from pretrain.losses.flatnce import flatnce
 
 
@@ -23,5 +21,5 @@ def holder_flatnce(batch: ContrastiveBatch, temperature: Temperature, *,
     """FlatNCE on gamma * s / tau, i.e. at the effective temperature tau / gamma."""
     out = flatnce(batch, temperature / gamma)
     out.metrics["effective_temperature"] = out.metrics["temperature"]
-    out.metrics["temperature"] = torch.as_tensor(scalar(temperature))
+    out.metrics["temperature"] = as_metric(scalar(temperature), out.loss)
     return out
