@@ -41,6 +41,45 @@ def test_extract_on_cuda_hands_collectives_cuda_tensors_only(tmp_path, monkeypat
         assert {got.backbone.device.type, got.labels.device.type} == {"cpu"}
 
 
+def test_the_knn_monitor_on_cuda_extracts_through_the_device(tmp_path, monkeypatch):
+    import contextlib
+
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    from evaluation.config import EvalConfig
+    from evaluation.monitor import KnnMonitor
+
+    write_set(tmp_path / "shards", [[digit_sample(i) for i in range(12)]])
+    shards = str(tmp_path / "shards")
+    batches = list(eval_batches(DataConfig(shards=shards, batch_size=4, workers=0,
+                                           resolution=16), 0, 2))
+    monkeypatch.setattr(features, "eval_batches", lambda *args, **kwargs: iter(batches))
+    monkeypatch.setattr(core.collectives, "row_counts",
+                        lambda local, group=None, device=None: [local.shape[0]] * 2)
+    monkeypatch.setattr(features, "gather_objects_to_main", lambda items: items * 2)
+    encoder = Encoder(ModelConfig(projector_hidden=32, projector_dim=8))
+    monitor = KnnMonitor(DataConfig(batch_size=4, workers=0, resolution=16),
+                         EvalConfig(train_shards=shards, test_shards=shards), samples=8,
+                         device=torch.device("cuda"), rank=0, world=2)
+    # extract moves the encoder every call; fake parameters cannot be moved again in
+    # place, and need not be: the second call finds them on the device
+    move = torch.nn.Module.to
+
+    def move_once(module, device, *args, **kwargs):
+        if all(p.device.type == "cuda" for p in module.parameters()):
+            return module
+        return move(module, device, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", move_once)
+    with cuda_world(world=2, rank=0), fake_cuda() as ran:
+        # the fake group returns no labels to count classes with: the monitor stops at
+        # that read, after both extractions went through the group
+        with contextlib.suppress(DataDependentOutputException, GuardOnDataDependentSymNode):
+            monitor(encoder)
+    assert ran.ran.count("c10d.gather_.default") >= 2 * 3  # bank and queries, 3 tensors each
+
+
 def test_the_dry_run_refuses_a_cpu_tensor_in_a_collective():
     import pytest
     import torch.distributed as dist
