@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from core.errors import RunError
 from core.runtime import Runtime
@@ -94,8 +95,10 @@ def diagnostics(space: str, train: Features, test: Features, cfg: EvalConfig,
 
 
 def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
-                results: dict[str, Any], identity: dict[str, str] | None = None) -> None:
-    """kNN in both spaces and the linear probe into ``results``; with ``identity`` (model
+                results: dict[str, Any], identity: dict[str, str] | None = None,
+                device: torch.device | None = None) -> None:
+    """kNN in both spaces and the linear probe (trained on ``device``, default the CPU)
+    into ``results``; with ``identity`` (model
     and bank digests) and ``cfg.save_index`` the index is saved under a name keyed by
     them (under ``out/indexes``, kept out of MLflow: the results record the path), and
     reused only by an evaluation of the same model on the same bank."""
@@ -128,17 +131,18 @@ def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
         results["knn"][space] = accuracy
     results["linear_probe"] = linear_probe(train.backbone, train.labels, test.backbone,
                                            test.labels, num_classes, cfg.probe_epochs,
-                                           cfg.probe_lr)
+                                           cfg.probe_lr, device=device)
 
 
 def evaluate_features(train: Features, test: Features, cfg: EvalConfig,
                       target: np.ndarray | None, ref: ModelRef, out: Path,
-                      identity: dict[str, str]) -> dict[str, Any]:
+                      identity: dict[str, str],
+                      device: torch.device | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"model": vars(ref), "identity": identity,
                                "train_shards": cfg.train_shards,
                                "test_shards": cfg.test_shards,
                                "samples": {"train": len(train.keys), "test": len(test.keys)}}
-    knn_results(train, test, cfg, out, results, identity)
+    knn_results(train, test, cfg, out, results, identity, device)
     plots = ["knn_accuracy.png"]
     plot_knn(results, out / "knn_accuracy.png")
     results["diagnostics"] = {space: diagnostics(space, train, test, cfg, target, out, plots)
@@ -180,14 +184,15 @@ def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtim
     if not rt.is_main:
         return None
     out.mkdir(parents=True, exist_ok=True)
-    results = evaluate_features(train, test, cfg, context.target_graph, ref, out, identity)
+    results = evaluate_features(train, test, cfg, context.target_graph, ref, out, identity,
+                                rt.device)
     if model.text is not None:
         results.update(caption_evaluation(model, retrieval, test, cfg, retrieval_shards,
                                           rt.device))
     if cfg.compare_untrained:
         results["untrained"] = {}
         knn_results(*floor_features, dataclasses.replace(cfg, save_index=False), out,
-                    results["untrained"])
+                    results["untrained"], device=rt.device)
     tracked = (log_evaluation(uri, cfg, context.tracking.experiment, context.run_name, ref,
                               results, promote_alias)
                if context.tracking.enabled else None)

@@ -59,35 +59,51 @@ class ExactIndex:
 
 class FaissIndex:
     def __init__(self, bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
-                 index=None) -> None:
+                 index=None, block_bytes: int = BLOCK_BYTES) -> None:
         import faiss
 
         self.loaded = index is not None  # read from a saved file
         if index is None:
-            data = np.ascontiguousarray(F.normalize(bank.float(), dim=1).cpu().numpy())
-            dim = data.shape[1]
-            if kind == "ivf":
-                lists = lists or max(1, int(4 * np.sqrt(len(data))))
-                index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, lists,
-                                           faiss.METRIC_INNER_PRODUCT)
-                index.train(data)
-            else:
-                index = faiss.IndexFlatIP(dim)
-            index.add(data)
+            index = self._build(bank, kind, lists, block_bytes)
         if kind == "ivf":
             faiss.extract_index_ivf(index).nprobe = probe
         self.index = _to_gpu(index)
         self.cpu_index = index
 
+    @staticmethod
+    def _build(bank: Tensor, kind: str, lists: int, block_bytes: int):
+        """The index of the L2-normalised bank, added in row blocks of ``block_bytes`` (the
+        index holds its own copy; no normalised copy of the whole bank is made)."""
+        import faiss
+
+        dim = bank.shape[1]
+        if kind == "ivf":
+            lists = lists or max(1, int(4 * np.sqrt(len(bank))))
+            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, lists,
+                                       faiss.METRIC_INNER_PRODUCT)
+            # k-means reads at most 256 rows per list (faiss's own cap): a seeded sample
+            sample = torch.randperm(len(bank), generator=torch.Generator().manual_seed(0))
+            index.train(_unit_rows(bank[sample[: 256 * lists].sort().values]))
+        else:
+            index = faiss.IndexFlatIP(dim)
+        rows = max(1, block_bytes // (4 * dim))
+        for start in range(0, len(bank), rows):
+            index.add(_unit_rows(bank[start:start + rows]))
+        return index
+
     def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        data = np.ascontiguousarray(F.normalize(queries.float(), dim=1).cpu().numpy())
-        sims, index = self.index.search(data, min(k, self.cpu_index.ntotal))
+        sims, index = self.index.search(_unit_rows(queries), min(k, self.cpu_index.ntotal))
         return torch.from_numpy(sims), torch.from_numpy(index)
 
     def save(self, path: Path) -> None:
         import faiss
 
         faiss.write_index(self.cpu_index, str(path.with_suffix(".faiss")))
+
+
+def _unit_rows(rows: Tensor) -> np.ndarray:
+    """[n, d] rows L2-normalised, as the contiguous float32 array faiss takes."""
+    return np.ascontiguousarray(F.normalize(rows.float(), dim=1).cpu().numpy())
 
 
 def _to_gpu(index):
@@ -115,7 +131,7 @@ def build_index(bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
         index = faiss.read_index(str(path.with_suffix(".faiss")))
         if index.ntotal == bank.shape[0]:
             return FaissIndex(bank, kind, lists, probe, index=index)
-    return FaissIndex(bank, kind, lists, probe)
+    return FaissIndex(bank, kind, lists, probe, block_bytes=block_bytes)
 
 
 def weighted_votes(sims: Tensor, neighbour_labels: Tensor, num_classes: int,

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,11 +62,30 @@ def cuda_world(world: int = 2, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def move_by_replacing(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """``Module.to`` for fake tensors: each parameter and buffer replaced by its moved copy
+    (torch swaps a fake parameter in place, which its fake-tensor memo forbids)."""
+    for part in module.modules():
+        for slots in (part._parameters, part._buffers):
+            for name, value in slots.items():
+                if value is None:
+                    continue
+                options = dict(kwargs)
+                if value.dim() not in (4, 5):
+                    options.pop("memory_format", None)
+                moved = value.to(*args, **options)
+                slots[name] = (nn.Parameter(moved, value.requires_grad)
+                               if isinstance(value, nn.Parameter) else moved)
+    return module
+
+
 @contextmanager
 def fake_cuda() -> Iterator[CudaCollectives]:
     """Fake tensors (real CPU inputs are converted on use, value-dependent sizes symbolic)
-    with collectives held to CUDA; yields the mode that lists the collectives that ran."""
+    with collectives held to CUDA, and modules moved by :func:`move_by_replacing`; yields
+    the mode that lists the collectives that ran."""
     shapes = ShapeEnv(allow_dynamic_output_shape_ops=True)
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shapes), \
-            CudaCollectives() as collectives:
+            CudaCollectives() as collectives, mock.patch.object(nn.Module, "to",
+                                                                move_by_replacing):
         yield collectives

@@ -95,3 +95,14 @@ def test_votes_in_small_query_blocks_equal_one_block(data):
     assert blocks == whole
     for k in KS:
         assert (pred_blocks[k] == pred_whole[k]).all()
+
+
+@pytest.mark.parametrize("kind", ["faiss_flat", "ivf"])
+def test_an_index_added_in_small_blocks_equals_one_block(data, kind):
+    bank = torch.tensor(data[0], dtype=torch.float32)
+    queries = torch.tensor(data[2], dtype=torch.float32)
+    whole = build_index(bank, kind, lists=8, probe=4)
+    blocks = build_index(bank, kind, lists=8, probe=4, block_bytes=16 * 4 * 37)  # 37 rows
+    assert blocks.cpu_index.ntotal == len(bank)
+    for got, want in zip(blocks.search(queries, 10), whole.search(queries, 10), strict=True):
+        assert torch.equal(got, want)

@@ -57,16 +57,14 @@ def test_a_training_forward_on_a_cuda_group_keeps_every_tensor_on_the_device(
     monkeypatch.setattr(torch, "equal", views_share_captions)
     cfg = ObjectiveConfig(name=name, tile_size=tile_size, num_negatives=num_negatives,
                           learnable_temperature=name == "clip")
-    # built with real weights (CLIP's text tower loads its checkpoint), moved in by
-    # replacing the parameters (a fake tensor cannot be swapped into a real one);
+    # built with real weights (CLIP's text tower loads its checkpoint), then moved;
     # build_model's own CUDA steps but SyncBatchNorm (no fake kernel) run below
     model_cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16,
                             sync_batchnorm=False)
     model = build_model(model_cfg, cfg, torch.device("cpu")).train()
-    model.encoder = model.encoder.to(memory_format=torch.channels_last)  # kept by the move
-    monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
     with cuda_world(world=2, rank=0), fake_cuda() as ran:
         model = model.to(CUDA)
+        model.encoder = model.encoder.to(memory_format=torch.channels_last)
         batch = device_batch(name)
         # autocast turns itself off without a driver; it asks only these two
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
