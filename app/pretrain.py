@@ -9,6 +9,7 @@ encoder as a new version of ``tracking.registered_model``.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import sys
@@ -19,7 +20,7 @@ import torch
 
 from app.run_config import RunConfig, parse_run
 from core.cli import reported_faults
-from core.collectives import barrier
+from core.collectives import all_ranks_agree, barrier
 from core.config import flatten, to_yaml
 from core.errors import RunError
 from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
@@ -31,7 +32,9 @@ from pretrain.engine import build_engine
 from pretrain.losses import SUPERVISED, objective_from_config
 from pretrain.model import build_model
 from pretrain.optim import build_optimizer, warmup_cosine
+from pretrain.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
 from pretrain.registry import ModelCard
+from pretrain.run_lock import RunLock
 from pretrain.tracking import Tracker
 from pretrain.trainer import Parts, Trainer
 
@@ -106,7 +109,8 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
                                            rt.device, global_batch,
                                            engine.optimizer_sharded),
                  schedule=warmup_cosine(total, config.optim.warmup_steps), total_steps=total,
-                 class_graph=graph, config_yaml=to_yaml(config))
+                 class_graph=graph, config_yaml=to_yaml(config),
+                 preemption=PreemptionWatch(config.preemption, rt.device))
 
 
 def model_card(config: RunConfig, parts: Parts, trainer: Trainer, name: str) -> ModelCard:
@@ -150,9 +154,7 @@ def train(config: RunConfig) -> Path:
                       need_group=config.engine.name == "deepspeed")
     run_dir = Path(config.output_dir) / config.name
     created = not run_dir.exists()
-    if rt.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    barrier()
+    lock = lock_run_dir(run_dir, rt)
     setup_logging(rt, run_dir)
     try:
         try:
@@ -173,23 +175,57 @@ def train(config: RunConfig) -> Path:
         trainer = Trainer(config.train, parts, precision)
         try:  # whatever stops the run from here on marks its MLflow run FAILED
             trainer.resume()
+            if rt.is_main:
+                (run_dir / MARKER).unlink(missing_ok=True)
             trainer.run()
             if parts.tracker is not None:
                 finish_tracking(parts.tracker, config, trainer, run_dir)
+        except Preempted as stop:  # checkpointed: KILLED and tagged, to be resumed
+            if rt.is_main:
+                (run_dir / MARKER).write_text(json.dumps(
+                    {"step": stop.step, "signal": stop.signal_name,
+                     "checkpoint": stop.checkpoint}) + "\n")
+                if parts.tracker is not None:
+                    parts.tracker.finish("KILLED", {"preempted": stop.signal_name,
+                                                    "preempted_at_step": str(stop.step)})
+            raise
         except BaseException:
             if parts.tracker is not None:
                 parts.tracker.finish("FAILED")
             raise
         barrier()
     finally:
+        if lock is not None:
+            lock.release()
         shutdown()
     return run_dir
 
 
+def lock_run_dir(run_dir: Path, rt: Runtime) -> RunLock | None:
+    """Rank 0 creates ``run_dir`` and takes its lock (:mod:`pretrain.run_lock`); every rank
+    stops with one line when another run holds it."""
+    lock, refused = None, None
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = RunLock(run_dir)
+            lock.acquire()
+        except RunError as err:
+            lock, refused = None, err
+    if not all_ranks_agree(refused is None, rt.device):
+        shutdown()
+        raise refused or RunError(f"{run_dir} is in use by another run (rank 0 names it)")
+    return lock
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     config, _ = parse_run("pretrain", __doc__, argv)
-    with reported_faults("pretrain"):
-        train(config)
+    try:
+        with reported_faults("pretrain"):
+            train(config)
+    except Preempted as stop:
+        sys.stderr.write(f"pretrain: {stop}; the same command resumes it\n")
+        raise SystemExit(PREEMPTED_EXIT_STATUS) from None
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pretrain.engine import EngineConfig
 from pretrain.losses.config import ObjectiveConfig
 from pretrain.model import ModelConfig
 from pretrain.optim import OptimConfig
+from pretrain.preemption import PreemptionConfig
 from pretrain.tracking import TrackingConfig
 from pretrain.trainer import TrainConfig
 
@@ -44,6 +45,7 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # DDP or DeepSpeed
     train: TrainConfig = field(default_factory=TrainConfig)  # the training loop
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoints
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)  # stop on a signal
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # MLflow
     eval: EvalConfig = field(default_factory=EvalConfig)  # evaluate
 

@@ -77,6 +77,14 @@ def peak_memory_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     return peak
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (Linux VmHWM: unlike ru_maxrss, not inherited
     from the parent across fork and exec)."""

@@ -28,6 +28,13 @@ Parts:
   of every caption held as Python strings (how encode and merge held them before they
   streamed). Part 0's chunks are encoded by the real model; the others' are random unit
   vectors (the real model embeds ~75 captions/s on 2 cores: 1M captions would take ~3.7 h).
+- ``evaluation``: kNN, SINCERE's margin, one epoch of the linear probe and the diagnostics
+  over a bank of synthetic 512-d features of 1,000 classes (up to ImageNet's 1,281,167
+  rows) and 50,000 queries, each stage in its own process: time and peak memory beside the
+  features' size (``bench/scale_eval.py``).
+- ``evaluate_run``: the real ``evaluate`` on 2 ranks over up to 300,000 real 16 px
+  JPEGs of 1,000 classes, twice into one run: the largest rank's peak memory against the
+  bank's size and the run folder's growth by the second evaluation (``bench/scale_eval.py``).
 - ``neighbours``: the caption-neighbour graph (inverted file of lists of <= 256 rows, 16
   probed, k = 10) over a memory-mapped store of
   clustered float16 384-d embeddings (all-MiniLM-L6-v2's width): time, peak resident
@@ -54,6 +61,7 @@ from PIL import Image
 
 from bench.common import machine, peak_rss_bytes, print_table, write_json
 from bench.processes import run_command
+from bench.scale_eval import STAGES, run_evaluate, run_stage
 from bench.scale_ingest import (
     all_captions,
     collect_rest,
@@ -216,9 +224,10 @@ def loader_epochs(worlds: list[Layout]) -> dict[str, Any]:
     return {"coverage": coverage, "mixing": mixing}
 
 
-def child(part: str, size: int, workers: int, workdir: Path) -> dict[str, Any]:
+def child(part: str, size: int, workers: int, workdir: Path,
+          stage: str = "") -> dict[str, Any]:
     command = [sys.executable, "-m", "bench.scale", "--child", part, "--size", str(size),
-               "--workers", str(workers), "--workdir", str(workdir)]
+               "--workers", str(workers), "--workdir", str(workdir), "--stage", stage]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{part} at {size}: {done.stderr[-2000:]}")
@@ -256,7 +265,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["all", "captions", "index", "counts", "epochs",
-                                           "resume", "tree", "graph", "neighbours"],
+                                           "resume", "tree", "graph", "neighbours",
+                                           "evaluation", "evaluate_run"],
                         default="all")
     parser.add_argument("--worlds", nargs="+", default=["8x8", "64x8", "512x8"])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
@@ -266,11 +276,15 @@ def main() -> None:
     parser.add_argument("--images", type=int, nargs="+", default=[128_000, 400_000, 1_281_167])
     parser.add_argument("--graph-rows", type=int, nargs="+",
                         default=[100_000, 300_000, 1_000_000])
+    parser.add_argument("--bank", type=int, nargs="+", default=[128_000, 400_000, 1_281_167])
+    parser.add_argument("--eval-images", type=int, nargs="+", default=[100_000, 300_000])
+    parser.add_argument("--probe-epochs", type=int, default=10)
     parser.add_argument("--workdir", type=Path, default=Path("bench/results/scale"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
     parser.add_argument("--child", choices=["whole_table", "counts", "neighbours",
                                             "tree_listing", "collect_rest", "other_chunks",
-                                            "all_captions"])
+                                            "all_captions", "evaluation"])
+    parser.add_argument("--stage", default="")
     parser.add_argument("--size", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
@@ -282,7 +296,8 @@ def main() -> None:
                "tree_listing": lambda: run_tree_listing(args.size, args.workdir),
                "collect_rest": lambda: collect_rest(args.size, args.workdir),
                "other_chunks": lambda: other_chunks(args.size, args.workdir),
-               "all_captions": lambda: all_captions(args.size, args.workdir)}[args.child]
+               "all_captions": lambda: all_captions(args.size, args.workdir),
+               "evaluation": lambda: run_stage(args.stage, args.size)}[args.child]
         print(json.dumps(run()))
         return
     results: dict[str, Any] = {"machine": machine()}
@@ -358,6 +373,23 @@ def main() -> None:
         print_table(rows, ["rows", "lists", "seconds", "recall", "rss_mib", "store_mib"])
         print("exponent:", {k: round(v, 2) for k, v in fit.items()})
         print("at CC12M:", {k: round(v, 1) for k, v in results["neighbours"]["cc12m"].items()})
+    if args.part in ("all", "evaluation"):
+        rows = [child("evaluation", n, 1, args.workdir, stage)
+                for n in args.bank for stage in STAGES]
+        fit = {stage: {key: exponent(args.bank, [r[key] for r in rows if r["stage"] == stage])
+                       for key in ("seconds", "stage_added_mib")} for stage in STAGES}
+        results["evaluation"] = {"rows": rows, "exponent": fit}
+        print("evaluation over a bank of 512-d features, 1,000 classes, 50,000 queries:")
+        print_table(rows, ["stage", "rows", "seconds", "peak_rss_mib", "features_mib",
+                           "stage_added_mib", "value"])
+        print("exponent:", {s: {k: round(v, 2) for k, v in f.items()} for s, f in fit.items()})
+    if args.part in ("all", "evaluate_run"):
+        rows = [run_evaluate(n, args.workdir, args.probe_epochs) for n in args.eval_images]
+        results["evaluate_run"] = {"rows": rows, "probe_epochs": args.probe_epochs}
+        print("evaluate on 2 ranks, twice into one run (small CNN, 16 px, 1,000 classes):")
+        print_table(rows, ["images", "bank_mib", "first_s", "first_rss_mib", "second_s",
+                           "second_rss_mib", "run_mib_after_first", "second_adds_mib",
+                           "growth"])
     write_json(args.out, results)
     print(f"written: {args.out}")
 

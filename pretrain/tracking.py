@@ -168,10 +168,13 @@ class Tracker:
         return log_encoder(self.uri, self.run_id, model, example, registered_model,
                            config_yaml, card, text)
 
-    def finish(self, status: str = "FINISHED") -> None:
+    def finish(self, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
+        """End the run with ``status`` (FINISHED, FAILED, KILLED), setting ``tags`` first."""
         if self.monitor is not None:
             self.monitor.finish()
         if self._contact(force=True):
+            for key, value in (tags or {}).items():
+                self.client.set_tag(self.run_id, key, value)
             self.client.set_terminated(self.run_id, status)
         else:
             log.warning("tracking: %s still unreachable at the end; %s holds the unsent "

@@ -12,11 +12,13 @@ host. Checkpoints follow :mod:`pretrain.checkpoint`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -39,6 +41,7 @@ from pretrain.device_metrics import (
 )
 from pretrain.engine import Engine
 from pretrain.losses import EssTemperatureController, ObjectiveConfig
+from pretrain.preemption import Preempted, PreemptionWatch
 from pretrain.step import forward_loss, to_device
 
 log = logging.getLogger(__name__)
@@ -86,6 +89,7 @@ class Parts:
     tracker: Any = None  # pretrain.tracking.Tracker on rank 0
     monitor: Callable[[torch.nn.Module], dict[str, float]] | None = None  # kNN monitor
     config_yaml: str = ""
+    preemption: PreemptionWatch | None = None  # stop with a checkpoint on a signal
 
 
 class Trainer:
@@ -105,7 +109,7 @@ class Trainer:
         self.last_knn: dict[str, float] = {}  # the newest kNN monitor result
 
     # -- state ------------------------------------------------------------------------
-    def save(self) -> None:
+    def save(self) -> Path:
         engine = self.p.engine.state_dict()
         world = self.p.runtime.world
         shared = {"step": self.step, "world": world, "model": engine["model"],
@@ -117,6 +121,7 @@ class Trainer:
         path = self.p.checkpointer.save(self.step, shared, own)
         self.last_saved = self.step
         log.info("checkpoint: %s", path)
+        return path
 
     def resume(self) -> bool:
         loaded = self.p.checkpointer.load()
@@ -149,13 +154,16 @@ class Trainer:
                      "embedding gradient (train.chunk_size)", self.cfg.chunk_size)
         loader = TrainLoader(self.p.data_cfg, rt.rank, rt.world, self.loader_state, self.p.text,
                              rt.device)
-        while self.step < self.p.total_steps:
-            for batch in loader.epoch():
-                self.train_step(batch, bar)
-                if self.step >= self.p.total_steps:
-                    break
-        loader.close()
-        bar.close()
+        try:
+            with self.p.preemption or contextlib.nullcontext():
+                while self.step < self.p.total_steps:
+                    for batch in loader.epoch():
+                        self.train_step(batch, bar)
+                        if self.step >= self.p.total_steps:
+                            break
+        finally:
+            loader.close()
+            bar.close()
         if self.last_saved != self.step:
             self.save()
         self.report_skips()
@@ -214,6 +222,20 @@ class Trainer:
             self._monitor()
         if p.checkpointer.due(self.step):
             self.save()
+        self._stop_if_preempted()
+
+    def _stop_if_preempted(self) -> None:
+        """At the agreed step boundary: checkpoint (unless just written) and stop."""
+        watch = self.p.preemption
+        if watch is None or self.step >= self.p.total_steps or not watch.due(self.step) \
+                or not watch.agreed():
+            return
+        if self.last_saved != self.step:
+            self.save()
+        path = self.p.checkpointer.checkpoints()[0]
+        log.warning("preempted by %s: stopped at step %d with checkpoint %s", watch.received,
+                    self.step, path)
+        raise Preempted(self.step, watch.received or "a signal", str(path))
 
     def _monitor(self) -> None:
         result = self.p.monitor(self.p.engine.module.encoder)
