@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -31,12 +32,27 @@ from data_pipeline.transforms import view_kernel_size
 log = logging.getLogger(__name__)
 
 
+# what schedulers send a job's process group to stop or warn it: the training process
+# decides (pretrain/preemption.py) and ends its loader workers itself
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def ignore_scheduler_signals(worker_id: int) -> None:
+    """A loader worker's start: ignore :data:`SCHEDULER_SIGNALS`. A signal sent to the whole
+    process group (torchrun's agent, slurm) would otherwise kill the workers under a
+    training process that is still writing its checkpoint; they end with their parent."""
+    for sig in SCHEDULER_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def loader_options(cfg: DataConfig) -> dict[str, Any]:
-    """Worker count, prefetch depth and pinned host memory (when a GPU will copy it)."""
+    """Worker count, prefetch depth, pinned host memory (when a GPU will copy it) and the
+    workers' signal disposition."""
     options: dict[str, Any] = {"num_workers": cfg.workers,
                                "pin_memory": cfg.pin_memory and torch.cuda.is_available()}
     if cfg.workers > 0:
         options["prefetch_factor"] = cfg.prefetch
+        options["worker_init_fn"] = ignore_scheduler_signals
         if cfg.backend == "dali":  # a fork would copy DALI's thread pools half-alive
             options["multiprocessing_context"] = "forkserver"
     return options

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from core.errors import RunError
+from pretrain.preemption import PREEMPTED_EXIT_STATUS
 from pretrain.run_lock import LOCK, RunLock
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
 
@@ -69,8 +70,9 @@ def test_the_heartbeat_refreshes_the_lock(tmp_path):
 
 
 def test_a_second_pretrain_in_the_same_directory_fails_at_once(digits_shards, tmp_path):
-    overrides = train_overrides(digits_shards, tmp_path, **{"train.max_steps": 40,
-                                                            "data.workers": 1})
+    overrides = train_overrides(digits_shards, tmp_path, **{"train.max_steps": 5000,
+                                                            "data.workers": 1,
+                                                            "checkpoint.every": 0})
     log = tmp_path / "first.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as out:
@@ -82,14 +84,17 @@ def test_a_second_pretrain_in_the_same_directory_fails_at_once(digits_shards, tm
             time.sleep(0.05)
         assert first.poll() is None, log.read_text()[-3000:]
         second = run_pretrain(overrides)
-        assert first.poll() is None  # refused while the first trains
-        assert first.wait(timeout=300) == 0, log.read_text()[-3000:]
+        assert first.poll() is None  # refused while the first trains on
+        first.send_signal(signal.SIGTERM)  # then stopped as a cluster would stop it
+        assert first.wait(timeout=300) == PREEMPTED_EXIT_STATUS, log.read_text()[-3000:]
     assert second.returncode == 1
     lines = second.stderr.strip().splitlines()
     assert lines[-1].startswith(f"pretrain: error: {tmp_path / 'run'} is in use by pid "
                                 f"{first.pid} on "), second.stderr[-2000:]
     assert "Traceback" not in second.stderr
-    assert "resumed" not in log.read_text()  # the first run trained alone, start to end
+    assert "resumed" not in log.read_text()  # the first run trained alone
+    assert len(list((tmp_path / "run" / "checkpoints").glob("step_*"))) == 1  # its own
+    assert not (tmp_path / "run" / LOCK).exists()  # released when it stopped
 
 
 def test_a_killed_runs_lock_is_taken_over_by_its_resume(digits_shards, tmp_path):
