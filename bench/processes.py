@@ -54,13 +54,18 @@ class PeakMemory:
         return self.peaks.get(self.root.pid, 0) / 2**20, max(children, default=0) / 2**20
 
 
-def run_command(module: str, overrides: list[str]) -> dict[str, float]:
-    """Run ``python -m module overrides``: seconds and peak memory (command, worker), MiB,
-    and what it printed."""
+def run_command(module: str, overrides: list[str], nproc: int = 1) -> dict[str, float]:
+    """Run ``python -m module overrides`` (``nproc`` > 1: under torchrun, whose ranks are
+    then the workers): seconds and peak memory (command, largest worker), MiB, and what
+    it printed."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable])
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    if nproc > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", module, *overrides],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    process = subprocess.Popen([*launcher, "-m", module, *overrides], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
     memory = PeakMemory(process)
     out, err = process.communicate()
     seconds = time.perf_counter() - start

@@ -23,10 +23,7 @@ bounds, except the faiss index's copy of the bank.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +31,7 @@ from typing import Any
 import torch
 
 from bench.common import peak_rss_bytes, rss_bytes
-from bench.processes import PeakMemory, run_command
+from bench.processes import run_command
 from bench.scale_ingest import SHARD, image_tree
 from evaluation.diagnostics import (
     alignment_uniformity,
@@ -99,24 +96,6 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def torchrun_measured(module: str, overrides: list[str], nproc: int) -> dict[str, Any]:
-    """``torchrun --nproc_per_node nproc -m module overrides``: seconds and the peak
-    resident memory of the largest process (the ranks are the agent's children)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(nproc), "-m", module, *overrides]
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(2 // nproc or 1)}
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env)
-    memory = PeakMemory(process)
-    printed, _ = process.communicate()
-    seconds = time.perf_counter() - start
-    _, largest = memory.stop()
-    if process.returncode != 0:
-        raise RuntimeError(f"{module} failed:\n{printed[-3000:]}")
-    return {"seconds": round(seconds, 1), "largest_rank_rss_mib": round(largest)}
-
-
 def run_evaluate(images: int, workdir: Path, probe_epochs: int) -> dict[str, Any]:
     """``evaluate`` on 2 ranks over ``images`` real 16 px JPEGs of 1,000 classes (bank) and
     a 10,000-image test set, twice into one run: peak memory per rank against the bank's
@@ -138,14 +117,15 @@ def run_evaluate(images: int, workdir: Path, probe_epochs: int) -> dict[str, Any
     before = folder_bytes(runs / "evalscale")
     evaluate = [*common, f"eval.train_shards={shards['bank']}",
                 f"eval.test_shards={shards['test']}", f"eval.probe_epochs={probe_epochs}"]
-    first = torchrun_measured("app.evaluate", evaluate, 2)
+    first = run_command("app.evaluate", evaluate, nproc=2)
     after_first = folder_bytes(runs / "evalscale")
-    second = torchrun_measured("app.evaluate", evaluate, 2)
+    second = run_command("app.evaluate", evaluate, nproc=2)
     after_second = folder_bytes(runs / "evalscale")
     bank_mib = images * (4 * 64 + 128) * 4 / 2**20  # small_cnn width 64: 4w backbone + 128
     return {"images": images, "bank_mib": round(bank_mib),
-            "first_s": first["seconds"], "first_rss_mib": first["largest_rank_rss_mib"],
-            "second_s": second["seconds"], "second_rss_mib": second["largest_rank_rss_mib"],
+            "first_s": round(first["seconds"], 1), "first_rss_mib": round(first["worker_rss_mib"]),
+            "second_s": round(second["seconds"], 1),
+            "second_rss_mib": round(second["worker_rss_mib"]),
             "run_mib_after_first": round((after_first - before) / 2**20, 1),
             "second_adds_mib": round((after_second - after_first) / 2**20, 1),
             "growth": round((after_second - before) / max(1, after_first - before), 3)}
