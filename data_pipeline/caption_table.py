@@ -80,6 +80,7 @@ class CaptionTableSource:
         self.table, self.class_names = table, []
         self.delimiter = cfg.delimiter or ("\t" if table.suffix.lower() == ".tsv" else ",")
         self.root = Path(cfg.image_root) if cfg.image_root else table.parent
+        self.max_pixels = cfg.max_image_pixels
         self.count = 0
         handle_fd, self.offsets_path = tempfile.mkstemp(prefix="caption-rows-", suffix=".i64")
         weakref.finalize(self, _remove, self.offsets_path)  # in this process only
@@ -137,7 +138,7 @@ class CaptionTableSource:
         if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
             raise SkipSample("missing_image", f"{where}: {path}")
         data = path.read_bytes()
-        check_image(data, str(path))
+        check_image(data, str(path), self.max_pixels)
         return Sample(key=f"row_{i:09d}", image=data, ext=IMAGE_SUFFIXES[path.suffix.lower()],
                       caption=caption)
 

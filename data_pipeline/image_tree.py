@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.formats import IMAGE_SUFFIXES, Sample
-from data_pipeline.samples import check_image
+from data_pipeline.samples import PILLOW_MAX_PIXELS, check_image
 
 FLUSH = 1 << 16  # images listed between writes to the temporary files
 
@@ -86,8 +86,9 @@ class ImageFolderSource:
     """``<root>/<class_dir>/*.JPEG``; label = index of the sorted class folder; images in
     name order within a class."""
 
-    def __init__(self, root: str, class_names: str) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str, class_names: str,
+                 max_pixels: int = PILLOW_MAX_PIXELS) -> None:
+        self.root, self.max_pixels = Path(root), max_pixels
         if not self.root.is_dir():
             raise FileNotFoundError(f"image tree {self.root}: not a directory")
         class_dirs = sorted(p.name for p in self.root.iterdir() if p.is_dir())
@@ -127,7 +128,7 @@ class ImageFolderSource:
     def load(self, i: int) -> Sample:
         path, label = self._item(i)
         data = path.read_bytes()
-        check_image(data, str(path))
+        check_image(data, str(path), self.max_pixels)
         return Sample(key=safe_key(f"{path.parent.name}_{path.stem}"), image=data,
                       ext=IMAGE_SUFFIXES[path.suffix.lower()], label=label,
                       caption=f"a photo of a {self.class_names[label]}")

@@ -21,7 +21,7 @@ def build_source(cfg: ShardsConfig) -> DigitsSource | ImageFolderSource | Captio
         return ClutteredDigitsSource(cfg.samples, cfg.canvas_size, cfg.clutter, cfg.split,
                                      cfg.seed)
     if cfg.source == "imagenet":
-        return ImageFolderSource(cfg.input, cfg.class_names)
+        return ImageFolderSource(cfg.input, cfg.class_names, cfg.max_image_pixels)
     if cfg.source == "captions":
         return CaptionTableSource(cfg)
     raise ValueError(f"source {cfg.source!r} is not built sample by sample")

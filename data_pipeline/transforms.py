@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torchvision.transforms import v2
 
-from data_pipeline.formats import SkipSample
+from data_pipeline.samples import PILLOW_MAX_PIXELS, opened_image
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -41,16 +39,15 @@ class DecodeSize:
         return math.ceil(width * scale), math.ceil(height * scale)
 
 
-def decode(data: bytes, where: str, size: DecodeSize | None = None) -> Tensor:
-    """[3, H, W] uint8 from encoded bytes; SkipSample('corrupt_image') when undecodable.
-    With ``size`` a JPEG is decoded at the largest reduction every view allows."""
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            if size is not None and image.format == "JPEG":
-                image.draft("RGB", size.least(*image.size))
-            pixels = np.array(image if image.mode == "RGB" else image.convert("RGB"))
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise SkipSample("corrupt_image", f"{where}: {err}") from None
+def decode(data: bytes, where: str, size: DecodeSize | None = None,
+           max_pixels: int = PILLOW_MAX_PIXELS) -> Tensor:
+    """[3, H, W] uint8 from encoded bytes; SkipSample('corrupt_image') when undecodable or
+    larger than ``max_pixels`` (:func:`data_pipeline.samples.opened_image`). With ``size``
+    a JPEG is decoded at the largest reduction every view allows."""
+    with opened_image(data, where, max_pixels) as image:
+        if size is not None and image.format == "JPEG":
+            image.draft("RGB", size.least(*image.size))
+        pixels = np.array(image if image.mode == "RGB" else image.convert("RGB"))
     return torch.from_numpy(pixels).permute(2, 0, 1)
 
 

@@ -11,15 +11,13 @@ there (``data_pipeline/dali/device.py``).
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from PIL import Image, UnidentifiedImageError
 
-from data_pipeline.formats import SkipSample
+from data_pipeline.samples import PILLOW_MAX_PIXELS, opened_image
 from data_pipeline.views import BRIGHTNESS, CONTRAST, HUE, SATURATION, RecordedSteps, recording
 
 FACTOR_NAMES = {BRIGHTNESS: "brightness_factor", CONTRAST: "contrast_factor",
@@ -36,14 +34,13 @@ class EncodedImage:
     source: tuple[str, str]  # (shard, key)
 
 
-def encoded_image(data: bytes, shard: str, key: str) -> EncodedImage:
+def encoded_image(data: bytes, shard: str, key: str,
+                  max_pixels: int = PILLOW_MAX_PIXELS) -> EncodedImage:
     """The image's header read (not decoded); SkipSample('corrupt_image') when Pillow
-    cannot identify it. A body that fails to decode is caught when the batch is decoded."""
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise SkipSample("corrupt_image", f"{shard}:{key}: {err}") from None
+    cannot identify it or it has more than ``max_pixels`` pixels. A body that fails to
+    decode is caught when the batch is decoded."""
+    with opened_image(data, f"{shard}:{key}", max_pixels) as image:
+        width, height = image.size
     return EncodedImage(data, height, width, (shard, key))
 
 

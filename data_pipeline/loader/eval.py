@@ -41,7 +41,7 @@ class EvalStream(IterableDataset):
             for sample in reader.read(index):
                 try:
                     images.append(view(decode(sample.image, f"{sample.shard}:{sample.key}",
-                                              size)))
+                                              size, self.cfg.max_image_pixels)))
                 except SkipSample as skip:
                     checker.skip(skip.reason, sample.shard, detail=skip.detail)
                     continue

@@ -142,9 +142,11 @@ class TrainStream(IterableDataset):
                 checker.log.add(sample)
                 return None
             try:
-                return sample, (encoded_image(sample.image, sample.shard, sample.key)
+                limit = self.cfg.max_image_pixels
+                return sample, (encoded_image(sample.image, sample.shard, sample.key, limit)
                                 if encoded else decode(sample.image,
-                                                       f"{sample.shard}:{sample.key}", size))
+                                                       f"{sample.shard}:{sample.key}", size,
+                                                       limit))
             except SkipSample as skip:
                 checker.skip(skip.reason, sample.shard, detail=f"{sample.key}: {skip.detail}")
                 return None
