@@ -91,18 +91,34 @@ class Tracker:
                                                  run_name=self.run_name).info.run_id
             (self.run_dir / RUN_ID_FILE).write_text(self.run_id)
         if self.params:
-            from mlflow.entities import Param
-
-            items = [Param(k, v[:6000]) for k, v in self.params.items()]
-            for i in range(0, len(items), 100):
-                self.client.log_batch(self.run_id, params=items[i:i + 100])
-            self.params = {}
+            self._log_params()
         if self.cfg.system_metrics and self.monitor is None:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             self.monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.uri,
                                                 resume_logging=True)
             self.monitor.start()
+
+    def _log_params(self) -> None:
+        """The run's configuration as params. A resumed run logs the keys its run lacks;
+        MLflow keeps a param's first value, so a changed value is recorded as the tag
+        ``changed.<key>`` ("old -> new") and named in one warning."""
+        from mlflow.entities import Param
+
+        logged = self.client.get_run(self.run_id).data.params
+        params = {k: v[:6000] for k, v in self.params.items()}
+        changed = {k: f"{logged[k]} -> {v}" for k, v in params.items()
+                   if k in logged and logged[k] != v}
+        items = [Param(k, v) for k, v in params.items() if k not in logged]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+        for key, change in changed.items():
+            self.client.set_tag(self.run_id, f"changed.{key}", change[:5000])
+        if changed:
+            log.warning("tracking: this run changes %d logged params of MLflow run %s (tags "
+                        "changed.*): %s", len(changed), self.run_id,
+                        ", ".join(f"{k}: {v}" for k, v in changed.items()))
+        self.params = {}
 
     def _contact(self, force: bool = False) -> bool:
         """Try to reach the server (at most every retry_every_s) and send the backlog."""

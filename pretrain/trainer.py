@@ -31,7 +31,7 @@ from data_pipeline.config import DataConfig
 from data_pipeline.loader import LoaderState, TrainLoader
 from data_pipeline.samples import SKIP_REASONS
 from data_pipeline.text import TextConfig
-from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state
+from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state, unfit_checkpoint
 from pretrain.chunked import chunked_forward_loss
 from pretrain.collapse import CollapseConfig, CollapseWatch
 from pretrain.device_metrics import (
@@ -133,7 +133,11 @@ class Trainer:
             state["optimizer_partitions"] = own["optimizer_partitions"]
         else:
             state["optimizer"] = (own if self.p.engine.optimizer_sharded else shared)["optimizer"]
-        self.p.engine.load_state_dict(state)
+        try:
+            self.p.engine.load_state_dict(state)
+        except RuntimeError as err:  # tensors of another model: name what changed
+            raise unfit_checkpoint(path, shared.get("config", ""), self.p.config_yaml,
+                                   err) from None
         self.step = self.last_saved = shared["step"]
         self.guard.total = shared["nonfinite_total"]
         if self.controller:

@@ -124,3 +124,32 @@ def test_torchrun_restarts_a_killed_worker_and_resumes(digits_shards, tmp_path):
     assert a["step"] == b["step"] == 24
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
+
+
+def test_resuming_another_model_fails_in_one_line_naming_the_changed_keys(digits_shards,
+                                                                          tmp_path):
+    import mlflow
+
+    first = train_overrides(digits_shards, tmp_path, **{"model.width": 16,
+                                                        "train.max_steps": 4,
+                                                        "tracking.enabled": True,
+                                                        "tracking.log_model": False})
+    assert run_pretrain(first).returncode == 0
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / "checkpoints" / "step_00000004"
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    again = run_pretrain([*first, "model.width=32", "train.max_steps=8"])
+    assert again.returncode == 1
+    assert "Traceback" not in again.stderr
+    line = again.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"pretrain: error: {checkpoint}: its tensors do not fit the "
+                           "configured model (size mismatch for "), line
+    assert "model.width=16 in the checkpoint, 32 here" in line
+    assert "train.max_steps" not in line  # only what shapes the tensors is named
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before  # kept
+    client = mlflow.MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
+    assert run.info.status == "FAILED", again.stderr[-3000:]
+    # MLflow keeps a param's first value: the change is a tag, and the store stays in use
+    assert run.data.tags["changed.model.width"] == "16 -> 32"
+    assert run.data.params["model.width"] == "16"
