@@ -28,16 +28,15 @@ import logging
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from core.collectives import all_ranks_agree, barrier
-from core.config import InvalidValue, flatten
+from core.config import InvalidValue
 from core.errors import RunError
 from data_pipeline.samples import stable_int
 from pretrain.reshard import batches_done, loader_state_for
@@ -52,6 +51,7 @@ class CheckpointConfig:
     every: int = 50  # steps between checkpoints; 0: only at the end
     keep: int = 3  # newest checkpoints kept
     resume: str = "auto"  # auto (newest readable in the run dir), never, or a checkpoint dir
+    allow_changes: list[str] = field(default_factory=list)  # trained keys a resume may change
 
     def validate(self) -> None:
         if self.every < 0:
@@ -99,32 +99,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()), reverse=True)
-
-
-def config_changes(recorded_yaml: str, current_yaml: str) -> dict[str, tuple[Any, Any]]:
-    """``{key: (recorded, current)}`` for every key whose value differs between the
-    configuration a checkpoint recorded and this run's (both resolved YAML)."""
-    recorded = flatten(yaml.safe_load(recorded_yaml) or {})
-    current = flatten(yaml.safe_load(current_yaml) or {})
-    return {key: (recorded.get(key), current.get(key))
-            for key in sorted(recorded.keys() | current.keys())
-            if recorded.get(key) != current.get(key)}
-
-
-def unfit_checkpoint(path: Path, recorded_yaml: str, current_yaml: str,
-                     err: Exception) -> RunError:
-    """The one-line fault of a checkpoint whose tensors do not fit the configured model:
-    the model and objective keys that differ (what shapes the tensors), else every key."""
-    changes = config_changes(recorded_yaml, current_yaml) if recorded_yaml else {}
-    shaping = {k: v for k, v in changes.items() if k.startswith(("model.", "objective."))}
-    named = ", ".join(f"{k}={old} in the checkpoint, {new} here"
-                      for k, (old, new) in (shaping or changes).items())
-    first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line
-                  or "Missing key" in line or "Unexpected key" in line), str(err)[:200])
-    return RunError(f"{path}: its tensors do not fit the configured model ({first}); "
-                    f"{named or 'it records no configuration to compare with'}: resume with "
-                    "the checkpoint's values, or choose another name or output_dir (the "
-                    "checkpoint is kept)")
 
 
 def _save(obj: Any, path: Path) -> None:

@@ -31,9 +31,10 @@ from data_pipeline.config import DataConfig
 from data_pipeline.loader import LoaderState, TrainLoader
 from data_pipeline.samples import SKIP_REASONS
 from data_pipeline.text import TextConfig
-from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state, unfit_checkpoint
+from pretrain.checkpoint import Checkpointer, rng_state, set_rng_state
 from pretrain.chunked import chunked_forward_loss
 from pretrain.collapse import CollapseConfig, CollapseWatch
+from pretrain.config_drift import check_drift, unfit_checkpoint
 from pretrain.device_metrics import (
     MetricWindow,
     NonFiniteGuard,
@@ -128,6 +129,8 @@ class Trainer:
         if loaded is None:
             return False
         shared, own, path = loaded
+        check_drift(path, shared.get("config", ""), self.p.config_yaml,
+                    self.p.checkpointer.cfg.allow_changes)
         state = {"model": shared["model"]}
         if "optimizer_partitions" in own:  # ZeRO partitions of another number of ranks
             state["optimizer_partitions"] = own["optimizer_partitions"]

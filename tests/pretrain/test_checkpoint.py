@@ -138,7 +138,8 @@ def test_resuming_another_model_fails_in_one_line_naming_the_changed_keys(digits
     run_dir = tmp_path / "run"
     checkpoint = run_dir / "checkpoints" / "step_00000004"
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
-    again = run_pretrain([*first, "model.width=32", "train.max_steps=8"])
+    again = run_pretrain([*first, "model.width=32", "train.max_steps=8",
+                          "checkpoint.allow_changes=[model.width]"])  # past the drift check
     assert again.returncode == 1
     assert "Traceback" not in again.stderr
     line = again.stderr.strip().splitlines()[-1]
@@ -153,3 +154,31 @@ def test_resuming_another_model_fails_in_one_line_naming_the_changed_keys(digits
     # MLflow keeps a param's first value: the change is a tag, and the store stays in use
     assert run.data.tags["changed.model.width"] == "16 -> 32"
     assert run.data.params["model.width"] == "16"
+
+
+def test_a_resume_that_changes_what_is_trained_is_refused_unless_allowed(digits_shards,
+                                                                         tmp_path):
+    first = train_overrides(digits_shards, tmp_path, **{"train.max_steps": 4})
+    assert run_pretrain(first).returncode == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
+    refused = run_pretrain([*first, "objective.temperature=0.2", "train.max_steps=6"])
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"pretrain: error: {checkpoint}: resuming would change what is trained "
+        "(objective.temperature=0.1 in the checkpoint, 0.2 here): resume with the "
+        "checkpoint's values, allow the change with "
+        "checkpoint.allow_changes=[objective.temperature], or choose another name or "
+        "output_dir (the checkpoint is kept)")
+    assert [p.name for p in checkpoint.parent.iterdir()] == ["step_00000004"]
+
+    # a benign change (learning rate, steps, workers) goes on with one warning
+    benign = run_pretrain([*first, "optim.lr=0.01", "train.max_steps=6", "data.workers=1"])
+    assert benign.returncode == 0, benign.stderr[-3000:]
+    warning = next(line for line in benign.stderr.splitlines() if "changed keys" in line)
+    assert "data.workers: 2 -> 1" in warning and "train.max_steps: 4 -> 6" in warning
+    assert "optim.lr: " in warning
+
+    allowed = run_pretrain([*first, "objective.temperature=0.2", "train.max_steps=8",
+                            "checkpoint.allow_changes=[objective.]"])
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "resumed from" in allowed.stderr
