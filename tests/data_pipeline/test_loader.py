@@ -251,10 +251,29 @@ def test_asymmetric_views_turn_only_the_second_view_grayscale():
 
 def test_loader_options_prefetch_and_pin_only_for_a_gpu():
     from data_pipeline.loader import loader_options
+    from data_pipeline.loader.epochs import ignore_scheduler_signals
 
     options = loader_options(DataConfig(shards="x", workers=3, prefetch=4))
     assert options == {"num_workers": 3, "prefetch_factor": 4,
-                       "pin_memory": torch.cuda.is_available()}
+                       "pin_memory": torch.cuda.is_available(),
+                       "worker_init_fn": ignore_scheduler_signals}
     assert loader_options(DataConfig(shards="x", workers=0)) == {
         "num_workers": 0, "pin_memory": torch.cuda.is_available()}  # no workers, no prefetch
     assert loader_options(DataConfig(shards="x", pin_memory=False))["pin_memory"] is False
+
+
+def test_loader_workers_outlive_a_sigterm_to_their_process_group():
+    """torchrun and slurm signal the whole group; a worker must not die under a trainer
+    that is writing its checkpoint (it ends with its parent)."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal\n"
+            "from data_pipeline.loader.epochs import ignore_scheduler_signals\n"
+            "ignore_scheduler_signals(0)\n"
+            "for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):\n"
+            "    os.kill(os.getpid(), sig)\n"
+            "print('alive')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "alive", done.stderr
