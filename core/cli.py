@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from core.config import ConfigError, describe, load_config, to_yaml
-from core.errors import RunError
+from core.errors import RunError, disk_full
 
 T = TypeVar("T")
 
@@ -83,9 +83,20 @@ def one_line(err: BaseException) -> str:
 
 @contextmanager
 def reported_faults(prog: str) -> Iterator[None]:
-    """A :class:`RunError` inside becomes one line on stderr and exit status 1."""
+    """A :class:`RunError` inside becomes one line on stderr and exit status 1; so does a
+    full disk wherever a write met it (the places that know their file raise a
+    :class:`RunError` naming it and its key, :func:`core.errors.no_space`)."""
     try:
         yield
     except RunError as err:
         sys.stderr.write(f"{prog}: error: {one_line(err)}\n")
+        raise SystemExit(1) from None
+    except Exception as err:
+        if not disk_full(err):
+            raise
+        where = f" writing {err.filename}" if isinstance(err, OSError) and err.filename else ""
+        sys.stderr.write(f"{prog}: error: no space left on device{where} "
+                         f"({type(err).__name__}: {one_line(err)[:200]}): free space on that "
+                         "disk and run the same command again; every checkpoint written so "
+                         "far is kept\n")
         raise SystemExit(1) from None

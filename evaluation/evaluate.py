@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from core.errors import RunError
+from core.errors import RunError, full_disk_stops
 from core.runtime import Runtime
 from data_pipeline.config import DataConfig
 from data_pipeline.shards import ShardSet
@@ -37,10 +38,11 @@ from evaluation.load import ModelRef, load_model, untrained_copy
 from evaluation.probe import linear_probe
 from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json, write_markdown
 from evaluation.retrieval import caption_evaluation
-from evaluation.tracking import INDEX_DIR, log_evaluation, upload_outputs
+from evaluation.tracking import INDEX_DIR, end_failed, log_evaluation, upload_outputs
 from pretrain.tracking import TrackingConfig, tracking_uri
 
 log = logging.getLogger("evaluate")
+AGAIN = "the model and its checkpoints are untouched and the same command evaluates again"
 MAX_HEATMAP_CLASSES = 50  # eval.class_groups = []: one group of all classes up to this many
 
 
@@ -183,22 +185,34 @@ def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtim
                           for shards in (cfg.train_shards, cfg.test_shards)]
     if not rt.is_main:
         return None
-    out.mkdir(parents=True, exist_ok=True)
-    results = evaluate_features(train, test, cfg, context.target_graph, ref, out, identity,
-                                rt.device)
-    if model.text is not None:
-        results.update(caption_evaluation(model, retrieval, test, cfg, retrieval_shards,
-                                          rt.device))
-    if cfg.compare_untrained:
-        results["untrained"] = {}
-        knn_results(*floor_features, dataclasses.replace(cfg, save_index=False), out,
-                    results["untrained"], device=rt.device)
-    tracked = (log_evaluation(uri, cfg, context.tracking.experiment, context.run_name, ref,
-                              results, promote_alias)
-               if context.tracking.enabled else None)
-    write_json(results, out / "results.json")
-    write_markdown(results, out / "report.md")
-    if tracked is not None:
-        upload_outputs(*tracked, out)
+    with full_disk_stops("the evaluation's output", out, "eval.output", AGAIN):
+        out.mkdir(parents=True, exist_ok=True)
+        results = evaluate_features(train, test, cfg, context.target_graph, ref, out,
+                                    identity, rt.device)
+        if model.text is not None:
+            results.update(caption_evaluation(model, retrieval, test, cfg, retrieval_shards,
+                                              rt.device))
+        if cfg.compare_untrained:
+            results["untrained"] = {}
+            knn_results(*floor_features, dataclasses.replace(cfg, save_index=False), out,
+                        results["untrained"], device=rt.device)
+    tracked = None
+    store_full = partial(full_disk_stops, "to the MLflow tracking store", uri, "tracking.uri",
+                         AGAIN)
+    if context.tracking.enabled:
+        with store_full():
+            tracked = log_evaluation(uri, cfg, context.tracking.experiment, context.run_name,
+                                     ref, results, promote_alias)
+    try:
+        with full_disk_stops("the evaluation's output", out, "eval.output", AGAIN):
+            write_json(results, out / "results.json")
+            write_markdown(results, out / "report.md")
+        if tracked is not None:
+            with store_full():
+                upload_outputs(*tracked, out)
+    except BaseException:
+        if tracked is not None:
+            end_failed(*tracked)
+        raise
     log.info("evaluation written to %s:\n%s", out, (out / "report.md").read_text())
     return results

@@ -15,7 +15,7 @@ from evaluation.config import EvalConfig
 from evaluation.load import ModelRef
 from evaluation.promote import SCORE_TAG, promote
 from evaluation.report import scalars
-from pretrain.tracking import experiment_id
+from pretrain.tracking import experiment_id, quiet_store_errors
 
 log = logging.getLogger(__name__)
 INDEX_DIR = "indexes"  # under the evaluation's output folder
@@ -28,6 +28,7 @@ def log_evaluation(uri: str, cfg: EvalConfig, experiment: str, run_name: str, re
     import mlflow
     from mlflow.entities import Metric, Param
 
+    quiet_store_errors()
     client = mlflow.MlflowClient(uri, registry_uri=uri)
     experiment = (client.get_run(ref.run_id).info.experiment_id if ref.run_id is not None
                   else experiment_id(client, experiment))
@@ -61,3 +62,13 @@ def upload_outputs(client: Any, run_id: str, out: Path) -> None:
         else:
             client.log_artifact(run_id, str(entry))
     client.set_terminated(run_id)
+
+
+def end_failed(client: Any, run_id: str) -> None:
+    """Mark the evaluation run FAILED after a fault; a store that fails now is named in a
+    warning, the fault itself is the one reported."""
+    try:
+        client.set_terminated(run_id, "FAILED")
+    except Exception as err:
+        log.warning("evaluation: MLflow run %s not marked FAILED (%s)", run_id,
+                    str(err).splitlines()[0][:300] if str(err) else type(err).__name__)

@@ -37,7 +37,7 @@ import torch
 
 from core.collectives import all_ranks_agree, barrier
 from core.config import InvalidValue
-from core.errors import RunError
+from core.errors import RunError, disk_full, no_space
 from data_pipeline.samples import stable_int
 from pretrain.reshard import batches_done, loader_state_for
 
@@ -127,17 +127,20 @@ class Checkpointer:
         return list_checkpoints(self.run_dir)
 
     def save(self, step: int, shared: dict[str, Any], own: dict[str, Any]) -> Path:
-        """Write this step's checkpoint (a collective: every rank calls it)."""
+        """Write this step's checkpoint (a collective: every rank calls it). When any rank
+        cannot write its file (a full disk, a lost mount), every rank raises
+        :class:`RunError` and the partial checkpoint is removed; the complete ones are
+        kept."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".step_{step:08d}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
         barrier()
-        _save(own, tmp / f"rank_{self.rank:03d}.pt")
-        if self.rank == 0:
-            _save(shared, tmp / "shared.pt")
-        barrier()
+        failure = self._write(tmp, shared, own)
+        if not all_ranks_agree(failure is None, self.device):
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._unwritten(tmp, failure)
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -145,6 +148,28 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
         barrier()
         return final
+
+    def _write(self, tmp: Path, shared: dict[str, Any], own: dict[str, Any]) -> Exception | None:
+        """This rank's files of a checkpoint; the error that stopped them, if any."""
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            _save(own, tmp / f"rank_{self.rank:03d}.pt")
+            if self.rank == 0:
+                _save(shared, tmp / "shared.pt")
+        except (OSError, RuntimeError) as err:  # torch.save wraps the OSError
+            return err
+        return None
+
+    def _unwritten(self, tmp: Path, failure: Exception | None) -> RunError:
+        kept = ("the partial checkpoint was removed, every complete one is kept and the same "
+                "command resumes from the newest")
+        if failure is None:
+            return RunError(f"another rank could not write its part of checkpoint {tmp} (its "
+                            f"log line names why); {kept}")
+        if disk_full(failure):
+            return no_space("checkpoint", tmp, "output_dir", kept)
+        return RunError(f"could not write checkpoint {tmp} ({type(failure).__name__}: "
+                        f"{str(failure).splitlines()[0][:200]}); {kept}")
 
     def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]] | str:
         try:

@@ -6,6 +6,10 @@ any server URI works through ``tracking.uri``. Metrics go to a local journal
 cannot be reached the run goes on, the journal keeps every metric (across restarts too),
 and the next successful contact sends the backlog, in step order, then empties the journal.
 The log says which of the two happened. A resumed run continues its MLflow run.
+
+A full disk is not an unreachable server: a store that reports it (SQLite's "database or
+disk is full", ENOSPC from an artifact copy or from the journal) stops the run with one
+line naming the store or file (:func:`core.errors.no_space`); checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import json
 import logging
 import os
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core.config import InvalidValue
+from core.errors import RunError, full_disk_stops
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +47,24 @@ class TrackingConfig:
             raise InvalidValue("retry_every_s", "retry_every_s >= 0, request_timeout_s > 0")
 
 
-RUN_ID_FILE = "mlflow_run_id"  # in the run directory: the run's MLflow run id
+KEPT = "every checkpoint written so far is kept and the same command resumes from the newest"
+RUN_ID_FILE = "mlflow_run_id"
+
+
+class _NoStoreTracebacks(logging.Filter):
+    """Drops MLflow's own traceback of a failed store query: the caller reports the fault
+    in one line (a warning while the store is unreachable, :func:`core.errors.no_space`
+    when it is full)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is None and "exception is caught" not in record.getMessage()
+
+
+def quiet_store_errors() -> None:
+    """Install :class:`_NoStoreTracebacks` on MLflow's SQL store logger (once)."""
+    store_log = logging.getLogger("mlflow.store.db.utils")
+    if not any(isinstance(f, _NoStoreTracebacks) for f in store_log.filters):
+        store_log.addFilter(_NoStoreTracebacks())  # in the run directory: the run's MLflow run id
 
 
 def run_id_of(run_dir: Path) -> str | None:
@@ -70,6 +93,7 @@ class Tracker:
 
         self.cfg, self.run_dir, self.run_name = cfg, run_dir, run_name
         self.uri = tracking_uri(cfg, run_dir)
+        quiet_store_errors()
         if self.uri.startswith("http"):  # fail fast instead of MLflow's minutes of retries
             os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
             os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(cfg.request_timeout_s))
@@ -120,6 +144,9 @@ class Tracker:
                         ", ".join(f"{k}: {v}" for k, v in changed.items()))
         self.params = {}
 
+    def _store_full(self) -> AbstractContextManager[None]:
+        return full_disk_stops("to the MLflow tracking store", self.uri, "tracking.uri", KEPT)
+
     def _contact(self, force: bool = False) -> bool:
         """Try to reach the server (at most every retry_every_s) and send the backlog."""
         if not force and self.reachable is False and \
@@ -127,8 +154,11 @@ class Tracker:
             return False
         self.last_try = time.monotonic()
         try:
-            self._ensure_run()
-            sent = self._send_journal()
+            with self._store_full():
+                self._ensure_run()
+                sent = self._send_journal()
+        except RunError:
+            raise
         except Exception as err:  # unreachable or failing server: keep going, keep data
             if self.reachable is not False:
                 log.warning("tracking: %s unreachable (%s); training goes on, metrics kept "
@@ -161,14 +191,18 @@ class Tracker:
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "t": int(time.time() * 1000), "metrics": metrics}
-        with open(self.journal, "a") as f:
+        with full_disk_stops("the metric journal", self.journal, "output_dir", KEPT), \
+                open(self.journal, "a") as f:
             f.write(json.dumps(row) + "\n")
         self._contact()
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         if self._contact(force=True):
             try:
-                self.client.log_artifact(self.run_id, str(path), artifact_path)
+                with self._store_full():
+                    self.client.log_artifact(self.run_id, str(path), artifact_path)
+            except RunError:
+                raise
             except Exception as err:
                 log.warning("tracking: artifact %s not logged (%s)", path, err)
 
@@ -181,17 +215,31 @@ class Tracker:
             return None
         from pretrain.registry import log_encoder
 
-        return log_encoder(self.uri, self.run_id, model, example, registered_model,
-                           config_yaml, card, text)
+        with self._store_full():
+            return log_encoder(self.uri, self.run_id, model, example, registered_model,
+                               config_yaml, card, text)
 
     def finish(self, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
-        """End the run with ``status`` (FINISHED, FAILED, KILLED), setting ``tags`` first."""
+        """End the run with ``status`` (FINISHED, FAILED, KILLED), setting ``tags`` first.
+        Ending a run that stopped on a fault (any status but FINISHED) never raises: that
+        fault is the one to report, and a store that fails now is named in a warning."""
+        try:
+            self._finish(status, tags)
+        except Exception as err:
+            if status == "FINISHED":
+                raise
+            log.warning("tracking: MLflow run %s not marked %s (%s)", self.run_id, status,
+                        str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
+
+    def _finish(self, status: str, tags: dict[str, str] | None) -> None:
         if self.monitor is not None:
             self.monitor.finish()
+            self.monitor = None
         if self._contact(force=True):
-            for key, value in (tags or {}).items():
-                self.client.set_tag(self.run_id, key, value)
-            self.client.set_terminated(self.run_id, status)
+            with self._store_full():
+                for key, value in (tags or {}).items():
+                    self.client.set_tag(self.run_id, key, value)
+                self.client.set_terminated(self.run_id, status)
         else:
             log.warning("tracking: %s still unreachable at the end; %s holds the unsent "
                         "metrics (sent by the next run resuming in %s)", self.uri,
