@@ -3,15 +3,24 @@ killed with SIGKILL that resumes to exactly the weights of an uninterrupted run.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint import CheckpointConfig, Checkpointer, rng_state, set_rng_state
+from core.errors import RunError
+from pretrain.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    list_checkpoints,
+    rng_state,
+    set_rng_state,
+)
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
 
 
@@ -32,6 +41,46 @@ def test_save_keeps_the_newest_k_in_weights_only_files(tmp_path):
         torch.load(file, weights_only=True)
     shared, own, path = ckpt.load()
     assert shared["step"] == 6 and own["loader"]["batches"] == 6
+
+
+def save_where_rank_1_meets_a_full_disk(root: str) -> str:
+    """Rank task: a checkpoint at step 2, then one at step 4 whose rank-1 file meets a full
+    disk; what each rank's save of step 4 raised."""
+    import torch.distributed as dist
+
+    from pretrain import checkpoint
+
+    rank = dist.get_rank()
+    ckpt = Checkpointer(Path(root), CheckpointConfig(), rank, 2, torch.device("cpu"))
+    ckpt.save(2, *saved(2))
+    real = checkpoint._save
+
+    def full_on_rank_1(obj: dict, path: Path) -> None:
+        if rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(obj, path)
+
+    checkpoint._save = full_on_rank_1
+    try:
+        ckpt.save(4, *saved(4))
+    except RunError as err:
+        return str(err)
+    finally:
+        checkpoint._save = real
+    return "saved"
+
+
+def test_a_rank_that_cannot_write_stops_every_rank_and_keeps_the_last(gloo2, tmp_path):
+    told = gloo2.run(save_where_rank_1_meets_a_full_disk, str(tmp_path))
+    partial = tmp_path / "checkpoints" / ".step_00000004.tmp"
+    kept = ("the partial checkpoint was removed, every complete one is kept and the same "
+            "command resumes from the newest")
+    assert told[0] == (f"another rank could not write its part of checkpoint {partial} (its "
+                       f"log line names why); {kept}")
+    assert told[1].startswith(f"no space left on device writing checkpoint {partial} ("), told
+    assert told[1].endswith(f": free space there or set output_dir to another disk; {kept}")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
+    assert not partial.exists()
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
