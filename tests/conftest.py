@@ -4,6 +4,7 @@ small real digits shard set."""
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch.multiprocessing as mp
 
 from core.runtime import free_port
 from tests.data_pipeline.helpers import digit_sample, write_set
+from tests.leftovers import lingering_threads, mark_session, remove_strays
 
 TASK_TIMEOUT_S = 300
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -86,3 +88,22 @@ def digits_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_set(directory, [[digit_sample(i) for i in range(s * 120, (s + 1) * 120)]
                           for s in range(3)], DIGIT_NAMES)
     return directory
+
+
+_SESSION = {"mark": mark_session(), "status": 0}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _SESSION["status"] = int(exitstatus)
+    for stray in remove_strays(str(_SESSION["mark"])):
+        sys.stderr.write(f"\nconftest: a test left a process running; killed {stray}\n")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    threads = lingering_threads()
+    if threads:  # the interpreter would wait for them forever: report them and leave
+        sys.stderr.write(f"\nconftest: a test left non-daemon threads {threads}; exiting "
+                         f"with the session's status {_SESSION['status']}\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_SESSION["status"])
