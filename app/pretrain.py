@@ -29,7 +29,7 @@ from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
 from pretrain.checkpoint import Checkpointer
 from pretrain.engine import build_engine
-from pretrain.losses import SUPERVISED, objective_from_config
+from pretrain.losses import objective_from_config, objective_spec
 from pretrain.model import build_model
 from pretrain.optim import build_optimizer, warmup_cosine
 from pretrain.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
@@ -71,13 +71,14 @@ def setup_logging(rt: Runtime, run_dir: Path) -> None:
 
 
 def text_for(config: RunConfig) -> TextConfig | None:
-    """CLIP tokenises captions in the loader workers with its text tower's model."""
-    return config.model.text if config.objective.name == "clip" else None
+    """An objective with a text tower has its captions tokenised in the loader workers with
+    the tower's model."""
+    return config.model.text if objective_spec(config.objective.name).text_tower else None
 
 
 def class_graph_for(config: RunConfig, device: torch.device) -> torch.Tensor | None:
     path = config.objective.class_graph
-    if config.objective.name != "xclr" or not path:
+    if not objective_spec(config.objective.name).soft_targets or not path:
         return None
     if not Path(path).is_file():
         raise RunError(f"objective.class_graph={path}: no such file (run graph-precompute "
@@ -97,7 +98,7 @@ def knn_monitor_for(config: RunConfig, rt: Runtime):
 def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
     objective, data = config.objective, config.data
     shards = ShardSet.open(data.shards, retry=data.retry)
-    if objective.name in SUPERVISED and not shards.class_names:
+    if objective_spec(objective.name).labels and not shards.class_names:
         raise RunError(f"objective.name={objective.name} needs class labels, and "
                        f"data.shards={data.shards} lists no classes (no manifest with class names)")
     global_batch = data.batch_size * rt.world

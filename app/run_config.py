@@ -22,6 +22,7 @@ from evaluation.config import EvalConfig
 from pretrain.checkpoint import CheckpointConfig
 from pretrain.engine import EngineConfig
 from pretrain.losses.config import ObjectiveConfig
+from pretrain.losses.registry import objective_spec
 from pretrain.model import ModelConfig
 from pretrain.optim import OptimConfig
 from pretrain.preemption import PreemptionConfig
@@ -90,12 +91,15 @@ def _check_training(config: RunConfig) -> None:
         raise ConfigError("key 'train.chunk_size': chunks cannot keep model.split_views' "
                           "per-view batch norm; set one of them off")
     objective = config.objective
-    if objective.name == "xclr" and not (objective.class_graph or config.data.caption_store):
-        raise ConfigError("key 'objective.class_graph': xclr needs soft targets: a class graph "
-                          "(graph-precompute graph.task=class_graph) or data.caption_store")
-    if objective.name == "xclr" and objective.class_graph and config.data.caption_store:
-        raise ConfigError("key 'objective.class_graph': xclr takes its targets from a class "
-                          "graph or from data.caption_store, not both; set one to \"\"")
+    soft_targets = objective_spec(objective.name).soft_targets
+    if soft_targets and not (objective.class_graph or config.data.caption_store):
+        raise ConfigError(f"key 'objective.class_graph': {objective.name} needs soft targets: "
+                          "a class graph (graph-precompute graph.task=class_graph) or "
+                          "data.caption_store")
+    if soft_targets and objective.class_graph and config.data.caption_store:
+        raise ConfigError(f"key 'objective.class_graph': {objective.name} takes its targets "
+                          "from a class graph or from data.caption_store, not both; set one "
+                          "to \"\"")
     if objective.name == "projnce" and objective.projection == "learned":
         raise ConfigError("key 'objective.projection': 'learned' needs a trainable class-"
                           "embedding matrix, which training does not build; use centroid, "

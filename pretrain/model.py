@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from core.config import InvalidValue
 from pretrain.losses.config import ObjectiveConfig
+from pretrain.losses.registry import objective_spec
 from pretrain.text_tower import TextTower, TextTowerConfig
 
 
@@ -152,7 +153,7 @@ def build_model(cfg: ModelConfig, objective: ObjectiveConfig,
     """The model a run trains: the encoder, plus the text tower for ``clip`` and a
     learnable temperature (initialised at ``objective.temperature``) when asked for."""
     temperature = objective.temperature if objective.learnable_temperature else None
-    model = ContrastiveModel(cfg, objective.name == "clip", temperature).to(device)
+    model = ContrastiveModel(cfg, objective_spec(objective.name).text_tower, temperature).to(device)
     if device.type == "cuda":
         if cfg.channels_last:
             model.encoder = model.encoder.to(memory_format=torch.channels_last)

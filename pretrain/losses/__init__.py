@@ -14,42 +14,16 @@ from collections.abc import Callable
 from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch, make_batch
-from pretrain.losses.clip import clip
 from pretrain.losses.common import ObjectiveOutput, Temperature
-from pretrain.losses.config import OBJECTIVE_NAMES, ObjectiveConfig
-from pretrain.losses.eps_supinfonce import eps_supinfonce
-from pretrain.losses.flatnce import flatnce
-from pretrain.losses.holder_flatnce import holder_flatnce
-from pretrain.losses.infonce import infonce
-from pretrain.losses.projnce import projnce
-from pretrain.losses.sincere import sincere
-from pretrain.losses.supcon import supcon
+from pretrain.losses.config import ObjectiveConfig
+from pretrain.losses.registry import OBJECTIVES, Objective, ObjectiveSpec, objective_spec
 from pretrain.losses.temperature import EssControlConfig, EssTemperatureController
-from pretrain.losses.xclr import xclr
-
-Objective = Callable[..., ObjectiveOutput]
-
-OBJECTIVES: dict[str, Objective] = {
-    "infonce": infonce,
-    "supcon": supcon,
-    "sincere": sincere,
-    "eps_supinfonce": eps_supinfonce,
-    "flatnce": flatnce,
-    "holder_flatnce": holder_flatnce,
-    "xclr": xclr,
-    "projnce": projnce,
-    "clip": clip,
-}
-assert tuple(OBJECTIVES) == OBJECTIVE_NAMES
-SUPERVISED = ("supcon", "sincere", "eps_supinfonce", "projnce")  # positives share a label
 
 
 def get_objective(name: str, **hparams: object) -> Callable[[ContrastiveBatch, Temperature],
                                                             ObjectiveOutput]:
     """The objective ``name`` with its hyperparameters bound."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
-    return functools.partial(OBJECTIVES[name], **hparams)
+    return functools.partial(objective_spec(name).fn, **hparams)
 
 
 def objective_from_config(config: ObjectiveConfig) -> Callable[..., ObjectiveOutput]:
@@ -100,7 +74,7 @@ def batch_loss(
 
 
 __all__ = [
-    "OBJECTIVES", "SUPERVISED", "ContrastiveBatch", "EssControlConfig", "EssTemperatureController",
-    "ObjectiveConfig", "ObjectiveOutput", "batch_loss", "get_objective", "make_batch",
-    "objective_from_config",
+    "OBJECTIVES", "ContrastiveBatch", "EssControlConfig", "EssTemperatureController",
+    "Objective", "ObjectiveConfig", "ObjectiveOutput", "ObjectiveSpec", "batch_loss",
+    "get_objective", "make_batch", "objective_from_config", "objective_spec",
 ]

@@ -6,10 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from core.config import InvalidValue
+from pretrain.losses.registry import OBJECTIVES
 from pretrain.losses.temperature import EssControlConfig
-
-OBJECTIVE_NAMES = ("infonce", "supcon", "sincere", "eps_supinfonce", "flatnce",
-                   "holder_flatnce", "xclr", "projnce", "clip")
 
 
 @dataclass
@@ -19,7 +17,7 @@ class ObjectiveConfig:
     Objective-specific keys are read only by the objective named in the comment.
     """
 
-    name: str = "infonce"  # one of OBJECTIVE_NAMES (docs/objectives.md)
+    name: str = "infonce"  # an entry of pretrain/losses/registry.py (docs/objectives.md)
     temperature: float = 0.1  # tau of the similarity logits (initial value if learnable)
     learnable_temperature: bool = False  # learn tau (stored as log tau) with the model
     num_negatives: int | None = None  # per-anchor random subset of k negatives; null = all
@@ -35,9 +33,9 @@ class ObjectiveConfig:
     ess_control: EssControlConfig = field(default_factory=EssControlConfig)  # ESS steering
 
     def validate(self) -> None:
-        if self.name not in OBJECTIVE_NAMES:
+        if self.name not in OBJECTIVES:
             raise InvalidValue("name", f"unknown objective {self.name!r}; "
-                                       f"choose one of {', '.join(OBJECTIVE_NAMES)}")
+                                       f"choose one of {', '.join(OBJECTIVES)}")
         for key in ("temperature", "gamma", "target_temperature", "bandwidth"):
             if not getattr(self, key) > 0:
                 raise InvalidValue(key, f"must be > 0, got {getattr(self, key)}")
@@ -52,11 +50,5 @@ class ObjectiveConfig:
                                "cannot steer a learnable temperature; choose one")
 
     def hparams(self) -> dict[str, Any]:
-        """Keyword arguments of the chosen objective function."""
-        return {
-            "eps_supinfonce": {"eps": self.eps},
-            "holder_flatnce": {"gamma": self.gamma},
-            "xclr": {"target_temperature": self.target_temperature},
-            "projnce": {"projection": self.projection, "bandwidth": self.bandwidth,
-                        "kernel_metric": self.kernel_metric},
-        }.get(self.name, {})
+        """Keyword arguments of the chosen objective function (its registry entry's keys)."""
+        return {key: getattr(self, key) for key in OBJECTIVES[self.name].hparams}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.losses import SUPERVISED, ObjectiveOutput, batch_loss
+from pretrain.losses import ObjectiveOutput, batch_loss
 
 
 def test_temperature_cannot_be_passed_as_labels(batch):
@@ -14,12 +14,6 @@ def test_temperature_cannot_be_passed_as_labels(batch):
         batch_loss("infonce", batch.z, batch.ids, 0.5, temperature=0.1)
     with pytest.raises(TypeError, match="temperature"):
         batch_loss("infonce", batch.z, batch.ids)
-
-
-@pytest.mark.parametrize("name", SUPERVISED)
-def test_supervised_objectives_refuse_a_batch_without_labels(batch, name):
-    with pytest.raises(ValueError, match=f"{name}: needs class labels"):
-        batch_loss(name, batch.z, batch.ids, temperature=0.1)
 
 
 def test_xclr_takes_captions_or_a_class_graph_not_both(batch):

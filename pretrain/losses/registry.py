@@ -1,0 +1,58 @@
+"""Every objective in one place: its function and what it needs from the run.
+
+The run reads these entries instead of checking names: configuration checks (labels,
+soft targets), the model (a text tower), the loader (tokenised captions) and the
+objective's keyword arguments. Adding an objective is its file, an entry here, its test
+and its section in ``docs/objectives.md`` (as timm's model registry and torchtitan's train
+specs keep one table per kind of extension).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pretrain.losses.clip import clip
+from pretrain.losses.common import ObjectiveOutput
+from pretrain.losses.eps_supinfonce import eps_supinfonce
+from pretrain.losses.flatnce import flatnce
+from pretrain.losses.holder_flatnce import holder_flatnce
+from pretrain.losses.infonce import infonce
+from pretrain.losses.projnce import projnce
+from pretrain.losses.sincere import sincere
+from pretrain.losses.supcon import supcon
+from pretrain.losses.xclr import xclr
+
+Objective = Callable[..., ObjectiveOutput]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """An objective and what it needs."""
+
+    fn: Objective  # (batch: ContrastiveBatch, temperature, **hparams) -> ObjectiveOutput
+    hparams: tuple[str, ...] = ()  # objective.* keys passed to ``fn`` as keywords
+    labels: bool = False  # positives share a class label: the shards must list classes
+    soft_targets: bool = False  # targets from objective.class_graph or data.caption_store
+    text_tower: bool = False  # image-caption pairs: a text tower, captions tokenised
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    "infonce": ObjectiveSpec(infonce),
+    "supcon": ObjectiveSpec(supcon, labels=True),
+    "sincere": ObjectiveSpec(sincere, labels=True),
+    "eps_supinfonce": ObjectiveSpec(eps_supinfonce, ("eps",), labels=True),
+    "flatnce": ObjectiveSpec(flatnce),
+    "holder_flatnce": ObjectiveSpec(holder_flatnce, ("gamma",)),
+    "xclr": ObjectiveSpec(xclr, ("target_temperature",), soft_targets=True),
+    "projnce": ObjectiveSpec(projnce, ("projection", "bandwidth", "kernel_metric"),
+                             labels=True),
+    "clip": ObjectiveSpec(clip, text_tower=True),
+}
+
+
+def objective_spec(name: str) -> ObjectiveSpec:
+    """The entry of objective ``name``; ValueError naming the choices if there is none."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]

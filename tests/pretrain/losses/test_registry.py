@@ -1,0 +1,57 @@
+"""The objective registry says what each objective needs, and the objectives agree: the
+ones that need labels refuse a batch without them, the others run on it; every declared
+hyperparameter is a config key and a keyword of the function."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from core.config import InvalidValue
+from pretrain.losses import OBJECTIVES, ObjectiveConfig, batch_loss, objective_spec
+
+LABELLED = [name for name, spec in OBJECTIVES.items() if spec.labels]
+UNLABELLED = [name for name, spec in OBJECTIVES.items() if not spec.labels]
+
+
+@pytest.mark.parametrize("name", LABELLED)
+def test_objectives_that_need_labels_refuse_a_batch_without_them(batch, name):
+    with pytest.raises(ValueError, match=f"{name}: needs class labels"):
+        batch_loss(name, batch.z, batch.ids, temperature=0.1)
+
+
+@pytest.mark.parametrize("name", UNLABELLED)
+def test_objectives_that_need_no_labels_run_without_them(batch, name):
+    spec = OBJECTIVES[name]
+    inputs = {"captions": batch.captions} if spec.soft_targets else {}
+    if spec.text_tower:
+        inputs["text"] = batch.text
+    out = batch_loss(name, batch.z, batch.ids, temperature=0.1, **inputs)
+    assert torch.isfinite(out.loss)
+
+
+def test_the_needs_are_the_documented_ones():
+    assert set(LABELLED) == {"supcon", "sincere", "eps_supinfonce", "projnce"}
+    assert [n for n, s in OBJECTIVES.items() if s.soft_targets] == ["xclr"]
+    assert [n for n, s in OBJECTIVES.items() if s.text_tower] == ["clip"]
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_declared_hyperparameters_are_config_keys_and_keywords(name):
+    spec = objective_spec(name)
+    keys = {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    keywords = inspect.signature(spec.fn).parameters
+    for key in spec.hparams:
+        assert key in keys, key
+        assert keywords[key].kind is inspect.Parameter.KEYWORD_ONLY, key
+    assert set(ObjectiveConfig(name=name).hparams()) == set(spec.hparams)
+
+
+def test_an_unknown_objective_names_the_choices():
+    with pytest.raises(ValueError, match="unknown objective 'siglip'; choose one of infonce"):
+        objective_spec("siglip")
+    with pytest.raises(InvalidValue, match="unknown objective 'siglip'"):
+        ObjectiveConfig(name="siglip").validate()
