@@ -11,9 +11,13 @@ epoch e are those a fresh loader would deliver for e.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+import multiprocessing
+import multiprocessing.util  # registers its exit handler before ours (atexit runs LIFO)
 import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -40,9 +44,35 @@ SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 def ignore_scheduler_signals(worker_id: int) -> None:
     """A loader worker's start: ignore :data:`SCHEDULER_SIGNALS`. A signal sent to the whole
     process group (torchrun's agent, slurm) would otherwise kill the workers under a
-    training process that is still writing its checkpoint; they end with their parent."""
+    training process that is still writing its checkpoint; they end with their parent
+    (:func:`end_workers_at_exit`)."""
     for sig in SCHEDULER_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def end_workers_at_exit(grace_s: float = 2.0) -> None:
+    """At interpreter exit, end the daemonic children still running: SIGTERM, then SIGKILL
+    for those that ignore it. Torch leaves the workers of a loader still alive at exit
+    (persistent workers, an iterator not yet collected) to multiprocessing, which sends
+    them SIGTERM and then waits for them; workers that ignore SIGTERM
+    (:func:`ignore_scheduler_signals`) would keep the process from ever exiting. Runs
+    before multiprocessing's own exit handler (registered after it)."""
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    if not children:
+        return
+    # torch reports a worker ended by a signal as a failure; at exit it is the intent
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+atexit.register(end_workers_at_exit)  # after multiprocessing.util's: runs before it
 
 
 def loader_options(cfg: DataConfig) -> dict[str, Any]:

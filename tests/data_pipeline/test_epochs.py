@@ -1,13 +1,18 @@
 """Persistent loader workers: the same batches as a loader made per epoch, exact resume,
-and workers that outlive an epoch."""
+workers that outlive an epoch, and a process that exits while they still run."""
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from data_pipeline.loader import LoaderState, TrainLoader, train_batches
+from tests.app.helpers import REPO
 from tests.data_pipeline.test_loader import config, planted_set
 
 EPOCHS = 3
@@ -89,3 +94,34 @@ def test_an_unfinished_epoch_continues_from_the_state(tmp_path):
     rest = [list(loader.epoch()) for _ in range(2)]
     loader.close()
     assert_same([head + rest[0], rest[1]], want)
+
+
+EXIT_WITH_LIVE_WORKERS = """
+import sys
+from torch.utils.data import DataLoader
+from data_pipeline.loader.epochs import ignore_scheduler_signals
+KEEP = []
+if __name__ == "__main__":
+    loader = DataLoader(range(8), batch_size=2, num_workers=2, persistent_workers=True,
+                        worker_init_fn=ignore_scheduler_signals,
+                        multiprocessing_context=sys.argv[1])
+    next(iter(loader))
+    KEEP.append(loader)  # still alive at exit, as a run's loader can be
+    print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_a_process_exits_with_its_loader_workers_still_alive(tmp_path, context):
+    """Workers that ignore SIGTERM must not keep their process from exiting: at exit torch
+    leaves them to multiprocessing, which sends SIGTERM and waits (forever, without
+    end_workers_at_exit)."""
+    script = tmp_path / "exit_with_workers.py"
+    script.write_text(EXIT_WITH_LIVE_WORKERS)
+    done = subprocess.run([sys.executable, str(script), context], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "exiting"
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, \
+        done.stderr[-3000:]
