@@ -55,6 +55,8 @@ class RunConfig:
             raise InvalidValue("name", f"must be a name without '/', got {self.name!r}")
         if self.seed < 0:
             raise InvalidValue("seed", f"must be >= 0, got {self.seed}")
+        if not self.model.image_size:  # resolved here, so every rebuild of the encoder
+            self.model.image_size = self.data.resolution  # reads it from model.* alone
 
 
 REQUIRED = {

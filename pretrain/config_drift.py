@@ -5,7 +5,9 @@ Keys that alter what is trained (``objective.*``, ``model.*``, ``seed``, and ``d
 but its operational keys) refuse a resume unless ``checkpoint.allow_changes`` names them
 (a key, a prefix ending in ".", or "*"); every other change (learning rate, epochs,
 logging, workers, ...) is listed in one warning, and MLflow records each changed param as
-a ``changed.<key>`` tag (:mod:`pretrain.tracking`).
+a ``changed.<key>`` tag (:mod:`pretrain.tracking`). A key one side lacks (added or removed
+by another version of this code, whose default kept the old behaviour) is listed, never
+refused.
 """
 
 from __future__ import annotations
@@ -28,14 +30,25 @@ DATA_OPERATIONAL = {"workers", "prefetch", "persistent_workers", "pin_memory", "
                     "batch_size"}  # batch_size: a resume keeps its position in samples
 
 
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+    __str__ = __repr__
+
+
+ABSENT = _Absent()  # the value of a key one configuration does not have
+
+
 def config_changes(recorded_yaml: str, current_yaml: str) -> dict[str, tuple[Any, Any]]:
     """``{key: (recorded, current)}`` for every key whose value differs between the
-    configuration a checkpoint recorded and this run's (both resolved YAML)."""
+    configuration a checkpoint recorded and this run's (both resolved YAML); a key one of
+    them lacks has :data:`ABSENT` there."""
     recorded = flatten(yaml.safe_load(recorded_yaml) or {})
     current = flatten(yaml.safe_load(current_yaml) or {})
-    return {key: (recorded.get(key), current.get(key))
+    return {key: (recorded.get(key, ABSENT), current.get(key, ABSENT))
             for key in sorted(recorded.keys() | current.keys())
-            if recorded.get(key) != current.get(key)}
+            if recorded.get(key, ABSENT) != current.get(key, ABSENT)}
 
 
 def unfit_checkpoint(path: Path, recorded_yaml: str, current_yaml: str,
@@ -70,7 +83,8 @@ def check_drift(path: Path, recorded_yaml: str, current_yaml: str, allow: list[s
     if not recorded_yaml:
         return
     changes = config_changes(recorded_yaml, current_yaml)
-    refused = {k: v for k, v in changes.items() if alters_training(k) and not allowed(k, allow)}
+    refused = {k: v for k, v in changes.items()
+               if alters_training(k) and not allowed(k, allow) and ABSENT not in v}
     if refused:
         named = ", ".join(f"{k}={old} in the checkpoint, {new} here"
                           for k, (old, new) in refused.items())

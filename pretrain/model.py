@@ -1,22 +1,21 @@
 """The encoder: a backbone plus the 2-layer projector to 128 dimensions (SimCLR, X-CLR).
 
-Backbones: torchvision ResNet-18 / ResNet-50 (``small_stem`` replaces the 7x7/2 stem and
-max-pool by a 3x3/1 convolution for 32 px images, as SINCERE's CIFAR runs), and a small CNN
-for fast CPU runs. ``Encoder.forward`` returns (features [B, F], projections [B, P]); the
-objectives normalise the projections, evaluation uses the features.
+Backbones (:mod:`pretrain.backbones`): torchvision ResNet-18 / ResNet-50, a small CNN for
+fast CPU runs, and any timm model (``timm:vit_small_patch16_224``). ``Encoder.forward``
+returns (features [B, F], projections [B, P]); the objectives normalise the projections,
+evaluation uses the features.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
-import torchvision
 from torch import Tensor, nn
 
 from core.config import InvalidValue
+from pretrain.backbones import build_backbone, check_backbone
 from pretrain.losses.config import ObjectiveConfig
 from pretrain.losses.registry import objective_spec
 from pretrain.text_tower import TextTower, TextTowerConfig
@@ -26,7 +25,9 @@ from pretrain.text_tower import TextTower, TextTowerConfig
 class ModelConfig:
     """``model.*``: the backbone and the projector."""
 
-    backbone: Literal["small_cnn", "resnet18", "resnet50"] = "small_cnn"  # the encoder network
+    backbone: str = "small_cnn"  # small_cnn, resnet18, resnet50 or timm:<model> (docs/training.md)
+    image_size: int = 0  # input size the backbone is built for (timm ViTs); 0 = data.resolution
+    patch_size: int = 0  # timm ViTs: patch size; 0 = the model's own
     width: int = 64  # small_cnn: channels of the first block (then x2, x4, x4)
     small_stem: bool = True  # resnet: 3x3/1 stem without max-pool, for 32-64 px images
     projector_hidden: int = 512  # hidden width of the 2-layer projector
@@ -39,6 +40,10 @@ class ModelConfig:
     text: TextTowerConfig = field(default_factory=TextTowerConfig)  # clip's text tower
 
     def validate(self) -> None:
+        check_backbone(self.backbone)
+        for key in ("image_size", "patch_size"):
+            if getattr(self, key) < 0:
+                raise InvalidValue(key, f"must be >= 0, got {getattr(self, key)}")
         for key in ("width", "projector_hidden", "projector_dim"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
@@ -46,34 +51,6 @@ class ModelConfig:
             raise InvalidValue("projector_bn_out", "norm=group makes the encoder independent "
                                "of how the batch is split, a batch-normalised output would "
                                "not be: set model.projector_bn_out=false with it")
-
-
-def norm_layer(kind: str) -> Callable[[int], nn.Module]:
-    """Batch norm, or group norm (8 groups), which gives every sample the same output
-    however the global batch is split over ranks (no SyncBatchNorm on CPU/gloo)."""
-    return nn.BatchNorm2d if kind == "batch" else (lambda channels: nn.GroupNorm(8, channels))
-
-
-def small_cnn(width: int = 64, norm: str = "batch") -> tuple[nn.Module, int]:
-    """Four conv-norm-ReLU blocks with pooling: a few million MACs per 32 px image."""
-    layers: list[nn.Module] = []
-    channels = 3
-    for out in (width, width * 2, width * 4, width * 4):
-        layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), norm_layer(norm)(out),
-                   nn.ReLU(inplace=True), nn.MaxPool2d(2)]
-        channels = out
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-    return nn.Sequential(*layers), channels
-
-
-def resnet(name: str, small_stem: bool, norm: str = "batch") -> tuple[nn.Module, int]:
-    net = getattr(torchvision.models, name)(weights=None, norm_layer=norm_layer(norm))
-    if small_stem:
-        net.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
-        net.maxpool = nn.Identity()
-    features = net.fc.in_features
-    net.fc = nn.Identity()
-    return net, features
 
 
 def projector(features: int, cfg: ModelConfig) -> nn.Sequential:
@@ -94,10 +71,7 @@ def projector(features: int, cfg: ModelConfig) -> nn.Sequential:
 class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.backbone == "small_cnn":
-            self.backbone, features = small_cnn(cfg.width, cfg.norm)
-        else:
-            self.backbone, features = resnet(cfg.backbone, cfg.small_stem, cfg.norm)
+        self.backbone, features = build_backbone(cfg)
         self.feature_dim, self.embedding_dim = features, cfg.projector_dim
         self.projector = projector(features, cfg)
 

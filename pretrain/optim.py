@@ -1,8 +1,9 @@
 """Optimisers and the learning-rate schedule: LARS (You et al. 2017, as SimCLR and X-CLR
 train), SGD and AdamW; linear warmup then cosine decay.
 
-Biases and normalisation weights (every parameter with fewer than 2 dimensions) get no
-weight decay and, under LARS, no trust-ratio adaptation (SimCLR appendix B.1).
+Biases and normalisation weights (every parameter with fewer than 2 dimensions), and the
+parameters a module names in ``no_weight_decay()`` (timm's ViT position embeddings and class
+token), get no weight decay and, under LARS, no trust-ratio adaptation (SimCLR appendix B.1).
 """
 
 from __future__ import annotations
@@ -88,10 +89,25 @@ class LARS(torch.optim.Optimizer):
         return loss
 
 
+def exempt_from_decay(model: nn.Module) -> set[str]:
+    """Names of the parameters a module exempts from weight decay through the
+    ``no_weight_decay()`` protocol (timm: ViT position embeddings and class tokens), as
+    names in ``model``."""
+    names: set[str] = set()
+    for prefix, module in model.named_modules():
+        exempt = getattr(module, "no_weight_decay", None)
+        if callable(exempt):
+            names |= {f"{prefix}.{name}" if prefix else name for name in exempt()}
+    return names
+
+
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weights (>= 2 dims) decay and adapt; biases and norm weights do neither."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    plain = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    """Weights (>= 2 dims) decay and adapt; biases, norm weights and what a module exempts
+    (:func:`exempt_from_decay`) do neither."""
+    exempt = exempt_from_decay(model)
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    decay = [p for name, p in trained if p.ndim >= 2 and name not in exempt]
+    plain = [p for name, p in trained if p.ndim < 2 or name in exempt]
     return [{"params": decay, "weight_decay": weight_decay, "adapt": True},
             {"params": plain, "weight_decay": 0.0, "adapt": False}]
 

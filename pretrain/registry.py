@@ -169,6 +169,7 @@ def log_encoder(uri: str, run_id: str, encoder: nn.Module, example: Tensor,
     requirements = [f"torch=={torch.__version__.split('+')[0]}",
                     f"torchvision=={torchvision.__version__.split('+')[0]}",
                     f"safetensors=={package_version('safetensors')}",
+                    f"timm=={package_version('timm')}",  # model.backbone=timm:<name>
                     f"contrastive-pretrain=={package_version('contrastive-pretrain')}"]
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = write_package(Path(tmp), model, config_yaml, card)

@@ -100,3 +100,17 @@ def test_help_points_at_every_key_and_help_config_lists_them():
 def test_zero_padded_keys_stay_strings():
     cfg = load_config(RunConfig, None, ["graph.key=0000170", "objective.class_graph="])
     assert cfg.graph.key == "0000170" and cfg.objective.class_graph == ""
+
+
+def test_the_image_size_resolves_from_the_data_resolution_unless_set():
+    config = load_config(RunConfig, None, ["data.resolution=48"])
+    assert config.model.image_size == 48
+    config = load_config(RunConfig, None, ["data.resolution=48", "model.image_size=32"])
+    assert config.model.image_size == 32
+
+
+def test_a_timm_backbone_is_checked_at_configuration_time():
+    config = load_config(RunConfig, None, ["model.backbone=timm:vit_small_patch16_224"])
+    assert config.model.backbone == "timm:vit_small_patch16_224"
+    with pytest.raises(ConfigError, match="model.backbone"):
+        load_config(RunConfig, None, ["model.backbone=timm:vit_enormous"])

@@ -116,3 +116,22 @@ def test_scalar_collectives_run_on_the_device(name):
 def test_the_dry_run_catches_a_reduction_on_the_cpu():
     with cuda_world(), fake_cuda(), pytest.raises(RuntimeError, match="cpu tensor"):
         collectives.totals_over_ranks({"a": 1.0}, torch.device("cpu"))
+
+
+def test_a_timm_vit_encoder_runs_on_the_device_under_autocast(monkeypatch):
+    cfg = ModelConfig(backbone="timm:vit_tiny_patch16_224", image_size=16, patch_size=4,
+                      projector_hidden=32, projector_dim=16, sync_batchnorm=False)
+    model = build_model(cfg, ObjectiveConfig(), torch.device("cpu")).train()
+    with cuda_world(), fake_cuda():
+        model = model.to(CUDA)
+        model.encoder = model.encoder.to(memory_format=torch.channels_last)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+        attention = []
+        model.encoder.backbone.blocks[0].attn.qkv.register_forward_hook(
+            lambda module, args, out: attention.append(out.dtype))
+        with autocast("bf16", CUDA):
+            features, projections = model.encoder(torch.randn(8, 3, 16, 16, device=CUDA))
+        assert features.device.type == projections.device.type == "cuda"
+        assert features.shape == (8, 192)
+        assert attention == [torch.bfloat16]  # autocast took effect (its final norm is fp32)

@@ -1,0 +1,113 @@
+"""Every backbone in one place: the built-in ones by name, and any timm model as
+``timm:<name>`` (built without pretrained weights: nothing is downloaded).
+
+A factory takes the model configuration and returns the network, which maps images
+[B, 3, H, W] to features [B, F], and F. Adding a backbone is a factory, its entry in
+:data:`BACKBONES`, its test and a line in ``docs/training.md`` (as timm's own
+``create_model`` registry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torchvision
+from torch import nn
+
+from core.config import InvalidValue
+from core.errors import RunError
+
+if TYPE_CHECKING:
+    from pretrain.model import ModelConfig
+
+TIMM = "timm:"  # prefix of a timm model name in model.backbone
+
+
+class Backbone(NamedTuple):
+    """The network (images [B, 3, H, W] -> features [B, F]) and F."""
+
+    net: nn.Module
+    features: int
+
+
+def norm_layer(kind: str) -> Callable[[int], nn.Module]:
+    """Batch norm, or group norm (8 groups), which gives every sample the same output
+    however the global batch is split over ranks (no SyncBatchNorm on CPU/gloo)."""
+    return nn.BatchNorm2d if kind == "batch" else (lambda channels: nn.GroupNorm(8, channels))
+
+
+def small_cnn(cfg: ModelConfig) -> Backbone:
+    """Four conv-norm-ReLU blocks with pooling: a few million MACs per 32 px image."""
+    layers: list[nn.Module] = []
+    channels = 3
+    width = cfg.width
+    for out in (width, width * 2, width * 4, width * 4):
+        layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), norm_layer(cfg.norm)(out),
+                   nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        channels = out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    return Backbone(nn.Sequential(*layers), channels)
+
+
+def resnet(name: str) -> Callable[[ModelConfig], Backbone]:
+    """torchvision's ResNet ``name``; ``small_stem`` replaces the 7x7/2 stem and max-pool by
+    a 3x3/1 convolution for 32-64 px images (SINCERE's CIFAR runs)."""
+
+    def build(cfg: ModelConfig) -> Backbone:
+        net = getattr(torchvision.models, name)(weights=None, norm_layer=norm_layer(cfg.norm))
+        if cfg.small_stem:
+            net.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+            net.maxpool = nn.Identity()
+        features = net.fc.in_features
+        net.fc = nn.Identity()
+        return Backbone(net, features)
+
+    return build
+
+
+BACKBONES: dict[str, Callable[[ModelConfig], Backbone]] = {
+    "small_cnn": small_cnn,
+    "resnet18": resnet("resnet18"),
+    "resnet50": resnet("resnet50"),
+}
+
+
+def timm_backbone(name: str, cfg: ModelConfig) -> Backbone:
+    """timm's model ``name`` without its classifier (``num_classes=0``: pooled features),
+    built for ``cfg.image_size`` where the model takes an image size (ViTs: the position
+    embeddings) and ``cfg.patch_size`` where set."""
+    import timm
+
+    shaped = {"patch_size": cfg.patch_size} if cfg.patch_size else {}
+    sized = {**shaped, "img_size": cfg.image_size} if cfg.image_size else shaped
+    try:
+        net = timm.create_model(name, pretrained=False, num_classes=0, **sized)
+    except TypeError as err:
+        if "img_size" in str(err):  # a model without an image size (a CNN) takes any
+            net = timm.create_model(name, pretrained=False, num_classes=0, **shaped)
+        else:
+            raise RunError(f"model.patch_size={cfg.patch_size}: {TIMM}{name} does not take "
+                           f"a patch size ({err}); set it to 0") from None
+    return Backbone(net, int(net.num_features))
+
+
+def build_backbone(cfg: ModelConfig) -> Backbone:
+    """The network ``cfg.backbone`` names."""
+    if cfg.backbone.startswith(TIMM):
+        return timm_backbone(cfg.backbone[len(TIMM):], cfg)
+    return BACKBONES[cfg.backbone](cfg)
+
+
+def check_backbone(name: str) -> None:
+    """Raise :class:`InvalidValue` for a name that is neither built in nor a timm model."""
+    if name.startswith(TIMM):
+        import timm
+
+        if not timm.is_model(name[len(TIMM):]):
+            raise InvalidValue("backbone", f"{name}: timm has no such model "
+                                           "(timm.list_models() lists them)")
+        return
+    if name not in BACKBONES:
+        raise InvalidValue("backbone", f"unknown backbone {name!r}; choose one of "
+                                       f"{', '.join(BACKBONES)} or timm:<model name>")

@@ -1,0 +1,100 @@
+"""Backbones from one factory: the built-in ones and any timm model, built for the run's
+image size, rebuilt from the model configuration alone, and with the parameters timm
+exempts from weight decay exempted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import InvalidValue
+from core.errors import RunError
+from pretrain.backbones import BACKBONES, build_backbone, check_backbone
+from pretrain.losses import ObjectiveConfig
+from pretrain.model import ModelConfig, build_model, encoder_from_state
+from pretrain.optim import parameter_groups
+from tests.app.helpers import run_pretrain, train_overrides
+
+VIT = "timm:vit_tiny_patch16_224"
+
+
+def images(size: int = 32) -> torch.Tensor:
+    return torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", [*BACKBONES, VIT, "timm:resnet18"])
+def test_every_backbone_maps_images_to_its_features(name):
+    cfg = ModelConfig(backbone=name, image_size=32, patch_size=4 if name == VIT else 0)
+    check_backbone(name)
+    net, features = build_backbone(cfg)
+    net.eval()
+    with torch.no_grad():
+        out = net(images())
+    assert out.shape == (2, features)
+
+
+def test_a_vit_is_built_for_the_configured_image_and_patch_size():
+    net, features = build_backbone(ModelConfig(backbone=VIT, image_size=32, patch_size=4))
+    assert features == 192
+    assert net.patch_embed.proj.kernel_size == (4, 4)
+    assert net.pos_embed.shape == (1, (32 // 4) ** 2 + 1, 192)  # patches and the class token
+
+
+def test_a_patch_size_a_model_does_not_take_names_the_key():
+    with pytest.raises(RunError, match="model.patch_size=4: timm:resnet18 does not take a "
+                                       "patch size"):
+        build_backbone(ModelConfig(backbone="timm:resnet18", image_size=32, patch_size=4))
+
+
+def test_unknown_backbones_name_the_choices():
+    with pytest.raises(InvalidValue, match="unknown backbone 'vit'; choose one of small_cnn, "
+                                           "resnet18, resnet50 or timm:<model name>"):
+        check_backbone("vit")
+    with pytest.raises(InvalidValue, match="timm:no_such_net: timm has no such model"):
+        check_backbone("timm:no_such_net")
+
+
+def test_a_timm_encoder_is_rebuilt_from_its_configuration_alone():
+    cfg = ModelConfig(backbone=VIT, image_size=32, patch_size=4, projector_hidden=64,
+                      projector_dim=32)
+    torch.manual_seed(0)
+    model = build_model(cfg, ObjectiveConfig(), torch.device("cpu")).eval()
+    again = encoder_from_state(cfg, model.state_dict()).eval()
+    with torch.no_grad():
+        assert torch.equal(model.encoder(images())[1], again(images())[1])
+
+
+def test_timms_no_weight_decay_is_honoured():
+    cfg = ModelConfig(backbone=VIT, image_size=32, patch_size=4)
+    model = build_model(cfg, ObjectiveConfig(), torch.device("cpu"))
+    decay, plain = parameter_groups(model, weight_decay=0.05)
+    exempt = {f"encoder.backbone.{n}" for n in model.encoder.backbone.no_weight_decay()}
+    assert {"encoder.backbone.pos_embed", "encoder.backbone.cls_token"} <= exempt
+    names = {id(p): n for n, p in model.named_parameters()}
+    expected = {n for n, p in model.named_parameters() if p.ndim >= 2 and n not in exempt}
+    assert {names[id(p)] for p in decay["params"]} == expected
+    assert {names[id(p)] for p in plain["params"]} == set(names.values()) - expected
+
+
+def test_a_vit_trains_registers_and_serves_from_the_registry(digits_shards, tmp_path):
+    import mlflow
+
+    overrides = train_overrides(digits_shards, tmp_path, **{
+        "model.backbone": VIT, "model.patch_size": 4, "optim.name": "adamw", "optim.lr": 1e-3,
+        "optim.weight_decay": 0.05, "train.max_steps": 2, "tracking.enabled": True,
+        "tracking.system_metrics": False, "tracking.registered_model": "vit-test"})
+    result = run_pretrain(overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    assert "image_size: 16" in (run_dir / "config.yaml").read_text()  # from data.resolution
+    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "shared.pt"
+    cfg = ModelConfig(backbone=VIT, image_size=16, patch_size=4, projector_hidden=64,
+                      projector_dim=32)
+    reference = encoder_from_state(cfg, torch.load(final, weights_only=True)["model"]).eval()
+    batch = images(16)
+    with torch.no_grad():
+        expected = reference(batch)[1]
+    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    mlflow.set_registry_uri(uri)
+    served = mlflow.pyfunc.load_model("models:/vit-test/1")  # rebuilt from its config alone
+    torch.testing.assert_close(torch.from_numpy(served.predict(batch.numpy())), expected)
