@@ -187,7 +187,7 @@ def train(config: RunConfig) -> Path:
         precision = resolve_precision(config.train.precision, rt.device)
         if rt.is_main:
             (run_dir / "config.yaml").write_text(parts.config_yaml)
-            log.info("resolved config:\n%s", parts.config_yaml)
+            log.info("resolved config: %s", run_dir / "config.yaml")
             log.info("%d ranks on %s, %s, %d steps", rt.world, rt.device, precision,
                      parts.total_steps)
             if config.tracking.enabled:

@@ -5,8 +5,9 @@
 
 Part ``throughput``: the real ``pretrain`` command on the digits shards (32 px, 64 images
 per rank, SimCLR) for 1 process and for 2 processes (torchrun, DDP over gloo), with the
-small CNN and ResNet-18; images/s (augmented views through the encoder, all ranks) from
-the run's own monitor, first window dropped as warm-up.
+small CNN, ResNet-18 and a timm ViT-Tiny at patch 4 (64 tokens); images/s (augmented
+views through the encoder, all ranks) from the run's own monitor, first window dropped as
+warm-up.
 
 Part ``step``: one whole training step (forward, global batch, objective, backward, LARS
 update) timed interleaved in this process for SimCLR (infonce), X-CLR with a class graph
@@ -52,10 +53,18 @@ def make_shards(directory: Path) -> Path:
     return shards
 
 
+# the rows of the throughput part: a label -> model overrides
+BACKBONES = {
+    "small_cnn": ["model.backbone=small_cnn"],
+    "resnet18": ["model.backbone=resnet18"],
+    "vit_tiny_p4": ["model.backbone=timm:vit_tiny_patch16_224", "model.patch_size=4"],
+}
+
+
 def run_throughput(shards: Path, out: Path, backbone: str, nproc: int, steps: int) -> float:
     overrides = [f"output_dir={out}", f"name={backbone}-{nproc}", f"data.shards={shards}",
                  "data.batch_size=64", "data.resolution=32", f"data.workers={2 // nproc}",
-                 f"model.backbone={backbone}", "objective.name=infonce",
+                 *BACKBONES[backbone], "objective.name=infonce",
                  f"train.max_steps={steps}", f"train.log_every={steps // 4}",
                  "train.progress=false", "tracking.enabled=false", "checkpoint.every=0"]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -70,16 +79,21 @@ def run_throughput(shards: Path, out: Path, backbone: str, nproc: int, steps: in
     return sum(rates[1:]) / len(rates[1:])
 
 
-def throughput(steps: int) -> list[dict]:
+def throughput(steps: int, backbones: list[str]) -> list[dict]:
+    """Images/s of each backbone on 1 and 2 processes; ``vs_small_cnn`` against the small
+    CNN's single process in the same invocation (when it is among ``backbones``)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         shards = make_shards(Path(tmp))
-        for backbone in ("small_cnn", "resnet18"):
+        for backbone in backbones:
             n = steps if backbone == "small_cnn" else max(8, steps // 4)
             single = run_throughput(shards, Path(tmp) / "runs", backbone, 1, n)
             double = run_throughput(shards, Path(tmp) / "runs", backbone, 2, n)
             rows.append({"backbone": backbone, "steps": n, "images_s_1proc": single,
                          "images_s_2proc": double, "ratio_2_over_1": double / single})
+    base = next((r["images_s_1proc"] for r in rows if r["backbone"] == "small_cnn"), None)
+    for row in rows:
+        row["vs_small_cnn"] = row["images_s_1proc"] / base if base else float("nan")
     return rows
 
 
@@ -151,12 +165,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=256, help="images per step (x2 views)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--backbones", default=",".join(BACKBONES),
+                        help=f"throughput rows, of {', '.join(BACKBONES)}")
     args = parser.parse_args()
     payload = {"machine": machine()}
     if args.part in ("all", "throughput"):
-        payload["throughput"] = throughput(args.steps)
+        payload["throughput"] = throughput(args.steps, args.backbones.split(","))
         print_table(payload["throughput"], ["backbone", "steps", "images_s_1proc",
-                                            "images_s_2proc", "ratio_2_over_1"])
+                                            "images_s_2proc", "ratio_2_over_1",
+                                            "vs_small_cnn"])
     if args.part in ("all", "step"):
         payload["step"] = step_times(args.batch, args.rounds)
         print_table(payload["step"], ["backbone", "objective", "batch", "step_s", "vs_simclr"])

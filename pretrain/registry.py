@@ -153,8 +153,8 @@ def log_encoder(uri: str, run_id: str, encoder: nn.Module, example: Tensor,
                 registered_model: str, config_yaml: str, card: ModelCard,
                 text: TextTower | None = None) -> str:
     """Log ``encoder`` (and CLIP's ``text`` tower) under the run as a model from code,
-    register it, and record every file's digest in the tracking store; returns the new
-    version."""
+    register it with the model card as the version's description, and record every file's
+    digest in the tracking store; returns the new version."""
     import mlflow
     from mlflow.models import infer_signature
 
@@ -183,6 +183,7 @@ def log_encoder(uri: str, run_id: str, encoder: nn.Module, example: Tensor,
         stored = Path(mlflow.artifacts.download_artifacts(info.model_uri, dst_path=tmp))
         record = json.dumps(digest_tree(stored), sort_keys=True)
     client = mlflow.MlflowClient(uri, registry_uri=uri)
+    client.update_model_version(registered_model, version, description=card.markdown())
     client.set_model_version_tag(registered_model, version, VERSION_TAG, record)
     client.set_tag(run_id, RUN_TAG, record)
     return version

@@ -75,6 +75,10 @@ def remove_strays(mark: str) -> list[str]:
 
 
 def lingering_threads() -> list[str]:
-    """Non-daemon threads other than the main one: each would hold the interpreter open."""
+    """Non-daemon threads other than the main one that would hold the interpreter open
+    (a thread pool's workers are told to end at exit, and do)."""
+    from concurrent.futures.thread import _worker as pool_worker
+
     return [t.name for t in threading.enumerate()
-            if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+            if t is not threading.main_thread() and not t.daemon and t.is_alive()
+            and getattr(t, "_target", None) is not pool_worker]

@@ -59,3 +59,14 @@ def test_a_non_daemon_thread_is_named():
         thread.join()
     time.sleep(0.01)
     assert "left-behind" not in lingering_threads()
+
+
+def test_a_thread_pools_workers_are_not_lingering():
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(2, thread_name_prefix="pool")
+    try:
+        pool.submit(time.sleep, 0.01).result()
+        assert not [name for name in lingering_threads() if name.startswith("pool")]
+    finally:
+        pool.shutdown()

@@ -44,5 +44,5 @@ def test_demo_pipeline_smallest_setting(tmp_path):
 
 def test_launch_scripts_parse():
     for script in ("torchrun.sh", "deepspeed.sh", "slurm.sbatch", "demo.sh",
-                   "demo_pipeline.sh", "setup.sh", "lock.sh"):
+                   "demo_pipeline.sh", "setup.sh", "lock.sh", "serve.sh"):
         subprocess.run(["bash", "-n", str(REPO / "launch" / script)], check=True)

@@ -43,6 +43,8 @@ def test_sqlite_store_holds_params_metrics_artifacts_and_a_loadable_model(digits
 
     version = client.get_model_version("digits-test-encoder", "1")
     assert version.run_id == run.info.run_id
+    assert version.description.startswith("# digits-test-encoder\n")  # the card, in the UI
+    assert "| name | infonce |" in version.description
     final = sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "shared.pt"
     reference = encoder_from_state(ModelConfig(projector_hidden=64, projector_dim=32),
                                    torch.load(final, weights_only=True)["model"])
