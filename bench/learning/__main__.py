@@ -33,7 +33,7 @@ from bench.learning.data import DataSet, cluttered, digits
 from bench.learning.runs import Configuration, run
 from data_pipeline.graph.class_graph import load_class_graph
 
-MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES]
+MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES, *configs.BACKBONES]
 
 
 def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path,

@@ -35,6 +35,10 @@ SMALL_BATCH = {  # FlatNCE's claim: global batch 16 (8 per rank)
 }
 NEGATIVES = {f"supcon_k{k}": ("supcon.yaml", (f"objective.num_negatives={k}",))
              for k in (1, 4, 16, 64)}
+BACKBONES = {  # the SupCon recipe with another backbone: a ViT of the small CNN's size
+    # timm's test_vit: width 64, 6 blocks, 0.26 M parameters (the CNN of width 32: 0.24 M)
+    "supcon_vit": ("supcon.yaml", ("model.backbone=timm:test_vit", "model.patch_size=4")),
+}
 DIGITS_OBJECTIVES = ("infonce", "flatnce", "supcon", "sincere", "xclr_class_graph",
                      "projnce_centroid")
 LARS = ("optim.name=lars", "optim.lr=0.3", "optim.weight_decay=1e-6")  # SimCLR's recipe
@@ -99,7 +103,7 @@ def floor_and_ceiling(data: str, seeds: list[int], prefix: str = "") -> tuple[
 
 
 def main(seeds: list[int], only: set[str] | None = None) -> list[Configuration]:
-    table = {**OBJECTIVES, **SMALL_BATCH, **NEGATIVES}
+    table = {**OBJECTIVES, **SMALL_BATCH, **NEGATIVES, **BACKBONES}
     if only:
         table = {k: v for k, v in table.items() if k in only}
     return _configs(table, "cluttered", seeds)
