@@ -10,7 +10,7 @@ A factory takes the model configuration and returns the network, which maps imag
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torchvision
 from torch import nn
@@ -18,8 +18,17 @@ from torch import nn
 from core.config import InvalidValue
 from core.errors import RunError
 
-if TYPE_CHECKING:
-    from pretrain.model import ModelConfig
+
+class BackboneConfig(Protocol):
+    """The ``model.*`` keys a backbone reads (:class:`pretrain.model.ModelConfig` has them)."""
+
+    backbone: str
+    image_size: int
+    patch_size: int
+    width: int
+    small_stem: bool
+    norm: str
+
 
 TIMM = "timm:"  # prefix of a timm model name in model.backbone
 
@@ -37,7 +46,7 @@ def norm_layer(kind: str) -> Callable[[int], nn.Module]:
     return nn.BatchNorm2d if kind == "batch" else (lambda channels: nn.GroupNorm(8, channels))
 
 
-def small_cnn(cfg: ModelConfig) -> Backbone:
+def small_cnn(cfg: BackboneConfig) -> Backbone:
     """Four conv-norm-ReLU blocks with pooling: a few million MACs per 32 px image."""
     layers: list[nn.Module] = []
     channels = 3
@@ -50,11 +59,11 @@ def small_cnn(cfg: ModelConfig) -> Backbone:
     return Backbone(nn.Sequential(*layers), channels)
 
 
-def resnet(name: str) -> Callable[[ModelConfig], Backbone]:
+def resnet(name: str) -> Callable[[BackboneConfig], Backbone]:
     """torchvision's ResNet ``name``; ``small_stem`` replaces the 7x7/2 stem and max-pool by
     a 3x3/1 convolution for 32-64 px images (SINCERE's CIFAR runs)."""
 
-    def build(cfg: ModelConfig) -> Backbone:
+    def build(cfg: BackboneConfig) -> Backbone:
         net = getattr(torchvision.models, name)(weights=None, norm_layer=norm_layer(cfg.norm))
         if cfg.small_stem:
             net.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
@@ -66,14 +75,14 @@ def resnet(name: str) -> Callable[[ModelConfig], Backbone]:
     return build
 
 
-BACKBONES: dict[str, Callable[[ModelConfig], Backbone]] = {
+BACKBONES: dict[str, Callable[[BackboneConfig], Backbone]] = {
     "small_cnn": small_cnn,
     "resnet18": resnet("resnet18"),
     "resnet50": resnet("resnet50"),
 }
 
 
-def timm_backbone(name: str, cfg: ModelConfig) -> Backbone:
+def timm_backbone(name: str, cfg: BackboneConfig) -> Backbone:
     """timm's model ``name`` without its classifier (``num_classes=0``: pooled features),
     built for ``cfg.image_size`` where the model takes an image size (ViTs: the position
     embeddings) and ``cfg.patch_size`` where set."""
@@ -92,7 +101,7 @@ def timm_backbone(name: str, cfg: ModelConfig) -> Backbone:
     return Backbone(net, int(net.num_features))
 
 
-def build_backbone(cfg: ModelConfig) -> Backbone:
+def build_backbone(cfg: BackboneConfig) -> Backbone:
     """The network ``cfg.backbone`` names."""
     if cfg.backbone.startswith(TIMM):
         return timm_backbone(cfg.backbone[len(TIMM):], cfg)
