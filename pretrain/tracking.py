@@ -48,7 +48,7 @@ class TrackingConfig:
 
 
 KEPT = "every checkpoint written so far is kept and the same command resumes from the newest"
-RUN_ID_FILE = "mlflow_run_id"
+RUN_ID_FILE = "mlflow_run_id"  # in the run directory: the run's MLflow run id
 
 
 class _NoStoreTracebacks(logging.Filter):
@@ -64,7 +64,7 @@ def quiet_store_errors() -> None:
     """Install :class:`_NoStoreTracebacks` on MLflow's SQL store logger (once)."""
     store_log = logging.getLogger("mlflow.store.db.utils")
     if not any(isinstance(f, _NoStoreTracebacks) for f in store_log.filters):
-        store_log.addFilter(_NoStoreTracebacks())  # in the run directory: the run's MLflow run id
+        store_log.addFilter(_NoStoreTracebacks())
 
 
 def run_id_of(run_dir: Path) -> str | None:
