@@ -3,7 +3,8 @@ exactly the full-batch gradient (GradCache: Gao et al. 2021, "Scaling Deep Contr
 Learning Batch Size under Memory Limited Setup", Sec. 3.2); ``docs/negatives.md``.
 
 1. Embed the batch chunk by chunk without gradient, keeping only the outputs
-   (projections [2B, P], CLIP's text [2B, P], the learnable temperature).
+   (projections [2B, P], the text [2B, P] of clip and siglip, the learnable temperature
+   and loss parameters).
 2. Compute the objective on those outputs as leaves, against the global batch, and its
    gradient with respect to them (the "representation gradient cache").
 3. Re-run each chunk with gradient and back-propagate its slice of the cached gradient,
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from core.collectives import active, row_counts
 from pretrain.engine import Engine
 from pretrain.losses import ObjectiveConfig, ObjectiveOutput
+from pretrain.model import ModelOutput
 from pretrain.step import loss_of_outputs, model_inputs
 
 
@@ -80,6 +82,34 @@ def _cat(parts: list[Tensor | None]) -> Tensor | None:
     return None if parts[0] is None else torch.cat(parts).requires_grad_()
 
 
+def _leaf(value: Tensor | None) -> Tensor | None:
+    return None if value is None else value.detach().requires_grad_()
+
+
+def _leaf_grads(loss: Tensor, leaves: ModelOutput) -> ModelOutput:
+    """The gradient of ``loss`` at each leaf of ``leaves``, in the same structure."""
+    flat = [leaves.projections, leaves.text, leaves.temperature,
+            *leaves.loss_parameters.values()]
+    wanted = [t for t in flat if t is not None]
+    found = iter(torch.autograd.grad(loss, wanted))
+    grads = [None if t is None else next(found) for t in flat]
+    return ModelOutput(None, grads[0], grads[1], grads[2],
+                       dict(zip(leaves.loss_parameters, grads[3:], strict=True)))
+
+
+def _surrogate(out: ModelOutput, grads: ModelOutput, rows: slice, last: bool) -> Tensor:
+    """sum(output * cached gradient) of one chunk: its rows of the projections (and text);
+    the whole gradient of the temperature and loss parameters once, with the last chunk."""
+    surrogate = (out.projections * grads.projections[rows]).sum()
+    if out.text is not None:
+        surrogate = surrogate + (out.text * grads.text[rows]).sum()
+    if out.temperature is not None:
+        surrogate = surrogate + out.temperature * grads.temperature * last
+    for name, value in out.loss_parameters.items():
+        surrogate = surrogate + value * grads.loss_parameters[name] * last
+    return surrogate
+
+
 def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Callable,
                          cfg: ObjectiveConfig, temperature: float, step: int,
                          chunk_size: int, class_graph: Tensor | None = None,
@@ -97,18 +127,16 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Calla
             if rows.stop > rows.start:
                 outputs.append(engine.module(*model_inputs(batch, rows)))
     after = rng_state(device)
-    projections = _cat([o.projections for o in outputs])
-    text = _cat([o.text for o in outputs])
-    learned = outputs[0].temperature
-    learned = None if learned is None else learned.detach().requires_grad_()
-    result = loss_of_outputs(projections, text, learned, batch, objective, cfg, temperature,
-                             step, class_graph)
+    leaves = ModelOutput(
+        features=None, projections=_cat([o.projections for o in outputs]),
+        text=_cat([o.text for o in outputs]), temperature=_leaf(outputs[0].temperature),
+        loss_parameters={name: _leaf(value)
+                         for name, value in outputs[0].loss_parameters.items()})
+    result = loss_of_outputs(leaves, batch, objective, cfg, temperature, step, class_graph)
     autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
 
     def backward() -> None:
-        leaves = [t for t in (projections, text, learned) if t is not None]
-        grads = dict(zip(map(id, leaves), torch.autograd.grad(result.loss, leaves),
-                         strict=True))
+        grads = _leaf_grads(result.loss, leaves)
         with batch_stats_frozen(engine.module):
             for index, rows in enumerate(chunks):
                 last = index == len(chunks) - 1
@@ -120,12 +148,7 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Calla
                 with engine.accumulating(last):
                     with torch.autocast(device.type, dtype=autocast[1], enabled=autocast[0]):
                         out = engine(*model_inputs(batch, rows))
-                    surrogate = (out.projections * grads[id(projections)][rows]).sum()
-                    if text is not None:
-                        surrogate = surrogate + (out.text * grads[id(text)][rows]).sum()
-                    if learned is not None:  # its whole gradient once, with the last chunk
-                        surrogate = surrogate + out.temperature * grads[id(learned)] * last
-                    engine.backward(surrogate * weight)
+                    engine.backward(_surrogate(out, grads, rows, last) * weight)
         set_rng_state(after, device)
 
     return result, backward

@@ -82,21 +82,27 @@ class Encoder(nn.Module):
 
 
 class ModelOutput(NamedTuple):
-    """features [B, F], projections [B, P], text [B, P] (clip), learnable temperature []."""
+    """features [B, F], projections [B, P], text [B, P] (clip, siglip), learnable
+    temperature [], and the objective's learnable loss parameters by name (each [])."""
 
-    features: Tensor
+    features: Tensor | None
     projections: Tensor
     text: Tensor | None
     temperature: Tensor | None
+    loss_parameters: dict[str, Tensor]
 
 
 class ContrastiveModel(nn.Module):
-    """Everything the engine trains: the encoder, CLIP's text tower when the objective
-    needs one, and a learnable temperature (stored as log tau) when asked for. The
-    temperature comes out of ``forward`` so wrappers (DDP) see it used there."""
+    """Everything the engine trains: the encoder, a text tower when the objective needs
+    one, a learnable temperature (stored as log tau) when asked for, and the objective's
+    learnable loss parameters (``loss_parameters``: name -> initial value, e.g. SigLIP's
+    bias). Temperature and loss parameters come out of ``forward`` so wrappers (DDP) see
+    them used there; the step hands them to the objective (as open_clip's model owns
+    ``logit_scale`` and ``logit_bias``)."""
 
     def __init__(self, cfg: ModelConfig, with_text: bool = False,
-                 learnable_temperature: float | None = None) -> None:
+                 learnable_temperature: float | None = None,
+                 loss_parameters: dict[str, float] | None = None) -> None:
         super().__init__()
         self.encoder = Encoder(cfg)
         self.split_views = cfg.split_views
@@ -105,6 +111,9 @@ class ContrastiveModel(nn.Module):
         if learnable_temperature is not None:
             # shape [1], not [] (DeepSpeed cannot flatten 0-dim parameters)
             self.log_temperature = nn.Parameter(torch.tensor([learnable_temperature]).log())
+        self.loss_parameters = nn.ParameterDict(
+            {name: nn.Parameter(torch.tensor([float(value)]))
+             for name, value in (loss_parameters or {}).items()})
 
     def forward(self, images: Tensor, input_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None) -> ModelOutput:
@@ -119,15 +128,18 @@ class ContrastiveModel(nn.Module):
         text = None if self.text is None else self.text(input_ids, attention_mask)
         temperature = (None if self.log_temperature is None
                        else self.log_temperature.exp().squeeze(0))
-        return ModelOutput(features, projections, text, temperature)
+        loss_parameters = {name: p.squeeze(0) for name, p in self.loss_parameters.items()}
+        return ModelOutput(features, projections, text, temperature, loss_parameters)
 
 
 def build_model(cfg: ModelConfig, objective: ObjectiveConfig,
                 device: torch.device) -> ContrastiveModel:
-    """The model a run trains: the encoder, plus the text tower for ``clip`` and a
-    learnable temperature (initialised at ``objective.temperature``) when asked for."""
+    """The model a run trains: the encoder, plus what the objective's registry entry asks
+    for (a text tower, learnable loss parameters) and a learnable temperature
+    (initialised at ``objective.temperature``) when asked for."""
     temperature = objective.temperature if objective.learnable_temperature else None
-    model = ContrastiveModel(cfg, objective_spec(objective.name).text_tower, temperature).to(device)
+    model = ContrastiveModel(cfg, objective_spec(objective.name).text_tower, temperature,
+                             objective.loss_parameters()).to(device)
     if device.type == "cuda":
         if cfg.channels_last:
             model.encoder = model.encoder.to(memory_format=torch.channels_last)
@@ -143,7 +155,7 @@ def _part(model_state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
 
 def encoder_from_state(cfg: ModelConfig, model_state: dict[str, Tensor]) -> Encoder:
     """The encoder of a trained :class:`ContrastiveModel`, from that model's state dict
-    (text tower and temperature, if any, are left out)."""
+    (text tower, temperature and loss parameters, if any, are left out)."""
     encoder = Encoder(cfg)
     encoder.load_state_dict(_part(model_state, "encoder."))
     return encoder

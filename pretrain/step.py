@@ -16,6 +16,7 @@ from data_pipeline.samples import stable_int
 from pretrain.collapse import effective_rank
 from pretrain.distributed import build_global_batch
 from pretrain.losses import ObjectiveConfig, ObjectiveOutput
+from pretrain.model import ModelOutput
 
 
 def step_seed(objective: ObjectiveConfig, step: int) -> int:
@@ -35,9 +36,8 @@ def forward_loss(model: Callable[..., Any], batch: dict[str, Any], objective: Ca
     caption once). ``temperature`` is used unless the
     model learns its own.
     """
-    out = model(*model_inputs(batch))
-    return loss_of_outputs(out.projections, out.text, out.temperature, batch, objective, cfg,
-                           temperature, step, class_graph)
+    return loss_of_outputs(model(*model_inputs(batch)), batch, objective, cfg, temperature,
+                           step, class_graph)
 
 
 def model_inputs(batch: dict[str, Any], rows: slice = slice(None)) -> tuple:
@@ -47,20 +47,21 @@ def model_inputs(batch: dict[str, Any], rows: slice = slice(None)) -> tuple:
             None if mask is None else mask[rows])
 
 
-def loss_of_outputs(projections: Tensor, text: Tensor | None, learned_tau: Tensor | None,
-                    batch: dict[str, Any], objective: Callable, cfg: ObjectiveConfig,
-                    temperature: float, step: int,
+def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Callable,
+                    cfg: ObjectiveConfig, temperature: float, step: int,
                     class_graph: Tensor | None = None) -> ObjectiveOutput:
-    """The objective on this rank's model outputs (``projections`` [2B, P], CLIP's ``text``
-    [2B, P], a learnable temperature []) against the global batch."""
+    """The objective on this rank's model outputs (``out.projections`` [2B, P], the
+    ``text`` [2B, P] of clip and siglip, a learnable ``temperature`` [] and the learnable
+    ``loss_parameters``, each []) against the global batch."""
     captions = batch.get("caption_embeddings")
     global_batch = build_global_batch(
-        projections, batch["ids"], labels=batch.get("labels"),
+        out.projections, batch["ids"], labels=batch.get("labels"),
         captions=None if captions is None else captions.float(),
-        text=text, class_graph=class_graph, num_negatives=cfg.num_negatives,
+        text=out.text, class_graph=class_graph, num_negatives=cfg.num_negatives,
         negatives_seed=step_seed(cfg, step), tile_size=cfg.tile_size)
-    result = objective(global_batch, temperature if learned_tau is None else learned_tau)
-    result.metrics["effective_rank"] = effective_rank(projections.detach())
+    tau = temperature if out.temperature is None else out.temperature
+    result = objective(global_batch, tau, **out.loss_parameters)
+    result.metrics["effective_rank"] = effective_rank(out.projections.detach())
     return result
 
 

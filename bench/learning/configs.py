@@ -28,6 +28,7 @@ OBJECTIVES = {  # configuration name -> (recipe file, overrides)
     "projnce_kernel": ("projnce.yaml", ("objective.projection=kernel", *TAU01)),
     "projnce_median": ("projnce.yaml", ("objective.projection=median", *TAU01)),
     "clip": ("clip.yaml", ()),
+    "siglip": ("siglip.yaml", ()),
 }
 SMALL_BATCH = {  # FlatNCE's claim: global batch 16 (8 per rank)
     "infonce_b16": ("infonce.yaml", ("data.batch_size=8", *TEN)),

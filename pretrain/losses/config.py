@@ -26,6 +26,7 @@ class ObjectiveConfig:
     eps: float = 0.1  # eps_supinfonce: margin on the positive's denominator term
     gamma: float = 2.0  # holder_flatnce: scale of the logits
     target_temperature: float = 0.1  # xclr: tau_s of the soft targets
+    bias: float = -10.0  # siglip: initial value of the learned logit bias b (Zhai et al.)
     class_graph: str = ""  # xclr: class_graph.npz (ImageNet recipe); "" = caption targets
     projection: Literal["centroid", "kernel", "median", "learned"] = "centroid"  # projnce
     bandwidth: float = 0.5  # projnce kernel: Nadaraya-Watson bandwidth h
@@ -48,7 +49,14 @@ class ObjectiveConfig:
         if self.ess_control.enabled and self.learnable_temperature:
             raise InvalidValue("ess_control.enabled",
                                "cannot steer a learnable temperature; choose one")
+        if self.ess_control.enabled and not OBJECTIVES[self.name].softmax:
+            raise InvalidValue("ess_control.enabled",
+                               f"{self.name} has no softmax over negatives to steer by ESS")
 
     def hparams(self) -> dict[str, Any]:
         """Keyword arguments of the chosen objective function (its registry entry's keys)."""
         return {key: getattr(self, key) for key in OBJECTIVES[self.name].hparams}
+
+    def loss_parameters(self) -> dict[str, float]:
+        """Initial values of the learnable loss parameters the model owns for this objective."""
+        return {key: float(getattr(self, key)) for key in OBJECTIVES[self.name].parameters}

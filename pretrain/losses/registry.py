@@ -19,6 +19,7 @@ from pretrain.losses.flatnce import flatnce
 from pretrain.losses.holder_flatnce import holder_flatnce
 from pretrain.losses.infonce import infonce
 from pretrain.losses.projnce import projnce
+from pretrain.losses.siglip import siglip
 from pretrain.losses.sincere import sincere
 from pretrain.losses.supcon import supcon
 from pretrain.losses.xclr import xclr
@@ -32,9 +33,13 @@ class ObjectiveSpec:
 
     fn: Objective  # (batch: ContrastiveBatch, temperature, **hparams) -> ObjectiveOutput
     hparams: tuple[str, ...] = ()  # objective.* keys passed to ``fn`` as keywords
+    # learnable loss parameters the model owns and hands to ``fn`` as keywords, each
+    # initialised from the objective.* key of its name (as open_clip's logit_bias)
+    parameters: tuple[str, ...] = ()
     labels: bool = False  # positives share a class label: the shards must list classes
     soft_targets: bool = False  # targets from objective.class_graph or data.caption_store
     text_tower: bool = False  # image-caption pairs: a text tower, captions tokenised
+    softmax: bool = True  # reports a softmax's monitors (ess), which ess_control steers by
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {
@@ -48,6 +53,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     "projnce": ObjectiveSpec(projnce, ("projection", "bandwidth", "kernel_metric"),
                              labels=True),
     "clip": ObjectiveSpec(clip, text_tower=True),
+    "siglip": ObjectiveSpec(siglip, parameters=("bias",), text_tower=True, softmax=False),
 }
 
 

@@ -1,6 +1,6 @@
-"""``evaluate`` on a CLIP run: image-text retrieval on held-out caption shards and
-zero-shot classification from class-name prompts, beside kNN and the probe, from the
-checkpoint and from the registry (whose version carries the text tower)."""
+"""``evaluate`` on image-text runs (CLIP, SigLIP): image-text retrieval on held-out caption
+shards and zero-shot classification from class-name prompts, beside kNN and the probe,
+from the checkpoint and from the registry (whose version carries the text tower)."""
 
 from __future__ import annotations
 
@@ -14,31 +14,32 @@ from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.evaluation.test_evaluate import evaluate
 
-MODEL = "digits-clip-test"
 
-
-@pytest.fixture(scope="module")
-def clip_run(digits_shards, tmp_path_factory):
-    root = tmp_path_factory.mktemp("evaluate-clip")
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def clip_run(digits_shards, tmp_path_factory, request):
+    objective = request.param
+    root = tmp_path_factory.mktemp(f"evaluate-{objective}")
     write_set(root / "test", [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
     write_set(root / "captions", [[digit_sample(i) for i in range(460, 540)]], DIGIT_NAMES)
     write_set(root / "no-captions", [[digit_sample(i, caption=None) for i in range(20)]],
               DIGIT_NAMES)
     overrides = train_overrides(digits_shards, root, **{
-        "objective.name": "clip", "train.max_steps": 2, "tracking.enabled": True,
-        "tracking.system_metrics": False, "tracking.registered_model": MODEL,
+        "objective.name": objective, "train.max_steps": 2, "tracking.enabled": True,
+        "tracking.system_metrics": False, "tracking.registered_model": f"digits-{objective}",
+        "objective.learnable_temperature": True,
         "eval.train_shards": digits_shards, "eval.test_shards": root / "test",
         "eval.probe_epochs": 5, "eval.save_index": False,
         "eval.zero_shot_templates": "['a photo of the digit {}.','the number {}']"})
     result = run_pretrain(overrides, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return root, overrides
+    return root, overrides, objective
 
 
 def test_clip_run_reports_retrieval_and_zero_shot(clip_run):
-    root, overrides = clip_run
+    root, overrides, objective = clip_run
+    model = f"digits-{objective}"
     runs = {}
-    for name, source in (("checkpoint", ""), ("registry", f"models:/{MODEL}/1")):
+    for name, source in (("checkpoint", ""), ("registry", f"models:/{model}/1")):
         result = evaluate(overrides, f"eval.model={source}", f"eval.output={root / name}",
                           f"eval.retrieval_shards={root / 'captions'}")
         assert result.returncode == 0, result.stderr[-3000:]
@@ -68,12 +69,15 @@ def test_clip_run_reports_retrieval_and_zero_shot(clip_run):
     assert metrics["retrieval.image_to_text.R_1"] == pytest.approx(
         found["image_to_text"]["R@1"])
     assert metrics["zero_shot.accuracy.top1"] == pytest.approx(zero_shot["accuracy"]["top1"])
-    version = client.get_model_version(MODEL, "1")
+    version = client.get_model_version(model, "1")
     assert "artifacts/text_tower.safetensors" in json.loads(version.tags["artifact_sha256"])
+    trained = client.get_run(version.run_id).data.metrics
+    assert "temperature" in trained
+    assert ("bias" in trained) == (objective == "siglip")  # the learned loss parameter
 
 
 def test_retrieval_shards_without_captions_fail_in_one_line(clip_run):
-    root, overrides = clip_run
+    root, overrides, _ = clip_run
     result = evaluate([*overrides, "tracking.enabled=false"],
                       f"eval.output={root / 'none'}",
                       f"eval.retrieval_shards={root / 'no-captions'}")

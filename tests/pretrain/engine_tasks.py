@@ -12,7 +12,7 @@ from torch import Tensor
 from data_pipeline.text import load_tokenizer, tokenize
 from pretrain.chunked import chunked_forward_loss
 from pretrain.engine import DeepSpeedEngine, Engine, EngineConfig, build_engine
-from pretrain.losses import ObjectiveConfig, objective_from_config
+from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config
 from pretrain.model import ModelConfig, build_model
 from pretrain.optim import OptimConfig, build_optimizer
 from pretrain.step import forward_loss
@@ -69,7 +69,7 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
                                                          deepspeed_config=zero_config),
                           torch.device("cpu"), micro_batch=19)
     batch = training_batch()
-    if name == "clip":
+    if OBJECTIVES[name].text_tower:
         add_tokens(batch)
     if rows is None and dist.is_initialized():
         rows = slice(0, SPLIT) if dist.get_rank() == 0 else slice(SPLIT, 19)

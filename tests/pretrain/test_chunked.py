@@ -10,12 +10,13 @@ import torch
 from bench.common import peak_memory_bytes
 from pretrain.chunked import chunk_count, chunked_forward_loss, chunks_of
 from pretrain.losses import ObjectiveConfig, objective_from_config
-from pretrain.model import ModelConfig, build_model
+from pretrain.model import ModelConfig, ModelOutput, build_model
 from pretrain.step import loss_of_outputs, model_inputs
 from tests.pretrain import engine_tasks
 from tests.pretrain.test_engine import ENGINES, tolerance
 
-CASES = [("infonce", {}), ("xclr", {}), ("clip", {}), ("sincere", {})]
+CASES = [("infonce", {}), ("xclr", {}), ("clip", {}), ("siglip", {"bias": -2.0}),
+         ("sincere", {})]
 IDS = [name for name, _ in CASES]
 
 
@@ -38,7 +39,7 @@ def test_chunked_equals_unchunked(name, hparams, chunk_size):
 
 
 @pytest.mark.parametrize(("engine", "zero"), ENGINES, ids=["ddp", "zero1", "zero2"])
-@pytest.mark.parametrize(("name", "hparams"), CASES[:3], ids=IDS[:3])
+@pytest.mark.parametrize(("name", "hparams"), CASES[:4], ids=IDS[:4])
 def test_two_ranks_chunked_equal_one_process(gloo2, engine, zero, name, hparams):
     """Ranks of 6 and 13 rows in chunks of 4: the engines reduce the accumulated
     gradient to the single-process full-batch one."""
@@ -65,8 +66,9 @@ def naive_chunks(model, batch, cfg, chunk_size):
     rows = len(batch["ids"])
     outs = [model(*model_inputs(batch, part))
             for part in chunks_of(rows, chunk_count(rows, chunk_size, torch.device("cpu")))]
-    out = loss_of_outputs(torch.cat([o.projections for o in outs]), None, None, batch,
-                          objective_from_config(cfg), cfg, cfg.temperature, step=0)
+    whole = ModelOutput(None, torch.cat([o.projections for o in outs]), None, None, {})
+    out = loss_of_outputs(whole, batch, objective_from_config(cfg), cfg, cfg.temperature,
+                          step=0)
     out.loss.backward()
     return out.loss
 

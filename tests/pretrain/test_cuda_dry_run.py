@@ -35,7 +35,7 @@ def device_batch(name: str) -> dict[str, torch.Tensor]:
              "ids": torch.arange(IMAGES, device=CUDA).repeat(2),
              "labels": torch.arange(rows, device=CUDA) % 3,
              "caption_embeddings": torch.randn(IMAGES, 12, device=CUDA).repeat(2, 1)}
-    if name == "clip":
+    if OBJECTIVES[name].text_tower:
         batch["input_ids"] = torch.randint(0, 100, (IMAGES, 6), device=CUDA).repeat(2, 1)
         batch["attention_mask"] = torch.ones(rows, 6, dtype=torch.long, device=CUDA)
     return batch
@@ -56,7 +56,7 @@ def test_a_training_forward_on_a_cuda_group_keeps_every_tensor_on_the_device(
 
     monkeypatch.setattr(torch, "equal", views_share_captions)
     cfg = ObjectiveConfig(name=name, tile_size=tile_size, num_negatives=num_negatives,
-                          learnable_temperature=name == "clip")
+                          learnable_temperature=OBJECTIVES[name].text_tower)
     # built with real weights (CLIP's text tower loads its checkpoint), then moved;
     # build_model's own CUDA steps but SyncBatchNorm (no fake kernel) run below
     model_cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16,

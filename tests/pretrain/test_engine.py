@@ -25,6 +25,7 @@ from tests.pretrain import engine_tasks
 
 CASES = [("infonce", {}), ("supcon", {}), ("sincere", {}), ("eps_supinfonce", {}),
          ("flatnce", {}), ("holder_flatnce", {}), ("xclr", {}), ("clip", {}),
+         ("siglip", {"bias": -2.0}),
          ("projnce", {"projection": "centroid"}), ("projnce", {"projection": "kernel"}),
          ("projnce", {"projection": "median"})]
 ENGINES = [("ddp", ""), ("deepspeed", "launch/deepspeed/zero1.json"),

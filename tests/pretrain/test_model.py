@@ -39,3 +39,23 @@ def test_split_views_normalise_each_view_set_on_its_own():
     assert not torch.allclose(out.projections, model.encoder(images)[1], atol=1e-3)
     model.eval()
     torch.testing.assert_close(model(images).projections, model.encoder(images)[1])
+
+
+def test_the_objective_s_loss_parameters_are_model_parameters_without_decay():
+    """SigLIP's bias: owned by the model at objective.bias, handed out by forward, learned
+    without weight decay beside the learnable temperature; other objectives own none."""
+    from pretrain.optim import parameter_groups
+
+    cfg = ModelConfig(width=8, projector_hidden=16, projector_dim=8)
+    objective = ObjectiveConfig(name="siglip", bias=-7.0, learnable_temperature=True)
+    model = build_model(cfg, objective, torch.device("cpu"))
+    assert model.text is not None
+    assert model.state_dict()["loss_parameters.bias"].tolist() == [-7.0]
+    out = model(torch.randn(4, 3, 16, 16), torch.zeros(4, 5, dtype=torch.long),
+                torch.ones(4, 5, dtype=torch.long))
+    assert list(out.loss_parameters) == ["bias"] and out.loss_parameters["bias"].shape == ()
+    decay, plain = parameter_groups(model, weight_decay=0.1)
+    assert any(p is model.loss_parameters["bias"] for p in plain["params"])
+    assert not any(p is model.loss_parameters["bias"] for p in decay["params"])
+    plain_model = build_model(cfg, ObjectiveConfig(name="infonce"), torch.device("cpu"))
+    assert not any(k.startswith("loss_parameters") for k in plain_model.state_dict())

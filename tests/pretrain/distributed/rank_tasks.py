@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.distributed import build_global_batch
-from pretrain.losses import get_objective
+from pretrain.losses import OBJECTIVES, get_objective
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19): uneven and asymmetric
@@ -22,11 +22,21 @@ def objective_on_rank(name: str, hparams: dict, num_negatives: int | None,
     b = make_multiview_batch(seed=4)
     rows = local_rows(len(b.ids))
     z = b.z.detach()[rows].clone().requires_grad_()
+    text = b.text.detach()[rows].clone().requires_grad_()
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    params = loss_parameters(name)
     batch = build_global_batch(z, b.ids[rows], labels=b.labels[rows], captions=b.captions[rows],
-                               text=b.text[rows], num_negatives=num_negatives, negatives_seed=7,
+                               text=text, num_negatives=num_negatives, negatives_seed=7,
                                tile_size=tile_size)
-    out = get_objective(name, **hparams)(batch, tau)
-    grad_z, grad_tau = torch.autograd.grad(out.loss, [z, tau])
+    out = get_objective(name, **hparams, **params)(batch, tau)
+    grad_z, grad_tau, grad_text, *grad_params = torch.autograd.grad(
+        out.loss, [z, tau, text, *params.values()], allow_unused=True)
     return {"loss": out.loss.detach(), "grad_z": grad_z, "grad_tau": grad_tau,
+            "grad_text": grad_text, "grad_params": grad_params,
             "metrics": {k: v.detach() for k, v in out.metrics.items()}}
+
+
+def loss_parameters(name: str) -> dict[str, torch.Tensor]:
+    """The objective's learnable loss parameters (siglip's bias), as leaves."""
+    return {key: torch.tensor(-1.5, dtype=torch.float64, requires_grad=True)
+            for key in OBJECTIVES[name].parameters}

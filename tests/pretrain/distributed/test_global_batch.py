@@ -25,11 +25,20 @@ def test_two_ranks_equal_one_process(gloo2, name, hparams, num_negatives, tile_s
     ranks = gloo2.run(rank_tasks.objective_on_rank, name, hparams, num_negatives, tile_size)
     b = make_multiview_batch(seed=4)
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
-    whole = get_objective(name, **hparams)(
-        make_batch(b.z, b.ids, b.labels, captions=b.captions, text=b.text,
+    text = b.text.detach().clone().requires_grad_()
+    params = rank_tasks.loss_parameters(name)
+    whole = get_objective(name, **hparams, **params)(
+        make_batch(b.z, b.ids, b.labels, captions=b.captions, text=text,
                    num_negatives=num_negatives, negatives_seed=7), tau)
-    grad_z, grad_tau = torch.autograd.grad(whole.loss, [b.z, tau])
+    grad_z, grad_tau, grad_text, *grad_params = torch.autograd.grad(
+        whole.loss, [b.z, tau, text, *params.values()], allow_unused=True)
     world = len(ranks)
+    if grad_text is not None:  # the second modality's gradient crosses the boundary too
+        got_text = torch.cat([r["grad_text"] for r in ranks]) / world
+        torch.testing.assert_close(got_text, grad_text, rtol=1e-10, atol=1e-12)
+    for index, want in enumerate(grad_params):
+        torch.testing.assert_close(sum(r["grad_params"][index] for r in ranks) / world, want,
+                                   rtol=1e-10, atol=1e-12)
     # DDP averages gradients over ranks; per-rank losses average to the global loss.
     torch.testing.assert_close(sum(r["loss"] for r in ranks) / world, whole.loss.detach(),
                                rtol=1e-12, atol=1e-12)

@@ -113,6 +113,21 @@ def clip(image: Tensor, text: Tensor, ids: Tensor, tau: float) -> Tensor:
     return _mean(losses)
 
 
+def siglip(image: Tensor, text: Tensor, ids: Tensor, tau: Tensor | float,
+           bias: Tensor | float) -> Tensor:
+    """Zhai et al. 2023, eq. 1, pair by pair: -1/N sum_ij log sigmoid(z_ij (x_i . y_j / tau
+    + b)); pairs of one image's other views are neither positive nor negative."""
+    image, text, n = unit(image), unit(text), len(image)
+    total = 0.0
+    for i in range(n):
+        for j in range(n):
+            if j != i and ids[j] == ids[i]:
+                continue
+            sign = 1.0 if j == i else -1.0
+            total = total - torch.log(torch.sigmoid(sign * (image[i] @ text[j] / tau + bias)))
+    return total / n
+
+
 def projnce(z: Tensor, labels: Tensor, tau: float, g_plus: list[Tensor],
             g_minus: list[Tensor]) -> tuple[Tensor, Tensor]:
     """(loss, mean R) for per-sample projections g+(y_k), g-(y_k) given as lists of [D]."""

@@ -36,7 +36,10 @@ def test_objectives_that_need_no_labels_run_without_them(batch, name):
 def test_the_needs_are_the_documented_ones():
     assert set(LABELLED) == {"supcon", "sincere", "eps_supinfonce", "projnce"}
     assert [n for n, s in OBJECTIVES.items() if s.soft_targets] == ["xclr"]
-    assert [n for n, s in OBJECTIVES.items() if s.text_tower] == ["clip"]
+    assert [n for n, s in OBJECTIVES.items() if s.text_tower] == ["clip", "siglip"]
+    assert {n: s.parameters for n, s in OBJECTIVES.items() if s.parameters} == {
+        "siglip": ("bias",)}
+    assert [n for n, s in OBJECTIVES.items() if not s.softmax] == ["siglip"]
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVES))
@@ -44,14 +47,22 @@ def test_declared_hyperparameters_are_config_keys_and_keywords(name):
     spec = objective_spec(name)
     keys = {f.name for f in dataclasses.fields(ObjectiveConfig)}
     keywords = inspect.signature(spec.fn).parameters
-    for key in spec.hparams:
+    for key in (*spec.hparams, *spec.parameters):
         assert key in keys, key
         assert keywords[key].kind is inspect.Parameter.KEYWORD_ONLY, key
     assert set(ObjectiveConfig(name=name).hparams()) == set(spec.hparams)
+    assert set(ObjectiveConfig(name=name).loss_parameters()) == set(spec.parameters)
+
+
+def test_ess_control_needs_a_softmax_objective():
+    config = ObjectiveConfig(name="siglip")
+    config.ess_control.enabled = True
+    with pytest.raises(InvalidValue, match="siglip has no softmax"):
+        config.validate()
 
 
 def test_an_unknown_objective_names_the_choices():
-    with pytest.raises(ValueError, match="unknown objective 'siglip'; choose one of infonce"):
-        objective_spec("siglip")
-    with pytest.raises(InvalidValue, match="unknown objective 'siglip'"):
-        ObjectiveConfig(name="siglip").validate()
+    with pytest.raises(ValueError, match="unknown objective 'sigclr'; choose one of infonce"):
+        objective_spec("sigclr")
+    with pytest.raises(InvalidValue, match="unknown objective 'sigclr'"):
+        ObjectiveConfig(name="sigclr").validate()

@@ -36,9 +36,13 @@ def inputs(b: Batch, name: str, hparams: dict) -> tuple[dict, list[torch.Tensor]
         kwargs["class_graph"] = graph @ graph.T
     else:
         kwargs["captions"] = b.captions
-    if name == "clip":
+    spec = OBJECTIVES[name]
+    if spec.text_tower:
         kwargs["text"] = b.text.clone().requires_grad_()
         leaves.append(kwargs["text"])
+    for parameter in spec.parameters:  # learnable loss parameters (siglip's bias)
+        hparams[parameter] = torch.tensor(-1.5, dtype=torch.float64, requires_grad=True)
+        leaves.append(hparams[parameter])
     if hparams.get("projection") == "learned":
         hparams["class_embeddings"] = torch.randn(
             6, b.z.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(5),

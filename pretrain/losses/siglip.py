@@ -1,0 +1,58 @@
+"""SigLIP (Zhai et al. 2023, "Sigmoid Loss for Language Image Pre-Training", eq. 1 and
+Algorithm 1); ``docs/objectives.md``.
+
+loss = -1/N sum_i sum_j log sigmoid(z_ij (x_i . y_j / tau + b)), z_ij = 1 for row i's own
+text and -1 for every other text: each image-text pair is its own binary decision, with no
+softmax over the batch. tau (the paper's 1/t) is learnable through a 0-dim temperature
+tensor, and b is a bias the model owns and hands in (``objective.bias`` initialises it;
+the paper starts at t = 10, b = -10). Other rows with the same instance id (further views
+of one image, whose captions are identical) are neither positive nor negative, as in
+``clip``. Under ``num_negatives`` each anchor's negative terms run over its seeded subset.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.columns import ColumnSet
+from pretrain.losses.common import (
+    ObjectiveOutput,
+    Temperature,
+    as_metric,
+    full_precision,
+    negative_cosine_sum,
+    pair_logits,
+    scalar,
+    scaled,
+)
+from pretrain.losses.sigmoid_rows import sigmoid_rows
+
+NEGATIVES = ColumnSet("instance", positives=False, self_column=False)
+
+
+def siglip(batch: ContrastiveBatch, temperature: Temperature, *,
+           bias: Temperature = 0.0) -> ObjectiveOutput:
+    """Pairwise sigmoid loss of ``batch.anchors`` against every text in ``batch.text``."""
+    if batch.text is None:
+        raise ValueError("siglip: needs the second modality's embeddings (text=)")
+    with full_precision(batch):
+        images = scaled(batch.anchors, temperature)  # [n, D]
+        negatives = sigmoid_rows(batch, images, batch.text, NEGATIVES, bias)
+        pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n], without b
+        per_anchor = F.softplus(-(pos_logit + bias)) + negatives.softplus_sum
+        loss = batch.anchor_mean(per_anchor, None)
+        with torch.no_grad():
+            tau = scalar(temperature)
+            num_neg = batch.num_negatives_per_anchor("instance").to(loss.dtype).clamp(min=1)
+            neg_cos = negative_cosine_sum(batch, "instance", tau, negatives.product_sum,
+                                          of="text")
+            metrics = {
+                "loss": loss.detach(),
+                "pos_sim": batch.anchor_mean(pos_logit.detach() * tau, None),
+                "neg_sim": batch.anchor_mean(neg_cos / num_neg, None),
+                "temperature": as_metric(tau, loss),
+                "bias": as_metric(scalar(bias), loss),
+            }
+        return ObjectiveOutput(loss, metrics)

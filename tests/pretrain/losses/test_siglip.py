@@ -1,0 +1,59 @@
+"""SigLIP against a pair-by-pair loop and against open_clip's ``SigLipLoss`` (float64:
+values and gradients agree to rounding), with a learnable temperature and bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from open_clip.loss import SigLipLoss
+
+from pretrain.losses import batch_loss
+from tests.pretrain.losses import naive
+
+
+def leaves(tau: float = 0.2, bias: float = -1.5) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(tau, dtype=torch.float64, requires_grad=True),
+            torch.tensor(bias, dtype=torch.float64, requires_grad=True))
+
+
+def test_siglip_equals_the_pairwise_loop(batch):
+    """Multiview rows: the other views' texts are neither positive nor negative."""
+    text = batch.text.clone().requires_grad_()
+    tau, bias = leaves()
+    loss, _ = batch_loss("siglip", batch.z, batch.ids, text=text, temperature=tau, bias=bias)
+    reference = naive.siglip(batch.z, text, batch.ids, tau, bias)
+    torch.testing.assert_close(loss, reference, rtol=1e-12, atol=1e-12)
+    wrt = [batch.z, text, tau, bias]
+    for got, want in zip(torch.autograd.grad(loss, wrt), torch.autograd.grad(reference, wrt),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("tile_size", [None, 3])
+@pytest.mark.parametrize(("tau", "bias"), [(0.1, -10.0), (0.5, 0.7)])
+def test_siglip_equals_open_clip(tile_size, tau, bias):
+    """One view per image, as open_clip's loss assumes: logit_scale = 1 / tau."""
+    gen = torch.Generator().manual_seed(11)
+    image = torch.randn(13, 8, dtype=torch.float64, generator=gen).requires_grad_()
+    text = torch.randn(13, 8, dtype=torch.float64, generator=gen).requires_grad_()
+    tau_leaf, bias_leaf = leaves(tau, bias)
+    ours, metrics = batch_loss("siglip", image, torch.arange(13), text=text,
+                               temperature=tau_leaf, bias=bias_leaf, tile_size=tile_size)
+    peer = SigLipLoss()(F.normalize(image, dim=1), F.normalize(text, dim=1), 1 / tau_leaf,
+                        bias_leaf)
+    torch.testing.assert_close(ours, peer, rtol=1e-12, atol=1e-12)
+    wrt = [image, text, tau_leaf, bias_leaf]
+    for got, want in zip(torch.autograd.grad(ours, wrt), torch.autograd.grad(peer, wrt),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert metrics["bias"].item() == bias
+    cosines = F.normalize(image, dim=1) @ F.normalize(text, dim=1).T
+    torch.testing.assert_close(metrics["pos_sim"], cosines.diagonal().mean().detach())
+    off = ~torch.eye(13, dtype=torch.bool)
+    torch.testing.assert_close(metrics["neg_sim"], cosines[off].mean().detach())
+
+
+def test_siglip_needs_text(batch):
+    with pytest.raises(ValueError, match="siglip: needs the second modality"):
+        batch_loss("siglip", batch.z, batch.ids, temperature=0.1)
