@@ -158,11 +158,9 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
     last = parts.checkpointer.checkpoints()[0]
     tracker.log_artifact(last, "checkpoint")
     if config.tracking.log_model:
-        size = config.data.resolution
-        example = torch.zeros(2, 3, size, size)
         name = config.tracking.registered_model or f"{config.name}-encoder"
         module = parts.engine.module
-        version = tracker.log_model(module.encoder, example, name, parts.config_yaml,
+        version = tracker.log_model(module.encoder, name, parts.config_yaml,
                                     model_card(config, parts, trainer, name), module.text)
         if version is not None:
             log.info("registered model %s version %s", name, version)

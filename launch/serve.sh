@@ -2,8 +2,9 @@
 # Serve a registered encoder over HTTP with MLflow's scoring server, from this project's
 # venv (its uvicorn, its code), without activating the venv:
 #   bash launch/serve.sh runs/cluttered-xclr-demo/mlflow.db models:/cluttered-encoder@champion
-#   curl -s localhost:5001/invocations -H 'Content-Type: application/json' \
-#        -d '{"inputs": <float32 [B, 3, R, R] as nested lists>}'   # -> {"predictions": [B, P]}
+#   curl -s 127.0.0.1:5001/invocations -H 'Content-Type: application/json' \
+#        -d "{\"dataframe_records\": [{\"image\": \"$(base64 -w0 photo.jpg)\"}]}"
+#   # -> {"predictions": [[...]]}: L2-normalised embeddings (docs/training.md, "serve")
 # Arguments: the run's SQLite store (or an http:// tracking URI), the model URI, the port
 # (default 5001). Binds 127.0.0.1 unless SERVE_HOST is set.
 set -euo pipefail

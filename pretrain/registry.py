@@ -149,21 +149,18 @@ def load_package(root: Path) -> tuple[EmbeddingModel, dict[str, Any]]:
     return EmbeddingModel(encoder, text).eval(), tree
 
 
-def log_encoder(uri: str, run_id: str, encoder: nn.Module, example: Tensor,
-                registered_model: str, config_yaml: str, card: ModelCard,
-                text: TextTower | None = None) -> str:
-    """Log ``encoder`` (and CLIP's ``text`` tower) under the run as a model from code,
-    register it with the model card as the version's description, and record every file's
-    digest in the tracking store; returns the new version."""
+def log_encoder(uri: str, run_id: str, encoder: nn.Module, registered_model: str,
+                config_yaml: str, card: ModelCard, text: TextTower | None = None) -> str:
+    """Log ``encoder`` (and the ``text`` tower of clip or siglip) under the run as a model
+    from code that embeds encoded images (:mod:`pretrain.served_inputs`), register it with
+    the model card as the version's description, and record every file's digest in the
+    tracking store; returns the new version."""
     import mlflow
-    from mlflow.models import infer_signature
+
+    from pretrain.served_inputs import signature
 
     model = EmbeddingModel(copy.deepcopy(encoder).float().cpu().eval(),
                            None if text is None else copy.deepcopy(text).float().cpu().eval())
-    example = example.float().cpu()
-    with torch.no_grad():
-        output = model(example)
-    signature = infer_signature(example.numpy(), output.numpy())
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     requirements = [f"torch=={torch.__version__.split('+')[0]}",
@@ -175,7 +172,7 @@ def log_encoder(uri: str, run_id: str, encoder: nn.Module, example: Tensor,
         artifacts = write_package(Path(tmp), model, config_yaml, card)
         with mlflow.start_run(run_id=run_id, log_system_metrics=False):
             info = mlflow.pyfunc.log_model(name=ARTIFACT, python_model=str(SERVING),
-                                           artifacts=artifacts, signature=signature,
+                                           artifacts=artifacts, signature=signature(),
                                            pip_requirements=requirements,
                                            registered_model_name=registered_model)
     version = str(info.registered_model_version)

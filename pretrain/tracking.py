@@ -206,18 +206,18 @@ class Tracker:
             except Exception as err:
                 log.warning("tracking: artifact %s not logged (%s)", path, err)
 
-    def log_model(self, model: Any, example: Any, registered_model: str, config_yaml: str,
-                  card: Any, text: Any = None) -> str | None:
-        """Log ``model`` (weights, CLIP's ``text`` tower if given, configuration, ``card``;
-        :mod:`pretrain.registry`) with a signature inferred from ``example`` and register
-        a version; returns the version, or None when the server is unreachable."""
+    def log_model(self, model: Any, registered_model: str, config_yaml: str, card: Any,
+                  text: Any = None) -> str | None:
+        """Log ``model`` (weights, the ``text`` tower if given, configuration, ``card``;
+        :mod:`pretrain.registry`) as a pyfunc that embeds encoded images and register a
+        version; returns the version, or None when the server is unreachable."""
         if not self._contact(force=True):
             return None
         from pretrain.registry import log_encoder
 
         with self._store_full():
-            return log_encoder(self.uri, self.run_id, model, example, registered_model,
-                               config_yaml, card, text)
+            return log_encoder(self.uri, self.run_id, model, registered_model, config_yaml,
+                               card, text)
 
     def finish(self, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
         """End the run with ``status`` (FINISHED, FAILED, KILLED), setting ``tags`` first.

@@ -18,6 +18,7 @@ from core.runtime import free_port
 from pretrain.model import ModelConfig, encoder_from_state
 from pretrain.tracking import Tracker, TrackingConfig
 from tests.app.helpers import run_pretrain, train_overrides
+from tests.pretrain.test_served_inputs import array_rows
 
 
 def test_sqlite_store_holds_params_metrics_artifacts_and_a_loadable_model(digits_shards,
@@ -50,12 +51,12 @@ def test_sqlite_store_holds_params_metrics_artifacts_and_a_loadable_model(digits
                                    torch.load(final, weights_only=True)["model"])
     image = torch.rand(3, 3, 16, 16)
     with torch.no_grad():
-        expected = reference.eval()(image)[1]
+        expected = torch.nn.functional.normalize(reference.eval()(image)[1], dim=1)
 
     # served through MLflow: a model from code, predict gives the projector embeddings
     mlflow.set_registry_uri(uri)
     served = mlflow.pyfunc.load_model("models:/digits-test-encoder/1")
-    embedding = served.predict(image.numpy())
+    embedding = served.predict(array_rows(image))
     assert embedding.shape == (3, 32)
     torch.testing.assert_close(torch.from_numpy(embedding), expected)
 
