@@ -102,10 +102,6 @@ def _check_training(config: RunConfig) -> None:
         raise ConfigError(f"key 'objective.class_graph': {objective.name} takes its targets "
                           "from a class graph or from data.caption_store, not both; set one "
                           "to \"\"")
-    if objective.name == "projnce" and objective.projection == "learned":
-        raise ConfigError("key 'objective.projection': 'learned' needs a trainable class-"
-                          "embedding matrix, which training does not build; use centroid, "
-                          "kernel or median")
     if config.train.knn_every:
         for key in ("eval.train_shards", "eval.test_shards"):
             if not _get(config, key):

@@ -211,12 +211,6 @@ class ContrastiveBatch:
             available = available.clamp(max=self.num_negatives)
         return available
 
-    def candidate_mask(self, kind: PositiveKind) -> Tensor:
-        """[n, N] bool: columns in each anchor's softmax (positives and kept negatives)."""
-        if self.num_negatives is None:
-            return ~self.self_mask
-        return self.positive_mask(kind) | self.negative_mask(kind)
-
     def _subsample(self, negatives: Tensor) -> Tensor:
         """The k negatives of smallest :func:`subset_scores` per row (all if fewer)."""
         k = self.num_negatives

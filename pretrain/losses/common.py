@@ -69,11 +69,6 @@ def scaled(anchors: Tensor, temperature: Temperature) -> Tensor:
     return as_float(anchors) / temperature
 
 
-def similarity_logits(anchors: Tensor, candidates: Tensor, temperature: Temperature) -> Tensor:
-    """[n, G] = (anchors [n, D] / tau) @ candidates [G, D].T."""
-    return scaled(anchors, temperature) @ as_float(candidates).T
-
-
 def pair_logits(anchors: Tensor, columns: Tensor, pairs: tuple[Tensor, Tensor]) -> Tensor:
     """[P] logits a_r . c_c of the (rows, cols) ``pairs``, without the [n, N] matrix."""
     rows, cols = pairs

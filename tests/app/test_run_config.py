@@ -56,8 +56,6 @@ def test_every_key_has_a_description():
     ("evaluate", ["name=r", "eval.train_shards=a"], "eval.test_shards"),
     ("graph-precompute", ["graph.output=o"], "graph.shards"),
     ("pretrain", ["name=r", "data.shards=x", "objective.name=xclr"], "objective.class_graph"),
-    ("pretrain", ["name=r", "data.shards=x", "objective.name=projnce",
-                  "objective.projection=learned"], "objective.projection"),
 ])
 def test_a_stage_names_the_key_it_lacks(stage, overrides, key):
     config = load_config(RunConfig, None, overrides)
@@ -114,3 +112,9 @@ def test_a_timm_backbone_is_checked_at_configuration_time():
     assert config.model.backbone == "timm:vit_small_patch16_224"
     with pytest.raises(ConfigError, match="model.backbone"):
         load_config(RunConfig, None, ["model.backbone=timm:vit_enormous"])
+
+
+def test_the_library_only_projection_is_not_a_run_option():
+    """projnce's learned projection needs a class-embedding matrix a run does not build."""
+    with pytest.raises(ConfigError, match="objective.projection"):
+        load_config(RunConfig, None, ["objective.name=projnce", "objective.projection=learned"])
