@@ -16,6 +16,7 @@ from data_pipeline.samples import stable_int
 from pretrain.collapse import effective_rank
 from pretrain.distributed import build_global_batch
 from pretrain.losses import ObjectiveConfig, ObjectiveOutput
+from pretrain.losses.batch import BatchOptions, BatchRows
 from pretrain.model import ModelOutput
 
 
@@ -54,11 +55,11 @@ def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Callable
     ``text`` [2B, P] of clip and siglip, a learnable ``temperature`` [] and the learnable
     ``loss_parameters``, each []) against the global batch."""
     captions = batch.get("caption_embeddings")
-    global_batch = build_global_batch(
-        out.projections, batch["ids"], labels=batch.get("labels"),
-        captions=None if captions is None else captions.float(),
-        text=out.text, class_graph=class_graph, num_negatives=cfg.num_negatives,
-        negatives_seed=step_seed(cfg, step), tile_size=cfg.tile_size)
+    rows = BatchRows(out.projections, batch["ids"], batch.get("labels"),
+                     None if captions is None else captions.float(), out.text)
+    options = BatchOptions(class_graph, cfg.num_negatives, step_seed(cfg, step),
+                           cfg.tile_size)
+    global_batch = build_global_batch(rows, options)
     tau = temperature if out.temperature is None else out.temperature
     result = objective(global_batch, tau, **out.loss_parameters)
     result.metrics["effective_rank"] = effective_rank(out.projections.detach())

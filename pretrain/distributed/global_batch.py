@@ -19,35 +19,30 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.collectives import active, gather_rows, rank_and_world, row_counts
-from pretrain.losses.batch import ContrastiveBatch, auto_tile_size, make_batch
+from pretrain.losses.batch import (
+    BatchOptions,
+    BatchRows,
+    ContrastiveBatch,
+    auto_tile_size,
+    local_batch,
+)
 
 
-def build_global_batch(
-    z: Tensor,
-    ids: Tensor,
-    labels: Tensor | None = None,
-    captions: Tensor | None = None,
-    text: Tensor | None = None,
-    class_graph: Tensor | None = None,
-    num_negatives: int | None = None,
-    negatives_seed: int = 0,
-    tile_size: int | None = None,
-    group: dist.ProcessGroup | None = None,
-) -> ContrastiveBatch:
+def build_global_batch(rows: BatchRows, options: BatchOptions | None = None,
+                       group: dist.ProcessGroup | None = None) -> ContrastiveBatch:
     """This rank's :class:`ContrastiveBatch` over the global batch.
 
-    Args are this rank's local rows: ``z`` [n, D] embeddings (un-normalised), ``ids`` [n]
-    globally unique instance ids, ``labels`` [n], ``captions`` [n, E], ``text`` [n, D].
-    ``class_graph`` [C, C] is the same on every rank. Without a process group (or with
-    one rank) this is :func:`pretrain.losses.make_batch`. ``tile_size`` None chooses dense
-    or tiled from the global batch size (:func:`pretrain.losses.batch.auto_tile_size`).
+    ``rows`` are this rank's local rows (:class:`BatchRows`; ``ids`` globally unique);
+    ``options.class_graph`` is the same on every rank. Without a process group (or with
+    one rank) this is :func:`pretrain.losses.batch.local_batch`. ``options.tile_size``
+    None chooses dense or tiled from the global batch size
+    (:func:`pretrain.losses.batch.auto_tile_size`).
     """
+    options = options or BatchOptions()
     if not active(group):
-        return make_batch(z, ids, labels=labels, captions=captions, class_graph=class_graph,
-                          text=text, num_negatives=num_negatives, negatives_seed=negatives_seed,
-                          tile_size=tile_size)
+        return local_batch(rows, options)
     rank, world = rank_and_world(group)
-    counts = row_counts(z, group)
+    counts = row_counts(rows.z, group)
     start = sum(counts[:rank])
 
     def gather(x: Tensor | None, normalize: bool = False) -> Tensor | None:
@@ -56,15 +51,15 @@ def build_global_batch(
         return gather_rows(F.normalize(x, dim=1) if normalize else x, counts, group)
 
     return ContrastiveBatch(
-        candidates=gather(z, normalize=True),
-        anchor_index=torch.arange(start, start + z.shape[0], device=z.device),
-        ids=gather(ids),
-        labels=gather(labels),
-        captions=gather(captions, normalize=True),
-        class_graph=class_graph,
-        text=gather(text, normalize=True),
-        num_negatives=num_negatives,
-        negatives_seed=negatives_seed,
-        tile_size=auto_tile_size(tile_size, sum(counts)),
+        candidates=gather(rows.z, normalize=True),
+        anchor_index=torch.arange(start, start + rows.z.shape[0], device=rows.z.device),
+        ids=gather(rows.ids),
+        labels=gather(rows.labels),
+        captions=gather(rows.captions, normalize=True),
+        class_graph=options.class_graph,
+        text=gather(rows.text, normalize=True),
+        num_negatives=options.num_negatives,
+        negatives_seed=options.negatives_seed,
+        tile_size=auto_tile_size(options.tile_size, sum(counts)),
         world_size=world,
     )

@@ -13,7 +13,13 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch, make_batch
+from pretrain.losses.batch import (
+    BatchOptions,
+    BatchRows,
+    ContrastiveBatch,
+    local_batch,
+    make_batch,
+)
 from pretrain.losses.common import ObjectiveOutput, Temperature
 from pretrain.losses.config import ObjectiveConfig
 from pretrain.losses.registry import OBJECTIVES, Objective, ObjectiveSpec, objective_spec
@@ -74,7 +80,8 @@ def batch_loss(
 
 
 __all__ = [
-    "OBJECTIVES", "ContrastiveBatch", "EssControlConfig", "EssTemperatureController",
-    "Objective", "ObjectiveConfig", "ObjectiveOutput", "ObjectiveSpec", "batch_loss",
-    "get_objective", "make_batch", "objective_from_config", "objective_spec",
+    "OBJECTIVES", "BatchOptions", "BatchRows", "ContrastiveBatch", "EssControlConfig",
+    "EssTemperatureController", "Objective", "ObjectiveConfig", "ObjectiveOutput",
+    "ObjectiveSpec", "batch_loss", "get_objective", "local_batch", "make_batch",
+    "objective_from_config", "objective_spec",
 ]

@@ -245,6 +245,50 @@ class ContrastiveBatch:
         return total * self.world_size / qualifies.sum().clamp(min=1)
 
 
+@dataclass(frozen=True)
+class BatchRows:
+    """The rows one process contributes to a global batch, before normalising and
+    gathering: ``z`` [n, D] embeddings, ``ids`` [n] instance ids (the views of one image
+    share one), optional ``labels`` [n], ``captions`` [n, E] caption embeddings and
+    ``text`` [n, D] second-modality embeddings (clip, siglip)."""
+
+    z: Tensor
+    ids: Tensor
+    labels: Tensor | None = None
+    captions: Tensor | None = None
+    text: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How an objective sees the global batch: ``class_graph`` [C, C] (xclr), a seeded
+    subset of ``num_negatives`` negatives per anchor, ``tile_size`` (None: dense up to
+    ``DENSE_MAX_CANDIDATES`` candidates, tiles above)."""
+
+    class_graph: Tensor | None = None
+    num_negatives: int | None = None
+    negatives_seed: int = 0
+    tile_size: int | None = None
+
+
+def local_batch(rows: BatchRows, options: BatchOptions = BatchOptions()) -> ContrastiveBatch:
+    """A single-process :class:`ContrastiveBatch` over ``rows`` (every row an anchor);
+    ``z``, ``text`` and ``captions`` are L2-normalised here."""
+    normalize = torch.nn.functional.normalize
+    return ContrastiveBatch(
+        candidates=normalize(rows.z, dim=1),
+        anchor_index=torch.arange(rows.z.shape[0], device=rows.z.device),
+        ids=rows.ids,
+        labels=rows.labels,
+        captions=None if rows.captions is None else normalize(rows.captions, dim=1),
+        class_graph=options.class_graph,
+        text=None if rows.text is None else normalize(rows.text, dim=1),
+        num_negatives=options.num_negatives,
+        negatives_seed=options.negatives_seed,
+        tile_size=auto_tile_size(options.tile_size, rows.z.shape[0]),
+    )
+
+
 def make_batch(
     z: Tensor,
     ids: Tensor,
@@ -256,20 +300,7 @@ def make_batch(
     negatives_seed: int = 0,
     tile_size: int | None = None,
 ) -> ContrastiveBatch:
-    """A single-process :class:`ContrastiveBatch` over the whole batch (every row an anchor).
-
-    ``z`` [N, D], ``text`` [N, D] and ``captions`` [N, E] are L2-normalised here.
-    """
-    normalize = torch.nn.functional.normalize
-    return ContrastiveBatch(
-        candidates=normalize(z, dim=1),
-        anchor_index=torch.arange(z.shape[0], device=z.device),
-        ids=ids,
-        labels=labels,
-        captions=None if captions is None else normalize(captions, dim=1),
-        class_graph=class_graph,
-        text=None if text is None else normalize(text, dim=1),
-        num_negatives=num_negatives,
-        negatives_seed=negatives_seed,
-        tile_size=auto_tile_size(tile_size, z.shape[0]),
-    )
+    """:func:`local_batch` with the fields of :class:`BatchRows` and :class:`BatchOptions`
+    as keywords (``z`` [N, D], ``text`` [N, D] and ``captions`` [N, E] are L2-normalised)."""
+    return local_batch(BatchRows(z, ids, labels, captions, text),
+                       BatchOptions(class_graph, num_negatives, negatives_seed, tile_size))

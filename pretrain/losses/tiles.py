@@ -48,6 +48,18 @@ class TiledRows(NamedTuple):
     negative_logit_sum: Tensor | None  # sum over the negatives of l_ij
 
 
+class _PassSums(NamedTuple):
+    """Per-row [n] results of one forward pass, before :class:`TiledRows` drops what the
+    plan did not ask for (those are empty or zero here)."""
+
+    lse: Tensor
+    target_term: Tensor
+    target_lse: Tensor
+    target_entropy: Tensor
+    ess_ratio: Tensor
+    negative_logit_sum: Tensor
+
+
 class _Running:
     """Online log-sum-exp of one row set: max ``top`` [n] and sum of exp(x - top)."""
 
@@ -77,7 +89,7 @@ def row_blocks(n: int, tile_size: int, device: torch.device) -> list[slice]:
 
 
 def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
-                   block: slice) -> tuple[Tensor, ...]:
+                   block: slice) -> _PassSums:
     """The forward pass for one block of anchor rows (``anchors`` are that block's)."""
     n, num_columns = anchors.shape[0], columns.shape[0]
     rows = _Running(n, anchors)
@@ -108,13 +120,13 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
     if targets is not None:
         target_lse = targets.lse()
         term, entropy = term / targets.total, target_lse - cross / targets.total
-    return lse, term, target_lse, entropy, neg_sum.square() / neg_sq, neg_logits
+    return _PassSums(lse, term, target_lse, entropy, neg_sum.square() / neg_sq, neg_logits)
 
 
-def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> tuple[Tensor, ...]:
+def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> _PassSums:
     blocks = [_forward_block(anchors[block], columns, plan, block)
               for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device)]
-    return tuple(torch.cat(parts) for parts in zip(*blocks, strict=True))
+    return _PassSums(*(torch.cat(parts) for parts in zip(*blocks, strict=True)))
 
 
 class _TiledLogSumExp(torch.autograd.Function):
@@ -124,12 +136,12 @@ class _TiledLogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchors: Tensor, columns: Tensor, plan: TilePlan) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
-        outputs = _forward(anchors, columns, plan)
-        lse, _, target_lse, *monitors = outputs
+        sums = _forward(anchors, columns, plan)
         ctx.plan = plan
-        ctx.save_for_backward(anchors, columns, lse, target_lse)
-        ctx.mark_non_differentiable(target_lse, *monitors)
-        return outputs
+        ctx.save_for_backward(anchors, columns, sums.lse, sums.target_lse)
+        ctx.mark_non_differentiable(sums.target_lse, sums.target_entropy, sums.ess_ratio,
+                                    sums.negative_logit_sum)
+        return tuple(sums)  # autograd hands back plain tuples
 
     @staticmethod
     def backward(ctx, grad_lse: Tensor | None, grad_term: Tensor | None,
@@ -165,14 +177,14 @@ class _TiledLogSumExp(torch.autograd.Function):
 
 def tiled_rows(anchors: Tensor, columns: Tensor, plan: TilePlan) -> TiledRows:
     """Row reductions of ``anchors`` [n, D] @ ``columns`` [N, D].T under ``plan``."""
-    lse, term, _, entropy, ess_ratio, neg_logits = _TiledLogSumExp.apply(anchors, columns, plan)
+    sums = _PassSums(*_TiledLogSumExp.apply(anchors, columns, plan))
     has_targets = plan.targets is not None
     return TiledRows(
-        lse=lse,
-        target_term=term if has_targets else None,
-        target_entropy=entropy if has_targets else None,
-        ess_ratio=ess_ratio if plan.negatives is not None else None,
-        negative_logit_sum=neg_logits if plan.negative_logit_sum else None,
+        lse=sums.lse,
+        target_term=sums.target_term if has_targets else None,
+        target_entropy=sums.target_entropy if has_targets else None,
+        ess_ratio=sums.ess_ratio if plan.negatives is not None else None,
+        negative_logit_sum=sums.negative_logit_sum if plan.negative_logit_sum else None,
     )
 
 

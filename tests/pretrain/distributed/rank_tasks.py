@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.distributed import build_global_batch
-from pretrain.losses import OBJECTIVES, get_objective
+from pretrain.losses import OBJECTIVES, BatchOptions, BatchRows, get_objective
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19): uneven and asymmetric
@@ -25,9 +25,9 @@ def objective_on_rank(name: str, hparams: dict, num_negatives: int | None,
     text = b.text.detach()[rows].clone().requires_grad_()
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
     params = loss_parameters(name)
-    batch = build_global_batch(z, b.ids[rows], labels=b.labels[rows], captions=b.captions[rows],
-                               text=text, num_negatives=num_negatives, negatives_seed=7,
-                               tile_size=tile_size)
+    batch = build_global_batch(BatchRows(z, b.ids[rows], b.labels[rows], b.captions[rows], text),
+                               BatchOptions(num_negatives=num_negatives, negatives_seed=7,
+                                            tile_size=tile_size))
     out = get_objective(name, **hparams, **params)(batch, tau)
     grad_z, grad_tau, grad_text, *grad_params = torch.autograd.grad(
         out.loss, [z, tau, text, *params.values()], allow_unused=True)
