@@ -57,6 +57,10 @@ class RunConfig:
             raise InvalidValue("seed", f"must be >= 0, got {self.seed}")
         if not self.model.image_size:  # resolved here, so every rebuild of the encoder
             self.model.image_size = self.data.resolution  # reads it from model.* alone
+        if self.optim.layer_decay != 1 and not self.model.backbone.startswith("timm:"):
+            raise ConfigError(f"key 'optim.layer_decay': layer-wise decay needs a backbone "
+                              f"that declares its layers (model.backbone=timm:<name>), not "
+                              f"{self.model.backbone}; set it to 1")
 
 
 REQUIRED = {

@@ -1,13 +1,13 @@
 """Configuration drift on resume: what changed between the configuration a checkpoint
 recorded and this run's, and whether the run may go on.
 
-Keys that alter what is trained (``objective.*``, ``model.*``, ``seed``, and ``data.*``
-but its operational keys) refuse a resume unless ``checkpoint.allow_changes`` names them
-(a key, a prefix ending in ".", or "*"); every other change (learning rate, epochs,
-logging, workers, ...) is listed in one warning, and MLflow records each changed param as
-a ``changed.<key>`` tag (:mod:`pretrain.tracking`). A key one side lacks (added or removed
-by another version of this code, whose default kept the old behaviour) is listed, never
-refused.
+Keys that alter what is trained (``objective.*``, ``model.*``, ``seed``, ``data.*`` but
+its operational keys, and ``optim.layer_decay``, which shapes the optimizer's groups)
+refuse a resume unless ``checkpoint.allow_changes`` names them (a key, a prefix ending in
+".", or "*"); every other change (learning rate, epochs, logging, workers, ...) is listed
+in one warning, and MLflow records each changed param as a ``changed.<key>`` tag
+(:mod:`pretrain.tracking`). A key one side lacks (added or removed by another version of
+this code, whose default kept the old behaviour) is listed, never refused.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from core.errors import RunError
 
 log = logging.getLogger(__name__)
 
-TRAINED = ("objective.", "model.", "data.", "seed")
+# optim.layer_decay: the optimizer's groups, which its saved state must match
+TRAINED = ("objective.", "model.", "data.", "seed", "optim.layer_decay")
 # data keys that change how samples are read, not which samples or views are trained on
 DATA_OPERATIONAL = {"workers", "prefetch", "persistent_workers", "pin_memory", "retries",
                     "retry_wait", "verify_checksums", "max_skip_fraction", "max_image_pixels",

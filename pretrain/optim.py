@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from core.config import InvalidValue
+from core.config import ConfigError, InvalidValue
 
 
 @dataclass
@@ -30,10 +30,15 @@ class OptimConfig:
     trust_coefficient: float = 0.001  # lars: eta of the layer-wise trust ratio
     warmup_steps: int = 10  # linear warmup steps before the cosine decay
     betas: tuple[float, float] = (0.9, 0.999)  # adamw: moment decay rates
+    # layer-wise lr decay (BEiT, MAE; timm's rule): block i of a timm backbone's L trains
+    # at lr * layer_decay^(L - 1 - i), its stem at lr * layer_decay^L; heads at lr; 1 = off
+    layer_decay: float = 1.0
 
     def validate(self) -> None:
         if not self.lr > 0:
             raise InvalidValue("lr", f"must be > 0, got {self.lr}")
+        if not 0 < self.layer_decay <= 1:
+            raise InvalidValue("layer_decay", f"must lie in (0, 1], got {self.layer_decay}")
         if self.weight_decay < 0:
             raise InvalidValue("weight_decay", f"must be >= 0, got {self.weight_decay}")
         if self.warmup_steps < 0:
@@ -101,24 +106,51 @@ def exempt_from_decay(model: nn.Module) -> set[str]:
     return names
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def layer_lr_scales(model: nn.Module, layer_decay: float) -> dict[int, float]:
+    """{id(parameter): lr scale} of the parameters of every timm backbone in ``model``
+    under layer-wise decay (timm's ``param_groups_layer_decay`` over the backbone's
+    ``group_matcher()`` layers); parameters it does not list train at scale 1."""
+    if layer_decay == 1.0:
+        return {}
+    from timm.optim import param_groups_layer_decay
+
+    backbones = [m for m in model.modules() if callable(getattr(m, "group_matcher", None))]
+    if not backbones:
+        raise ConfigError("key 'optim.layer_decay': needs a backbone that declares its "
+                          "layers (a timm model, model.backbone=timm:<name>); set it to 1")
+    scales = {}
+    for backbone in backbones:
+        for group in param_groups_layer_decay(backbone, 0.0, layer_decay=layer_decay):
+            scales.update({id(p): group["lr_scale"] for p in group["params"]})
+    return scales
+
+
+def parameter_groups(model: nn.Module, weight_decay: float,
+                     layer_decay: float = 1.0) -> list[dict]:
     """Weights (>= 2 dims) decay and adapt; biases, norm weights and what a module exempts
-    (:func:`exempt_from_decay`) do neither."""
+    (:func:`exempt_from_decay`) do neither. Without layer decay: [decayed, plain]; with
+    it, one group per (decayed or plain, lr scale), each with its ``lr_scale``."""
     exempt = exempt_from_decay(model)
-    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    decay = [p for name, p in trained if p.ndim >= 2 and name not in exempt]
-    plain = [p for name, p in trained if p.ndim < 2 or name in exempt]
-    return [{"params": decay, "weight_decay": weight_decay, "adapt": True},
-            {"params": plain, "weight_decay": 0.0, "adapt": False}]
+    scales = layer_lr_scales(model, layer_decay)
+    groups: dict[tuple[bool, float], list[nn.Parameter]] = {(True, 1.0): [], (False, 1.0): []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            decays = p.ndim >= 2 and name not in exempt
+            groups.setdefault((decays, scales.get(id(p), 1.0)), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decays else 0.0,
+             "adapt": decays, "lr_scale": scale}
+            for (decays, scale), params in groups.items() if params or scale == 1.0]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, global_batch: int,
                     extra: Iterable[nn.Parameter] = ()) -> torch.optim.Optimizer:
-    """The configured optimiser at lr * global_batch / 256; ``extra`` parameters (a
-    learnable temperature) join the no-decay group."""
+    """The configured optimiser at lr * global_batch / 256 (times each group's layer-decay
+    scale); ``extra`` parameters (a learnable temperature) join the plain group."""
     lr = cfg.lr * global_batch / 256
-    groups = parameter_groups(model, cfg.weight_decay)
+    groups = parameter_groups(model, cfg.weight_decay, cfg.layer_decay)
     groups[1]["params"] = groups[1]["params"] + list(extra)
+    for group in groups:
+        group["lr"] = lr * group.pop("lr_scale")
     if cfg.name == "lars":
         return LARS(groups, lr=lr, momentum=cfg.momentum,
                     trust_coefficient=cfg.trust_coefficient)

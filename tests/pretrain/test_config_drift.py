@@ -29,3 +29,10 @@ def test_a_trained_key_changed_from_null_is_refused():
                                        "here"):
         check_drift(Path("ckpt"), RECORDED, current, [])
     check_drift(Path("ckpt"), RECORDED, current, ["objective.num_negatives"])
+
+
+def test_layer_decay_shapes_the_optimizer_and_is_refused_the_learning_rate_is_not():
+    recorded = "optim:\n  lr: 0.1\n  layer_decay: 0.75\n"
+    with pytest.raises(RunError, match="optim.layer_decay=0.75 in the checkpoint, 1.0 here"):
+        check_drift(Path("ckpt"), recorded, "optim:\n  lr: 0.1\n  layer_decay: 1.0\n", [])
+    check_drift(Path("ckpt"), recorded, "optim:\n  lr: 0.2\n  layer_decay: 0.75\n", [])

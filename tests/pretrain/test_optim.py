@@ -63,3 +63,72 @@ def test_warmup_then_cosine():
     assert factor(10) == pytest.approx(1.0)
     assert factor(60) == pytest.approx(0.5)
     assert factor(110) == pytest.approx(0.0, abs=1e-12)
+
+
+def vit_model(layer_decay: float = 1.0):
+    from pretrain.losses import ObjectiveConfig
+    from pretrain.model import ModelConfig, build_model
+
+    cfg = ModelConfig(backbone="timm:test_vit", image_size=16, patch_size=4,
+                      projector_hidden=16, projector_dim=8)
+    return build_model(cfg, ObjectiveConfig(), torch.device("cpu"))
+
+
+def test_layer_decay_scales_each_backbone_layer_and_leaves_the_heads_at_lr():
+    """timm's rule for L blocks: the stem at decay^L, block i at decay^(L - 1 - i) (the
+    last at lr), the projector at lr; decay and no-decay stay split as without it."""
+    model = vit_model()
+    depth = len(model.encoder.backbone.blocks)
+    groups = parameter_groups(model, 0.05, layer_decay=0.5)
+    scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    decayed = {id(p) for g in groups if g["adapt"] for p in g["params"]}
+    names = dict(model.named_parameters())
+    assert len(scale) == len(names)  # every parameter in exactly one group
+    backbone = model.encoder.backbone
+    assert scale[id(backbone.pos_embed)] == 0.5 ** depth
+    assert scale[id(backbone.patch_embed.proj.weight)] == 0.5 ** depth
+    for index, block in enumerate(backbone.blocks):
+        assert scale[id(block.attn.qkv.weight)] == 0.5 ** (depth - 1 - index), index
+    for name, p in names.items():
+        if name.startswith("encoder.projector"):
+            assert scale[id(p)] == 1.0, name
+    unscaled = {id(p) for g in parameter_groups(model, 0.05) if g["adapt"] for p in g["params"]}
+    assert decayed == unscaled
+    assert id(backbone.pos_embed) not in decayed
+
+
+@pytest.mark.parametrize("name", ["lars", "adamw"])
+def test_layer_decay_sets_each_group_s_lr_and_the_schedule_keeps_the_ratios(name):
+    model = vit_model()
+    opt = build_optimizer(model, OptimConfig(name=name, lr=0.2, layer_decay=0.5),
+                          global_batch=256)
+    lrs = sorted({g["lr"] for g in opt.param_groups})
+    depth = len(model.encoder.backbone.blocks)
+    assert lrs == pytest.approx([0.2 * 0.5 ** k for k in range(depth, -1, -1)])
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(10, 2))
+    for _ in range(4):
+        opt.step()
+        schedule.step()
+    factor = warmup_cosine(10, 2)(4)
+    assert sorted({g["lr"] for g in opt.param_groups}) == pytest.approx(
+        [lr * factor for lr in lrs])
+
+
+def test_without_layer_decay_the_groups_are_the_decayed_then_the_plain():
+    groups = parameter_groups(vit_model(), 0.05)
+    assert [(g["adapt"], g["lr_scale"]) for g in groups] == [(True, 1.0), (False, 1.0)]
+
+
+def test_layer_decay_is_refused_before_any_work_without_timm_layers():
+    from app.run_config import RunConfig
+    from core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="key 'optim.layer_decay'.*not small_cnn"):
+        load_config(RunConfig, None, ["optim.layer_decay=0.7"])
+    with pytest.raises(ConfigError, match="layer_decay"):
+        load_config(RunConfig, None, ["optim.layer_decay=1.5"])
+    config = load_config(RunConfig, None, ["optim.layer_decay=0.7",
+                                           "model.backbone=timm:test_vit"])
+    assert config.optim.layer_decay == 0.7
+    with pytest.raises(ConfigError, match="needs a backbone that declares its layers"):
+        parameter_groups(nn.Linear(3, 2), 0.1, layer_decay=0.7)
