@@ -17,6 +17,15 @@ class RunError(RuntimeError):
     """A fault found at run time (after configuration checks), worded for the user."""
 
 
+def first_line(err: BaseException | str, limit: int = 200) -> str:
+    """A short cause for a one-line report: the first line of ``err``'s message cut to
+    ``limit`` characters, or the error's type name when it has no message."""
+    lines = str(err).strip().splitlines()
+    if not lines:
+        return type(err).__name__ if isinstance(err, BaseException) else ""
+    return lines[0][:limit]
+
+
 def disk_full(err: BaseException) -> bool:
     """Whether ``err``, or an error it was raised from, says a disk or quota is full: an
     ``OSError`` with ENOSPC or EDQUOT, or SQLite's "database or disk is full" (which

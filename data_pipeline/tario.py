@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
-from core.errors import RunError
+from core.errors import RunError, first_line
 from data_pipeline.config import Retry
 from data_pipeline.formats import Sample
 
@@ -78,7 +78,7 @@ def _reason(url: str, error: OSError) -> str:
     whole argument list), else the error's first line."""
     status = re.search(r"exit (\d+)", str(error))
     if status is None:
-        return str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        return first_line(error, 160)
     tool = {"http": "curl", "https": "curl", "gs": "gsutil", "s3": "aws"}.get(
         url.split(":", 1)[0], url[len("pipe:"):].split(" ", 1)[0])
     return f"{tool} exit status {status.group(1)}"

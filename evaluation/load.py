@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from core.config import from_dict
+from core.errors import first_line
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import ModelConfig, encoder_from_state, text_tower_from_state
 from pretrain.registry import RUN_TAG, VERSION_TAG, EmbeddingModel, RegistryError, download_verified
@@ -87,7 +88,7 @@ def resolve(source: str, uri: str) -> tuple[ModelRef, str | None]:
             version = client.get_model_version(name, number)
     except MlflowException as err:
         raise RegistryError(f"eval.model={source}: not found in {uri} "
-                            f"({str(err.message).splitlines()[0][:160]})") from None
+                            f"({first_line(err.message, 160)})") from None
     return (ModelRef(source, version.run_id, name, str(version.version), version.source),
             version.tags.get(VERSION_TAG))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import flatten
+from core.errors import first_line
 from evaluation.config import EvalConfig
 from evaluation.load import ModelRef
 from evaluation.promote import SCORE_TAG, promote
@@ -71,4 +72,4 @@ def end_failed(client: Any, run_id: str) -> None:
         client.set_terminated(run_id, "FAILED")
     except Exception as err:
         log.warning("evaluation: MLflow run %s not marked FAILED (%s)", run_id,
-                    str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
+                    first_line(err, 300))

@@ -37,7 +37,7 @@ import torch
 
 from core.collectives import all_ranks_agree, barrier
 from core.config import InvalidValue
-from core.errors import RunError, disk_full, no_space
+from core.errors import RunError, disk_full, first_line, no_space
 from data_pipeline.samples import stable_int
 from pretrain.reshard import batches_done, loader_state_for
 
@@ -169,7 +169,7 @@ class Checkpointer:
         if disk_full(failure):
             return no_space("checkpoint", tmp, "output_dir", kept)
         return RunError(f"could not write checkpoint {tmp} ({type(failure).__name__}: "
-                        f"{str(failure).splitlines()[0][:200]}); {kept}")
+                        f"{first_line(failure)}); {kept}")
 
     def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]] | str:
         try:
@@ -205,7 +205,7 @@ class Checkpointer:
         except Unresumable:
             raise
         except Exception as err:  # truncated, corrupt or foreign: report and fall back
-            return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            return f"{type(err).__name__}: {first_line(err)}"
         return shared, own
 
     def load(self) -> tuple[dict[str, Any], dict[str, Any], Path] | None:

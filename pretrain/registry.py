@@ -30,7 +30,7 @@ import yaml
 from torch import Tensor, nn
 
 from core.config import from_dict
-from core.errors import RunError
+from core.errors import RunError, first_line
 from data_pipeline.manifest import file_sha256
 from pretrain.model import Encoder, ModelConfig
 from pretrain.text_tower import TextTower
@@ -212,4 +212,4 @@ def download_verified(source: str, uri: str, record: str | None, directory: Path
         return load_package(local)[0]
     except Exception as err:  # a verified file we cannot read: say which version
         raise RegistryError(f"{label}: its files verify but do not load as an encoder "
-                            f"({str(err).splitlines()[0][:200]})") from None
+                            f"({first_line(err)})") from None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import InvalidValue
-from core.errors import RunError, full_disk_stops
+from core.errors import RunError, first_line, full_disk_stops
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class Tracker:
             if self.reachable is not False:
                 log.warning("tracking: %s unreachable (%s); training goes on, metrics kept "
                             "in %s and sent when it is back", self.uri,
-                            str(err).splitlines()[0][:160], self.journal)
+                            first_line(err, 160), self.journal)
             self.reachable = False
             return False
         if self.reachable is False:
@@ -229,7 +229,7 @@ class Tracker:
             if status == "FINISHED":
                 raise
             log.warning("tracking: MLflow run %s not marked %s (%s)", self.run_id, status,
-                        str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
+                        first_line(err, 300))
 
     def _finish(self, status: str, tags: dict[str, str] | None) -> None:
         if self.monitor is not None:

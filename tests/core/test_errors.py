@@ -61,3 +61,12 @@ def test_an_unplaced_full_disk_is_one_line_and_status_1(tmp_path, capsys):
                           "(OSError: [Errno 28] No space left on device: "), err
     with pytest.raises(KeyError), reported_faults("evaluate"):  # other bugs keep tracebacks
         raise KeyError("x")
+
+
+def test_first_line_is_a_short_cause_even_of_an_empty_message():
+    from core.errors import first_line
+
+    assert first_line(ValueError("bad value\ntraceback text")) == "bad value"
+    assert first_line(RuntimeError("x" * 500), 160) == "x" * 160
+    assert first_line(OSError()) == "OSError"  # str() is empty: splitlines()[0] would raise
+    assert first_line("from a message\nmore") == "from a message"
