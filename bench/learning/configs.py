@@ -36,9 +36,10 @@ SMALL_BATCH = {  # FlatNCE's claim: global batch 16 (8 per rank)
 }
 NEGATIVES = {f"supcon_k{k}": ("supcon.yaml", (f"objective.num_negatives={k}",))
              for k in (1, 4, 16, 64)}
+VIT = ("model.backbone=timm:test_vit", "model.patch_size=4")
 BACKBONES = {  # the SupCon recipe with another backbone: a ViT of the small CNN's size
     # timm's test_vit: width 64, 6 blocks, 0.26 M parameters (the CNN of width 32: 0.24 M)
-    "supcon_vit": ("supcon.yaml", ("model.backbone=timm:test_vit", "model.patch_size=4")),
+    "supcon_vit": ("supcon.yaml", VIT),
 }
 DIGITS_OBJECTIVES = ("infonce", "flatnce", "supcon", "sincere", "xclr_class_graph",
                      "projnce_centroid")
@@ -87,6 +88,12 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     "sweep_xclr_captions_epochs10": ("xclr_captions.yaml", TEN),
     "sweep_xclr_captions_no_color_jitter": ("xclr_captions.yaml", (
         "data.color_strength=0.0", "data.grayscale=0.0")),
+    # a ViT recipe: SupCon's with the ViT's usual optimisation changes, one at a time
+    "sweep_supcon_vit_lr0.001_warmup100": ("supcon.yaml", (
+        *VIT, "optim.lr=0.001", "optim.warmup_steps=100")),
+    "sweep_supcon_vit_projector_linear": ("supcon.yaml", (
+        *VIT, "model.projector_bn_out=false")),
+    "sweep_supcon_vit_layer_decay0.75": ("supcon.yaml", (*VIT, "optim.layer_decay=0.75")),
 }
 
 
