@@ -94,6 +94,8 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     "sweep_supcon_vit_projector_linear": ("supcon.yaml", (
         *VIT, "model.projector_bn_out=false")),
     "sweep_supcon_vit_layer_decay0.75": ("supcon.yaml", (*VIT, "optim.layer_decay=0.75")),
+    "sweep_supcon_vit_epochs30_lr0.001": ("supcon.yaml", (
+        *VIT, "train.epochs=30", "optim.lr=0.001", "optim.warmup_steps=100")),
     # SigLIP's bias started near -log(texts in the batch) instead of the paper's -10
     "sweep_siglip_bias-5": ("siglip.yaml", ("objective.bias=-5.0",)),
 }
