@@ -1,19 +1,25 @@
 """Backbones from one factory: the built-in ones and any timm model, built for the run's
 image size, rebuilt from the model configuration alone, and with the parameters timm
-exempts from weight decay exempted."""
+exempts from weight decay exempted; a timm ViT end to end: pretrain, the registry,
+serving and ``evaluate``."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from core.config import InvalidValue
 from core.errors import RunError
+from data_pipeline.digits import DIGIT_NAMES
 from pretrain.backbones import BACKBONES, build_backbone, check_backbone
 from pretrain.losses import ObjectiveConfig
 from pretrain.model import ModelConfig, build_model, encoder_from_state
 from pretrain.optim import parameter_groups
 from tests.app.helpers import run_pretrain, train_overrides
+from tests.data_pipeline.helpers import digit_sample, write_set
+from tests.evaluation.test_evaluate import evaluate
 from tests.pretrain.test_served_inputs import array_rows
 
 VIT = "timm:vit_tiny_patch16_224"
@@ -77,13 +83,17 @@ def test_timms_no_weight_decay_is_honoured():
     assert {names[id(p)] for p in plain["params"]} == set(names.values()) - expected
 
 
-def test_a_vit_trains_registers_and_serves_from_the_registry(digits_shards, tmp_path):
+def test_a_vit_trains_registers_serves_and_evaluates(digits_shards, tmp_path):
     import mlflow
 
+    test_shards = tmp_path / "test-shards"
+    write_set(test_shards, [[digit_sample(i) for i in range(360, 420)]], DIGIT_NAMES)
     overrides = train_overrides(digits_shards, tmp_path, **{
         "model.backbone": VIT, "model.patch_size": 4, "optim.name": "adamw", "optim.lr": 1e-3,
         "optim.weight_decay": 0.05, "train.max_steps": 2, "tracking.enabled": True,
-        "tracking.system_metrics": False, "tracking.registered_model": "vit-test"})
+        "tracking.system_metrics": False, "tracking.registered_model": "vit-test",
+        "eval.train_shards": digits_shards, "eval.test_shards": test_shards,
+        "eval.probe_epochs": 2, "eval.save_index": False})
     result = run_pretrain(overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "run"
@@ -99,3 +109,14 @@ def test_a_vit_trains_registers_and_serves_from_the_registry(digits_shards, tmp_
     mlflow.set_registry_uri(uri)
     served = mlflow.pyfunc.load_model("models:/vit-test/1")  # rebuilt from its config alone
     torch.testing.assert_close(torch.from_numpy(served.predict(array_rows(batch))), expected)
+
+    # evaluate rebuilds the registered ViT from its configuration alone, as serving does
+    result = evaluate(overrides, "eval.model=models:/vit-test/1",
+                      f"eval.output={tmp_path / 'eval'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert results["samples"] == {"train": 360, "test": 60}
+    for space in ("backbone", "projector"):
+        for value in results["knn"][space].values():
+            assert 0 <= value["top1"] <= value["top5"] <= 1
+    assert 0 <= results["linear_probe"]["top1"] <= 1
