@@ -114,7 +114,9 @@ def _to_gpu(index):
     import faiss
 
     if torch.cuda.is_available() and hasattr(faiss, "StandardGpuResources"):
-        return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)
+        # this rank's device (runtime sets it from LOCAL_RANK), not always GPU 0
+        return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(),
+                                      torch.cuda.current_device(), index)
     return index
 
 

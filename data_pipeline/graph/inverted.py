@@ -19,6 +19,11 @@ FAISS's own ``IndexIVF`` scores a query against its lists one code at a time; ba
 queries of a list into one product is ~3x faster on 2 CPU cores at 1M rows
 (docs/benchmarks.md). The store may be a float16 memory map: rows are read in chunks and
 converted by torch (numpy's float16 conversion is ~7x slower).
+
+Given a ``device`` (a GPU when present, :func:`search_device`), the products of the probes
+and of the scan run there as torch products (:func:`nearest`), the probes exactly against
+every centroid instead of through HNSW, and the tree's k-means on FAISS's GPUs when its
+build has them; without one, everything runs on the CPU as above.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import NamedTuple
 import faiss
 import numpy as np
 import torch
+from torch import Tensor
 
 LIST_SIZE = 256  # rows a list holds at most when the tree is cut
 BRANCHING = 16  # children of a split
@@ -37,6 +43,21 @@ PROBE = 16  # lists a row's neighbours are searched in
 EF_SEARCH = 32  # HNSW beam width of the centroid search (>= PROBE)
 QUERY_BLOCK = 262_144  # rows whose running top-k is held at a time
 CHUNK = 65_536  # rows read and converted at a time
+PRODUCT_ELEMENTS = 1 << 28  # scores of one product on a device (1 GiB of float32)
+
+
+def search_device() -> torch.device | None:
+    """The GPU the search runs its products on, or None (the CPU path) without one."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def nearest(queries: Tensor, base: Tensor, k: int,
+            device: torch.device) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest inner products of each of ``queries`` [q, d] against ``base``
+    [b, d], computed on ``device``: (scores [q, k], rows of ``base`` [q, k]), best first,
+    returned on the CPU."""
+    top = (queries.to(device) @ base.to(device).T).topk(k, dim=1)
+    return top.values.cpu(), top.indices.cpu()
 
 
 def float_rows(vectors: np.ndarray, rows: np.ndarray | slice) -> np.ndarray:
@@ -44,9 +65,11 @@ def float_rows(vectors: np.ndarray, rows: np.ndarray | slice) -> np.ndarray:
     return torch.from_numpy(np.array(vectors[rows])).float().numpy()
 
 
-def split_tree(vectors: np.ndarray, list_size: int, seed: int = 0) -> list[np.ndarray]:
+def split_tree(vectors: np.ndarray, list_size: int, seed: int = 0,
+               gpu: bool = False) -> list[np.ndarray]:
     """The rows [U, d] cut into leaves of at most ``list_size`` rows by recursive spherical
-    k-means; returns each leaf's row numbers, leaves in depth-first order."""
+    k-means (on FAISS's GPUs with ``gpu``); returns each leaf's row numbers, leaves in
+    depth-first order."""
     rng = np.random.default_rng(seed)
     dim = vectors.shape[1]
     leaves, pending = [], [np.arange(len(vectors))]
@@ -59,7 +82,7 @@ def split_tree(vectors: np.ndarray, list_size: int, seed: int = 0) -> list[np.nd
         sample = np.sort(rng.choice(len(rows), min(len(rows), parts * SAMPLE_PER_CENTROID),
                                     replace=False))
         kmeans = faiss.Kmeans(dim, parts, niter=10, spherical=True, min_points_per_centroid=1,
-                              seed=int(rng.integers(1 << 30)))
+                              seed=int(rng.integers(1 << 30)), gpu=gpu)
         kmeans.train(float_rows(vectors, rows[sample]))
         centres = torch.from_numpy(kmeans.centroids)
         side = np.concatenate([
@@ -86,10 +109,14 @@ def centroids_of(vectors: np.ndarray, leaves: list[np.ndarray]) -> np.ndarray:
     return torch.nn.functional.normalize(sums, dim=1).float().numpy()
 
 
-def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int) -> np.ndarray:
+def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int,
+                device: torch.device | None = None) -> np.ndarray:
     """[U, min(probe, lists)] int32: every row's nearest centroids, nearest first, through
-    an HNSW graph over the centroids (built on one thread, so it is reproducible)."""
+    an HNSW graph over the centroids (built on one thread, so it is reproducible), or
+    exactly by products on ``device``."""
     probe = min(probe, len(centroids))
+    if device is not None:
+        return _exact_probes(vectors, torch.from_numpy(centroids), probe, device)
     graph = faiss.IndexHNSWFlat(centroids.shape[1], 32, faiss.METRIC_INNER_PRODUCT)
     graph.hnsw.efSearch = max(EF_SEARCH, probe)
     threads = faiss.omp_get_max_threads()
@@ -102,6 +129,20 @@ def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int) -> np.nd
     for start in range(0, len(vectors), CHUNK):
         probes[start:start + CHUNK] = graph.search(
             float_rows(vectors, slice(start, start + CHUNK)), probe)[1]
+    return probes
+
+
+def _exact_probes(vectors: np.ndarray, centroids: Tensor, probe: int,
+                  device: torch.device) -> np.ndarray:
+    """[U, probe] int32: every row's ``probe`` nearest ``centroids`` by products on ``device``,
+    ``PRODUCT_ELEMENTS // len(centroids)`` rows at a time."""
+    centroids = centroids.to(device)
+    rows = max(1, min(CHUNK, PRODUCT_ELEMENTS // len(centroids)))
+    probes = np.empty((len(vectors), probe), np.int32)
+    for start in range(0, len(vectors), rows):
+        found = nearest(torch.from_numpy(float_rows(vectors, slice(start, start + rows))),
+                        centroids, probe, device)[1]
+        probes[start:start + rows] = found.numpy()
     return probes
 
 
@@ -123,9 +164,10 @@ class RunningTopK:
 
 
 def scan_block(vectors: np.ndarray, rows: np.ndarray, probes: np.ndarray,
-               list_rows: list[np.ndarray], k: int) -> RunningTopK:
+               list_rows: list[np.ndarray], k: int,
+               device: torch.device | None = None) -> RunningTopK:
     """The top-``k`` of ``rows`` (self included) over the lists their ``probes``
-    [len(rows), p] name: one product per list."""
+    [len(rows), p] name: one product per list (``faiss.knn``, or on ``device``)."""
     queries = float_rows(vectors, rows)
     lists = probes.ravel().astype(np.int64)
     asking = np.repeat(np.arange(len(rows)), probes.shape[1])
@@ -136,9 +178,14 @@ def scan_block(vectors: np.ndarray, rows: np.ndarray, probes: np.ndarray,
     for first, stop in zip(starts, np.r_[starts[1:], len(lists)], strict=True):
         if lists[first] < 0 or not len(members := list_rows[lists[first]]):
             continue  # -1: the centroid graph found fewer than p lists
-        who = asking[first:stop]
-        scores, found = faiss.knn(queries[who], float_rows(vectors, members),
-                                  min(k, len(members)), metric=faiss.METRIC_INNER_PRODUCT)
+        who, kept = asking[first:stop], min(k, len(members))
+        if device is None:
+            scores, found = faiss.knn(queries[who], float_rows(vectors, members), kept,
+                                      metric=faiss.METRIC_INNER_PRODUCT)
+        else:
+            scores, found = (t.numpy() for t in nearest(
+                torch.from_numpy(queries[who]), torch.from_numpy(float_rows(vectors, members)),
+                kept, device))
         best.merge(who, scores, members[found])
     return best
 
@@ -149,7 +196,8 @@ class ListSearch(NamedTuple):
     lists: int  # lists the rows were cut into
 
 
-def scan(vectors: np.ndarray, probes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def scan(vectors: np.ndarray, probes: np.ndarray, k: int,
+         device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Top-``k`` [U, k] of every row over the lists ``probes`` [U, p] names (a row's list
     is its first probe), a block of rows at a time; a row is never its own neighbour."""
     in_order = np.argsort(probes[:, 0], kind="stable")  # rows grouped by their own list
@@ -159,7 +207,7 @@ def scan(vectors: np.ndarray, probes: np.ndarray, k: int) -> tuple[np.ndarray, n
     ids = np.empty((len(vectors), k), np.int64)
     for start in range(0, len(vectors), QUERY_BLOCK):
         rows = in_order[start:start + QUERY_BLOCK]
-        best = scan_block(vectors, rows, probes[rows], list_rows, k + 1)
+        best = scan_block(vectors, rows, probes[rows], list_rows, k + 1, device)
         found = best.rows.numpy()
         keep = np.argsort(found == rows[:, None], axis=1, kind="stable")[:, :k]  # drop itself
         sims[rows] = np.take_along_axis(best.scores.numpy(), keep, 1)
@@ -168,9 +216,11 @@ def scan(vectors: np.ndarray, probes: np.ndarray, k: int) -> tuple[np.ndarray, n
 
 
 def inverted_topk(vectors: np.ndarray, k: int, list_size: int = LIST_SIZE,
-                  probe: int = PROBE) -> ListSearch:
+                  probe: int = PROBE, device: torch.device | None = None) -> ListSearch:
     """Approximate top-``k`` neighbours [U, k] of every row of ``vectors`` [U, d] (unit
-    rows, inner product); a row is never its own neighbour."""
-    centroids = centroids_of(vectors, split_tree(vectors, list_size))
-    sims, ids = scan(vectors, probe_lists(vectors, centroids, probe), k)
+    rows, inner product), with the products on ``device`` if one is given; a row is never
+    its own neighbour."""
+    gpu = device is not None and device.type == "cuda" and faiss.get_num_gpus() > 0
+    centroids = centroids_of(vectors, split_tree(vectors, list_size, gpu=gpu))
+    sims, ids = scan(vectors, probe_lists(vectors, centroids, probe, device), k, device)
     return ListSearch(sims, ids, len(centroids))

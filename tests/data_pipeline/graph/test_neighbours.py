@@ -1,20 +1,26 @@
 """Neighbour search: blockwise exact top-k and the inverted file of constant-size lists
-against a float64 brute-force reference."""
+against a float64 brute-force reference, on the CPU path and through the device path (torch
+products on a given device: here the CPU, and fake CUDA tensors in the dry run)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from data_pipeline.graph import inverted, neighbours
 from data_pipeline.graph.inverted import (
     centroids_of,
     inverted_topk,
+    nearest,
     probe_lists,
     scan,
     split_tree,
 )
 from data_pipeline.graph.neighbours import exact_topk
+from tests.cuda_dry_run import fake_cuda
+
+CPU = torch.device("cpu")  # the device path (torch products) run on the CPU
 
 
 def clustered(n: int, dim: int = 32, seed: int = 0) -> np.ndarray:
@@ -32,11 +38,13 @@ def brute_topk(data: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-scores, axis=1, kind="stable")[:, :k]
 
 
-def test_exact_topk_in_chunks_over_a_float16_memmap_equals_brute_force(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", [None, CPU])
+def test_exact_topk_in_chunks_over_a_float16_memmap_equals_brute_force(tmp_path, monkeypatch,
+                                                                       device):
     monkeypatch.setattr(neighbours, "CHUNK", 37)  # many chunks, a short last one
     np.save(tmp_path / "e.npy", clustered(300))
     data = np.load(tmp_path / "e.npy", mmap_mode="r")
-    sims, ids = exact_topk(data, 7, block=50)
+    sims, ids = exact_topk(data, 7, block=50, device=device)
     want = brute_topk(np.asarray(data), np.arange(300), 7)
     assert (np.sort(ids, 1) == np.sort(want, 1)).all()
     np.testing.assert_allclose(np.sort(sims, 1)[:, ::-1],
@@ -70,10 +78,12 @@ def test_split_tree_cuts_every_row_into_one_small_leaf():
     assert max(map(len, leaves)) <= 64 and sum(map(len, leaves)) == 500
 
 
-def test_probing_every_list_is_exact_search(monkeypatch):
+@pytest.mark.parametrize("device", [None, CPU])
+def test_probing_every_list_is_exact_search(monkeypatch, device):
     monkeypatch.setattr(inverted, "CHUNK", 700)
+    monkeypatch.setattr(inverted, "PRODUCT_ELEMENTS", 333 * 50)  # device probes in blocks
     data = clustered(2000)
-    sims, ids, lists = inverted_topk(data, 10, list_size=40, probe=10_000)
+    sims, ids, lists = inverted_topk(data, 10, list_size=40, probe=10_000, device=device)
     assert lists >= 50
     assert_exact(data, sims, ids, 10)
 
@@ -89,12 +99,37 @@ def test_scan_in_blocks_equals_one_block(monkeypatch):
     np.testing.assert_array_equal(whole[1], blocks[1])
 
 
-def test_probe_lists_finds_the_nearest_centroids():
+def test_probe_lists_finds_the_nearest_centroids(monkeypatch):
     data = clustered(4000)
     centroids = centroids_of(data, split_tree(data, 64))
     probes = probe_lists(data, centroids, 4)
-    nearest = np.argsort(-(data.astype(np.float64) @ centroids.T.astype(np.float64)), 1)[:, :4]
-    assert np.mean(probes[:, 0] == nearest[:, 0]) > 0.99  # HNSW is approximate
+    best = np.argsort(-(data.astype(np.float64) @ centroids.T.astype(np.float64)), 1)[:, :4]
+    assert np.mean(probes[:, 0] == best[:, 0]) > 0.99  # HNSW is approximate
+    monkeypatch.setattr(inverted, "PRODUCT_ELEMENTS", 999 * len(centroids))
+    exact = probe_lists(data, centroids, 4, device=CPU)  # products, in 5 blocks of rows
+    scores = data.astype(np.float64) @ centroids.T.astype(np.float64)
+    np.testing.assert_allclose(np.take_along_axis(scores, exact, 1),
+                               np.take_along_axis(scores, best, 1), rtol=0, atol=1e-5)
+
+
+def test_the_device_scan_equals_the_faiss_scan():
+    data = clustered(3000)
+    probes = probe_lists(data, centroids_of(data, split_tree(data, 50)), 8)
+    on_cpu, on_device = scan(data, probes, 10), scan(data, probes, 10, device=CPU)
+    np.testing.assert_allclose(on_device[0], on_cpu[0], rtol=0, atol=1e-5)  # float32 sums
+    assert np.mean(on_device[1] == on_cpu[1]) > 0.99  # ids differ only where scores tie
+
+
+def test_nearest_runs_on_a_cuda_device_from_cpu_rows():
+    """The dry run: CPU rows in, products on (fake) CUDA, results back on the CPU; a CPU
+    operand left beside a CUDA one fails (FakeTensorMode's device check)."""
+    queries, base = torch.randn(5, 8), torch.randn(40, 8)
+    with fake_cuda():
+        scores, rows = nearest(queries, base, 3, torch.device("cuda"))
+        assert (scores.device.type, rows.device.type) == ("cpu", "cpu")
+        assert tuple(scores.shape) == tuple(rows.shape) == (5, 3)
+        with pytest.raises(Exception, match="cuda|cpu"):
+            queries.to("cuda") @ base.T  # what nearest would do without moving base
 
 
 def test_inverted_graph_and_its_measured_recall():
