@@ -30,9 +30,9 @@ class OptimConfig:
     trust_coefficient: float = 0.001  # lars: eta of the layer-wise trust ratio
     warmup_steps: int = 10  # linear warmup steps before the cosine decay
     betas: tuple[float, float] = (0.9, 0.999)  # adamw: moment decay rates
-    # layer-wise lr decay (BEiT, MAE; timm's rule): block i of a timm backbone's L trains
-    # at lr * layer_decay^(L - 1 - i), its stem at lr * layer_decay^L; heads at lr; 1 = off
-    layer_decay: float = 1.0
+    # block i of a timm backbone's L trains at lr * layer_decay^(L - 1 - i), its stem at
+    # lr * layer_decay^L, the heads at lr (BEiT, MAE; timm's layer map)
+    layer_decay: float = 1.0  # layer-wise lr decay of timm backbones; 1 = off
 
     def validate(self) -> None:
         if not self.lr > 0:

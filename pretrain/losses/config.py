@@ -28,9 +28,9 @@ class ObjectiveConfig:
     target_temperature: float = 0.1  # xclr: tau_s of the soft targets
     bias: float = -10.0  # siglip: initial value of the learned logit bias b (Zhai et al.)
     class_graph: str = ""  # xclr: class_graph.npz (ImageNet recipe); "" = caption targets
-    # projnce; the library's "learned" projection takes a class-embedding matrix that the
-    # caller trains (projnce(..., class_embeddings=)), which a run does not build
-    projection: Literal["centroid", "kernel", "median"] = "centroid"
+    # the library's "learned" projection takes a class-embedding matrix that the caller
+    # trains (projnce(..., class_embeddings=)), which a run does not build
+    projection: Literal["centroid", "kernel", "median"] = "centroid"  # projnce: projection
     bandwidth: float = 0.5  # projnce kernel: Nadaraya-Watson bandwidth h
     kernel_metric: Literal["l1", "l2", "cos"] = "l1"  # projnce kernel: distance
     ess_control: EssControlConfig = field(default_factory=EssControlConfig)  # ESS steering
