@@ -11,7 +11,8 @@ clip gets N/2 images and N/2 texts). 100 classes; captions are 384-d (all-MiniLM
 Targets: every objective within 1.3x of the fastest peer at N = 8192; xclr within 1.1x of
 infonce (checked for the class-graph and the caption path separately); siglip within 1.3x
 of open_clip's SigLipLoss on the same N/2 image-text pairs. Writes
-bench/results/objectives.json and prints a table.
+bench/results/objectives.json and prints a table. The peers are the ``bench`` extra
+(``bash launch/setup.sh dev,bench``).
 """
 
 from __future__ import annotations
