@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,3 +39,11 @@ def run_pretrain(overrides: list[str], nproc: int = 1, timeout: float = 300,
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(pretrain_command(overrides, nproc, torchrun), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def sigkill(processes: list[psutil.Process]) -> None:
+    """SIGKILL each of ``processes``; one that ended after it was listed (a ``curl`` that
+    finished its read, a worker its parent's death took) is passed over."""
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)

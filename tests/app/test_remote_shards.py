@@ -6,7 +6,6 @@ local folder; the img2dataset recipes run end to end on img2dataset-layout shard
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
+from tests.app.helpers import REPO, pretrain_command, run_pretrain, sigkill, train_overrides
 from tests.data_pipeline.helpers import uneven_set
 from tests.data_pipeline.remote import ShardServer, img2dataset_shards
 
@@ -37,8 +36,7 @@ def killed_after(overrides: list[str], checkpoint: Path, log: Path) -> int:
             time.sleep(0.02)
         assert run.poll() is None, log.read_text()[-3000:]  # still training
         processes = [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]
-        for process in processes:
-            process.send_signal(signal.SIGKILL)
+        sigkill(processes)
         run.wait()
     return max(int(p.name[5:]) for p in checkpoint.parent.glob("step_*"))
 

@@ -6,7 +6,6 @@ file system). They train, checkpoint, are killed together and resume; the weight
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import psutil
 import torch
 
 from core.runtime import free_port
-from tests.app.helpers import REPO, run_pretrain, train_overrides
+from tests.app.helpers import REPO, run_pretrain, sigkill, train_overrides
 from tests.pretrain.test_checkpoint import final_model
 
 COMMON = {"checkpoint.every": 4, "data.workers": 1, "train.max_steps": 24}
@@ -51,8 +50,7 @@ def test_two_agents_train_are_killed_resume_and_equal_one_node(digits_shards, tm
     processes = [psutil.Process(a.pid) for a in agents]
     processes += [child for p in processes for child in p.children(recursive=True)]
     assert len(processes) >= 4  # two agents, each with its worker
-    for process in processes:  # the job is preempted: every process of both nodes dies
-        process.send_signal(signal.SIGKILL)
+    sigkill(processes)  # the job is preempted: every process of both nodes dies
     for agent in agents:
         agent.wait()
     killed_at = max(int(p.name[5:]) for p in first.parent.glob("step_*"))
