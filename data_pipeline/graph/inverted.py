@@ -20,10 +20,10 @@ queries of a list into one product is ~3x faster on 2 CPU cores at 1M rows
 (docs/benchmarks.md). The store may be a float16 memory map: rows are read in chunks and
 converted by torch (numpy's float16 conversion is ~7x slower).
 
-Given a ``device`` (a GPU when present, :func:`search_device`), the products of the probes
-and of the scan run there as torch products (:func:`nearest`), the probes exactly against
-every centroid instead of through HNSW, and the tree's k-means on FAISS's GPUs when its
-build has them; without one, everything runs on the CPU as above.
+Given a ``device`` (a GPU when present, :func:`search_device`), the scan's products run
+there as torch products (:func:`nearest`) and the tree's k-means on FAISS's GPUs when its
+build has them; the probes stay on HNSW (exact probes against every centroid would cost
+U^2 / LIST_SIZE). Without one, everything runs on the CPU as above.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ PROBE = 16  # lists a row's neighbours are searched in
 EF_SEARCH = 32  # HNSW beam width of the centroid search (>= PROBE)
 QUERY_BLOCK = 262_144  # rows whose running top-k is held at a time
 CHUNK = 65_536  # rows read and converted at a time
-PRODUCT_ELEMENTS = 1 << 28  # scores of one product on a device (1 GiB of float32)
 
 
 def search_device() -> torch.device | None:
@@ -109,14 +108,10 @@ def centroids_of(vectors: np.ndarray, leaves: list[np.ndarray]) -> np.ndarray:
     return torch.nn.functional.normalize(sums, dim=1).float().numpy()
 
 
-def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int,
-                device: torch.device | None = None) -> np.ndarray:
+def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int) -> np.ndarray:
     """[U, min(probe, lists)] int32: every row's nearest centroids, nearest first, through
-    an HNSW graph over the centroids (built on one thread, so it is reproducible), or
-    exactly by products on ``device``."""
+    an HNSW graph over the centroids (built on one thread, so it is reproducible)."""
     probe = min(probe, len(centroids))
-    if device is not None:
-        return _exact_probes(vectors, torch.from_numpy(centroids), probe, device)
     graph = faiss.IndexHNSWFlat(centroids.shape[1], 32, faiss.METRIC_INNER_PRODUCT)
     graph.hnsw.efSearch = max(EF_SEARCH, probe)
     threads = faiss.omp_get_max_threads()
@@ -129,20 +124,6 @@ def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int,
     for start in range(0, len(vectors), CHUNK):
         probes[start:start + CHUNK] = graph.search(
             float_rows(vectors, slice(start, start + CHUNK)), probe)[1]
-    return probes
-
-
-def _exact_probes(vectors: np.ndarray, centroids: Tensor, probe: int,
-                  device: torch.device) -> np.ndarray:
-    """[U, probe] int32: every row's ``probe`` nearest ``centroids`` by products on ``device``,
-    ``PRODUCT_ELEMENTS // len(centroids)`` rows at a time."""
-    centroids = centroids.to(device)
-    rows = max(1, min(CHUNK, PRODUCT_ELEMENTS // len(centroids)))
-    probes = np.empty((len(vectors), probe), np.int32)
-    for start in range(0, len(vectors), rows):
-        found = nearest(torch.from_numpy(float_rows(vectors, slice(start, start + rows))),
-                        centroids, probe, device)[1]
-        probes[start:start + rows] = found.numpy()
     return probes
 
 
@@ -222,5 +203,5 @@ def inverted_topk(vectors: np.ndarray, k: int, list_size: int = LIST_SIZE,
     its own neighbour."""
     gpu = device is not None and device.type == "cuda" and faiss.get_num_gpus() > 0
     centroids = centroids_of(vectors, split_tree(vectors, list_size, gpu=gpu))
-    sims, ids = scan(vectors, probe_lists(vectors, centroids, probe, device), k, device)
+    sims, ids = scan(vectors, probe_lists(vectors, centroids, probe), k, device)
     return ListSearch(sims, ids, len(centroids))

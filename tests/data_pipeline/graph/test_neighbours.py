@@ -81,7 +81,6 @@ def test_split_tree_cuts_every_row_into_one_small_leaf():
 @pytest.mark.parametrize("device", [None, CPU])
 def test_probing_every_list_is_exact_search(monkeypatch, device):
     monkeypatch.setattr(inverted, "CHUNK", 700)
-    monkeypatch.setattr(inverted, "PRODUCT_ELEMENTS", 333 * 50)  # device probes in blocks
     data = clustered(2000)
     sims, ids, lists = inverted_topk(data, 10, list_size=40, probe=10_000, device=device)
     assert lists >= 50
@@ -99,17 +98,12 @@ def test_scan_in_blocks_equals_one_block(monkeypatch):
     np.testing.assert_array_equal(whole[1], blocks[1])
 
 
-def test_probe_lists_finds_the_nearest_centroids(monkeypatch):
+def test_probe_lists_finds_the_nearest_centroids():
     data = clustered(4000)
     centroids = centroids_of(data, split_tree(data, 64))
     probes = probe_lists(data, centroids, 4)
     best = np.argsort(-(data.astype(np.float64) @ centroids.T.astype(np.float64)), 1)[:, :4]
     assert np.mean(probes[:, 0] == best[:, 0]) > 0.99  # HNSW is approximate
-    monkeypatch.setattr(inverted, "PRODUCT_ELEMENTS", 999 * len(centroids))
-    exact = probe_lists(data, centroids, 4, device=CPU)  # products, in 5 blocks of rows
-    scores = data.astype(np.float64) @ centroids.T.astype(np.float64)
-    np.testing.assert_allclose(np.take_along_axis(scores, exact, 1),
-                               np.take_along_axis(scores, best, 1), rtol=0, atol=1e-5)
 
 
 def test_the_device_scan_equals_the_faiss_scan():
