@@ -33,10 +33,10 @@ from pretrain.losses import objective_from_config, objective_spec
 from pretrain.model import build_model
 from pretrain.optim import build_optimizer, warmup_cosine
 from pretrain.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
-from pretrain.registry import ModelCard
 from pretrain.run_lock import RunLock
 from pretrain.tracking import Tracker
 from pretrain.trainer import Parts, Trainer
+from serving.model_registry import ModelCard, log_encoder
 
 log = logging.getLogger("pretrain")
 
@@ -160,8 +160,9 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
     if config.tracking.log_model:
         name = config.tracking.registered_model or f"{config.name}-encoder"
         module = parts.engine.module
-        version = tracker.log_model(module.encoder, name, parts.config_yaml,
-                                    model_card(config, parts, trainer, name), module.text)
+        card = model_card(config, parts, trainer, name)
+        version = tracker.log_model(lambda uri, run_id: log_encoder(
+            uri, run_id, module.encoder, name, parts.config_yaml, card, module.text))
         if version is not None:
             log.info("registered model %s version %s", name, version)
     tracker.finish()

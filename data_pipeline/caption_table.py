@@ -25,7 +25,7 @@ import numpy as np
 from core.errors import RunError
 from data_pipeline.config import ShardsConfig
 from data_pipeline.formats import IMAGE_SUFFIXES, Sample, SkipSample
-from data_pipeline.samples import check_image
+from data_pipeline.images import check_image
 
 URL_PREFIXES = ("http://", "https://")
 URL_PROBE_ROWS = 100  # rows looked at for image URLs before any work starts

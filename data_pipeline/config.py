@@ -7,6 +7,7 @@ from typing import Literal
 
 from core.config import InvalidValue
 from data_pipeline.dali import INSTALL_HINT, dali_available
+from data_pipeline.images import PILLOW_HARD_LIMIT
 
 Source = Literal["digits", "cluttered_digits", "imagenet", "captions", "img2dataset"]
 
@@ -41,15 +42,16 @@ class ShardsConfig:
     clutter: int = 2  # cluttered_digits: fragments of other digits per canvas
     seed: int = 0  # the order of samples across shards; cluttered_digits' draws
     shuffle: bool = True  # write samples in a seeded random order (false: source order)
-    max_image_pixels: int = 89_478_485  # larger images are skipped (bombs); 0 = no limit
+    max_image_pixels: int = 89_478_485  # larger images are skipped (bombs); 0 = Pillow's 2 x this
 
     def validate(self) -> None:
         if self.shard_size < 1:
             raise InvalidValue("shard_size", f"must be >= 1, got {self.shard_size}")
         if self.workers < 1:
             raise InvalidValue("workers", f"must be >= 1, got {self.workers}")
-        if self.max_image_pixels < 0:
-            raise InvalidValue("max_image_pixels", f"must be >= 0, got {self.max_image_pixels}")
+        if not 0 <= self.max_image_pixels <= PILLOW_HARD_LIMIT:
+            raise InvalidValue("max_image_pixels", f"must lie in [0, {PILLOW_HARD_LIMIT}] "
+                               f"(Pillow refuses larger images), got {self.max_image_pixels}")
         if self.source not in (None, "digits", "cluttered_digits") and not self.input:
             raise InvalidValue("input", f"source {self.source!r} needs an input path")
         if self.digits_size < 8:
@@ -91,7 +93,7 @@ class DataConfig:
     lanes: int = 4  # places of the data set each stream reads side by side (mixing)
     seed: int = 0  # seed of shard order, shuffling and augmentation
     max_skip_fraction: float = 0.01  # fail when more than this fraction of samples is bad
-    max_image_pixels: int = 89_478_485  # larger images are skipped (bombs); 0 = no limit
+    max_image_pixels: int = 89_478_485  # larger images are skipped (bombs); 0 = Pillow's 2 x this
     verify_checksums: bool = False  # hash every shard against the manifest before reading
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
     backend: Literal["cpu", "dali"] = "cpu"  # training views: CPU workers, or DALI (GPU)
@@ -120,8 +122,9 @@ class DataConfig:
             raise InvalidValue("prefetch", f"must be >= 1, got {self.prefetch}")
         if self.workers < 0:
             raise InvalidValue("workers", f"must be >= 0, got {self.workers}")
-        if self.max_image_pixels < 0:
-            raise InvalidValue("max_image_pixels", f"must be >= 0, got {self.max_image_pixels}")
+        if not 0 <= self.max_image_pixels <= PILLOW_HARD_LIMIT:
+            raise InvalidValue("max_image_pixels", f"must lie in [0, {PILLOW_HARD_LIMIT}] "
+                               f"(Pillow refuses larger images), got {self.max_image_pixels}")
         if not 0 <= self.max_skip_fraction <= 1:
             raise InvalidValue("max_skip_fraction",
                                f"must lie in [0, 1], got {self.max_skip_fraction}")

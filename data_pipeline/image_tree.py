@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.formats import IMAGE_SUFFIXES, Sample
-from data_pipeline.samples import PILLOW_MAX_PIXELS, check_image
+from data_pipeline.images import PILLOW_MAX_PIXELS, check_image
 
 FLUSH = 1 << 16  # images listed between writes to the temporary files
 

@@ -3,57 +3,21 @@
 from __future__ import annotations
 
 import hashlib
-import io
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from PIL import Image, UnidentifiedImageError
-
+from core.errors import RunError
 from data_pipeline.formats import SkipSample, image_of
 
 MIN_SEEN_FOR_LIMIT = 20  # the skip fraction is judged once this many samples were seen
 SKIP_REASONS = ("missing_image", "corrupt_image", "bad_label", "bad_caption",  # what a loader
                 "missing_embedding", "truncated_shard", "unsafe_name")  # skip counts as
 MAX_EXAMPLES = 20  # skipped samples named per batch (and kept per run: LoaderState)
-PILLOW_MAX_PIXELS = 89_478_485  # Pillow's default decompression-bomb limit
 
 
-class SkipLimitExceeded(RuntimeError):
+class SkipLimitExceeded(RunError):
     """More than ``data.max_skip_fraction`` of the samples were bad."""
-
-
-@contextmanager
-def opened_image(data: bytes, where: str,
-                 max_pixels: int = PILLOW_MAX_PIXELS) -> Iterator[Image.Image]:
-    """``data`` opened by Pillow for the body to read; SkipSample('corrupt_image') naming
-    ``where`` when Pillow refuses it or it has more than ``max_pixels`` pixels (0 = no
-    limit), judged from its header before any pixel is decoded: a decompression bomb is a
-    few KB that would decode to gigabytes."""
-    previous, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # judged here instead
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-            if max_pixels and width * height > max_pixels:
-                raise SkipSample("corrupt_image", f"{where}: {width} x {height} = "
-                                 f"{width * height} pixels exceed the limit of {max_pixels} "
-                                 "(data.max_image_pixels, shards.max_image_pixels)")
-            yield image
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise SkipSample("corrupt_image", f"{where}: {err}") from None
-    finally:
-        Image.MAX_IMAGE_PIXELS = previous
-
-
-def check_image(data: bytes, where: str, max_pixels: int = PILLOW_MAX_PIXELS) -> None:
-    """Raise SkipSample('corrupt_image') unless ``data`` decodes as an image of at most
-    ``max_pixels`` pixels."""
-    if not data:
-        raise SkipSample("missing_image", where)
-    with opened_image(data, where, max_pixels) as image:
-        image.load()
 
 
 def stable_int(*parts: object, bits: int = 63) -> int:

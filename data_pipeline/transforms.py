@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torchvision.transforms import v2
 
-from data_pipeline.samples import PILLOW_MAX_PIXELS, opened_image
+from data_pipeline.images import PILLOW_MAX_PIXELS, opened_image
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

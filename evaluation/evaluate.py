@@ -34,12 +34,13 @@ from evaluation.diagnostics import (
 from evaluation.features import Features, extract
 from evaluation.identity import bank_digest, index_key, model_digest
 from evaluation.knn import build_index, knn_accuracy
-from evaluation.load import ModelRef, load_model, untrained_copy
+from evaluation.load import load_model, untrained_copy
 from evaluation.probe import linear_probe
 from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json, write_markdown
 from evaluation.retrieval import caption_evaluation
 from evaluation.tracking import INDEX_DIR, end_failed, log_evaluation, upload_outputs
 from pretrain.tracking import TrackingConfig, tracking_uri
+from serving.model_registry import ModelRef
 
 log = logging.getLogger("evaluate")
 AGAIN = "the model and its checkpoints are untouched and the same command evaluates again"

@@ -19,7 +19,7 @@ from core.collectives import gather_objects_to_main, gather_rows_to_main
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import eval_batches
 from data_pipeline.shards import ShardSet
-from pretrain.registry import EmbeddingModel
+from serving.model_registry import EmbeddingModel
 
 
 @dataclass

@@ -2,36 +2,23 @@
 
 Every source is rebuilt with the project's code from tensors and YAML: checkpoints load
 ``weights_only``, registered models are verified file by file against their registered
-digests and read from safetensors (:mod:`pretrain.registry`); nothing is unpickled.
+digests and read from safetensors (:mod:`serving.model_registry`); nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import copy
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
 from core.config import from_dict
-from core.errors import first_line
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import ModelConfig, encoder_from_state, text_tower_from_state
-from pretrain.registry import RUN_TAG, VERSION_TAG, EmbeddingModel, RegistryError, download_verified
 from pretrain.tracking import run_id_of
-
-
-@dataclass
-class ModelRef:
-    """Where the model came from: its source, and registry/run identity when known."""
-
-    source: str
-    run_id: str | None = None
-    name: str | None = None
-    version: str | None = None
-    storage: str | None = None  # the files' location (the logged model's URI)
+from serving.model_registry import EmbeddingModel, ModelRef, download_verified, resolve
 
 
 def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
@@ -60,37 +47,6 @@ def untrained_copy(model: EmbeddingModel, seed: int) -> EmbeddingModel:
         if callable(reset):
             reset()
     return fresh
-
-
-def resolve(source: str, uri: str) -> tuple[ModelRef, str | None]:
-    """Registry identity of ``runs:/<id>/encoder``, ``models:/name/<version|latest>`` or
-    ``models:/name@alias``, and its artifact digest record (None if it has none)."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    client = mlflow.MlflowClient(uri, registry_uri=uri)
-    try:
-        if source.startswith("runs:/"):
-            run_id = source[len("runs:/"):].split("/")[0]
-            return ModelRef(source, run_id=run_id), client.get_run(run_id).data.tags.get(RUN_TAG)
-        spec = source[len("models:/"):]
-        if "@" in spec:
-            name, alias = spec.split("@", 1)
-            version = client.get_model_version_by_alias(name, alias)
-        else:
-            name, number = spec.rsplit("/", 1) if "/" in spec else (spec, "")
-            if number == "latest":
-                versions = client.search_model_versions(f"name='{name}'")
-                if not versions:
-                    raise RegistryError(f"eval.model={source}: registered model {name!r} has "
-                                        f"no versions in {uri}")
-                number = str(max(int(v.version) for v in versions))
-            version = client.get_model_version(name, number)
-    except MlflowException as err:
-        raise RegistryError(f"eval.model={source}: not found in {uri} "
-                            f"({first_line(err.message, 160)})") from None
-    return (ModelRef(source, version.run_id, name, str(version.version), version.source),
-            version.tags.get(VERSION_TAG))
 
 
 def load_model(source: str, run_dir: Path, uri: str) -> tuple[EmbeddingModel, ModelRef]:

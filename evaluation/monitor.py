@@ -13,7 +13,7 @@ from data_pipeline.config import DataConfig
 from evaluation.config import EvalConfig
 from evaluation.features import extract
 from evaluation.knn import build_index, knn_accuracy
-from pretrain.registry import EmbeddingModel
+from serving.model_registry import EmbeddingModel
 
 
 class KnnMonitor:

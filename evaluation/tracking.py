@@ -13,10 +13,10 @@ from typing import Any
 from core.config import flatten
 from core.errors import first_line
 from evaluation.config import EvalConfig
-from evaluation.load import ModelRef
 from evaluation.promote import SCORE_TAG, promote
 from evaluation.report import scalars
 from pretrain.tracking import experiment_id, quiet_store_errors
+from serving.model_registry import ModelRef
 
 log = logging.getLogger(__name__)
 INDEX_DIR = "indexes"  # under the evaluation's output folder

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,18 +207,15 @@ class Tracker:
             except Exception as err:
                 log.warning("tracking: artifact %s not logged (%s)", path, err)
 
-    def log_model(self, model: Any, registered_model: str, config_yaml: str, card: Any,
-                  text: Any = None) -> str | None:
-        """Log ``model`` (weights, the ``text`` tower if given, configuration, ``card``;
-        :mod:`pretrain.registry`) as a pyfunc that embeds encoded images and register a
-        version; returns the version, or None when the server is unreachable."""
+    def log_model(self, register: Callable[[str, str], str]) -> str | None:
+        """Register the encoder through ``register(tracking_uri, run_id) -> version`` (the
+        app passes :func:`serving.model_registry.log_encoder` with the model, card and
+        configuration bound); returns the version, or None when the server is
+        unreachable."""
         if not self._contact(force=True):
             return None
-        from pretrain.registry import log_encoder
-
         with self._store_full():
-            return log_encoder(self.uri, self.run_id, model, registered_model, config_yaml,
-                               card, text)
+            return register(self.uri, self.run_id)
 
     def finish(self, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
         """End the run with ``status`` (FINISHED, FAILED, KILLED), setting ``tags`` first.

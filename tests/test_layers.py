@@ -1,6 +1,6 @@
 """The packages form layers that import one way only (docs/architecture.md):
 
-    core  <  data_pipeline  <  pretrain  <  evaluation  <  app
+    core  <  data_pipeline  <  pretrain  <  serving  <  evaluation  <  app
 
 A module may import from its own layer and the ones below, never above; models and
 losses never touch torch.distributed (the gathering boundary does). Every import counts,
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = ["core", "data_pipeline", "pretrain", "evaluation", "app"]
+LAYERS = ["core", "data_pipeline", "pretrain", "serving", "evaluation", "app"]
 NO_DISTRIBUTED = ["pretrain/losses", "pretrain/model.py", "pretrain/text_tower.py"]
 
 

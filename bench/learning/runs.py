@@ -28,11 +28,11 @@ from evaluation.diagnostics import learned_similarity, rank_correlation
 from evaluation.evaluate import evaluate_features
 from evaluation.features import extract
 from evaluation.identity import bank_digest, model_digest
-from evaluation.load import ModelRef, from_checkpoint
+from evaluation.load import from_checkpoint
 from evaluation.retrieval import caption_evaluation
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import build_model
-from pretrain.registry import EmbeddingModel
+from serving.model_registry import EmbeddingModel, ModelRef
 
 REPO = Path(__file__).resolve().parents[2]
 KS = [1, 5, 10, 20, 50, 100, 200]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from data_pipeline.samples import PILLOW_MAX_PIXELS, opened_image
+from data_pipeline.images import PILLOW_MAX_PIXELS, opened_image
 from data_pipeline.views import BRIGHTNESS, CONTRAST, HUE, SATURATION, RecordedSteps, recording
 
 FACTOR_NAMES = {BRIGHTNESS: "brightness_factor", CONTRAST: "contrast_factor",

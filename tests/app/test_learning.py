@@ -32,7 +32,7 @@ from evaluation.load import from_checkpoint
 from evaluation.probe import linear_probe
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import build_model
-from pretrain.registry import EmbeddingModel
+from serving.model_registry import EmbeddingModel
 from tests.app.helpers import REPO, run_pretrain
 
 TRAIN, TEST = 6000, 1000  # canvases, as in the learning benchmark

@@ -7,7 +7,7 @@ import torch
 from data_pipeline.config import DataConfig
 from evaluation.features import extract
 from pretrain.model import Encoder, ModelConfig
-from pretrain.registry import EmbeddingModel
+from serving.model_registry import EmbeddingModel
 
 
 def features_on_rank(shards: str, rank: int | None = None, world: int | None = None,

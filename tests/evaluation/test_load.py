@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from evaluation.load import load_model
-from pretrain.registry import RegistryError
+from serving.model_registry import RegistryError
 from tests.app.helpers import REPO, run_pretrain, train_overrides
 
 MODEL = "digits-safety"

@@ -20,7 +20,7 @@ from pretrain.optim import parameter_groups
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.evaluation.test_evaluate import evaluate
-from tests.pretrain.test_served_inputs import array_rows
+from tests.serving.test_inputs import array_rows
 
 VIT = "timm:vit_tiny_patch16_224"
 

@@ -18,7 +18,7 @@ from core.runtime import free_port
 from pretrain.model import ModelConfig, encoder_from_state
 from pretrain.tracking import Tracker, TrackingConfig
 from tests.app.helpers import run_pretrain, train_overrides
-from tests.pretrain.test_served_inputs import array_rows
+from tests.serving.test_inputs import array_rows
 
 
 def test_sqlite_store_holds_params_metrics_artifacts_and_a_loadable_model(digits_shards,

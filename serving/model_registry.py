@@ -4,7 +4,7 @@ A registered version holds the encoder's weights (``artifacts/encoder.safetensor
 ``clip`` runs the text tower's (``artifacts/text_tower.safetensors``), the run's resolved
 configuration (``artifacts/config.yaml``) and a model card
 (``artifacts/model_card.md``), logged as an MLflow "model from code" (``serving.py``, a
-plain Python file; see :mod:`pretrain.serving`) with a tensor signature
+plain Python file; see :mod:`serving.pyfunc`) with a tensor signature
 [-1, 3, R, R] float32 -> [-1, P] float32. Nothing in it is a pickled object.
 
 Our loaders (``evaluate``, :func:`download_verified`) never run the artifact's code: they
@@ -40,7 +40,18 @@ VERSION_TAG = "artifact_sha256"  # model version tag: {relative path: sha256}
 RUN_TAG = "encoder.artifact_sha256"  # the same record on the run
 WEIGHTS, CONFIG, CARD = "encoder.safetensors", "config.yaml", "model_card.md"
 TEXT_WEIGHTS = "text_tower.safetensors"  # clip runs only
-SERVING = Path(__file__).with_name("serving.py")
+PYFUNC = Path(__file__).with_name("pyfunc.py")  # the model-from-code file MLflow stores
+
+
+@dataclass
+class ModelRef:
+    """Where a model came from: its source, and registry/run identity when known."""
+
+    source: str
+    run_id: str | None = None
+    name: str | None = None
+    version: str | None = None
+    storage: str | None = None  # the files' location (the logged model's URI)
 
 
 class RegistryError(RunError):
@@ -152,12 +163,12 @@ def load_package(root: Path) -> tuple[EmbeddingModel, dict[str, Any]]:
 def log_encoder(uri: str, run_id: str, encoder: nn.Module, registered_model: str,
                 config_yaml: str, card: ModelCard, text: TextTower | None = None) -> str:
     """Log ``encoder`` (and the ``text`` tower of clip or siglip) under the run as a model
-    from code that embeds encoded images (:mod:`pretrain.served_inputs`), register it with
+    from code that embeds encoded images (:mod:`serving.inputs`), register it with
     the model card as the version's description, and record every file's digest in the
     tracking store; returns the new version."""
     import mlflow
 
-    from pretrain.served_inputs import signature
+    from serving.inputs import signature
 
     model = EmbeddingModel(copy.deepcopy(encoder).float().cpu().eval(),
                            None if text is None else copy.deepcopy(text).float().cpu().eval())
@@ -171,7 +182,7 @@ def log_encoder(uri: str, run_id: str, encoder: nn.Module, registered_model: str
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = write_package(Path(tmp), model, config_yaml, card)
         with mlflow.start_run(run_id=run_id, log_system_metrics=False):
-            info = mlflow.pyfunc.log_model(name=ARTIFACT, python_model=str(SERVING),
+            info = mlflow.pyfunc.log_model(name=ARTIFACT, python_model=str(PYFUNC),
                                            artifacts=artifacts, signature=signature(),
                                            pip_requirements=requirements,
                                            registered_model_name=registered_model)
@@ -186,21 +197,54 @@ def log_encoder(uri: str, run_id: str, encoder: nn.Module, registered_model: str
     return version
 
 
-def download_verified(source: str, uri: str, record: str | None, directory: Path,
-                      label: str | None = None) -> EmbeddingModel:
+def resolve(source: str, uri: str, key: str = "eval.model") -> tuple[ModelRef, str | None]:
+    """Registry identity of ``runs:/<id>/encoder``, ``models:/name/<version|latest>`` or
+    ``models:/name@alias``, and its artifact digest record (None if it has none);
+    messages name the option ``key`` that gave ``source``."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient(uri, registry_uri=uri)
+    try:
+        if source.startswith("runs:/"):
+            run_id = source[len("runs:/"):].split("/")[0]
+            return ModelRef(source, run_id=run_id), client.get_run(run_id).data.tags.get(RUN_TAG)
+        if not source.startswith("models:/"):
+            raise RegistryError(f"{key}={source}: not a runs:/ or models:/ URI")
+        spec = source[len("models:/"):]
+        if "@" in spec:
+            name, alias = spec.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, number = spec.rsplit("/", 1) if "/" in spec else (spec, "")
+            if number == "latest":
+                versions = client.search_model_versions(f"name='{name}'")
+                if not versions:
+                    raise RegistryError(f"{key}={source}: registered model {name!r} has "
+                                        f"no versions in {uri}")
+                number = str(max(int(v.version) for v in versions))
+            version = client.get_model_version(name, number)
+    except MlflowException as err:
+        raise RegistryError(f"{key}={source}: not found in {uri} "
+                            f"({first_line(err.message, 160)})") from None
+    return (ModelRef(source, version.run_id, name, str(version.version), version.source),
+            version.tags.get(VERSION_TAG))
+
+
+def fetch_verified(source: str, uri: str, record: str | None, directory: Path,
+                   label: str | None = None) -> Path:
     """Download the logged model ``source`` (``runs:/<id>/encoder`` or a logged model's
-    ``models:/m-<id>``) into ``directory``, verify every file against ``record`` (the JSON
-    digest tag) and rebuild it with our code; nothing is unpickled and none of the
-    artifact's code runs. Messages name the model as ``label`` (default ``source``)."""
+    ``models:/m-<id>``) into ``directory`` and verify every file, its code included,
+    against ``record`` (the JSON digest tag); returns the local copy. Nothing in it has
+    run. Messages name the model as ``label`` (default ``source``)."""
     import mlflow
 
     label = label or source
-
     if not record:
         raise RegistryError(
             f"{label}: no artifact digests registered with it (tag {VERSION_TAG}); it was "
-            "logged by another tool or an older version, whose pickled files are never "
-            "loaded: register it again from its training checkpoint")
+            "logged by another tool or an older version, whose files are never loaded: "
+            "register it again from its training checkpoint")
     try:
         expected = json.loads(record)
     except json.JSONDecodeError as err:
@@ -208,8 +252,16 @@ def download_verified(source: str, uri: str, record: str | None, directory: Path
     local = Path(mlflow.artifacts.download_artifacts(source, dst_path=str(directory),
                                                      tracking_uri=uri))
     verify_tree(local, expected, label)
+    return local
+
+
+def download_verified(source: str, uri: str, record: str | None, directory: Path,
+                      label: str | None = None) -> EmbeddingModel:
+    """:func:`fetch_verified`, then rebuild the encoder with our code; nothing is
+    unpickled and none of the artifact's code runs."""
+    local = fetch_verified(source, uri, record, directory, label)
     try:
         return load_package(local)[0]
     except Exception as err:  # a verified file we cannot read: say which version
-        raise RegistryError(f"{label}: its files verify but do not load as an encoder "
-                            f"({first_line(err)})") from None
+        raise RegistryError(f"{label or source}: its files verify but do not load as an "
+                            f"encoder ({first_line(err)})") from None

@@ -17,8 +17,9 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
 from pretrain.model import Encoder, ModelConfig
-from pretrain.registry import EmbeddingModel
-from pretrain.served_inputs import BadRequest, ServedImages, embed
+from serving.inputs import BadRequest, ServedImages, embed
+from serving.limits import ServeLimits
+from serving.model_registry import EmbeddingModel
 
 R = 16
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -60,8 +61,9 @@ def test_encoded_images_paths_base64_and_arrays_become_the_evaluation_view(tmp_p
     (tmp_path / "a.png").write_bytes(png)
     array = np.random.default_rng(2).standard_normal((3, R, R)).astype(np.float32)
     frame = pd.DataFrame({"image": [jpeg, b"", base64.b64encode(png).decode(), npy(array)],
-                          "path": [None, str(tmp_path / "a.png"), "", np.nan]})
-    got = images_of(frame)
+                          "path": [None, "a.png", "", np.nan]})
+    got = torch.cat(list(ServedImages(R, limits=ServeLimits(path_root=str(tmp_path)))
+                         .batches(frame)))
     assert got.shape == (4, 3, R, R) and got.dtype == torch.float32
     torch.testing.assert_close(got[0], reference_view(jpeg), atol=1e-5, rtol=0)
     torch.testing.assert_close(got[1], reference_view(png), atol=1e-5, rtol=0)
@@ -70,7 +72,7 @@ def test_encoded_images_paths_base64_and_arrays_become_the_evaluation_view(tmp_p
 
 
 def test_rows_go_through_in_bounded_batches(monkeypatch):
-    from pretrain import served_inputs
+    from serving import inputs as served_inputs
 
     monkeypatch.setattr(served_inputs, "ROWS_PER_FORWARD", 2)
     frame = pd.DataFrame({"image": [encoded("PNG", seed=s) for s in range(5)]})
@@ -101,15 +103,16 @@ class Boom:
 
 
 @pytest.mark.parametrize(("row", "message"), [
-    ({"image": b"not an image"}, "row 0: image: cannot identify image file"),
+    ({"image": b"not an image"}, "row 0: image: not a readable JPEG, PNG or WebP image"),
     ({"image": "%%%"}, "row 0: image: a string is read as base64, and this one is not"),
     ({"image": None, "path": None}, "row 0: set exactly one of 'image'"),
     ({"image": b"x", "path": "a.jpg"}, "row 0: set exactly one of 'image'"),
-    ({"path": "/nonexistent/a.jpg"}, "row 0: path /nonexistent/a.jpg: No such file"),
+    ({"path": "/nonexistent/a.jpg"}, "row 0: path: path rows are off on this server"),
     ({"image": npy(np.zeros((3, 8, 8), np.float32))},
      r"row 0: image: an array must be float \[3, 16, 16\].*got float32 \[3, 8, 8\]"),
-    ({"image": npy(np.array([Boom()], dtype=object))}, "row 0: image: not a readable .npy"),
-    ({"image": pickle.dumps(Boom())}, "row 0: image: cannot identify image file"),
+    ({"image": npy(np.array([Boom()], dtype=object))},
+     r"row 0: image: an array must be float.*got object \[1\]"),
+    ({"image": pickle.dumps(Boom())}, "row 0: image: not a readable JPEG, PNG or WebP"),
 ])
 def test_a_bad_row_is_refused_in_one_line_naming_it(row, message):
     with pytest.raises(BadRequest, match=message) as err:
@@ -123,9 +126,9 @@ def test_images_over_the_run_s_pixel_limit_are_refused_from_their_header():
                                          r"limit of 1000"):
         list(ServedImages(R, max_pixels=1000).batches(frame))
     assert ServedImages.from_config({"data": {"resolution": 24, "max_image_pixels": 7}}) == (
-        ServedImages(24, 7))
+        ServedImages(24, 7, ServeLimits()))
 
 
 def test_an_empty_request_says_what_to_send():
-    with pytest.raises(BadRequest, match="no rows; send one row per image"):
+    with pytest.raises(BadRequest, match="request: no rows; send one row per image"):
         images_of(pd.DataFrame({"image": []}))

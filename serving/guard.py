@@ -1,0 +1,159 @@
+"""An ASGI middleware around MLflow's scoring app, for what that app lacks.
+
+MLflow's scoring server (kept as it is, with its request timeout) reads any body whole
+before looking at it, answers errors with the request's table and a stack trace, and logs
+nothing of a refused request. :class:`RequestGuard` sits in front of it:
+
+- ``POST /invocations`` with a ``Content-Length`` over the cap is answered 413 before the
+  body is read; a chunked body is read only up to the cap, then answered 413;
+- a content type other than JSON is answered 415 (the signature's binary column travels
+  as base64 in JSON; MLflow's CSV and Parquet parsers are not exposed);
+- every error answer is replaced by one line, ``{"error_code", "message"}``: our own
+  refusals (marked ``encoder: ``, naming the row) as they are, anything else by a fixed
+  line for its status, so no trace, heap address or echo of the request leaves the server;
+- each refused request is logged in one line: client address, status, reason.
+
+Other paths (``/ping``, ``/health``, ``/version``) pass through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from serving.limits import ServeLimits
+
+log = logging.getLogger("serving")
+MARK = "encoder: "  # serving.pyfunc.MARK: the start of every refusal of ours
+GENERIC = {
+    400: "request: not a table this model takes; send JSON {\"dataframe_records\": "
+         "[{\"image\": \"<base64 of a JPEG, PNG or WebP>\"}]}",
+    404: "not found: POST /invocations, GET /ping",
+    405: "method not allowed: POST /invocations",
+    413: "request: body over the server's limit",
+    415: "request: send Content-Type: application/json",
+    422: "request: not a table this model takes",
+    503: "server busy; retry later",
+    504: "request: took longer than the server's timeout; send fewer or smaller images",
+}
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class RequestGuard:
+    """``RequestGuard(app, limits)``: MLflow's ``app`` behind the bounds above."""
+
+    def __init__(self, app: Callable, limits: ServeLimits) -> None:
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in ("/ping", "/health", "/version"):
+            await self.app(scope, receive, send)
+            return
+        host, port = scope.get("client") or ("?", "?")
+        client = f"{host}:{port}"
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await answer(send, client, *refusal)
+            return
+        body = await read_body(receive, self.limits.max_body_bytes)
+        if body is None:
+            await answer(send, client, 413, f"request: body over the server's limit of "
+                                            f"{self.limits.max_body_bytes} bytes")
+            return
+        await self._forward(scope, body, send, client)
+
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str] | None:
+        """(status, message) for a request refused from its line and headers alone."""
+        if scope["path"] != "/invocations":
+            return 404, GENERIC[404]
+        if scope["method"] != "POST":
+            return 405, GENERIC[405]
+        if headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            return 415, GENERIC[415]
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit()
+                                   or int(length) > self.limits.max_body_bytes):
+            return 413, (f"request: body of {length[:20]} bytes, over the server's limit of "
+                         f"{self.limits.max_body_bytes}")
+        return None
+
+    async def _forward(self, scope: Scope, body: bytes, send: Send, client: str) -> None:
+        """Run MLflow's app on ``body``; pass a success through, rewrite an error."""
+        delivered = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal delivered
+            if delivered:
+                return {"type": "http.disconnect"}
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        start: dict[str, Any] = {}
+        chunks: list[bytes] = []
+
+        async def capture(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, replay, capture)
+        status = int(start.get("status", 500))
+        if status < 400:
+            await send(start)
+            await send({"type": "http.response.body", "body": b"".join(chunks)})
+            return
+        await answer(send, client, *one_line(status, b"".join(chunks)))
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None as soon as it passes ``limit`` bytes (not read further)."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"".join(parts)
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def one_line(status: int, body: bytes) -> tuple[int, str]:
+    """(status, message) for MLflow's error answer: our refusal's line, else the fixed line
+    of the status; never MLflow's text, which holds the request and a trace."""
+    try:
+        message = str(json.loads(body).get("message", ""))
+    except (ValueError, AttributeError):
+        message = ""
+    at = message.rfind(MARK)
+    if at >= 0:
+        return status, CONTROL.sub(" ", message[at + len(MARK):].splitlines()[0])[:400]
+    if status >= 500 and status not in (503, 504):  # an unexpected failure is ours
+        status = 400
+    return status, GENERIC.get(status, GENERIC[400])
+
+
+async def answer(send: Send, client: str, status: int, message: str) -> None:
+    """Send ``{"error_code", "message"}`` with ``status`` and log the refusal."""
+    code = {413: "REQUEST_LIMIT_EXCEEDED", 503: "TEMPORARILY_UNAVAILABLE"}.get(
+        status, "BAD_REQUEST" if status < 500 else "INTERNAL_ERROR")
+    log.warning("refused %s: %d %s", client, status, message)
+    payload = json.dumps({"error_code": code, "message": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": payload})

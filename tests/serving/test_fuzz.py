@@ -1,0 +1,109 @@
+"""A seeded fuzz pass through the real server: 400 mutated image files (JPEG, PNG, WebP,
+.npy: bit flips, cuts, spliced bytes, rewritten header fields) and 200 mutated JSON bodies
+(wrong types, missing and extra keys, nested values, odd parameters, path rows). No answer
+is a 5xx or carries a trace, an address or the request; ``/ping`` stays up; the server's
+memory stays bounded."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+import struct
+
+import numpy as np
+from PIL import Image
+
+from tests.serving.helpers import send
+from tests.serving.test_server import assert_clean
+
+SEED, FILES, BODIES = 20261125, 400, 200
+
+
+def corpus() -> list[bytes]:
+    """Valid files of every accepted kind, and a normalised .npy array."""
+    rng = np.random.default_rng(SEED)
+    files = []
+    for fmt, size in (("JPEG", (48, 40)), ("PNG", (33, 20)), ("WEBP", (24, 24)),
+                      ("JPEG", (300, 200)), ("PNG", (64, 64))):
+        out = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), np.uint8)).save(out, fmt)
+        files.append(out.getvalue())
+    out = io.BytesIO()
+    np.save(out, rng.standard_normal((3, 16, 16)).astype(np.float32))
+    files.append(out.getvalue())
+    return files
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    """One to four random edits of ``data``."""
+    data = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.randrange(6)
+        at = rng.randrange(max(1, len(data)))
+        if kind == 0:  # flip bits
+            data[at] ^= 1 << rng.randrange(8)
+        elif kind == 1:  # cut the tail
+            del data[at:]
+        elif kind == 2:  # splice random bytes
+            data[at:at] = rng.randbytes(rng.randint(1, 64))
+        elif kind == 3 and len(data) > 24:  # a header field: width/height-like integers
+            at = rng.randrange(8, 24)
+            data[at:at + 4] = struct.pack(">I", rng.choice([0, 1, 0xFFFF, 0x7FFFFFFF,
+                                                            rng.randrange(1 << 32)]))
+        elif kind == 4:  # repeat a chunk
+            data[at:at] = data[at:at + rng.randint(1, 256)] * rng.randint(1, 8)
+        else:  # overwrite a byte run
+            data[at:at + 8] = rng.randbytes(8)
+    return bytes(data)
+
+
+def mutated_body(rng: random.Random, files: list[bytes]) -> bytes:
+    """A JSON (or almost JSON) body of the wrong shape."""
+    good = base64.b64encode(rng.choice(files)).decode()
+    odd = rng.choice([None, 0, -1, 1e308, True, "", "x" * rng.randint(1, 3000), [], {},
+                      [good], {"image": good}, "../../etc/passwd", "/dev/zero", "\u0000",
+                      "fifo", good[: rng.randrange(len(good))]])
+    bodies = [
+        {"dataframe_records": [{"image": odd}]},
+        {"dataframe_records": [{"path": odd}]},
+        {"dataframe_records": [{"image": good, "path": odd}]},
+        {"dataframe_records": [{"image": good, odd if isinstance(odd, str) else "k": 1}]},
+        {"dataframe_records": odd},
+        {"dataframe_split": {"columns": ["image"], "data": [[odd]]}},
+        {"instances": [odd]},
+        {"inputs": {"image": [odd]}},
+        {"dataframe_records": [{"image": good}], "params": {"space": odd}},
+        {"dataframe_records": [{"image": good}], "params": odd},
+        {"dataframe_records": [{"image": good}] * rng.randint(1, 8), "extra": odd},
+        odd,
+    ]
+    text = json.dumps(rng.choice(bodies))
+    if rng.random() < 0.15:  # broken JSON
+        at = rng.randrange(len(text))
+        text = text[:at] + rng.choice(["", "{", "\"", "]", "\\u12"]) + text[at + 1:]
+    return text.encode()
+
+
+def test_mutated_files_and_bodies_never_break_the_server(server):
+    rng = random.Random(SEED)
+    files = corpus()
+    send(server.port, {"dataframe_records": [{"image": base64.b64encode(files[0]).decode()}]})
+    idle = server.rss_mib()
+    statuses: dict[int, int] = {}
+    for i in range(FILES + BODIES):
+        if i < FILES:
+            data = mutate(rng.choice(files), rng)
+            payload = json.dumps({"dataframe_records": [
+                {"image": base64.b64encode(data).decode()}]}).encode()
+        else:
+            payload = mutated_body(rng, files)
+        status, body, raw = send(server.port, payload, timeout=60)
+        statuses[status] = statuses.get(status, 0) + 1
+        if status != 200:
+            assert_clean(status, body, raw, payload)
+        assert status < 500, (i, status, raw[:300])
+    assert server.alive()
+    assert server.rss_mib() - idle < 300, (idle, server.rss_mib())
+    assert statuses.get(200, 0) > 20 and statuses.get(400, 0) > 200, statuses
