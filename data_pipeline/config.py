@@ -94,7 +94,7 @@ class DataConfig:
     seed: int = 0  # seed of shard order, shuffling and augmentation
     max_skip_fraction: float = 0.01  # fail when more than this fraction of samples is bad
     max_image_pixels: int = 89_478_485  # larger images are skipped (bombs); 0 = Pillow's 2 x this
-    verify_checksums: bool = False  # hash every shard against the manifest before reading
+    verify_checksums: bool = False  # local: hash every shard at start; remote: each on read
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
     backend: Literal["cpu", "dali"] = "cpu"  # training views: CPU workers, or DALI (GPU)
     draft_decode: bool = True  # decode JPEGs at the reduced size every view allows (1/2-1/8)

@@ -135,12 +135,13 @@ def _index_tar(tar: Path) -> tuple[ShardInfo, dict[str, int]]:
         except TruncatedShard:
             skipped["truncated_shard"] += 1
         digest = stream.drain()
-    return ShardInfo(str(tar.resolve()), count, tar.stat().st_size, digest), dict(skipped)
+    return ShardInfo(tar.name, count, tar.stat().st_size, digest), dict(skipped)
 
 
 def index_img2dataset(cfg: ShardsConfig) -> Manifest:
     """Validate img2dataset's shards in place, ``cfg.workers`` tars at a time, and write a
-    manifest that points at them."""
+    manifest that lists them; in another output folder each tar is a link there, so the
+    manifest names only plain files of its own folder."""
     root = Path(cfg.input)
     tars = sorted(root.glob("*.tar"))
     if not tars:
@@ -156,6 +157,11 @@ def index_img2dataset(cfg: ShardsConfig) -> Manifest:
                                       desc="index img2dataset"):
             shards.append(info)
             skipped.update(tar_skipped)
+    if out.resolve() != root.resolve():  # the manifest names plain files of its folder
+        for tar in tars:
+            link = out / tar.name
+            link.unlink(missing_ok=True)
+            link.symlink_to(tar.resolve())
     manifest = Manifest(source="img2dataset", shards=shards, skipped=dict(+skipped))
     manifest.write(out)
     return manifest

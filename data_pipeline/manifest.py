@@ -58,15 +58,20 @@ class Manifest:
 
     @classmethod
     def parse(cls, text: str, where: str) -> Manifest:
-        """A manifest from its JSON ``text``; errors name ``where`` it came from."""
+        """A manifest from its JSON ``text``; errors name ``where`` it came from. Every
+        shard name must be a plain file name inside the manifest's folder
+        (:func:`check_shard_name`), checked before anything is read."""
         try:
             raw = json.loads(text)
             shards = [ShardInfo(**s) for s in raw["shards"]]
-            return cls(source=raw["source"], shards=shards,
-                       class_names=list(raw.get("class_names", [])),
-                       skipped=dict(raw.get("skipped", {})))
+            manifest = cls(source=raw["source"], shards=shards,
+                           class_names=list(raw.get("class_names", [])),
+                           skipped=dict(raw.get("skipped", {})))
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ManifestError(f"{where}: malformed manifest: {err}") from None
+        for shard in manifest.shards:
+            check_shard_name(shard.name, where)
+        return manifest
 
     def verify(self, directory: str | Path, checksums: bool = False) -> None:
         """Fail naming the shard if a file is missing or its size (or hash) differs."""
@@ -80,6 +85,20 @@ class Manifest:
                 raise ManifestError(f"{path}: {size} bytes, the manifest says {shard.bytes}")
             if checksums and file_sha256(path) != shard.sha256:
                 raise ManifestError(f"{path}: checksum differs from {directory / MANIFEST}")
+
+
+def check_shard_name(name: object, where: str) -> None:
+    """ManifestError unless ``name`` is a plain file name: no separator, no scheme or
+    ``pipe:`` command, not ``.`` or ``..``, no control character, no leading ``-``. A
+    manifest comes from whoever wrote the folder; its names are joined to the folder and
+    handed to webdataset, which would run a ``pipe:`` name as a shell command."""
+    text = str(name)
+    if (not isinstance(name, str) or not text or text in (".", "..")
+            or any(c in text for c in "/\\:") or text.startswith("-")
+            or any(ord(c) < 32 or ord(c) == 127 for c in text)):
+        raise ManifestError(f"{where}: shard name {text[:80]!r} is not a plain file name "
+                            "inside the manifest's folder (no '/', '\\', ':', '..' or "
+                            "control characters); refusing the manifest")
 
 
 class HashingReader:

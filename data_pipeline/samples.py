@@ -12,7 +12,8 @@ from data_pipeline.formats import SkipSample, image_of
 
 MIN_SEEN_FOR_LIMIT = 20  # the skip fraction is judged once this many samples were seen
 SKIP_REASONS = ("missing_image", "corrupt_image", "bad_label", "bad_caption",  # what a loader
-                "missing_embedding", "truncated_shard", "unsafe_name")  # skip counts as
+                "missing_embedding", "truncated_shard", "unsafe_name",  # skip counts as
+                "checksum_mismatch")
 MAX_EXAMPLES = 20  # skipped samples named per batch (and kept per run: LoaderState)
 
 

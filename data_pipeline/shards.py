@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -44,6 +44,7 @@ class ShardSet:
     urls: list[str]  # local paths or URLs
     counts: list[int]
     class_names: list[str]
+    checksums: list[str] = field(default_factory=list)  # SHA-256 per shard ("": unknown)
 
     @classmethod
     def open(cls, spec: str | Path, verify_checksums: bool = False,
@@ -53,14 +54,17 @@ class ShardSet:
         if is_folder(spec):
             manifest = Manifest.read(spec)
             manifest.verify(spec, checksums=verify_checksums)
-            return cls([str(Path(spec) / s.name) for s in manifest.shards],
+            folder = os.path.abspath(spec)  # a joined name never reads as a scheme
+            return cls([os.path.join(folder, s.name) for s in manifest.shards],
                        [s.samples for s in manifest.shards], manifest.class_names)
         urls = expand(spec)
         manifest = _manifest_beside(urls)
         if manifest is not None:
             listed = {s.name: s.samples for s in manifest.shards}
             if all(_name(url) in listed for url in urls):
-                return cls(urls, [listed[_name(url)] for url in urls], manifest.class_names)
+                digests = {s.name: s.sha256 for s in manifest.shards}
+                return cls(urls, [listed[_name(url)] for url in urls], manifest.class_names,
+                           [digests[_name(url)] for url in urls])
         return cls(urls, sample_counts(urls, retry), [])
 
     @staticmethod

@@ -35,6 +35,10 @@ class TruncatedShard(Exception):
     """The tar ended inside a member or its headers are corrupt."""
 
 
+class ChecksumMismatch(Exception):
+    """A shard whose bytes differ from the checksum its manifest records."""
+
+
 class ShardUnreachable(RunError):
     """A remote shard that could not be read after every retry."""
 
@@ -120,6 +124,44 @@ def iter_shard(url: str | Path, retry: Retry = DEFAULT_RETRY,
         log.warning("data: reading %s failed after %d samples (%s); retry %d of %d in %.1fs",
                     url, delivered, _reason(url, error), failures, retry.attempts - 1, wait)
         time.sleep(wait)
+
+
+def iter_verified_shard(url: str, sha256: str, retry: Retry = DEFAULT_RETRY,
+                        skip: int = 0) -> Iterator[dict[str, bytes | str]]:
+    """:func:`iter_shard` of a remote shard that is first downloaded whole into a temporary
+    file (memory up to 64 MiB, then disk) and hashed as it arrives; ChecksumMismatch
+    before any sample when its SHA-256 differs from ``sha256``."""
+    import hashlib
+    import tempfile
+
+    failures = 0
+    while True:
+        digest = hashlib.sha256()
+        copy = tempfile.SpooledTemporaryFile(max_size=64 << 20)
+        try:
+            stream = open_url(url)
+            try:
+                while chunk := stream.read(1 << 20):
+                    digest.update(chunk)
+                    copy.write(chunk)
+            finally:
+                stream.close()
+            break
+        except OSError as err:
+            copy.close()
+            failures += 1
+            if failures >= retry.attempts:
+                raise ShardUnreachable(f"{url}: unreachable after {failures} attempts "
+                                       f"({_reason(url, err)})") from None
+            time.sleep(retry.wait * 2 ** (failures - 1))
+    with copy:
+        if digest.hexdigest() != sha256:
+            raise ChecksumMismatch(f"{url}: SHA-256 {digest.hexdigest()[:12]}... differs from "
+                                   f"the manifest's {sha256[:12]}...")
+        copy.seek(0)
+        for index, sample in enumerate(iter_stream(copy, url)):
+            if index >= skip:
+                yield sample
 
 
 def sample_offset(path: str | Path, index: int) -> int | None:

@@ -33,7 +33,8 @@ class EvalStream(IterableDataset):
         worker, workers = worker_slot()
         slot, slots = self.rank * workers + worker, self.world * workers
         checker = SampleChecker(len(self.shards.class_names), self.cfg.max_skip_fraction)
-        reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry)
+        reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry,
+                             self.cfg.verify_checksums)
         view = eval_view(self.cfg.resolution)
         size = DecodeSize(self.cfg.resolution) if self.cfg.draft_decode else None
         images, samples = [], []

@@ -14,16 +14,26 @@ from data_pipeline.formats import SkipSample
 from data_pipeline.graph.store import CaptionStore
 from data_pipeline.samples import RawSample, SampleChecker, Skip
 from data_pipeline.shards import ShardSet
-from data_pipeline.tario import DEFAULT_RETRY, Retry, TruncatedShard, iter_shard
+from data_pipeline.tario import (
+    DEFAULT_RETRY,
+    ChecksumMismatch,
+    Retry,
+    TruncatedShard,
+    is_remote,
+    iter_shard,
+    iter_verified_shard,
+)
 
 
 class ShardReader:
     """Valid samples of any shard of ``shards``; ``caption_store`` (a directory or "")
-    adds each sample's embedding row, and a sample without one is skipped."""
+    adds each sample's embedding row, and a sample without one is skipped. With
+    ``verify``, a remote shard whose manifest records a checksum is downloaded and checked
+    before its samples are read; one that differs is skipped whole (``checksum_mismatch``)."""
 
     def __init__(self, shards: ShardSet, checker: SampleChecker, caption_store: str,
-                 retry: Retry = DEFAULT_RETRY) -> None:
-        self.shards, self.checker, self.retry = shards, checker, retry
+                 retry: Retry = DEFAULT_RETRY, verify: bool = False) -> None:
+        self.shards, self.checker, self.retry, self.verify = shards, checker, retry, verify
         self.store = CaptionStore.open(caption_store) if caption_store else None
 
     def read(self, index: int) -> Iterator[RawSample]:
@@ -42,9 +52,13 @@ class ShardReader:
         are each a ``truncated_shard`` skip."""
         url, name = self.shards.urls[index], self.shards.names[index]
         expected = self.shards.counts[index]
-        position, broken = start, ""
+        position, broken, reason = start, "", "truncated_shard"
+        checksum = self.shards.checksums[index] if self.shards.checksums else ""
+        samples = (iter_verified_shard(url, checksum, self.retry, skip=start)
+                   if self.verify and checksum and is_remote(url)
+                   else iter_shard(url, self.retry, skip=start))
         try:
-            for raw in iter_shard(url, self.retry, skip=start):
+            for raw in samples:
                 if stop is not None and position >= stop:
                     break
                 try:
@@ -54,15 +68,18 @@ class ShardReader:
                 position += 1
         except TruncatedShard as err:
             broken = str(err)
+        except ChecksumMismatch as err:
+            broken, reason = str(err), "checksum_mismatch"
         whole, stop = stop is None, expected if stop is None else stop
         if position < stop:
             self.checker.seen += stop - position
-            detail = (f"{position} of the manifest's {expected} samples read"
+            detail = (broken if reason == "checksum_mismatch" else
+                      f"{position} of the manifest's {expected} samples read"
                       if position > start else
                       f"no sample from {start} on (the manifest lists {expected})")
-            self.checker.tally("truncated_shard", name, detail, count=stop - position)
+            self.checker.tally(reason, name, detail, count=stop - position)
             for missing in range(position, stop):
-                yield missing, Skip("truncated_shard", name, detail)
+                yield missing, Skip(reason, name, detail)
         elif broken and whole:  # a broken tail after every listed sample
             self.checker.skip("truncated_shard", name, detail=broken)
 

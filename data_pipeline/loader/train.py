@@ -100,7 +100,8 @@ class TrainStream(IterableDataset):
         plan = self.plan(epoch, history)
         order = plan.stream(self.rank, worker)
         checker = SampleChecker(len(self.shards.class_names), self.cfg.max_skip_fraction)
-        reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry)
+        reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry,
+                             self.cfg.verify_checksums)
         per_batch = self.layout.per_batch
         done = self.layout.stream_batches(start, worker)
         placed = self._ordered(order, ShardOrder(self.shards.counts, self.cfg.seed, epoch),

@@ -163,7 +163,10 @@ def test_img2dataset_output_is_indexed_in_place(tmp_path):
     assert [s.samples for s in manifest.shards] == [3, 2]
     assert manifest.skipped == {"missing_image": 1, "failed_download": 3, "failed_resize": 1}
     assert {p.name: p.read_bytes() for p in raw.iterdir()} == before  # never rewritten
-    assert not list((tmp_path / "index").glob("*.tar"))
+    links = sorted((tmp_path / "index").glob("*.tar"))  # the tars, linked: never copied
+    assert [p.name for p in links] == ["00000.tar", "00001.tar"]
+    assert all(p.is_symlink() and p.resolve().parent == raw.resolve() for p in links)
+    assert [s.name for s in manifest.shards] == ["00000.tar", "00001.tar"]  # plain names
     Manifest.read(tmp_path / "index").verify(tmp_path / "index", checksums=True)
 
 
@@ -194,6 +197,6 @@ def test_img2dataset_indexing_in_parallel_equals_one_process_and_hashes_every_by
     assert manifests[0].skipped == manifests[1].skipped
     assert manifests[0].skipped["truncated_shard"] == 1
     for shard in manifests[1].shards:
-        assert shard.sha256 == file_sha256(shard.name)
+        assert shard.sha256 == file_sha256(raw / shard.name)
     counts = [s.samples for s in manifests[1].shards]
     assert counts[:3] + counts[4:] == [6] * 4 and 0 < counts[3] < 6
