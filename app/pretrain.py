@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import shutil
 import sys
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from pretrain.trainer import Parts, Trainer
 from serving.model_registry import ModelCard, log_encoder
 
 log = logging.getLogger("pretrain")
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 class RunLogFile(logging.FileHandler):
@@ -209,9 +211,12 @@ def train(config: RunConfig) -> Path:
                     parts.tracker.finish("KILLED", {"preempted": stop.signal_name,
                                                     "preempted_at_step": str(stop.step)})
             raise
-        except BaseException:
+        except BaseException as stop:
             if parts.tracker is not None:
                 parts.tracker.finish("FAILED")
+            if isinstance(stop, KeyboardInterrupt):
+                newest = parts.checkpointer.checkpoints()
+                raise Interrupted(trainer.step, str(newest[0]) if newest else "") from None
             raise
         barrier()
     finally:
@@ -238,6 +243,14 @@ def lock_run_dir(run_dir: Path, rt: Runtime) -> RunLock | None:
     return lock
 
 
+class Interrupted(Exception):  # noqa: N818 (a stop, not an error)
+    """Ctrl-C: the run stopped at ``step``; ``checkpoint`` is the newest ("" for none)."""
+
+    def __init__(self, step: int, checkpoint: str) -> None:
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     config, _ = parse_run("pretrain", __doc__, argv)
     try:
@@ -246,6 +259,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Preempted as stop:
         sys.stderr.write(f"pretrain: {stop}; the same command resumes it\n")
         raise SystemExit(PREEMPTED_EXIT_STATUS) from None
+    except (Interrupted, KeyboardInterrupt) as stop:
+        command = shlex.join(["pretrain", *(sys.argv[1:] if argv is None else argv)])
+        if isinstance(stop, Interrupted):
+            where = (f"interrupted at step {stop.step}; newest checkpoint "
+                     f"{stop.checkpoint or 'none yet'}")
+        else:  # before training began
+            where = "interrupted before the first step"
+        sys.stderr.write(f"pretrain: {where}; the same command resumes it: {command}\n")
+        raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
 
 
 if __name__ == "__main__":

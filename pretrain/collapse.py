@@ -88,7 +88,10 @@ class CollapseWatch:
         return None
 
     def check(self, step: int, row: dict[str, float]) -> str | None:
-        """The warning for this row, or None when it looks healthy."""
+        """The warning for this row, or None when it looks healthy (a row that measured
+        nothing, every step a placeholder, leaves the count of rows in a row as it is)."""
+        if "effective_rank" not in row and "pos_sim" not in row:
+            return None
         symptom = self.symptom(row) if self.cfg.enabled else None
         self.in_row = self.in_row + 1 if symptom else 0
         self.last = (step, symptom)

@@ -9,6 +9,9 @@ the device every step (``docs/training.md``, "Host synchronisation").
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,12 +27,43 @@ class NonFiniteLoss(RunError):
     """``train.max_nonfinite`` non-finite losses in a row: the run stops with one line."""
 
 
+class StepFlags(NamedTuple):
+    """What every rank agrees on about a step, as [] bool device tensors."""
+
+    finite: Tensor  # the loss is finite on every rank
+    real: Tensor  # no rank's batch is a placeholder (every sample skipped)
+
+    @property
+    def update(self) -> Tensor:
+        return self.finite & self.real
+
+
+def agreed_flags(loss: Tensor, placeholder: bool = False) -> StepFlags:
+    """:class:`StepFlags` of this step: one all-reduce of two flags, no host
+    synchronisation (``placeholder`` is the loader's host-side flag)."""
+    flags = torch.stack([torch.isfinite(loss.detach()).float().reshape(()),
+                         loss.new_tensor(0.0 if placeholder else 1.0, dtype=torch.float32)])
+    if active():
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return StepFlags(flags[0] > 0, flags[1] > 0)
+
+
+@contextmanager
+def kept_buffers(module: torch.nn.Module, keep: bool) -> Iterator[None]:
+    """With ``keep``, the module's buffers (batch-norm running statistics) are restored
+    after the body: a placeholder batch's zero images leave no trace in them."""
+    saved = [(buffer, buffer.detach().clone()) for buffer in module.buffers()] if keep else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
 def finite_on_every_rank(loss: Tensor) -> Tensor:
     """[] bool: the loss is finite on every rank (an all-reduce, no host synchronisation)."""
-    flag = torch.isfinite(loss.detach()).float().reshape(1)
-    if active():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return flag[0] > 0
+    return agreed_flags(loss).finite
 
 
 class MetricWindow:
@@ -37,21 +71,29 @@ class MetricWindow:
 
     def __init__(self) -> None:
         self.sums: dict[str, Tensor] = {}
-        self.steps = 0
+        self.steps: Tensor | int = 0  # the steps counted (a device tensor once one is added)
 
-    def add(self, metrics: dict[str, Tensor]) -> None:
-        """Add a step's metrics; a non-finite value counts as 0 (as if not measured)."""
+    def add(self, metrics: dict[str, Tensor], counted: Tensor | None = None) -> None:
+        """Add a step's metrics; a non-finite value counts as 0 (as if not measured). A
+        step with ``counted`` false ([] bool, agreed by every rank: a placeholder step)
+        adds nothing."""
+        weight = None if counted is None else counted.float()
         for key, value in metrics.items():
             value = value.detach().float().reshape(())
             value = torch.where(torch.isfinite(value), value, value.new_zeros(()))
+            if weight is not None:
+                value = value * weight
             self.sums[key] = self.sums[key] + value if key in self.sums else value
-        self.steps += 1
+        self.steps = self.steps + (1 if weight is None else weight)
 
     def means_over_ranks(self) -> dict[str, float]:
-        """The window's per-step means, averaged over ranks: one all-reduce, one transfer."""
-        if not self.sums:
+        """The window's per-step means, averaged over ranks: one all-reduce, one transfer;
+        empty when no step of the window was counted."""
+        steps = float(self.steps)  # the report's read; equal on every rank (agreed flags)
+        if not self.sums or not steps:  # nothing measured (every step a placeholder)
+            self.sums, self.steps = {}, 0
             return {}
-        packed = torch.stack(list(self.sums.values())) / max(1, self.steps)
+        packed = torch.stack(list(self.sums.values())) / steps
         if active():
             dist.all_reduce(packed)
             packed /= dist.get_world_size()

@@ -38,7 +38,9 @@ from pretrain.config_drift import check_drift, unfit_checkpoint
 from pretrain.device_metrics import (
     MetricWindow,
     NonFiniteGuard,
-    finite_on_every_rank,
+    StepFlags,
+    agreed_flags,
+    kept_buffers,
 )
 from pretrain.engine import Engine
 from pretrain.losses import EssTemperatureController, ObjectiveConfig
@@ -108,6 +110,7 @@ class Trainer:
         self.last_saved = -1
         self.last_row: dict[str, float] = {}  # the newest logged metrics (all ranks' mean)
         self.last_knn: dict[str, float] = {}  # the newest kNN monitor result
+        self.empty_steps: torch.Tensor | int = 0  # steps with a placeholder batch, unreported
 
     # -- state ------------------------------------------------------------------------
     def save(self) -> Path:
@@ -192,36 +195,17 @@ class Trainer:
 
     def train_step(self, batch: dict[str, Any], bar: tqdm) -> None:
         p, rt = self.p, self.p.runtime
+        placeholder = bool(batch.get("placeholder", False))  # the loader's, on the host
         batch = to_device(batch, rt.device)
         lr = p.engine.set_lr(p.schedule(self.step))
-        tau = self.controller.temperature if self.controller else p.objective_cfg.temperature
-        with autocast(self.precision, rt.device):
-            if self.cfg.chunk_size:
-                out, backward = chunked_forward_loss(
-                    p.engine, batch, p.objective, p.objective_cfg, tau, self.step,
-                    self.cfg.chunk_size, p.class_graph)
-            else:
-                out = forward_loss(p.engine, batch, p.objective, p.objective_cfg, tau,
-                                   self.step, p.class_graph)
-                backward = functools.partial(p.engine.backward, out.loss)
-        finite = finite_on_every_rank(out.loss)  # a non-finite loss anywhere skips everywhere
-        self.guard.record(finite)
-        if p.engine.skips_on_device:  # no host synchronisation: the update is masked
-            backward()
-            p.engine.step(skip=~finite)
-        elif bool(finite):
-            backward()
-            p.engine.step()
-        else:
-            if not self.cfg.chunk_size:  # chunks ran no forward with gradient yet
-                p.engine.skip(out.loss)
-            self.guard.check(self.step)  # synchronised anyway: stop at once
+        with kept_buffers(p.engine.module, placeholder):
+            out, flags = self._forward_and_update(batch, placeholder)
         if self.controller:
             self.controller.update(mean_over_ranks_on_device(out.metrics["ess"]),
                                    self.step / max(1, p.total_steps))
         self.step += 1
-        self.window.add(out.metrics)
-        self.views += len(batch["images"])
+        self.window.add(out.metrics, flags.real)
+        self.views += 0 if placeholder else len(batch["images"])
         bar.update(1)
         if self.step % self.cfg.log_every == 0 or self.step == p.total_steps:
             self._report(bar, lr)
@@ -230,6 +214,37 @@ class Trainer:
         if p.checkpointer.due(self.step):
             self.save()
         self._stop_if_preempted()
+
+    def _forward_and_update(self, batch: dict[str, Any], placeholder: bool,
+                            ) -> tuple[Any, StepFlags]:
+        """The step's forward, then its update unless a non-finite loss or a placeholder
+        batch on any rank skips it on every rank."""
+        p = self.p
+        tau = self.controller.temperature if self.controller else p.objective_cfg.temperature
+        with autocast(self.precision, p.runtime.device):
+            if self.cfg.chunk_size:
+                out, backward = chunked_forward_loss(
+                    p.engine, batch, p.objective, p.objective_cfg, tau, self.step,
+                    self.cfg.chunk_size, p.class_graph)
+            else:
+                out = forward_loss(p.engine, batch, p.objective, p.objective_cfg, tau,
+                                   self.step, p.class_graph)
+                backward = functools.partial(p.engine.backward, out.loss)
+        flags = agreed_flags(out.loss, placeholder)
+        self.guard.record(flags.finite | ~flags.real)
+        self.empty_steps = self.empty_steps + (~flags.real).long()
+        if p.engine.skips_on_device:  # no host synchronisation: the update is masked
+            backward()
+            p.engine.step(skip=~flags.update)
+        elif bool(flags.update):
+            backward()
+            p.engine.step()
+        else:
+            if not self.cfg.chunk_size:  # chunks ran no forward with gradient yet
+                p.engine.skip(out.loss)
+            if bool(flags.real):
+                self.guard.check(self.step)  # synchronised anyway: stop at once
+        return out, flags
 
     def _stop_if_preempted(self) -> None:
         """At the agreed step boundary: checkpoint (unless just written) and stop."""
@@ -259,7 +274,12 @@ class Trainer:
         elapsed = time.perf_counter() - self.window_start
         views = sum_over_ranks(self.views, rt.device)
         row = self.window.means_over_ranks()
+        empty, self.empty_steps = int(self.empty_steps), 0
+        if empty:
+            log.warning("%d step(s) up to step %d had a rank whose every sample was skipped; "
+                        "no update in them", empty, self.step)
         row.update(lr=lr, images_per_s=views / elapsed, memory_mib=peak_memory_mib(rt.device),
+                   empty_steps=float(empty),
                    skipped_samples=sum_over_ranks(sum(self.loader_state.skipped.values()),
                                                   rt.device),
                    nonfinite_steps=float(nonfinite_total))

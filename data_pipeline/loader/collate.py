@@ -39,6 +39,7 @@ class TrainCollator:
             self.second = self.first if cfg.grayscale_second is None else views(
                 grayscale=cfg.grayscale_second)  # asymmetric views (BYOL)
         self.text, self.store, self.tokenizer = text, store, None
+        self.resolution = cfg.resolution
 
     def __call__(self, group: list[Instance], seeds: list[int], skips: SkipLog,
                  ) -> dict[str, Any]:
@@ -53,6 +54,7 @@ class TrainCollator:
         views = self.first.render(first + second)  # [2B, 3, R, R]: view 1s, view 2s
         batch = {
             **(views if isinstance(views, dict) else {"images": views}),
+            "placeholder": False,
             "ids": torch.tensor([stable_int(s.key) for s in heads]).repeat(2),
             "keys": ["+".join(s.key for s, _ in instance) for instance in group],
             "captions": [s.caption for s in heads],
@@ -66,6 +68,27 @@ class TrainCollator:
             rows = [s.row for s in heads]
             batch["caption_embeddings"] = torch.from_numpy(
                 np.asarray(self.store.embeddings[rows])).repeat(2, 1)
+        return batch
+
+    def placeholder(self, skips: SkipLog, labelled: bool) -> dict[str, Any]:
+        """A batch in which every sample was skipped: one instance of zero images (two
+        views), flagged ``placeholder`` so that every rank runs the step (the collectives
+        stay in step) and none updates or logs it; it carries the skips to be counted."""
+        resolution = self.resolution
+        batch: dict[str, Any] = {
+            "images": torch.zeros(2, 3, resolution, resolution), "placeholder": True,
+            "ids": torch.tensor([stable_int("placeholder")]).repeat(2), "keys": [],
+            "captions": [""], **skips.as_batch()}
+        if labelled:
+            batch["labels"] = torch.zeros(2, dtype=torch.long)
+        if self.text is not None:
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self.text.model)
+            tokens = tokenize(self.tokenizer, [""], self.text.max_length)
+            batch.update({k: v.repeat(2, 1) for k, v in tokens.items()})
+        if self.store is not None:
+            batch["caption_embeddings"] = torch.zeros(2, self.store.embeddings.shape[1],
+                                                      dtype=torch.float16)
         return batch
 
     def _tokens(self, heads: list[RawSample]) -> dict[str, torch.Tensor]:

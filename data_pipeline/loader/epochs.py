@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 # what schedulers send a job's process group to stop or warn it: the training process
 # decides (pretrain/preemption.py) and ends its loader workers itself
-SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
+                     signal.SIGINT)  # Ctrl-C reaches the whole group: the main process answers
 
 
 def ignore_scheduler_signals(worker_id: int) -> None:
@@ -123,7 +124,7 @@ class TrainLoader:
         finished = False
         try:
             for batch in batches:
-                if self.device_views is not None:
+                if self.device_views is not None and not batch["placeholder"]:
                     batch = self.device_views(batch)
                 self.state.record(batch)
                 skips.update(batch["skipped"])

@@ -6,7 +6,8 @@ ranks and workers, equal batches per rank, lanes of the data set read side by si
 shuffled in blocks. Worker w of K yields the epoch's batches b with b % K == w, which the
 DataLoader interleaves back into order 0, 1, 2, ... A batch is the next ``batch_size``
 positions of the stream (``2 * batch_size`` for ``pairing=same_label``); a sample that is
-skipped leaves its batch one instance short, so where a stream stands never depends on
+skipped leaves its batch one instance short (a batch left with none is a placeholder the
+trainer steps over on every rank), so where a stream stands never depends on
 what its samples held.
 
 Resume (:class:`LoaderState`): the state records the batches delivered under each layout
@@ -110,6 +111,9 @@ class TrainStream(IterableDataset):
         decoder = self._decoder()
         for _ in range(worker + done * workers, plan.batches, workers):
             group = self._instances([decoder(next(placed), checker) for _ in range(per_batch)])
+            if not group:  # every sample skipped (or no pair): the ranks still step together
+                yield collate.placeholder(checker.log.take(), bool(self.shards.class_names))
+                continue
             seeds = [stable_int(self.cfg.seed, epoch, instance[0][0].key)
                      for instance in group]
             yield collate(group, seeds, checker.log.take())

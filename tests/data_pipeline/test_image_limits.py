@@ -87,3 +87,53 @@ def test_both_loaders_skip_and_count_an_image_over_the_limit_naming_it(tmp_path)
     assert state.skipped == {"corrupt_image": 1}
     assert any("big" in example and "exceed the limit of 10000" in example
                for example in state.skipped_examples), state.skipped_examples
+
+
+def encoded_as(fmt: str) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (10, 120, 200)).save(out, format=fmt)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "GIF", "BMP", "TIFF", "ICO", "PPM"])
+def test_only_jpeg_png_and_webp_are_opened_and_the_refused_format_is_named(fmt):
+    with pytest.raises(SkipSample) as skipped:
+        decode(encoded_as(fmt), "shard-000000.tar:k1")
+    assert skipped.value.detail == (f"shard-000000.tar:k1: format {fmt} is not accepted "
+                                    "(send JPEG, PNG or WebP)")
+    for fmt_ok in ("JPEG", "PNG", "WEBP"):
+        assert decode(encoded_as(fmt_ok), "ok").shape == (3, 16, 16)
+    with pytest.raises(SkipSample, match=r"^corrupt_image: x: not a readable JPEG, PNG or "
+                                         r"WebP image$"):
+        decode(b"\x00" * 64, "x")  # no heap address ("<_io.BytesIO object at 0x...>")
+
+
+def test_the_loaders_skip_an_eps_sample_naming_its_format(tmp_path):
+    eps = Sample("eps", encoded_as("EPS"), "jpg", 1, "a caption")
+    write_set(tmp_path, [[digit_sample(i) for i in range(11)] + [eps]])
+    cfg = DataConfig(shards=str(tmp_path), batch_size=4, workers=0, resolution=16,
+                     shuffle_buffer=4, max_skip_fraction=0.5)
+    state = LoaderState()
+    from data_pipeline.loader import train_batches
+
+    for _ in train_batches(cfg, state=state):
+        pass
+    assert state.skipped == {"corrupt_image": 1}
+    assert any("eps: format EPS is not accepted" in e for e in state.skipped_examples)
+
+
+def test_pillow_s_process_wide_limit_is_never_changed(monkeypatch):
+    """Opening reads Pillow's limit as it is: nothing a thread could race on is toggled."""
+    seen = []
+    real_open = Image.open
+
+    def watching(*args, **kwargs):
+        seen.append(Image.MAX_IMAGE_PIXELS)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", watching)
+    before = Image.MAX_IMAGE_PIXELS
+    decode(png(20, 20), "ok", max_pixels=100_000)
+    with pytest.raises(SkipSample):
+        check_image(bomb_png(30_000, 30_000), "bomb")
+    assert seen == [before, before] and Image.MAX_IMAGE_PIXELS == before

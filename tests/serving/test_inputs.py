@@ -132,3 +132,54 @@ def test_images_over_the_run_s_pixel_limit_are_refused_from_their_header():
 def test_an_empty_request_says_what_to_send():
     with pytest.raises(BadRequest, match="request: no rows; send one row per image"):
         images_of(pd.DataFrame({"image": []}))
+
+
+def test_rows_pixels_and_files_are_bounded_before_any_decode(tmp_path, monkeypatch):
+    from serving import inputs as served_inputs
+
+    decoded = []
+    monkeypatch.setattr(served_inputs, "decode", lambda *a, **k: decoded.append(1))
+    small = ServedImages(R, limits=ServeLimits(max_rows=2, max_pixels=1200,
+                                               max_file_bytes=100, path_root=str(tmp_path)))
+    three = pd.DataFrame({"image": [encoded("PNG", (10, 10))] * 3})
+    with pytest.raises(BadRequest, match="request: 3 rows, over the limit of 2 per request"):
+        list(small.batches(three))
+    two = pd.DataFrame({"image": [encoded("PNG", (40, 28)), encoded("PNG", (30, 10))]})
+    with pytest.raises(BadRequest, match=r"decode to more than 1200 pixels .*exceeded at "
+                                         r"row 1: image"):
+        list(small.batches(two))  # 1120 + 300: the first alone fits, both do not
+    (tmp_path / "big.png").write_bytes(encoded("PNG", (40, 40), seed=3))
+    with pytest.raises(BadRequest, match="row 0: path: not a readable file under the serving"):
+        list(small.batches(pd.DataFrame({"path": ["big.png"]})))  # over max_file_bytes
+    assert decoded == []
+
+
+def test_a_jpeg_counts_at_the_reduced_size_it_is_decoded_at():
+    """A 400 x 400 JPEG served at 16 px decodes at 1/8 (50 x 50 = 2,500 pixels)."""
+    frame = pd.DataFrame({"image": [encoded("JPEG", (400, 400))]})
+    assert len(list(ServedImages(R, limits=ServeLimits(max_pixels=2_500)).batches(frame))) == 1
+    with pytest.raises(BadRequest, match="decode to more than 2499 pixels"):
+        list(ServedImages(R, limits=ServeLimits(max_pixels=2_499)).batches(frame))
+
+
+def test_a_request_past_its_deadline_or_without_a_slot_is_refused():
+    import threading
+    import time
+
+    from serving.inputs import Busy
+
+    frame = pd.DataFrame({"image": [encoded("PNG", seed=s) for s in range(3)]})
+    images = ServedImages(R, limits=ServeLimits(deadline_s=0.2))
+    with pytest.raises(BadRequest, match=r"row 0: image: the request ran past its deadline of "
+                                         r"0.2 s"):
+        list(images.batches(frame, deadline=time.monotonic() - 1))
+    model = EmbeddingModel(Encoder(ModelConfig(width=8, projector_hidden=16,
+                                               projector_dim=8))).eval()
+    gate = threading.BoundedSemaphore(1)
+    gate.acquire()  # the one slot is taken
+    started = time.monotonic()
+    with pytest.raises(Busy, match="request: the server stayed busy for 0.2 s"):
+        embed(model, images, frame, None, gate)
+    assert 0.15 < time.monotonic() - started < 5
+    gate.release()
+    assert embed(model, images, frame, None, gate).shape == (3, 8)
