@@ -57,7 +57,7 @@ def test_every_file_of_a_version_is_verified_and_a_payload_never_runs(registered
     pickle.loads(payload)  # the payload is live: unpickling it runs it
     assert marker.exists()
     marker.unlink()
-    assert {"MLmodel", "serving.py", "artifacts/encoder.safetensors",
+    assert {"MLmodel", "pyfunc.py", "artifacts/encoder.safetensors",
             "artifacts/config.yaml", "artifacts/model_card.md"} <= set(files)
     clean, _ = load_model(f"models:/{MODEL}/1", root / "run", uri)
     for name in files:

@@ -64,7 +64,7 @@ def test_sqlite_store_holds_params_metrics_artifacts_and_a_loadable_model(digits
     files = mlflow.artifacts.download_artifacts("models:/digits-test-encoder/1",
                                                 dst_path=str(tmp_path / "version"))
     names = {p.relative_to(files).as_posix() for p in Path(files).rglob("*") if p.is_file()}
-    assert {"MLmodel", "serving.py", "artifacts/encoder.safetensors", "artifacts/config.yaml",
+    assert {"MLmodel", "pyfunc.py", "artifacts/encoder.safetensors", "artifacts/config.yaml",
             "artifacts/model_card.md"} <= names
     assert not any(name.endswith((".pkl", ".pth", ".pt")) for name in names)
     assert "python_model" not in (Path(files) / "MLmodel").read_text().replace(
