@@ -42,7 +42,8 @@ def agreed_flags(loss: Tensor, placeholder: bool = False) -> StepFlags:
     """:class:`StepFlags` of this step: one all-reduce of two flags, no host
     synchronisation (``placeholder`` is the loader's host-side flag)."""
     flags = torch.stack([torch.isfinite(loss.detach()).float().reshape(()),
-                         loss.new_tensor(0.0 if placeholder else 1.0, dtype=torch.float32)])
+                         torch.full((), 0.0 if placeholder else 1.0, device=loss.device)])
+    # (filled on the device: a Python number copied from the host would be a transfer)
     if active():
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     return StepFlags(flags[0] > 0, flags[1] > 0)
