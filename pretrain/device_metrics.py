@@ -41,9 +41,10 @@ class StepFlags(NamedTuple):
 def agreed_flags(loss: Tensor, placeholder: bool = False) -> StepFlags:
     """:class:`StepFlags` of this step: one all-reduce of two flags, no host
     synchronisation (``placeholder`` is the loader's host-side flag)."""
+    # the placeholder flag is filled on the device: a tensor made on the host and moved
+    # there would be a transfer every step
     flags = torch.stack([torch.isfinite(loss.detach()).float().reshape(()),
                          torch.full((), 0.0 if placeholder else 1.0, device=loss.device)])
-    # (filled on the device: a Python number copied from the host would be a transfer)
     if active():
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     return StepFlags(flags[0] > 0, flags[1] > 0)
