@@ -128,7 +128,9 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Calla
                 outputs.append(engine.module(*model_inputs(batch, rows)))
     after = rng_state(device)
     leaves = ModelOutput(
-        features=None, projections=_cat([o.projections for o in outputs]),
+        features=None if outputs[0].features is None else torch.cat(
+            [o.features for o in outputs]),  # no gradient: watched, not trained
+        projections=_cat([o.projections for o in outputs]),
         text=_cat([o.text for o in outputs]), temperature=_leaf(outputs[0].temperature),
         loss_parameters={name: _leaf(value)
                          for name, value in outputs[0].loss_parameters.items()})

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from data_pipeline.samples import stable_int
-from pretrain.collapse import effective_rank
+from pretrain.collapse import backbone_measures, effective_rank
 from pretrain.distributed import build_global_batch
 from pretrain.losses import ObjectiveConfig, ObjectiveOutput
 from pretrain.losses.batch import BatchOptions, BatchRows
@@ -63,6 +63,8 @@ def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Callable
     tau = temperature if out.temperature is None else out.temperature
     result = objective(global_batch, tau, **out.loss_parameters)
     result.metrics["effective_rank"] = effective_rank(out.projections.detach())
+    if out.features is not None:
+        result.metrics.update(backbone_measures(out.features, batch["ids"]))
     return result
 
 

@@ -119,7 +119,8 @@ class Trainer:
         shared = {"step": self.step, "world": world, "model": engine["model"],
                   "global_batch": self.p.data_cfg.batch_size * world,
                   "nonfinite_total": self.guard.check(self.step), "config": self.p.config_yaml,
-                  "controller": self.controller.state_dict() if self.controller else {}}
+                  "controller": self.controller.state_dict() if self.controller else {},
+                  "collapse": self.collapse.state_dict()}
         own = {"rng": rng_state(), "loader": self.loader_state.state_dict()}
         (own if self.p.engine.optimizer_sharded else shared)["optimizer"] = engine["optimizer"]
         path = self.p.checkpointer.save(self.step, shared, own)
@@ -148,6 +149,7 @@ class Trainer:
         self.guard.total = shared["nonfinite_total"]
         if self.controller:
             self.controller.load_state_dict(shared["controller"])
+        self.collapse.load_state_dict(shared.get("collapse", {}))
         self.loader_state = LoaderState.from_state_dict(own["loader"])
         set_rng_state(own["rng"])
         log.info("resumed from %s at step %d", path, self.step)

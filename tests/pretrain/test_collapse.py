@@ -8,7 +8,16 @@ import math
 import pytest
 import torch
 
-from pretrain.collapse import CollapseConfig, Collapsed, CollapseWatch, effective_rank
+from pretrain.collapse import (
+    CollapseConfig,
+    Collapsed,
+    CollapseWatch,
+    backbone_measures,
+    effective_rank,
+)
+from pretrain.losses import ObjectiveConfig, objective_from_config
+from pretrain.model import ContrastiveModel, ModelConfig
+from pretrain.step import forward_loss
 from tests.app.helpers import run_pretrain, train_overrides
 
 
@@ -65,3 +74,72 @@ def test_a_run_showing_collapse_warns_then_stops(digits_shards, tmp_path):
     assert "training collapsed at step 4" in result.stderr
     assert "model.projector_bn_out=true" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_backbone_measures_against_a_loop_in_float64():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 5, generator=gen, dtype=torch.float64).abs()
+    ids = torch.arange(6).repeat(2)
+    got = backbone_measures(x, ids)
+    pairs = [(i, j) for i in range(12) for j in range(12) if ids[i] != ids[j]]
+    cos = sum(float(x[i] @ x[j] / (x[i].norm() * x[j].norm())) for i, j in pairs) / len(pairs)
+    mean = x.mean(0)
+    spread = math.sqrt(sum(float((r - mean) @ (r - mean)) for r in x) / 12) / math.sqrt(
+        sum(float(r @ r) for r in x) / 12)
+    assert float(got["backbone_cos"]) == pytest.approx(cos, rel=1e-6)
+    assert float(got["backbone_spread"]) == pytest.approx(spread, rel=1e-6)
+    same = backbone_measures(torch.ones(8, 4) * 3, torch.arange(8))
+    assert float(same["backbone_spread"]) == pytest.approx(0, abs=1e-6)
+    assert float(same["backbone_cos"]) == pytest.approx(1, abs=1e-6)
+
+
+class CollapsedBackbone(torch.nn.Module):
+    """A backbone whose features of every image are nearly one vector (what the ViT's
+    became under the SupCon recipe): 10 + 1e-3 x the real features."""
+
+    def __init__(self, backbone: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = backbone
+
+    def forward(self, images):
+        return 10 + 1e-3 * self.inner(images)
+
+
+def test_a_backbone_collapsed_behind_the_projector_s_batch_norm_is_caught():
+    """The projections of a collapsed backbone still look healthy (the projector's
+    batch-normalised output spreads what is left), so the projection signs stay quiet;
+    the backbone's spread, against the run's first row, is what shows it."""
+    torch.manual_seed(0)
+    model = ContrastiveModel(ModelConfig(width=8, projector_hidden=32, projector_dim=16,
+                                         projector_bn_out=True))
+    images = torch.randn(64, 3, 16, 16)
+    batch = {"images": images, "ids": torch.arange(32).repeat(2),
+             "labels": torch.arange(32).repeat(2) % 4}
+    cfg = ObjectiveConfig(name="supcon")
+    objective = objective_from_config(cfg)
+    watch = CollapseWatch(CollapseConfig())
+
+    def row(model) -> dict[str, float]:
+        out = forward_loss(model, batch, objective, cfg, 0.1, 0)
+        return {k: float(v) for k, v in out.metrics.items()}
+
+    healthy = row(model)
+    assert watch.check(10, healthy) is None
+    model.encoder.backbone = CollapsedBackbone(model.encoder.backbone)
+    collapsed = row(model)
+    assert collapsed["effective_rank"] > 10  # the projections look spread
+    assert collapsed["backbone_cos"] > 0.999 and collapsed["backbone_spread"] < 1e-3
+    without_backbone = {k: v for k, v in collapsed.items() if not k.startswith("backbone")}
+    assert CollapseWatch(CollapseConfig()).symptom(without_backbone) is None  # hidden before
+    warning = watch.check(20, collapsed)
+    assert warning is not None and "the backbone's features of different images became " \
+        "alike" in warning, warning
+    assert CollapseWatch(CollapseConfig(backbone_spread_ratio=0)).check(10, collapsed) is None
+
+
+def test_the_first_spread_survives_a_resume():
+    watch = CollapseWatch(CollapseConfig())
+    watch.check(10, {"effective_rank": 50.0, "backbone_spread": 0.8})
+    resumed = CollapseWatch(CollapseConfig())
+    resumed.load_state_dict(watch.state_dict())
+    assert resumed.check(20, {"effective_rank": 50.0, "backbone_spread": 0.1}) is not None
