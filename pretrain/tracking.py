@@ -177,7 +177,14 @@ class Tracker:
             return 0
         from mlflow.entities import Metric
 
-        rows = [json.loads(line) for line in self.journal.read_text().splitlines() if line]
+        rows = []
+        for line in self.journal.read_text().splitlines():
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a row cut by a crash or Ctrl-C while written
+                log.warning("tracking: a cut row of %s passed over", self.journal)
         metrics = [Metric(k, float(v), int(row["t"]), int(row["step"]))
                    for row in rows for k, v in row["metrics"].items()]
         for i in range(0, len(metrics), 1000):
@@ -233,7 +240,8 @@ class Tracker:
         if self.monitor is not None:
             self.monitor.finish()
             self.monitor = None
-        if self._contact(force=True):
+        # a run that stopped on a fault is marked even when its backlog cannot be sent
+        if self._contact(force=True) or (status != "FINISHED" and self.run_id is not None):
             with self._store_full():
                 for key, value in (tags or {}).items():
                     self.client.set_tag(self.run_id, key, value)

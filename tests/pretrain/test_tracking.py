@@ -139,3 +139,22 @@ def test_training_goes_on_when_the_server_is_down(digits_shards, tmp_path):
     skips = [row for row in rows if "loss" not in row["metrics"]]  # the end-of-run totals
     assert [row["step"] for row in skips] == [6]
     assert skips[0]["metrics"]["skipped.truncated_shard"] == 0
+
+
+def test_a_row_cut_in_the_journal_blocks_nothing_and_a_failed_run_is_marked(tmp_path):
+    """A journal row cut by a crash or Ctrl-C while it was written: the rows around it are
+    sent, the cut one passed over, and the run ends FAILED (it stayed RUNNING: the cut row
+    made every send fail, so the run was never marked)."""
+    cfg = TrackingConfig(system_metrics=False)
+    tracker = Tracker(cfg, tmp_path, "cut-journal")
+    tracker.start({"objective.name": "infonce"})
+    journal = tmp_path / "mlflow_pending.jsonl"
+    rows = [json.dumps({"step": s, "t": 1, "metrics": {"loss": float(s)}}) for s in (1, 2)]
+    journal.write_text(rows[0] + "\n" + rows[1][:17] + "\n" + rows[1] + "\n")
+    tracker.finish("FAILED")
+    client = mlflow.MlflowClient(tracker.uri)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FAILED"
+    history = client.get_metric_history(tracker.run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 2]
+    assert not journal.exists()
