@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import threading
 from pathlib import Path
 from typing import Any
@@ -73,15 +74,10 @@ def release_memory() -> None:
         trim(0)
 
 
-_TRIM: list = []
-
-
+@functools.cache
 def _malloc_trim() -> Any:
-    if not _TRIM:
-        name = ctypes.util.find_library("c")
-        library = ctypes.CDLL(name) if name else None
-        _TRIM.append(getattr(library, "malloc_trim", None))
-    return _TRIM[0]
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
 
 
 mlflow.models.set_model(EncoderModel())
