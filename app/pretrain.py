@@ -120,7 +120,7 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
                     "with engine.name=deepspeed (docs/training.md)")
     graph = class_graph_for(config, rt.device)
     torch.manual_seed(config.seed)
-    model = build_model(config.model, objective, rt.device)
+    model = build_model(config.model, objective, rt.device, len(shards.class_names))
     optimizer = build_optimizer(model, config.optim, global_batch)
     engine = build_engine(model, optimizer, config.engine, rt.device, 2 * data.batch_size)
     per_epoch = shards.total // (data.samples_per_batch * rt.world)  # the loader's epoch
@@ -163,8 +163,9 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
         name = config.tracking.registered_model or f"{config.name}-encoder"
         module = parts.engine.module
         card = model_card(config, parts, trainer, name)
+        classes = module.loss_parameters.get("class_embeddings")  # projnce learned
         version = tracker.log_model(lambda uri, run_id: log_encoder(
-            uri, run_id, module.encoder, name, parts.config_yaml, card, module.text))
+            uri, run_id, module.encoder, name, parts.config_yaml, card, module.text, classes))
         if version is not None:
             log.info("registered model %s version %s", name, version)
     tracker.finish()

@@ -37,7 +37,7 @@ from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import load_model, untrained_copy
 from evaluation.probe import linear_probe
 from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json, write_markdown
-from evaluation.retrieval import caption_evaluation
+from evaluation.retrieval import caption_evaluation, class_embedding_classifier
 from evaluation.tracking import INDEX_DIR, end_failed, log_evaluation, upload_outputs
 from pretrain.tracking import TrackingConfig, tracking_uri
 from serving.model_registry import ModelRef
@@ -193,6 +193,9 @@ def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtim
         if model.text is not None:
             results.update(caption_evaluation(model, retrieval, test, cfg, retrieval_shards,
                                               rt.device))
+        if model.class_embeddings is not None:
+            results["class_embedding_classifier"] = class_embedding_classifier(
+                model.class_embeddings, test)
         if cfg.compare_untrained:
             results["untrained"] = {}
             knn_results(*floor_features, dataclasses.replace(cfg, save_index=False), out,

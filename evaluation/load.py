@@ -16,14 +16,19 @@ import yaml
 
 from core.config import from_dict
 from pretrain.checkpoint import list_checkpoints
-from pretrain.model import ModelConfig, encoder_from_state, text_tower_from_state
+from pretrain.model import (
+    ModelConfig,
+    class_embeddings_from_state,
+    encoder_from_state,
+    text_tower_from_state,
+)
 from pretrain.tracking import run_id_of
 from serving.model_registry import EmbeddingModel, ModelRef, download_verified, resolve
 
 
 def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
     """A checkpoint directory (or its ``shared.pt``) -> the encoder (with CLIP's text tower
-    when the run trained one), the run's config dict.
+    and ProjNCE's class embeddings when the run trained them), the run's config dict.
 
     Only the checkpoint's ``model`` section is needed to rebuild them.
     """
@@ -34,7 +39,8 @@ def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
     tree = yaml.safe_load(state["config"])
     model_cfg = from_dict(ModelConfig, tree.get("model", {}), prefix="model.")
     return EmbeddingModel(encoder_from_state(model_cfg, state["model"]),
-                          text_tower_from_state(model_cfg, state["model"])), tree
+                          text_tower_from_state(model_cfg, state["model"]),
+                          class_embeddings_from_state(state["model"])), tree
 
 
 def untrained_copy(model: EmbeddingModel, seed: int) -> EmbeddingModel:

@@ -106,7 +106,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
 
 
 def caption_lines(results: dict[str, Any]) -> list[str]:
-    """The retrieval and zero-shot tables of a model with a text tower."""
+    """The retrieval and zero-shot tables of a model with a text tower, and the accuracy
+    of a model's learned class embeddings."""
     lines = []
     if "retrieval" in results:
         r = results["retrieval"]
@@ -122,6 +123,11 @@ def caption_lines(results: dict[str, Any]) -> list[str]:
         accuracy = ", ".join(f"{k} {v:.4f}" for k, v in z["accuracy"].items())
         lines += ["", f"Zero-shot classification ({z['classes']} classes, "
                       f"{len(z['templates'])} prompt templates): {accuracy}."]
+    if "class_embedding_classifier" in results:
+        c = results["class_embedding_classifier"]
+        accuracy = ", ".join(f"{k} {v:.4f}" for k, v in c["accuracy"].items())
+        lines += ["", f"Classifier by cosine to the {c['classes']} learned class embeddings "
+                      f"(ProjNCE): {accuracy}."]
     return lines
 
 

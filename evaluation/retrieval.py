@@ -68,6 +68,18 @@ def zero_shot_accuracy(images: Tensor, class_texts: Tensor, labels: Tensor,
     return _hits(images, class_texts, labels, [k for k in ks if k <= class_texts.shape[0]])
 
 
+def class_embedding_classifier(class_embeddings: Tensor,
+                               labelled: Features) -> dict[str, Any]:
+    """ProjNCE's classifier (Jeong & Hero, Sec. 5): each of ``labelled``'s projections goes
+    to the class whose learned embedding (a row of ``class_embeddings`` [C, P]) is nearest
+    in cosine; top-1 and top-5 accuracy."""
+    classes = F.normalize(class_embeddings.detach().float().cpu(), dim=1)
+    accuracy = zero_shot_accuracy(F.normalize(labelled.projector, dim=1), classes,
+                                  labelled.labels, [1, 5])
+    return {"classes": classes.shape[0],
+            "accuracy": {k.replace("R@", "top"): v for k, v in accuracy.items()}}
+
+
 @torch.no_grad()
 def embed_texts(model: EmbeddingModel, texts: list[str], device: torch.device,
                 batch_size: int) -> Tensor:

@@ -106,7 +106,7 @@ def _surrogate(out: ModelOutput, grads: ModelOutput, rows: slice, last: bool) ->
     if out.temperature is not None:
         surrogate = surrogate + out.temperature * grads.temperature * last
     for name, value in out.loss_parameters.items():
-        surrogate = surrogate + value * grads.loss_parameters[name] * last
+        surrogate = surrogate + (value * grads.loss_parameters[name]).sum() * last
     return surrogate
 
 

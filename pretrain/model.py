@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from core.config import InvalidValue
 from pretrain.backbones import build_backbone, check_backbone
 from pretrain.losses.config import ObjectiveConfig
+from pretrain.losses.parameters import ParameterShape
 from pretrain.losses.registry import objective_spec
 from pretrain.text_tower import TextTower, TextTowerConfig
 
@@ -83,7 +84,8 @@ class Encoder(nn.Module):
 
 class ModelOutput(NamedTuple):
     """features [B, F], projections [B, P], text [B, P] (clip, siglip), learnable
-    temperature [], and the objective's learnable loss parameters by name (each [])."""
+    temperature [], and the objective's learnable loss parameters by name (SigLIP's bias
+    [], ProjNCE's class embeddings [C, D])."""
 
     features: Tensor | None
     projections: Tensor
@@ -95,14 +97,15 @@ class ModelOutput(NamedTuple):
 class ContrastiveModel(nn.Module):
     """Everything the engine trains: the encoder, a text tower when the objective needs
     one, a learnable temperature (stored as log tau) when asked for, and the objective's
-    learnable loss parameters (``loss_parameters``: name -> initial value, e.g. SigLIP's
-    bias). Temperature and loss parameters come out of ``forward`` so wrappers (DDP) see
-    them used there; the step hands them to the objective (as open_clip's model owns
-    ``logit_scale`` and ``logit_bias``)."""
+    learnable loss parameters (``loss_parameters``: name -> initial tensor, e.g. SigLIP's
+    bias, ProjNCE's class embeddings). Temperature and loss parameters come out of
+    ``forward`` so wrappers (DDP) see them used there; the step hands them to the objective
+    (as open_clip's model owns ``logit_scale`` and ``logit_bias``). A 0-dim parameter is
+    stored with shape [1] (DeepSpeed cannot flatten 0-dim parameters) and handed out as []."""
 
     def __init__(self, cfg: ModelConfig, with_text: bool = False,
                  learnable_temperature: float | None = None,
-                 loss_parameters: dict[str, float] | None = None) -> None:
+                 loss_parameters: dict[str, Tensor] | None = None) -> None:
         super().__init__()
         self.encoder = Encoder(cfg)
         self.split_views = cfg.split_views
@@ -111,9 +114,11 @@ class ContrastiveModel(nn.Module):
         if learnable_temperature is not None:
             # shape [1], not [] (DeepSpeed cannot flatten 0-dim parameters)
             self.log_temperature = nn.Parameter(torch.tensor([learnable_temperature]).log())
+        initial = loss_parameters or {}
         self.loss_parameters = nn.ParameterDict(
-            {name: nn.Parameter(torch.tensor([float(value)]))
-             for name, value in (loss_parameters or {}).items()})
+            {name: nn.Parameter(value.detach().float().reshape(value.shape or (1,)).clone())
+             for name, value in initial.items()})
+        self._loss_parameter_shapes = {name: value.shape for name, value in initial.items()}
 
     def forward(self, images: Tensor, input_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None) -> ModelOutput:
@@ -128,18 +133,21 @@ class ContrastiveModel(nn.Module):
         text = None if self.text is None else self.text(input_ids, attention_mask)
         temperature = (None if self.log_temperature is None
                        else self.log_temperature.exp().squeeze(0))
-        loss_parameters = {name: p.squeeze(0) for name, p in self.loss_parameters.items()}
+        loss_parameters = {name: p.reshape(self._loss_parameter_shapes[name])
+                           for name, p in self.loss_parameters.items()}
         return ModelOutput(features, projections, text, temperature, loss_parameters)
 
 
-def build_model(cfg: ModelConfig, objective: ObjectiveConfig,
-                device: torch.device) -> ContrastiveModel:
+def build_model(cfg: ModelConfig, objective: ObjectiveConfig, device: torch.device,
+                num_classes: int = 0) -> ContrastiveModel:
     """The model a run trains: the encoder, plus what the objective's registry entry asks
-    for (a text tower, learnable loss parameters) and a learnable temperature
-    (initialised at ``objective.temperature``) when asked for."""
+    for (a text tower, learnable loss parameters shaped by the shards' ``num_classes``) and
+    a learnable temperature (initialised at ``objective.temperature``) when asked for."""
     temperature = objective.temperature if objective.learnable_temperature else None
+    with torch.random.fork_rng(devices=[]):  # the encoder's init draws as without them
+        parameters = objective.loss_parameters(ParameterShape(num_classes, cfg.projector_dim))
     model = ContrastiveModel(cfg, objective_spec(objective.name).text_tower, temperature,
-                             objective.loss_parameters()).to(device)
+                             parameters).to(device)
     if device.type == "cuda":
         if cfg.channels_last:
             model.encoder = model.encoder.to(memory_format=torch.channels_last)
@@ -169,3 +177,8 @@ def text_tower_from_state(cfg: ModelConfig, model_state: dict[str, Tensor]) -> T
     tower = TextTower(cfg.text, cfg.projector_dim)
     tower.load_state_dict(state)
     return tower
+
+
+def class_embeddings_from_state(model_state: dict[str, Tensor]) -> Tensor | None:
+    """ProjNCE's learned [C, D] class embeddings of a trained model (None if it has none)."""
+    return _part(model_state, "loss_parameters.").get("class_embeddings")

@@ -1,7 +1,8 @@
 """The encoder in the MLflow model registry, without pickle.
 
 A registered version holds the encoder's weights (``artifacts/encoder.safetensors``), for
-``clip`` runs the text tower's (``artifacts/text_tower.safetensors``), the run's resolved
+``clip`` runs the text tower's (``artifacts/text_tower.safetensors``), for ProjNCE runs with
+learned class embeddings those (``artifacts/class_embeddings.safetensors``), the run's resolved
 configuration (``artifacts/config.yaml``) and a model card
 (``artifacts/model_card.md``), logged as an MLflow "model from code" (``serving.py``, a
 plain Python file; see :mod:`serving.pyfunc`) with a tensor signature
@@ -40,6 +41,7 @@ VERSION_TAG = "artifact_sha256"  # model version tag: {relative path: sha256}
 RUN_TAG = "encoder.artifact_sha256"  # the same record on the run
 WEIGHTS, CONFIG, CARD = "encoder.safetensors", "config.yaml", "model_card.md"
 TEXT_WEIGHTS = "text_tower.safetensors"  # clip runs only
+CLASS_EMBEDDINGS = "class_embeddings.safetensors"  # projnce learned runs only
 PYFUNC = Path(__file__).with_name("pyfunc.py")  # the model-from-code file MLflow stores
 
 
@@ -61,12 +63,17 @@ class RegistryError(RunError):
 class EmbeddingModel(nn.Module):
     """The backbone plus projector; ``forward(images [B, 3, R, R]) -> [B, P]``,
     ``features(images) -> [B, F]`` gives the backbone output for evaluation. ``text`` is
-    CLIP's text tower (token ids [B, L], mask [B, L] -> [B, P]) when the run trained one."""
+    CLIP's text tower (token ids [B, L], mask [B, L] -> [B, P]) when the run trained one;
+    ``class_embeddings`` [C, P] ProjNCE's learned class embeddings when the run learned them
+    (a buffer: evaluated, never trained here)."""
 
-    def __init__(self, encoder: nn.Module, text: TextTower | None = None) -> None:
+    def __init__(self, encoder: nn.Module, text: TextTower | None = None,
+                 class_embeddings: Tensor | None = None) -> None:
         super().__init__()
         self.encoder = encoder
         self.text = text
+        self.class_embeddings: Tensor | None
+        self.register_buffer("class_embeddings", class_embeddings)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.encoder(images)[1]
@@ -100,11 +107,11 @@ class ModelCard:
                           *table(self.training), "", "## kNN monitor (top-1)", *knn, ""])
 
 
-def _save_weights(module: nn.Module, path: Path) -> None:
+def _save_tensors(state: dict[str, Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     state = {k: v.detach().float().cpu().contiguous() if v.is_floating_point()
-             else v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+             else v.detach().cpu().contiguous() for k, v in state.items()}
     save_file(state, str(path), metadata={"format": "pt"})
 
 
@@ -112,11 +119,15 @@ def write_package(directory: Path, model: EmbeddingModel, config_yaml: str,
                   card: ModelCard) -> dict[str, str]:
     """Write weights (the text tower's too, when there is one), configuration and card
     into ``directory``; returns MLflow's ``artifacts`` mapping (name -> local path)."""
-    _save_weights(model.encoder, directory / WEIGHTS)
+    _save_tensors(model.encoder.state_dict(), directory / WEIGHTS)
     names = [WEIGHTS, CONFIG, CARD]
     if model.text is not None:
-        _save_weights(model.text, directory / TEXT_WEIGHTS)
+        _save_tensors(model.text.state_dict(), directory / TEXT_WEIGHTS)
         names.append(TEXT_WEIGHTS)
+    if model.class_embeddings is not None:
+        _save_tensors({"class_embeddings": model.class_embeddings},
+                      directory / CLASS_EMBEDDINGS)
+        names.append(CLASS_EMBEDDINGS)
     (directory / CONFIG).write_text(config_yaml)
     (directory / CARD).write_text(card.markdown())
     return {name.split(".")[0]: str(directory / name) for name in names}
@@ -157,12 +168,17 @@ def load_package(root: Path) -> tuple[EmbeddingModel, dict[str, Any]]:
     if (folder / TEXT_WEIGHTS).is_file():
         text = TextTower(cfg.text, cfg.projector_dim)
         text.load_state_dict(load_file(str(folder / TEXT_WEIGHTS)))
-    return EmbeddingModel(encoder, text).eval(), tree
+    classes = None
+    if (folder / CLASS_EMBEDDINGS).is_file():
+        classes = load_file(str(folder / CLASS_EMBEDDINGS))["class_embeddings"]
+    return EmbeddingModel(encoder, text, classes).eval(), tree
 
 
 def log_encoder(uri: str, run_id: str, encoder: nn.Module, registered_model: str,
-                config_yaml: str, card: ModelCard, text: TextTower | None = None) -> str:
-    """Log ``encoder`` (and the ``text`` tower of clip or siglip) under the run as a model
+                config_yaml: str, card: ModelCard, text: TextTower | None = None,
+                class_embeddings: Tensor | None = None) -> str:
+    """Log ``encoder`` (and the ``text`` tower of clip or siglip, the learned
+    ``class_embeddings`` [C, P] of projnce) under the run as a model
     from code that embeds encoded images (:mod:`serving.inputs`), register it with
     the model card as the version's description, and record every file's digest in the
     tracking store; returns the new version."""
@@ -171,7 +187,9 @@ def log_encoder(uri: str, run_id: str, encoder: nn.Module, registered_model: str
     from serving.inputs import signature
 
     model = EmbeddingModel(copy.deepcopy(encoder).float().cpu().eval(),
-                           None if text is None else copy.deepcopy(text).float().cpu().eval())
+                           None if text is None else copy.deepcopy(text).float().cpu().eval(),
+                           None if class_embeddings is None
+                           else class_embeddings.detach().float().cpu().clone())
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     requirements = [f"torch=={torch.__version__.split('+')[0]}",

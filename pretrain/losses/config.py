@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torch import Tensor
+
 from core.config import InvalidValue
+from pretrain.losses.parameters import ParameterShape, initial_values
+from pretrain.losses.projnce import Projection
 from pretrain.losses.registry import OBJECTIVES
 from pretrain.losses.temperature import EssControlConfig
 
@@ -28,9 +32,8 @@ class ObjectiveConfig:
     target_temperature: float = 0.1  # xclr: tau_s of the soft targets
     bias: float = -10.0  # siglip: initial value of the learned logit bias b (Zhai et al.)
     class_graph: str = ""  # xclr: class_graph.npz (ImageNet recipe); "" = caption targets
-    # the library's "learned" projection takes a class-embedding matrix that the caller
-    # trains (projnce(..., class_embeddings=)), which a run does not build
-    projection: Literal["centroid", "kernel", "median"] = "centroid"  # projnce: projection
+    # learned: a [C, D] class-embedding matrix trained with the encoder (ProjNCE-MLP)
+    projection: Projection = "centroid"  # projnce: the class projection g(c)
     bandwidth: float = 0.5  # projnce kernel: Nadaraya-Watson bandwidth h
     kernel_metric: Literal["l1", "l2", "cos"] = "l1"  # projnce kernel: distance
     ess_control: EssControlConfig = field(default_factory=EssControlConfig)  # ESS steering
@@ -59,6 +62,7 @@ class ObjectiveConfig:
         """Keyword arguments of the chosen objective function (its registry entry's keys)."""
         return {key: getattr(self, key) for key in OBJECTIVES[self.name].hparams}
 
-    def loss_parameters(self) -> dict[str, float]:
-        """Initial values of the learnable loss parameters the model owns for this objective."""
-        return {key: float(getattr(self, key)) for key in OBJECTIVES[self.name].parameters}
+    def loss_parameters(self, shape: ParameterShape) -> dict[str, Tensor]:
+        """Initial values of the learnable loss parameters the model owns for this
+        objective, for a run of ``shape`` (its class count and projection width)."""
+        return initial_values(OBJECTIVES[self.name].parameters, vars(self), shape)

@@ -18,6 +18,7 @@ from pretrain.losses.eps_supinfonce import eps_supinfonce
 from pretrain.losses.flatnce import flatnce
 from pretrain.losses.holder_flatnce import holder_flatnce
 from pretrain.losses.infonce import infonce
+from pretrain.losses.parameters import LossParameter, class_embeddings_when_learned, scalar_from
 from pretrain.losses.projnce import projnce
 from pretrain.losses.siglip import siglip
 from pretrain.losses.sincere import sincere
@@ -33,9 +34,9 @@ class ObjectiveSpec:
 
     fn: Objective  # (batch: ContrastiveBatch, temperature, **hparams) -> ObjectiveOutput
     hparams: tuple[str, ...] = ()  # objective.* keys passed to ``fn`` as keywords
-    # learnable loss parameters the model owns and hands to ``fn`` as keywords, each
-    # initialised from the objective.* key of its name (as open_clip's logit_bias)
-    parameters: tuple[str, ...] = ()
+    # learnable loss parameters the model owns and hands to ``fn`` as keywords
+    # (pretrain/losses/parameters.py; as open_clip's model owns logit_bias)
+    parameters: tuple[LossParameter, ...] = ()
     labels: bool = False  # positives share a class label: the shards must list classes
     soft_targets: bool = False  # targets from objective.class_graph or data.caption_store
     text_tower: bool = False  # image-caption pairs: a text tower, captions tokenised
@@ -50,10 +51,13 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     "flatnce": ObjectiveSpec(flatnce),
     "holder_flatnce": ObjectiveSpec(holder_flatnce, ("gamma",)),
     "xclr": ObjectiveSpec(xclr, ("target_temperature",), soft_targets=True),
-    "projnce": ObjectiveSpec(projnce, ("projection", "bandwidth", "kernel_metric"),
-                             labels=True),
+    "projnce": ObjectiveSpec(
+        projnce, ("projection", "bandwidth", "kernel_metric"),
+        parameters=(LossParameter("class_embeddings", class_embeddings_when_learned),),
+        labels=True),
     "clip": ObjectiveSpec(clip, text_tower=True),
-    "siglip": ObjectiveSpec(siglip, parameters=("bias",), text_tower=True, softmax=False),
+    "siglip": ObjectiveSpec(siglip, parameters=(LossParameter("bias", scalar_from("bias")),),
+                            text_tower=True, softmax=False),
 }
 
 

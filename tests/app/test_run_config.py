@@ -114,7 +114,9 @@ def test_a_timm_backbone_is_checked_at_configuration_time():
         load_config(RunConfig, None, ["model.backbone=timm:vit_enormous"])
 
 
-def test_the_library_only_projection_is_not_a_run_option():
-    """projnce's learned projection needs a class-embedding matrix a run does not build."""
+def test_projnce_projections_are_run_options_and_others_are_refused():
+    config = load_config(RunConfig, None, ["objective.name=projnce",
+                                           "objective.projection=learned"])
+    assert config.objective.projection == "learned"
     with pytest.raises(ConfigError, match="objective.projection"):
-        load_config(RunConfig, None, ["objective.name=projnce", "objective.projection=learned"])
+        load_config(RunConfig, None, ["objective.name=projnce", "objective.projection=mlp"])

@@ -1,4 +1,5 @@
-"""Retrieval recall and zero-shot accuracy against a naive loop and known answers."""
+"""Retrieval recall, zero-shot accuracy and the class-embedding classifier against naive
+loops and known answers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from evaluation import retrieval
-from evaluation.retrieval import retrieval_recall, zero_shot_accuracy
+from evaluation.features import Features
+from evaluation.retrieval import class_embedding_classifier, retrieval_recall, zero_shot_accuracy
 
 
 def naive_recall(images, texts, caption_of_image, ks):
@@ -72,3 +74,27 @@ def test_zero_shot_known_answers():
     assert chance["R@1"] == pytest.approx(0.1, abs=0.03)
     assert chance["R@5"] == pytest.approx(0.5, abs=0.05)
     assert list(zero_shot_accuracy(images, classes[:3], labels.clamp(max=2), [1, 5])) == ["R@1"]
+
+
+def test_the_class_embedding_classifier_equals_a_naive_loop():
+    """ProjNCE's classifier: each projection to the class of the nearest learned embedding
+    in cosine, whatever the scale of either."""
+    generator = torch.Generator().manual_seed(5)
+    table = torch.randn(7, 12, generator=generator) * torch.rand(7, 1, generator=generator)
+    projections = torch.randn(300, 12, generator=generator) * 3
+    labels = torch.randint(0, 7, (300,), generator=generator)
+    features = Features([str(i) for i in range(300)], labels, torch.zeros(300, 1),
+                        projections, [str(c) for c in range(7)], [None] * 300)
+    found = class_embedding_classifier(table, features)
+    top1 = top5 = 0
+    for z, label in zip(projections, labels, strict=True):
+        cosines = [float(z @ w / (z.norm() * w.norm())) for w in table]
+        ranked = sorted(range(7), key=lambda c: -cosines[c])
+        top1 += int(ranked[0] == label)
+        top5 += int(int(label) in ranked[:5])
+    assert found["classes"] == 7
+    assert found["accuracy"] == pytest.approx({"top1": top1 / 300, "top5": top5 / 300})
+    assigned = Features(features.keys, projections.matmul(F.normalize(table, dim=1).T)
+                        .argmax(1), features.backbone, projections, features.class_names,
+                        features.captions)
+    assert class_embedding_classifier(table, assigned)["accuracy"]["top1"] == 1.0

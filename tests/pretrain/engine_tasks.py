@@ -18,6 +18,7 @@ from pretrain.optim import OptimConfig, build_optimizer
 from pretrain.step import forward_loss
 from tests.pretrain.losses.conftest import make_multiview_batch
 
+NUM_CLASSES = 6  # the batch's labels lie in [0, 6)
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19)
 CAPTIONS = ["a photo of the digit zero", "a small dog on grass", "two red apples",
             "a photo of the digit three", "a boat at sea", "a city at night", "an old car",
@@ -63,7 +64,7 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
     ``chunk_size``, through the cached-gradient chunks."""
     torch.manual_seed(0)
     cfg = objective_config(name, hparams)
-    model = build_model(MODEL, cfg, torch.device("cpu")).double()
+    model = build_model(MODEL, cfg, torch.device("cpu"), NUM_CLASSES).double()
     optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.1), 19)
     engine = build_engine(model, optimizer, EngineConfig(name=engine_name,
                                                          deepspeed_config=zero_config),

@@ -16,8 +16,8 @@ from tests.pretrain import engine_tasks
 from tests.pretrain.test_engine import ENGINES, tolerance
 
 CASES = [("infonce", {}), ("xclr", {}), ("clip", {}), ("siglip", {"bias": -2.0}),
-         ("sincere", {})]
-IDS = [name for name, _ in CASES]
+         ("sincere", {}), ("projnce", {"projection": "learned"})]
+IDS = [name + ("-learned" if hparams else "") for name, hparams in CASES]
 
 
 def assert_same_step(got: dict, want: dict, engine: str = "ddp") -> None:

@@ -27,7 +27,7 @@ CASES = [("infonce", {}), ("supcon", {}), ("sincere", {}), ("eps_supinfonce", {}
          ("flatnce", {}), ("holder_flatnce", {}), ("xclr", {}), ("clip", {}),
          ("siglip", {"bias": -2.0}),
          ("projnce", {"projection": "centroid"}), ("projnce", {"projection": "kernel"}),
-         ("projnce", {"projection": "median"})]
+         ("projnce", {"projection": "median"}), ("projnce", {"projection": "learned"})]
 ENGINES = [("ddp", ""), ("deepspeed", "launch/deepspeed/zero1.json"),
            ("deepspeed", "launch/deepspeed/zero2.json")]
 FLOAT32_GRADIENTS = 1e-6  # DeepSpeed: tolerance relative to the tensor's largest gradient
@@ -48,6 +48,8 @@ def test_two_ranks_equal_one_process(gloo2, engine, zero, name, hparams):
     loss = sum(r["loss"] for r in ranks) / len(ranks)
     torch.testing.assert_close(loss, whole["loss"], rtol=0, atol=1e-12)
     assert set(whole["grads"]) >= {"log_temperature"}
+    if hparams.get("projection") == "learned":  # the class embeddings train with the model
+        assert whole["grads"]["loss_parameters.class_embeddings"].abs().max() > 0
     for rank in ranks:  # the engine leaves every rank with the averaged gradient
         assert set(rank["grads"]) == set(whole["grads"])
         for key, grad in whole["grads"].items():

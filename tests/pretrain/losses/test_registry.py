@@ -12,6 +12,7 @@ import torch
 
 from core.config import InvalidValue
 from pretrain.losses import OBJECTIVES, ObjectiveConfig, batch_loss, objective_spec
+from pretrain.losses.parameters import ParameterShape
 
 LABELLED = [name for name, spec in OBJECTIVES.items() if spec.labels]
 UNLABELLED = [name for name, spec in OBJECTIVES.items() if not spec.labels]
@@ -37,8 +38,8 @@ def test_the_needs_are_the_documented_ones():
     assert set(LABELLED) == {"supcon", "sincere", "eps_supinfonce", "projnce"}
     assert [n for n, s in OBJECTIVES.items() if s.soft_targets] == ["xclr"]
     assert [n for n, s in OBJECTIVES.items() if s.text_tower] == ["clip", "siglip"]
-    assert {n: s.parameters for n, s in OBJECTIVES.items() if s.parameters} == {
-        "siglip": ("bias",)}
+    assert {n: [p.name for p in s.parameters] for n, s in OBJECTIVES.items()
+            if s.parameters} == {"siglip": ["bias"], "projnce": ["class_embeddings"]}
     assert [n for n, s in OBJECTIVES.items() if not s.softmax] == ["siglip"]
 
 
@@ -47,11 +48,28 @@ def test_declared_hyperparameters_are_config_keys_and_keywords(name):
     spec = objective_spec(name)
     keys = {f.name for f in dataclasses.fields(ObjectiveConfig)}
     keywords = inspect.signature(spec.fn).parameters
-    for key in (*spec.hparams, *spec.parameters):
+    for key in spec.hparams:
         assert key in keys, key
+    for key in (*spec.hparams, *(p.name for p in spec.parameters)):
         assert keywords[key].kind is inspect.Parameter.KEYWORD_ONLY, key
     assert set(ObjectiveConfig(name=name).hparams()) == set(spec.hparams)
-    assert set(ObjectiveConfig(name=name).loss_parameters()) == set(spec.parameters)
+
+
+def test_loss_parameters_are_made_for_the_run_s_shape_when_used():
+    shape = ParameterShape(num_classes=7, dim=16)
+    bias = ObjectiveConfig(name="siglip", bias=-3.0).loss_parameters(shape)
+    assert list(bias) == ["bias"] and bias["bias"].shape == () and float(bias["bias"]) == -3.0
+    assert ObjectiveConfig(name="projnce").loss_parameters(shape) == {}  # centroid: none
+    learned = ObjectiveConfig(name="projnce", projection="learned").loss_parameters(shape)
+    table = learned["class_embeddings"]
+    assert table.shape == (7, 16)
+    cosines = torch.nn.functional.normalize(table, dim=1) @ torch.nn.functional.normalize(
+        table, dim=1).T
+    assert cosines.fill_diagonal_(0).abs().max() < 0.9  # distinct random directions
+    with pytest.raises(ValueError, match="no classes"):
+        ObjectiveConfig(name="projnce", projection="learned").loss_parameters(
+            ParameterShape(0, 16))
+    assert ObjectiveConfig(name="infonce").loss_parameters(shape) == {}
 
 
 def test_ess_control_needs_a_softmax_objective():

@@ -40,9 +40,9 @@ def inputs(b: Batch, name: str, hparams: dict) -> tuple[dict, list[torch.Tensor]
     if spec.text_tower:
         kwargs["text"] = b.text.clone().requires_grad_()
         leaves.append(kwargs["text"])
-    for parameter in spec.parameters:  # learnable loss parameters (siglip's bias)
-        hparams[parameter] = torch.tensor(-1.5, dtype=torch.float64, requires_grad=True)
-        leaves.append(hparams[parameter])
+    if name == "siglip":  # its learnable bias
+        hparams["bias"] = torch.tensor(-1.5, dtype=torch.float64, requires_grad=True)
+        leaves.append(hparams["bias"])
     if hparams.get("projection") == "learned":
         hparams["class_embeddings"] = torch.randn(
             6, b.z.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(5),

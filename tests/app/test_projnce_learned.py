@@ -1,0 +1,118 @@
+"""ProjNCE with learned class embeddings (``objective.projection=learned``) through the real
+commands: the run owns and trains the [C, D] matrix, checkpoints it, resumes to exactly the
+uninterrupted run, reshards it from 2 DeepSpeed ranks to 1, registers it with the encoder,
+and ``evaluate`` reports the classifier by cosine to the learned class embeddings from
+the checkpoint and from the registry alike. (The loss itself against the library function
+and a float64 loop: ``tests/pretrain/losses``; 2 ranks against 1 process under DDP and
+ZeRO: ``tests/pretrain/test_engine.py``.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlflow
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data_pipeline.digits import DIGIT_NAMES
+from tests.app.helpers import run_pretrain, train_overrides
+from tests.data_pipeline.helpers import digit_sample, write_set
+from tests.evaluation.test_evaluate import evaluate
+from tests.pretrain.test_checkpoint import final_model
+from tests.pretrain.test_reshard import velocities
+
+KEY = "loss_parameters.class_embeddings"
+LEARNED = {"objective.name": "projnce", "objective.projection": "learned",
+           "checkpoint.every": 4, "checkpoint.keep": 10, "data.workers": 1}
+
+
+@pytest.fixture(scope="module")
+def learned_run(digits_shards, tmp_path_factory):
+    root = tmp_path_factory.mktemp("projnce-learned")
+    write_set(root / "test", [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
+    overrides = train_overrides(digits_shards, root, **LEARNED, **{
+        "train.max_steps": 12, "tracking.enabled": True, "tracking.system_metrics": False,
+        "tracking.registered_model": "digits-projnce", "eval.train_shards": digits_shards,
+        "eval.test_shards": root / "test", "eval.probe_epochs": 5, "eval.save_index": False})
+    result = run_pretrain(overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, overrides
+
+
+def checkpoint_model(root, step: int) -> dict[str, torch.Tensor]:
+    path = root / "run" / "checkpoints" / f"step_{step:08d}" / "shared.pt"
+    return torch.load(path, weights_only=True)["model"]
+
+
+def test_the_class_embeddings_are_trained_and_checkpointed(learned_run):
+    root, _ = learned_run
+    early, late = checkpoint_model(root, 4), checkpoint_model(root, 12)
+    assert early[KEY].shape == (10, 32)  # the digits' 10 classes x model.projector_dim
+    assert not torch.equal(early[KEY], late[KEY])
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(learned_run, tmp_path):
+    root, overrides = learned_run
+    shutil.copytree(root / "run" / "checkpoints" / "step_00000008",
+                    tmp_path / "run" / "checkpoints" / "step_00000008")
+    moved = [f"output_dir={tmp_path}" if o.startswith("output_dir=") else o
+             for o in overrides]
+    result = run_pretrain([*moved, "tracking.enabled=false"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 8" in result.stderr
+    resumed, whole = final_model(tmp_path / "run"), final_model(root / "run")
+    assert resumed["step"] == whole["step"] == 12
+    assert set(resumed["model"]) == set(whole["model"]) and KEY in whole["model"]
+    for key, value in whole["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+
+
+def test_the_registry_and_the_checkpoint_evaluate_the_class_embedding_classifier(
+        learned_run):
+    root, overrides = learned_run
+    found = {}
+    for name, source in (("checkpoint", ""), ("registry", "models:/digits-projnce/1")):
+        result = evaluate(overrides, f"eval.model={source}", f"eval.output={root / name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[name] = json.loads((root / name / "results.json").read_text())
+        assert "learned class embeddings" in (root / name / "report.md").read_text()
+    classifier = found["checkpoint"]["class_embedding_classifier"]
+    assert classifier["classes"] == 10
+    assert 0 <= classifier["accuracy"]["top1"] <= classifier["accuracy"]["top5"] <= 1
+    assert found["registry"]["class_embedding_classifier"] == classifier
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'run' / 'mlflow.db'}")
+    stored = mlflow.artifacts.download_artifacts("models:/digits-projnce/1",
+                                                 dst_path=str(root / "download"))
+    table = load_file(f"{stored}/artifacts/class_embeddings.safetensors")["class_embeddings"]
+    assert torch.equal(table, checkpoint_model(root, 12)[KEY].float())
+
+
+def test_two_deepspeed_ranks_reshard_the_class_embeddings_onto_one(digits_shards, tmp_path):
+    """ZeRO-2 partitions the class embeddings with every other parameter. Resumed on 1 rank
+    at lr 1e-30, 4 LARS steps only play out the checkpoint's momentum (v <- 0.9 v,
+    w <- w - v; as ``tests/pretrain/test_reshard.py`` checks the encoder): the final matrix
+    equals that replay of the 2-rank checkpoint's matrix and velocity."""
+    zero2 = {"engine.name": "deepspeed",
+             "engine.deepspeed_config": "launch/deepspeed/zero2.json", "train.max_steps": 8}
+    two = train_overrides(digits_shards, tmp_path / "two", **LEARNED, **zero2,
+                          **{"data.batch_size": 8})
+    result = run_pretrain(two, nproc=2, torchrun=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    source = tmp_path / "two" / "run" / "checkpoints" / "step_00000004"
+    shutil.copytree(source, tmp_path / "one" / "run" / "checkpoints" / source.name)
+    one = train_overrides(digits_shards, tmp_path / "one", **LEARNED, **zero2,
+                          **{"optim.lr": 1e-30})
+    result = run_pretrain(one, nproc=1, torchrun=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "written by 2 ranks, resumed on 1" in result.stderr
+    weight = torch.load(source / "shared.pt", weights_only=True)["model"][KEY].clone()
+    velocity = velocities(source, "deepspeed")[KEY].clone()
+    assert velocity.abs().max() > 0  # the optimiser trains the matrix
+    for _ in range(4):
+        velocity.mul_(0.9)
+        weight.sub_(velocity)
+    end = final_model(tmp_path / "one" / "run")
+    assert end["step"] == 8 and end["world"] == 1
+    torch.testing.assert_close(end["model"][KEY], weight, rtol=0, atol=1e-9)
