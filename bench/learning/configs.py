@@ -27,6 +27,7 @@ OBJECTIVES = {  # configuration name -> (recipe file, overrides)
     # kernel and median learn better at the earlier 0.1 (docs/learning.md)
     "projnce_kernel": ("projnce.yaml", ("objective.projection=kernel", *TAU01)),
     "projnce_median": ("projnce.yaml", ("objective.projection=median", *TAU01)),
+    "projnce_learned": ("projnce_learned.yaml", ()),
     "clip": ("clip.yaml", ()),
     "siglip": ("siglip.yaml", ()),
 }
@@ -76,6 +77,7 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
                                                   "data.grayscale=0.5")),
     "sweep_supcon_crop0.3": ("supcon.yaml", ("data.crop_min_scale=0.3",)),
     "sweep_sincere_tau0.1": ("sincere.yaml", TAU01),
+    "sweep_projnce_learned_tau0.1": ("projnce_learned.yaml", TAU01),
     "sweep_eps_supinfonce_tau0.1": ("eps_supinfonce.yaml", TAU01),
     "sweep_xclr_class_graph_tau0.1": ("xclr_class_graph.yaml", TAU01),
     "sweep_projnce_centroid_tau0.1": ("projnce.yaml", ("objective.projection=centroid", *TAU01)),

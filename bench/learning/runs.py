@@ -29,7 +29,7 @@ from evaluation.evaluate import evaluate_features
 from evaluation.features import extract
 from evaluation.identity import bank_digest, model_digest
 from evaluation.load import from_checkpoint
-from evaluation.retrieval import caption_evaluation
+from evaluation.retrieval import caption_evaluation, class_embedding_classifier
 from pretrain.checkpoint import list_checkpoints
 from pretrain.model import build_model
 from serving.model_registry import EmbeddingModel, ModelRef
@@ -118,6 +118,9 @@ def evaluate(model: EmbeddingModel, config: RunConfig, data: DataSet,
     if model.text is not None:  # retrieval on the test canvases' captions, zero-shot
         results.update(caption_evaluation(model, test_features, test_features, eval_cfg,
                                           str(data.test), cpu))
+    if model.class_embeddings is not None:  # projnce learned: ProjNCE's own classifier
+        results["class_embedding_classifier"] = class_embedding_classifier(
+            model.class_embeddings, test_features)
     classes = list(range(len(test_features.class_names)))
     results["similarity"] = {}
     for space in SPACES:
