@@ -3,10 +3,13 @@ do, exit status 1, and no stray run directory (the real ``pretrain`` entry point
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from app.pretrain import main as pretrain_main
 from tests.app.helpers import run_pretrain, train_overrides
+from tests.data_pipeline.helpers import digit_sample, write_set
 
 
 def fails_with(overrides: list[str], capsys: pytest.CaptureFixture) -> str:
@@ -57,3 +60,14 @@ def test_more_negatives_than_candidates_warns_once(digits_shards, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("objective.num_negatives=30 is at least the 30 candidates "
                                "per anchor at global batch 16") == 1
+
+
+def test_learned_class_embeddings_need_shards_that_list_classes(tmp_path, capsys):
+    manifest = write_set(tmp_path / "unlabelled", [[digit_sample(i) for i in range(40)]])
+    dataclasses.replace(manifest, class_names=[]).write(tmp_path / "unlabelled")
+    line = fails_with(train_overrides(tmp_path / "unlabelled", tmp_path, **{
+        "objective.name": "projnce", "objective.projection": "learned"}), capsys)
+    assert line == (f"pretrain: error: objective.name=projnce needs class labels, and "
+                    f"data.shards={tmp_path / 'unlabelled'} lists no classes (no manifest "
+                    "with class names)")
+    assert not (tmp_path / "run").exists()
