@@ -10,13 +10,13 @@ A factory takes the model configuration and returns the network, which maps imag
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torchvision
 from torch import nn
 
 from core.config import InvalidValue
-from core.errors import RunError
+from core.errors import RunError, first_line
 
 
 class BackboneConfig(Protocol):
@@ -25,6 +25,7 @@ class BackboneConfig(Protocol):
     backbone: str
     image_size: int
     patch_size: int
+    timm_kwargs: dict[str, Any]
     width: int
     small_stem: bool
     norm: str
@@ -85,19 +86,25 @@ BACKBONES: dict[str, Callable[[BackboneConfig], Backbone]] = {
 def timm_backbone(name: str, cfg: BackboneConfig) -> Backbone:
     """timm's model ``name`` without its classifier (``num_classes=0``: pooled features),
     built for ``cfg.image_size`` where the model takes an image size (ViTs: the position
-    embeddings) and ``cfg.patch_size`` where set."""
+    embeddings), ``cfg.patch_size`` where set, and ``cfg.timm_kwargs`` (pooling, class
+    token, ...) passed to ``timm.create_model`` as they are."""
     import timm
 
-    shaped = {"patch_size": cfg.patch_size} if cfg.patch_size else {}
+    shaped = {**cfg.timm_kwargs, **({"patch_size": cfg.patch_size} if cfg.patch_size else {})}
     sized = {**shaped, "img_size": cfg.image_size} if cfg.image_size else shaped
     try:
-        net = timm.create_model(name, pretrained=False, num_classes=0, **sized)
-    except TypeError as err:
-        if "img_size" in str(err):  # a model without an image size (a CNN) takes any
+        try:
+            net = timm.create_model(name, pretrained=False, num_classes=0, **sized)
+        except TypeError as err:
+            if "img_size" not in str(err) or "img_size" in cfg.timm_kwargs:
+                raise
+            # a model without an image size (a CNN) takes any
             net = timm.create_model(name, pretrained=False, num_classes=0, **shaped)
-        else:
-            raise RunError(f"model.patch_size={cfg.patch_size}: {TIMM}{name} does not take "
-                           f"a patch size ({err}); set it to 0") from None
+    except (TypeError, ValueError, AssertionError) as err:
+        keys = ", ".join(f"model.{k}" for k in ("patch_size", "timm_kwargs")
+                         if getattr(cfg, k))
+        raise RunError(f"{keys or 'model.backbone'}: {TIMM}{name} refuses "
+                       f"{shaped or 'these settings'} ({first_line(err)})") from None
     return Backbone(net, int(net.num_features))
 
 

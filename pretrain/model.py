@@ -9,7 +9,7 @@ evaluation uses the features.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,8 @@ class ModelConfig:
     backbone: str = "small_cnn"  # small_cnn, resnet18, resnet50 or timm:<model> (docs/training.md)
     image_size: int = 0  # input size the backbone is built for (timm ViTs); 0 = data.resolution
     patch_size: int = 0  # timm ViTs: patch size; 0 = the model's own
+    # keywords for timm.create_model (global_pool: avg, class_token: false, ...)
+    timm_kwargs: dict[str, Any] = field(default_factory=dict)  # timm:<model> only
     width: int = 64  # small_cnn: channels of the first block (then x2, x4, x4)
     small_stem: bool = True  # resnet: 3x3/1 stem without max-pool, for 32-64 px images
     projector_hidden: int = 512  # hidden width of the 2-layer projector
@@ -42,6 +44,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         check_backbone(self.backbone)
+        if self.timm_kwargs and not self.backbone.startswith("timm:"):
+            raise InvalidValue("timm_kwargs", f"only for timm:<model> backbones, not "
+                                              f"{self.backbone}")
         for key in ("image_size", "patch_size"):
             if getattr(self, key) < 0:
                 raise InvalidValue(key, f"must be >= 0, got {getattr(self, key)}")

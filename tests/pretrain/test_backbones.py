@@ -5,12 +5,14 @@ serving and ``evaluate``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from core.config import InvalidValue
+from app.run_config import RunConfig
+from core.config import ConfigError, InvalidValue, load_config
 from core.errors import RunError
 from data_pipeline.digits import DIGIT_NAMES
 from pretrain.backbones import BACKBONES, build_backbone, check_backbone
@@ -48,9 +50,26 @@ def test_a_vit_is_built_for_the_configured_image_and_patch_size():
 
 
 def test_a_patch_size_a_model_does_not_take_names_the_key():
-    with pytest.raises(RunError, match="model.patch_size=4: timm:resnet18 does not take a "
-                                       "patch size"):
+    with pytest.raises(RunError, match=r"model.patch_size: timm:resnet18 refuses "
+                                       r"\{'patch_size': 4\}"):
         build_backbone(ModelConfig(backbone="timm:resnet18", image_size=32, patch_size=4))
+
+
+def test_timm_kwargs_reach_create_model_from_the_command_line():
+    """Pooling and the class token set in the run config, not in code; a keyword the model
+    does not take names the key; the key is refused for a built-in backbone."""
+    config = load_config(RunConfig, None, [
+        f"model.backbone={VIT}", "model.patch_size=4",
+        "model.timm_kwargs={global_pool: avg, class_token: false}"])
+    assert config.model.timm_kwargs == {"global_pool": "avg", "class_token": False}
+    net, features = build_backbone(dataclasses.replace(config.model, image_size=32))
+    assert net.global_pool == "avg" and net.cls_token is None
+    assert net.pos_embed.shape == (1, (32 // 4) ** 2, 192)  # patches only
+    assert net(images()).shape == (2, features)
+    with pytest.raises(RunError, match="model.timm_kwargs: timm:vit_tiny_patch16_224 refuses"):
+        build_backbone(ModelConfig(backbone=VIT, image_size=32, timm_kwargs={"poolz": 1}))
+    with pytest.raises(ConfigError, match="model.timm_kwargs"):
+        load_config(RunConfig, None, ["model.timm_kwargs={global_pool: avg}"])
 
 
 def test_unknown_backbones_name_the_choices():
