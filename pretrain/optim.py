@@ -33,10 +33,15 @@ class OptimConfig:
     # block i of a timm backbone's L trains at lr * layer_decay^(L - 1 - i), its stem at
     # lr * layer_decay^L, the heads at lr (BEiT, MAE; timm's layer map)
     layer_decay: float = 1.0  # layer-wise lr decay of timm backbones; 1 = off
+    # the learnable temperature and loss parameters (SigLIP's bias, ProjNCE's class
+    # embeddings) train at lr * loss_lr_scale
+    loss_lr_scale: float = 1.0  # lr scale of the objective's own parameters; 1 = the lr
 
     def validate(self) -> None:
         if not self.lr > 0:
             raise InvalidValue("lr", f"must be > 0, got {self.lr}")
+        if not self.loss_lr_scale > 0:
+            raise InvalidValue("loss_lr_scale", f"must be > 0, got {self.loss_lr_scale}")
         if not 0 < self.layer_decay <= 1:
             raise InvalidValue("layer_decay", f"must lie in (0, 1], got {self.layer_decay}")
         if self.weight_decay < 0:
@@ -125,13 +130,19 @@ def layer_lr_scales(model: nn.Module, layer_decay: float) -> dict[int, float]:
     return scales
 
 
-def parameter_groups(model: nn.Module, weight_decay: float,
-                     layer_decay: float = 1.0) -> list[dict]:
+LOSS_PARAMETERS = ("log_temperature", "loss_parameters.")  # the objective's own parameters
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0,
+                     loss_lr_scale: float = 1.0) -> list[dict]:
     """Weights (>= 2 dims) decay and adapt; biases, norm weights and what a module exempts
-    (:func:`exempt_from_decay`) do neither. Without layer decay: [decayed, plain]; with
-    it, one group per (decayed or plain, lr scale), each with its ``lr_scale``."""
+    (:func:`exempt_from_decay`) do neither. Without layer decay or a loss-parameter lr
+    scale: [decayed, plain]; with them, one group per (decayed or plain, lr scale), each
+    with its ``lr_scale``."""
     exempt = exempt_from_decay(model)
     scales = layer_lr_scales(model, layer_decay)
+    scales.update({id(p): loss_lr_scale for name, p in model.named_parameters()
+                   if name.startswith(LOSS_PARAMETERS) and loss_lr_scale != 1.0})
     groups: dict[tuple[bool, float], list[nn.Parameter]] = {(True, 1.0): [], (False, 1.0): []}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -147,7 +158,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, global_batch: int,
     """The configured optimiser at lr * global_batch / 256 (times each group's layer-decay
     scale); ``extra`` parameters (a learnable temperature) join the plain group."""
     lr = cfg.lr * global_batch / 256
-    groups = parameter_groups(model, cfg.weight_decay, cfg.layer_decay)
+    groups = parameter_groups(model, cfg.weight_decay, cfg.layer_decay, cfg.loss_lr_scale)
     groups[1]["params"] = groups[1]["params"] + list(extra)
     for group in groups:
         group["lr"] = lr * group.pop("lr_scale")

@@ -100,6 +100,9 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
         *VIT, "train.epochs=30", "optim.lr=0.001", "optim.warmup_steps=100")),
     # SigLIP's bias started near -log(texts in the batch) instead of the paper's -10
     "sweep_siglip_bias-5": ("siglip.yaml", ("objective.bias=-5.0",)),
+    # the temperature and bias at 10x the lr (they move by at most lr per AdamW step)
+    "sweep_siglip_loss_lr10": ("siglip.yaml", ("optim.loss_lr_scale=10",)),
+    "sweep_siglip_tau0.05": ("siglip.yaml", ("objective.temperature=0.05",)),
 }
 
 

@@ -8,6 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from app.run_config import RunConfig
+from core.config import ConfigError, load_config
+from pretrain.losses import ObjectiveConfig
 from pretrain.optim import LARS, OptimConfig, build_optimizer, parameter_groups, warmup_cosine
 
 
@@ -132,3 +135,23 @@ def test_layer_decay_is_refused_before_any_work_without_timm_layers():
     assert config.optim.layer_decay == 0.7
     with pytest.raises(ConfigError, match="needs a backbone that declares its layers"):
         parameter_groups(nn.Linear(3, 2), 0.1, layer_decay=0.7)
+
+
+@pytest.mark.parametrize("name", ["lars", "adamw"])
+def test_the_objective_s_parameters_train_at_their_own_lr_scale(name):
+    """optim.loss_lr_scale: the learnable temperature and the loss parameters (SigLIP's
+    bias, ProjNCE's class embeddings) at lr x scale, every other parameter at lr."""
+    from pretrain.model import ModelConfig, build_model
+
+    objective = ObjectiveConfig(name="projnce", projection="learned",
+                                learnable_temperature=True)
+    model = build_model(ModelConfig(width=8, projector_hidden=16, projector_dim=8), objective,
+                        torch.device("cpu"), num_classes=5)
+    opt = build_optimizer(model, OptimConfig(name=name, lr=0.2, loss_lr_scale=10.0),
+                          global_batch=256)
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    for key, p in model.named_parameters():
+        own = key in ("log_temperature", "loss_parameters.class_embeddings")
+        assert lr_of[id(p)] == pytest.approx(2.0 if own else 0.2), key
+    with pytest.raises(ConfigError, match="optim.loss_lr_scale"):
+        load_config(RunConfig, None, ["optim.loss_lr_scale=0"])
