@@ -155,12 +155,23 @@ def claim_g(results: Results) -> dict[str, Any]:
             "reproduced": None, "rows": rows}
 
 
+def claim_h(results: Results) -> dict[str, Any]:
+    """ProjNCE's paper: its learned projection (ProjNCE-MLP) beats SupCon (ImageNet top-1
+    57.66 against 42.89, Jeong & Hero Table 2), by the backbone kNN and the linear probe."""
+    knn_ok, rows = _beats(results, ("projnce_learned",), "supcon")
+    probe_ok, probes = _beats(results, ("projnce_learned",), "supcon", probe)
+    rows[0]["probe"], rows[0]["probe_supcon"] = probes[0]["value"], probes[0]["reference"]
+    return {"claim": "h", "title": "ProjNCE with learned class embeddings (ProjNCE-MLP) beats "
+            "supcon (ProjNCE Table 2)", "reproduced": knn_ok and probe_ok, "rows": rows}
+
+
 CLAIMS = {claim_a: ("untrained", "infonce", "flatnce", *SUPERVISED),
           claim_b: ("infonce", *SUPERVISED), claim_c: ("supcon", "sincere"),
           claim_d: ("infonce_b16", "flatnce_b16"),
           claim_e: ("supcon", *(f"supcon_k{k}" for k in NEGATIVES[:-1])),
           claim_f: ("infonce", "xclr_captions"),
-          claim_g: ("supcon", "projnce_centroid", "projnce_kernel", "projnce_median")}
+          claim_g: ("supcon", "projnce_centroid", "projnce_kernel", "projnce_median"),
+          claim_h: ("supcon", "projnce_learned")}
 
 
 def check(results: Results) -> list[dict[str, Any]]:
