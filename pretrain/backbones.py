@@ -26,6 +26,7 @@ class BackboneConfig(Protocol):
     image_size: int
     patch_size: int
     timm_kwargs: dict[str, Any]
+    vit_stem: str
     width: int
     small_stem: bool
     norm: str
@@ -105,7 +106,34 @@ def timm_backbone(name: str, cfg: BackboneConfig) -> Backbone:
                          if getattr(cfg, k))
         raise RunError(f"{keys or 'model.backbone'}: {TIMM}{name} refuses "
                        f"{shaped or 'these settings'} ({first_line(err)})") from None
+    if cfg.vit_stem == "conv":
+        patch_embed = getattr(net, "patch_embed", None)
+        if patch_embed is None or not isinstance(getattr(patch_embed, "proj", None), nn.Conv2d):
+            raise RunError(f"model.vit_stem=conv: {TIMM}{name} has no patch embedding to "
+                           "replace; set model.vit_stem=patch")
+        patch_embed.proj = conv_stem(patch_embed.proj, cfg.norm)
     return Backbone(net, int(net.num_features))
+
+
+def conv_stem(patchify: nn.Conv2d, norm: str) -> nn.Sequential:
+    """A convolutional stem in place of a ViT's patchify convolution (Xiao et al. 2021,
+    "Early Convolutions Help Transformers See Better", Sec. 3): log2(p) 3x3 stride-2
+    convolution - norm - ReLU blocks, widening to the embedding width, then a 1x1
+    convolution; the same [B, D, H / p, W / p] tokens as the p x p patchify."""
+    patch, dim = patchify.kernel_size[0], patchify.out_channels
+    if patch < 2 or patch & (patch - 1) or patchify.stride != patchify.kernel_size:
+        raise RunError(f"model.vit_stem=conv needs a square power-of-2 patch size, "
+                       f"got {patchify.kernel_size}")
+    stages = patch.bit_length() - 1
+    widths = [max(dim // 2 ** (stages - 1 - i), 8) for i in range(stages)]
+    layers: list[nn.Module] = []
+    channels = patchify.in_channels
+    for width in widths:
+        layers += [nn.Conv2d(channels, width, 3, stride=2, padding=1, bias=False),
+                   norm_layer(norm)(width), nn.ReLU(inplace=True)]
+        channels = width
+    layers.append(nn.Conv2d(channels, dim, 1))
+    return nn.Sequential(*layers)
 
 
 def build_backbone(cfg: BackboneConfig) -> Backbone:

@@ -31,6 +31,8 @@ class ModelConfig:
     patch_size: int = 0  # timm ViTs: patch size; 0 = the model's own
     # keywords for timm.create_model (global_pool: avg, class_token: false, ...)
     timm_kwargs: dict[str, Any] = field(default_factory=dict)  # timm:<model> only
+    # conv: a ViT's patchify replaced by 3x3 stride-2 convolutions (Xiao et al. 2021)
+    vit_stem: Literal["patch", "conv"] = "patch"  # timm ViTs: the stem of the tokens
     width: int = 64  # small_cnn: channels of the first block (then x2, x4, x4)
     small_stem: bool = True  # resnet: 3x3/1 stem without max-pool, for 32-64 px images
     projector_hidden: int = 512  # hidden width of the 2-layer projector
@@ -44,9 +46,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         check_backbone(self.backbone)
-        if self.timm_kwargs and not self.backbone.startswith("timm:"):
-            raise InvalidValue("timm_kwargs", f"only for timm:<model> backbones, not "
-                                              f"{self.backbone}")
+        for key in ("timm_kwargs", "vit_stem"):
+            if getattr(self, key) not in ({}, "patch") and not self.backbone.startswith("timm:"):
+                raise InvalidValue(key, f"only for timm:<model> backbones, not {self.backbone}")
         for key in ("image_size", "patch_size"):
             if getattr(self, key) < 0:
                 raise InvalidValue(key, f"must be >= 0, got {getattr(self, key)}")

@@ -139,3 +139,20 @@ def test_a_vit_trains_registers_serves_and_evaluates(digits_shards, tmp_path):
         for value in results["knn"][space].values():
             assert 0 <= value["top1"] <= value["top5"] <= 1
     assert 0 <= results["linear_probe"]["top1"] <= 1
+
+
+def test_a_conv_stem_replaces_the_patchify_and_keeps_the_tokens():
+    """model.vit_stem=conv: 3x3 stride-2 convolutions then a 1x1 (Xiao et al. 2021) make the
+    same [B, D, H / p, W / p] tokens as the p x p patchify, for p = 4 and 8."""
+    for patch in (4, 8):
+        cfg = ModelConfig(backbone=VIT, image_size=32, patch_size=patch, vit_stem="conv")
+        net, features = build_backbone(cfg)
+        stem = net.patch_embed.proj
+        strides = [m.stride[0] for m in stem if isinstance(m, torch.nn.Conv2d)]
+        assert strides == [2] * (patch.bit_length() - 1) + [1]
+        assert stem(images()).shape == (2, 192, 32 // patch, 32 // patch)
+        assert net(images()).shape == (2, features)
+    with pytest.raises(RunError, match="model.vit_stem=conv: timm:resnet18 has no patch"):
+        build_backbone(ModelConfig(backbone="timm:resnet18", vit_stem="conv"))
+    with pytest.raises(ConfigError, match="model.vit_stem"):
+        load_config(RunConfig, None, ["model.vit_stem=conv"])
