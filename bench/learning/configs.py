@@ -38,6 +38,7 @@ SMALL_BATCH = {  # FlatNCE's claim: global batch 16 (8 per rank)
 NEGATIVES = {f"supcon_k{k}": ("supcon.yaml", (f"objective.num_negatives={k}",))
              for k in (1, 4, 16, 64)}
 VIT = ("model.backbone=timm:test_vit", "model.patch_size=4")
+AVG_POOL = "model.timm_kwargs={global_pool: avg, class_token: false}"
 BACKBONES = {  # the SupCon recipe with another backbone: a ViT of the small CNN's size
     # timm's test_vit: width 64, 6 blocks, 0.26 M parameters (the CNN of width 32: 0.24 M)
     "supcon_vit": ("supcon.yaml", VIT),
@@ -98,6 +99,12 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     "sweep_supcon_vit_layer_decay0.75": ("supcon.yaml", (*VIT, "optim.layer_decay=0.75")),
     "sweep_supcon_vit_epochs30_lr0.001": ("supcon.yaml", (
         *VIT, "train.epochs=30", "optim.lr=0.001", "optim.warmup_steps=100")),
+    # the small-data levers, one at a time: a convolutional stem (Xiao et al. 2021), average
+    # pooling without a class token, and both
+    "sweep_supcon_vit_conv_stem": ("supcon.yaml", (*VIT, "model.vit_stem=conv")),
+    "sweep_supcon_vit_avg_pool": ("supcon.yaml", (*VIT, AVG_POOL)),
+    "sweep_supcon_vit_conv_stem_avg_pool": ("supcon.yaml", (*VIT, "model.vit_stem=conv",
+                                                            AVG_POOL)),
     # SigLIP's bias started near -log(texts in the batch) instead of the paper's -10
     "sweep_siglip_bias-5": ("siglip.yaml", ("objective.bias=-5.0",)),
     # the temperature and bias at 10x the lr (they move by at most lr per AdamW step)
