@@ -14,7 +14,7 @@ from app.run_config import RunConfig, check_stage
 from core.config import ConfigError, describe, load_config
 from core.fields import field_descriptions
 
-CONFIGS = sorted(Path("launch/configs").glob("*.yaml"))
+CONFIGS = sorted(Path("launch/configs").rglob("*.yaml"))  # recipes in sub-folders too
 STAGES = {"app.pretrain": "pretrain", "app.make_shards": "make-shards",
           "app.graph_precompute": "graph-precompute", "app.evaluate": "evaluate"}
 
@@ -27,7 +27,7 @@ def config_classes(cls: type) -> list[type]:
     return out
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to("launch/configs")) for p in CONFIGS])
 def test_every_shipped_recipe_has_what_its_stages_need(path):
     """A ``*_shards.yaml`` recipe makes shards; every other recipe trains and evaluates
     (so each carries its own eval section)."""
@@ -37,6 +37,11 @@ def test_every_shipped_recipe_has_what_its_stages_need(path):
         stages = list(STAGES.values())
     for stage in stages:
         check_stage(config, stage)
+
+
+def test_the_recipe_list_reaches_every_folder():
+    folders = {p.parent for p in Path("launch/configs").rglob("*.yaml")}
+    assert folders == {p.parent for p in CONFIGS} >= {Path("launch/configs/cluttered")}
 
 
 def test_every_key_has_a_description():
