@@ -10,8 +10,6 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from evaluation.probe import feature_moments, linear_probe
 from tests.cuda_dry_run import fake_cuda
@@ -70,15 +68,31 @@ def test_the_probe_matches_a_probe_on_standardised_copies(seed):
     assert got["top1"] > 0.9
 
 
-def test_the_probe_trains_on_the_run_device(monkeypatch):
+class Stop(Exception):  # noqa: N818 (the end of the recorded step, not an error)
+    """Raised after the first loss: what the step saw is all the test needs."""
+
+
+def loss_devices(monkeypatch, device: torch.device | None, fake: bool) -> list[tuple]:
+    """The devices of the logits, the labels and the head's weight at the probe's first
+    loss, trained for ``device`` (on fake CUDA tensors when ``fake``)."""
     train, train_labels = clusters(64, 3, 8, seed=0)
-    # autograd's engine needs a driver for CUDA tensors, fake ones included: the forward
-    # and the loss run on the fake device, the backward is skipped (no gradients, so
-    # AdamW leaves the weights as they are)
-    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *args, **kwargs: None)
-    with fake_cuda(), contextlib.suppress(DataDependentOutputException,
-                                          GuardOnDataDependentSymNode):
-        # every batch moves to the fake device and meets the head there (a CPU tensor
-        # would fail); the final count is the one value read back, which a fake has not
+    seen = []
+
+    def record(logits, target, *args, **kwargs):
+        seen.append((logits.device.type, target.device.type))
+        raise Stop
+
+    monkeypatch.setattr(nn.functional, "cross_entropy", record)
+    with fake_cuda() if fake else contextlib.nullcontext(), pytest.raises(Stop):
         linear_probe(train, train_labels, train, train_labels, 3, epochs=1, lr=0.1,
-                     batch_size=16, device=torch.device("cuda"))
+                     batch_size=16, device=device)
+    return seen
+
+
+def test_the_probe_trains_on_the_run_device(monkeypatch):
+    """Every batch moves to the run's device and meets the head there: the first loss
+    sees CUDA logits and labels (fake CUDA tensors: a CPU tensor beside them would fail).
+    A probe that ignored ``device`` would train on the features' CPU, which the same
+    recorder tells apart (the second call)."""
+    assert loss_devices(monkeypatch, torch.device("cuda"), fake=True) == [("cuda", "cuda")]
+    assert loss_devices(monkeypatch, None, fake=False) == [("cpu", "cpu")]
