@@ -7,10 +7,11 @@ zero-vote classes would otherwise fill the list in arbitrary order).
 
 Indexes (``eval.index``):
 - ``faiss_flat`` (default): faiss ``IndexFlatIP``, exact; on the GPU with faiss-gpu. Searching
-  all queries in one call it runs at 96% of this machine's torch.mm rate on the benchmark
+  all queries in one call it ran at 1.07x this machine's torch.mm rate on the benchmark
   shape (``bench/knn.py``; one query at a time it would not use BLAS and be far slower).
 - ``exact``: blockwise ``queries @ bank.T`` with ``torch.topk`` per block, on the GPU when
-  there is one without faiss-gpu (72% of torch.mm on 2 CPU cores: top-k costs the rest).
+  there is one without faiss-gpu (0.81x torch.mm on 2 CPU cores: top-k costs the rest;
+  both figures from docs/benchmarks.md, "kNN", a median of 3 rounds on a drifting machine).
 - ``ivf``: faiss ``IndexIVFFlat`` (inner product) for banks too large for exact search;
   ``ivf_lists`` cells, ``ivf_probe`` probed; the report gives its accuracy next to exact.
 Indexes are saved (``.pt`` for exact, ``.faiss`` otherwise) under a name keyed by the model's
