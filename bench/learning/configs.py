@@ -39,6 +39,7 @@ NEGATIVES = {f"supcon_k{k}": ("supcon.yaml", (f"objective.num_negatives={k}",))
              for k in (1, 4, 16, 64)}
 VIT = ("model.backbone=timm:test_vit", "model.patch_size=4")
 AVG_POOL = "model.timm_kwargs={global_pool: avg, class_token: false}"
+VIT_SCHEDULE = ("optim.lr=0.0003", "optim.warmup_steps=100", "train.epochs=20")
 BACKBONES = {  # the SupCon recipe with another backbone: a ViT of the small CNN's size
     # timm's test_vit: width 64, 6 blocks, 0.26 M parameters (the CNN of width 32: 0.24 M)
     "supcon_vit": ("supcon.yaml", VIT),
@@ -105,6 +106,12 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     "sweep_supcon_vit_avg_pool": ("supcon.yaml", (*VIT, AVG_POOL)),
     "sweep_supcon_vit_conv_stem_avg_pool": ("supcon.yaml", (*VIT, "model.vit_stem=conv",
                                                             AVG_POOL)),
+    # ... at a ViT's learning rate (DeiT: 5e-4 per 512 images) with a long warmup, for twice
+    # the CNN's epochs (within 3x its training time)
+    "sweep_supcon_vit_avg_pool_lr3e-4_epochs20": ("supcon.yaml", (
+        *VIT, AVG_POOL, *VIT_SCHEDULE)),
+    "sweep_supcon_vit_conv_stem_avg_pool_lr3e-4_epochs20": ("supcon.yaml", (
+        *VIT, "model.vit_stem=conv", AVG_POOL, *VIT_SCHEDULE)),
     # SigLIP's bias started near -log(texts in the batch) instead of the paper's -10
     "sweep_siglip_bias-5": ("siglip.yaml", ("objective.bias=-5.0",)),
     # the temperature and bias at 10x the lr (they move by at most lr per AdamW step)
