@@ -33,7 +33,8 @@ from bench.learning.data import DataSet, cluttered, digits
 from bench.learning.runs import Configuration, run
 from data_pipeline.graph.class_graph import load_class_graph
 
-MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES, *configs.BACKBONES]
+MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES, *configs.BACKBONES,
+              *configs.BACKBONE_REFERENCES]
 
 
 def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path,
@@ -46,10 +47,10 @@ def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path
         if report_only and not (root / "runs" / conf.name / "result.json").is_file():
             continue
         data = datasets[conf.data]
-        if group == "cross_entropy":
+        if group.startswith("cross_entropy"):
             result = train_cross_entropy(conf, data, root)
         else:
-            result = run(conf, data, root, floor=group == "untrained")
+            result = run(conf, data, root, floor=group.startswith("untrained"))
         key = f"{conf.name.split(group)[0]}{group}"  # keeps the digits_ prefix
         results[key].append(result)
     return results

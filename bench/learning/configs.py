@@ -44,6 +44,10 @@ BACKBONES = {  # the SupCon recipe with another backbone: a ViT of the small CNN
     # timm's test_vit: width 64, 6 blocks, 0.26 M parameters (the CNN of width 32: 0.24 M)
     "supcon_vit": ("supcon.yaml", VIT),
 }
+BACKBONE_REFERENCES = {  # the ViT's own floor (untrained) and ceiling (cross-entropy)
+    "untrained_vit": ("supcon.yaml", VIT),
+    "cross_entropy_vit": ("supcon.yaml", VIT),
+}
 DIGITS_OBJECTIVES = ("infonce", "flatnce", "supcon", "sincere", "xclr_class_graph",
                      "projnce_centroid")
 LARS = ("optim.name=lars", "optim.lr=0.3", "optim.weight_decay=1e-6")  # SimCLR's recipe
@@ -134,7 +138,7 @@ def floor_and_ceiling(data: str, seeds: list[int], prefix: str = "") -> tuple[
 
 
 def main(seeds: list[int], only: set[str] | None = None) -> list[Configuration]:
-    table = {**OBJECTIVES, **SMALL_BATCH, **NEGATIVES, **BACKBONES}
+    table = {**OBJECTIVES, **SMALL_BATCH, **NEGATIVES, **BACKBONES, **BACKBONE_REFERENCES}
     if only:
         table = {k: v for k, v in table.items() if k in only}
     return _configs(table, "cluttered", seeds)
