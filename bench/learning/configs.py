@@ -43,10 +43,11 @@ VIT_SCHEDULE = ("optim.lr=0.0003", "optim.warmup_steps=100", "train.epochs=20")
 BACKBONES = {  # the SupCon recipe with another backbone: a ViT of the small CNN's size
     # timm's test_vit: width 64, 6 blocks, 0.26 M parameters (the CNN of width 32: 0.24 M)
     "supcon_vit": ("supcon.yaml", VIT),
+    "vit_supcon": ("vit_supcon.yaml", ()),  # the transformer recipe
 }
-BACKBONE_REFERENCES = {  # the ViT's own floor (untrained) and ceiling (cross-entropy)
-    "untrained_vit": ("supcon.yaml", VIT),
-    "cross_entropy_vit": ("supcon.yaml", VIT),
+BACKBONE_REFERENCES = {  # the ViT recipe's own floor (untrained) and ceiling (cross-entropy)
+    "untrained_vit": ("vit_supcon.yaml", ()),
+    "cross_entropy_vit": ("vit_supcon.yaml", ()),
 }
 DIGITS_OBJECTIVES = ("infonce", "flatnce", "supcon", "sincere", "xclr_class_graph",
                      "projnce_centroid")
