@@ -27,7 +27,8 @@ def config_classes(cls: type) -> list[type]:
     return out
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to("launch/configs")) for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS,
+                         ids=[str(p.relative_to("launch/configs")) for p in CONFIGS])
 def test_every_shipped_recipe_has_what_its_stages_need(path):
     """A ``*_shards.yaml`` recipe makes shards; every other recipe trains and evaluates
     (so each carries its own eval section)."""
