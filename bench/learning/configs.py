@@ -48,6 +48,7 @@ BACKBONES = {  # the SupCon recipe with another backbone: a ViT of the small CNN
 BACKBONE_REFERENCES = {  # the ViT recipe's own floor (untrained) and ceiling (cross-entropy)
     "untrained_vit": ("vit_supcon.yaml", ()),
     "cross_entropy_vit": ("vit_supcon.yaml", ()),
+    "cross_entropy_supcon_vit": ("supcon.yaml", VIT),  # supcon_vit's ceiling
 }
 DIGITS_OBJECTIVES = ("infonce", "flatnce", "supcon", "sincere", "xclr_class_graph",
                      "projnce_centroid")
