@@ -60,7 +60,10 @@ def test_two_ranks_equal_one_process(gloo2, engine, zero, name, hparams):
 @pytest.mark.parametrize(("engine", "zero"), [ENGINES[0], ENGINES[2]], ids=["ddp", "zero2"])
 def test_the_comparison_fails_a_gather_without_the_gradient_sum(gloo2, engine, zero):
     """The mutation check: every case above fails when the gather's backward skips the
-    all-reduce, so the tolerances cannot hide a 2-rank bug."""
+    all-reduce, so the tolerances cannot hide a 2-rank bug. ProjNCE's learned projection
+    is the exception that proves the rule: each row's loss depends on its own embedding and
+    the shared class embeddings only (the other rows enter its no-gradient monitors), so
+    no gradient crosses the gather and the broken gather must change nothing."""
     for name, hparams in CASES:
         ranks = gloo2.run(engine_tasks.run_step_with_local_gradients, engine, zero, name,
                           hparams)
@@ -68,6 +71,9 @@ def test_the_comparison_fails_a_gather_without_the_gradient_sum(gloo2, engine, z
         worst = max(float((ranks[0]["grads"][key] - grad).abs().max()) /
                     tolerance(engine, grad) for key, grad in whole["grads"].items()
                     if key != "log_temperature")
+        if hparams.get("projection") == "learned":
+            assert worst <= 1, f"{name} {hparams}: gradient crossed the gather ({worst:.1f}x)"
+            continue
         assert worst > 100, f"{name} {hparams}: the broken gather passes ({worst:.1f}x tol)"
 
 
