@@ -73,6 +73,13 @@ def test_the_ranks_step_over_an_empty_batch_together_without_nan(holey_shards, t
     assert f"'corrupt_image': {BAD}" in result.stderr  # every skip counted over the ranks
 
 
+def default_sigint() -> None:
+    """The run's Ctrl-C as a terminal gives it, whatever launched pytest: a shell starts a
+    background job (``cmd &``, ``nohup``) with SIGINT ignored, which its children inherit
+    and Python then leaves ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_the_run_in_one_line_naming_step_checkpoint_and_resume(digits_shards,
                                                                           tmp_path):
     overrides = train_overrides(digits_shards, tmp_path, **{
@@ -81,7 +88,7 @@ def test_ctrl_c_ends_the_run_in_one_line_naming_step_checkpoint_and_resume(digit
     process = subprocess.Popen(pretrain_command(overrides), cwd=REPO, text=True,
                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=default_sigint)
     checkpoints = tmp_path / "run" / "checkpoints"
     deadline = time.monotonic() + 240
     while not (checkpoints.is_dir() and any(checkpoints.glob("step_*"))):
