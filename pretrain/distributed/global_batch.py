@@ -62,4 +62,5 @@ def build_global_batch(rows: BatchRows, options: BatchOptions | None = None,
         negatives_seed=options.negatives_seed,
         tile_size=auto_tile_size(options.tile_size, sum(counts)),
         world_size=world,
+        num_classes=options.num_classes,
     )

@@ -49,6 +49,7 @@ def batch_loss(
     num_negatives: int | None = None,
     negatives_seed: int = 0,
     tile_size: int | None = None,
+    num_classes: int | None = None,
     **hparams: object,
 ) -> ObjectiveOutput:
     """Objective ``name`` on one whole multiviewed batch in a single process.
@@ -64,6 +65,8 @@ def batch_loss(
         num_negatives: per-anchor seeded random subset of k negatives; None keeps all.
         tile_size: compute over column tiles of this width (no [N, N] tensor, the same
             values and gradients); None: dense up to ``DENSE_MAX_CANDIDATES``, tiles above.
+        num_classes: C when labels lie in [0, C): label groups are the classes (fixed
+            shapes of size C instead of N slots); a class graph gives its own C.
         hparams: the objective's own keyword arguments (``eps``, ``gamma``, ...).
     Returns:
         ``ObjectiveOutput(loss, metrics)``, equal to what the distributed path computes on
@@ -75,7 +78,7 @@ def batch_loss(
                             f"{value!r} (temperature and hyperparameters are keywords)")
     batch = make_batch(z, ids, labels=labels, captions=captions, class_graph=class_graph,
                        text=text, num_negatives=num_negatives, negatives_seed=negatives_seed,
-                       tile_size=tile_size)
+                       tile_size=tile_size, num_classes=num_classes)
     return get_objective(name, **hparams)(batch, temperature)
 
 

@@ -21,6 +21,7 @@ from pretrain.losses.columns import (
     ColumnSet,
     ColumnTiles,
     PositiveKind,
+    column_mask,
     subset_scores,
     subset_threshold,
 )
@@ -57,6 +58,11 @@ class ContrastiveBatch:
             an [n, N] tensor (``docs/negatives.md``); None computes it densely.
         world_size: number of ranks whose anchors partition the candidates; per-rank means
             are scaled by it so that gradient averaging across ranks gives the global mean.
+        num_classes: labels lie in [0, C): label groups are the C classes (a class
+            graph's C when it has one); None: groups found by sorting, N slots.
+
+    Every shape here follows from N, n and C, never from the values the batch holds, so
+    no objective reads a value back to the host (``docs/training.md``).
     """
 
     candidates: Tensor
@@ -70,6 +76,7 @@ class ContrastiveBatch:
     negatives_seed: int = 0
     tile_size: int | None = None
     world_size: int = 1
+    num_classes: int | None = None
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
     @cached_property
@@ -81,12 +88,6 @@ class ContrastiveBatch:
     def num_candidates(self) -> int:
         return self.candidates.shape[0]
 
-    @cached_property
-    def self_mask(self) -> Tensor:
-        """[n, N] bool, True at each anchor's own column."""
-        cols = torch.arange(self.num_candidates, device=self.candidates.device)
-        return self.anchor_index[:, None] == cols[None, :]
-
     def keys(self, kind: PositiveKind) -> Tensor:
         """[N] the key that defines positives: instance ids, or class labels."""
         if kind == "instance":
@@ -97,11 +98,30 @@ class ContrastiveBatch:
         return self.labels
 
     def group_index(self, kind: PositiveKind) -> tuple[Tensor, Tensor, Tensor]:
-        """([G] sorted distinct keys, [N] group of each candidate, [G] group sizes)."""
+        """([G] key of each group, [N] group of each candidate, [G] group sizes), G fixed by
+        the shapes: label groups are the C classes when C is known (labels outside [0, C)
+        fail on the device); otherwise G = N slots, the distinct keys in sorted order and
+        then empty slots (size 0, key 0)."""
         if ("groups", kind) not in self._cache:
-            self._cache["groups", kind] = torch.unique(
-                self.keys(kind), return_inverse=True, return_counts=True)
+            keys = self.keys(kind)
+            classes = self.classes if kind == "label" else None
+            if classes is not None:
+                torch._assert_async(((keys >= 0) & (keys < classes)).all(),
+                                    f"labels must lie in [0, {classes}), the number of classes")
+                values, groups = torch.arange(classes, device=keys.device), keys
+            else:
+                values, groups = _sorted_groups(keys)
+            counts = torch.zeros(values.shape[0], dtype=torch.long, device=keys.device)
+            counts.index_add_(0, groups, torch.ones_like(groups))
+            self._cache["groups", kind] = (values, groups, counts)
         return self._cache["groups", kind]
+
+    @property
+    def classes(self) -> int | None:
+        """C, the number of classes labels index (``num_classes``, or the class graph's)."""
+        if self.num_classes is not None:
+            return self.num_classes
+        return None if self.class_graph is None else self.class_graph.shape[0]
 
     def group_sums(self, kind: PositiveKind, of: Literal["candidates", "text"] = "candidates",
                    ) -> Tensor:
@@ -117,40 +137,11 @@ class ContrastiveBatch:
 
     def positive_mask(self, kind: PositiveKind) -> Tensor:
         """[n, N] bool: same key as the anchor, excluding the anchor itself."""
-        if ("pos", kind) not in self._cache:
-            keys = self.keys(kind)
-            same = keys[self.anchor_index][:, None] == keys[None, :]
-            self._cache["pos", kind] = same & ~self.self_mask
-        return self._cache["pos", kind]
+        return self.columns(ColumnSet(kind).positives_only).keep
 
     def negative_mask(self, kind: PositiveKind) -> Tensor:
         """[n, N] bool: the negatives each anchor uses (a seeded subset if num_negatives)."""
-        if ("neg", kind) not in self._cache:
-            keys = self.keys(kind)
-            negatives = keys[self.anchor_index][:, None] != keys[None, :]
-            if self.num_negatives is not None:
-                negatives = self._subsample(negatives)
-            self._cache["neg", kind] = negatives
-        return self._cache["neg", kind]
-
-    def positive_pairs(self, kind: PositiveKind) -> tuple[Tensor, Tensor]:
-        """([P] anchor rows, [P] candidate columns) of every positive pair, sorted by row.
-
-        Built from the group structure in O(P), without an [n, N] comparison.
-        """
-        if ("pairs", kind) not in self._cache:
-            _, groups, counts = self.group_index(kind)
-            members = torch.argsort(groups, stable=True)  # candidates sorted by group
-            starts = torch.cumsum(counts, 0) - counts
-            anchor_group = groups[self.anchor_index]
-            sizes = counts[anchor_group]
-            rows = torch.repeat_interleave(torch.arange(sizes.shape[0], device=sizes.device), sizes)
-            first = torch.cumsum(sizes, 0) - sizes
-            offset = torch.arange(rows.shape[0], device=rows.device) - first[rows]
-            cols = members[starts[anchor_group][rows] + offset]
-            keep = cols != self.anchor_index[rows]
-            self._cache["pairs", kind] = (rows[keep], cols[keep])
-        return self._cache["pairs", kind]
+        return self.columns(ColumnSet(kind).negatives).keep
 
     def self_pairs(self) -> tuple[Tensor, Tensor]:
         """([n] rows, [n] columns) of each anchor's own column."""
@@ -158,50 +149,29 @@ class ContrastiveBatch:
         return rows, self.anchor_index
 
     def columns(self, columns: ColumnSet) -> Columns:
-        """The dense :class:`Columns` of ``columns`` over [n, N]: sparse drops unless a
-        negatives subset needs a mask."""
-        kind = columns.kind
-        if self.num_negatives is not None:
-            keep = self.negative_mask(kind)
-            if columns.positives:
-                keep = keep | self.positive_mask(kind)
-            if columns.self_column:
-                keep = keep | self.self_mask
-            return Columns(keep=keep)
-        return Columns(drop=self._dropped(columns))
+        """The dense :class:`Columns` of ``columns`` over [n, N]: an [n, N] mask from the
+        keys (and the negatives subset), of fixed shape whatever the batch holds."""
+        if ("columns", columns) not in self._cache:
+            keys = self.keys(columns.kind)
+            cols = torch.arange(self.num_candidates, device=self.candidates.device)
+            self._cache["columns", columns] = column_mask(
+                columns, self.anchor_index, keys[self.anchor_index], keys, cols,
+                self._subset(columns.kind))
+        return Columns(keep=self._cache["columns", columns])
 
     def column_tiles(self, columns: ColumnSet) -> ColumnTiles:
         """``columns`` cut into column tiles of ``tile_size`` (:class:`ColumnTiles`)."""
-        if self.num_negatives is None and (columns.positives or columns.kind == "instance"):
-            # few pairs to leave out: the self column, or a handful of views per instance
-            return ColumnTiles.sparse(columns, self.anchor_index, *self._dropped(columns))
         keys = self.keys(columns.kind)
         anchor_keys = keys[self.anchor_index]
-        if self.num_negatives is None:  # label positives are left out by key, per tile
-            return ColumnTiles(columns, self.anchor_index, anchor_keys=anchor_keys, keys=keys)
-        if ("threshold", columns.kind) not in self._cache:
-            self._cache["threshold", columns.kind] = subset_threshold(
-                self.negatives_seed, self.anchor_index, anchor_keys, keys, self.num_negatives,
-                self.tile_size or self.num_candidates)
-        return ColumnTiles(columns, self.anchor_index, anchor_keys=anchor_keys, keys=keys,
-                           threshold=self._cache["threshold", columns.kind],
-                           seed=self.negatives_seed)
-
-    def _dropped(self, columns: ColumnSet) -> tuple[Tensor, Tensor]:
-        """(rows, cols) left out of ``columns`` when every negative is kept."""
-        return self.non_negative_pairs(columns.kind, positives=not columns.positives,
-                                       self_column=not columns.self_column)
-
-    def non_negative_pairs(self, kind: PositiveKind, positives: bool,
-                           self_column: bool) -> tuple[Tensor, Tensor]:
-        """(rows, cols) [P] each of the anchors' positive pairs and/or self pairs."""
-        pairs = [self.positive_pairs(kind)] if positives else []
-        if self_column:
-            pairs.append(self.self_pairs())
-        if not pairs:
-            empty = self.anchor_index[:0]
-            return empty, empty
-        return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        threshold = None
+        if self.num_negatives is not None:
+            if ("threshold", columns.kind) not in self._cache:
+                self._cache["threshold", columns.kind] = subset_threshold(
+                    self.negatives_seed, self.anchor_index, anchor_keys, keys,
+                    self.num_negatives, self.tile_size or self.num_candidates)
+            threshold = self._cache["threshold", columns.kind]
+        return ColumnTiles(columns, self.anchor_index, anchor_keys, keys, threshold,
+                           self.negatives_seed)
 
     def num_negatives_per_anchor(self, kind: PositiveKind) -> Tensor:
         """[n] how many negatives each anchor's softmax holds: min(k, all of them)."""
@@ -211,17 +181,22 @@ class ContrastiveBatch:
             available = available.clamp(max=self.num_negatives)
         return available
 
-    def _subsample(self, negatives: Tensor) -> Tensor:
-        """The k negatives of smallest :func:`subset_scores` per row (all if fewer)."""
+    def _subset(self, kind: PositiveKind) -> Tensor | None:
+        """[n, N] bool: the k negatives of smallest :func:`subset_scores` per row (all if
+        fewer); None when every negative is kept."""
         k = self.num_negatives
-        if k >= negatives.shape[1]:
-            return negatives
-        cols = torch.arange(self.num_candidates, device=negatives.device)
-        scores = subset_scores(self.negatives_seed, self.anchor_index, cols, len(cols))
-        scores = scores.masked_fill(~negatives, NOT_A_NEGATIVE)
-        chosen = scores.topk(k, dim=1, largest=False).indices
-        kept = torch.zeros_like(negatives).scatter_(1, chosen, True)
-        return kept & negatives
+        if k is None or k >= self.num_candidates:
+            return None
+        if ("subset", kind) not in self._cache:
+            keys = self.keys(kind)
+            cols = torch.arange(self.num_candidates, device=self.candidates.device)
+            scores = subset_scores(self.negatives_seed, self.anchor_index, cols, len(cols))
+            scores = scores.masked_fill(keys[self.anchor_index][:, None] == keys[None, :],
+                                        NOT_A_NEGATIVE)
+            chosen = scores.topk(k, dim=1, largest=False).indices
+            kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+            self._cache["subset", kind] = kept.scatter_(1, chosen, True)
+        return self._cache["subset", kind]
 
     def anchor_mean(self, values: Tensor, kind: PositiveKind | None,
                     need_negative: bool = False) -> Tensor:
@@ -245,6 +220,18 @@ class ContrastiveBatch:
         return total * self.world_size / qualifies.sum().clamp(min=1)
 
 
+def _sorted_groups(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """([N] distinct keys in sorted order then 0s, [N] slot of each key's group): a sort
+    and a running count, with no value read back to the host (``torch.unique`` would)."""
+    ordered, order = keys.sort(stable=True)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    slot = starts.long().cumsum(0) - 1  # [N] group of each sorted key
+    groups = torch.empty_like(slot).scatter_(0, order, slot)
+    values = torch.zeros_like(keys).scatter_(0, slot, ordered)  # equal keys write one value
+    return values, groups
+
+
 @dataclass(frozen=True)
 class BatchRows:
     """The rows one process contributes to a global batch, before normalising and
@@ -263,12 +250,14 @@ class BatchRows:
 class BatchOptions:
     """How an objective sees the global batch: ``class_graph`` [C, C] (xclr), a seeded
     subset of ``num_negatives`` negatives per anchor, ``tile_size`` (None: dense up to
-    ``DENSE_MAX_CANDIDATES`` candidates, tiles above)."""
+    ``DENSE_MAX_CANDIDATES`` candidates, tiles above), ``num_classes`` C (labels in
+    [0, C); None: label groups found by sorting)."""
 
     class_graph: Tensor | None = None
     num_negatives: int | None = None
     negatives_seed: int = 0
     tile_size: int | None = None
+    num_classes: int | None = None
 
 
 def local_batch(rows: BatchRows, options: BatchOptions = BatchOptions()) -> ContrastiveBatch:
@@ -286,6 +275,7 @@ def local_batch(rows: BatchRows, options: BatchOptions = BatchOptions()) -> Cont
         num_negatives=options.num_negatives,
         negatives_seed=options.negatives_seed,
         tile_size=auto_tile_size(options.tile_size, rows.z.shape[0]),
+        num_classes=options.num_classes,
     )
 
 
@@ -299,8 +289,10 @@ def make_batch(
     num_negatives: int | None = None,
     negatives_seed: int = 0,
     tile_size: int | None = None,
+    num_classes: int | None = None,
 ) -> ContrastiveBatch:
     """:func:`local_batch` with the fields of :class:`BatchRows` and :class:`BatchOptions`
     as keywords (``z`` [N, D], ``text`` [N, D] and ``captions`` [N, E] are L2-normalised)."""
     return local_batch(BatchRows(z, ids, labels, captions, text),
-                       BatchOptions(class_graph, num_negatives, negatives_seed, tile_size))
+                       BatchOptions(class_graph, num_negatives, negatives_seed, tile_size,
+                                    num_classes))

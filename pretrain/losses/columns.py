@@ -49,89 +49,93 @@ def subset_scores(seed: int, rows: Tensor, cols: Tensor, num_candidates: int) ->
 
 @dataclass(frozen=True)
 class ColumnSet:
-    """The columns of a reduction: the negatives of ``kind``, plus the anchor's other
-    positives (``positives``) and its own column (``self_column``)."""
+    """The columns of a reduction: the negatives of ``kind`` (unless
+    ``include_negatives`` is false), plus the anchor's other positives (``positives``) and
+    its own column (``self_column``)."""
 
     kind: PositiveKind
     positives: bool = True
     self_column: bool = False
+    include_negatives: bool = True
 
     @property
     def negatives(self) -> ColumnSet:
         """The negatives alone: the columns the ESS and negative-cosine monitors read."""
         return ColumnSet(self.kind, positives=False, self_column=False)
 
+    @property
+    def positives_only(self) -> ColumnSet:
+        """The anchor's other positives alone (the positives' monitors, SINCERE's pairs)."""
+        return ColumnSet(self.kind, positives=True, self_column=False, include_negatives=False)
+
 
 @dataclass(frozen=True)
 class Columns:
-    """The columns of a row-wise softmax over an [n, T] block: a dense ``keep`` mask, or
-    sparse ``drop`` positions (rows, cols) to leave out; neither means every column."""
+    """The columns of a row-wise reduction over an [n, T] block: the ``keep`` mask
+    (None: every column)."""
 
     keep: Tensor | None = None
-    drop: tuple[Tensor, Tensor] | None = None
 
     def fill_(self, logits: Tensor, fill: float) -> Tensor:
         """Set the left-out entries of ``logits`` [n, T] to ``fill`` in place."""
         if self.keep is not None:
             logits.masked_fill_(~self.keep, fill)
-        elif self.drop is not None:
-            logits[self.drop] = fill
         return logits
 
     def apply(self, logits: Tensor, fill: float) -> Tensor:
         """A copy of ``logits`` [n, T] with the left-out entries set to ``fill``."""
-        if self.keep is not None:
-            return torch.where(self.keep, logits, torch.full((), fill, dtype=logits.dtype,
-                                                            device=logits.device))
-        return self.fill_(logits.clone(), fill)
+        if self.keep is None:
+            return logits.clone()
+        return torch.where(self.keep, logits, torch.full((), fill, dtype=logits.dtype,
+                                                        device=logits.device))
+
+
+def column_mask(columns: ColumnSet, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,
+                cols: Tensor, kept_negatives: Tensor | None = None,
+                valid: Tensor | None = None) -> Tensor:
+    """[n, T] bool: the columns ``cols`` [T] (global positions, keys ``keys`` [T]) of
+    ``columns`` for anchors at ``anchor_index`` [n] with keys ``anchor_keys`` [n].
+    ``kept_negatives`` [n, T] restricts the negatives to a subset; ``valid`` [T] leaves out
+    padding columns. Fixed shapes: no value is read back to the host."""
+    same = anchor_keys[:, None] == keys[None, :]
+    is_self = anchor_index[:, None] == cols[None, :]
+    keep = torch.zeros_like(same)
+    if columns.include_negatives:
+        keep = ~same if kept_negatives is None else ~same & kept_negatives
+    if columns.positives:
+        keep = keep | (same & ~is_self)
+    if columns.self_column:
+        keep = keep | is_self
+    return keep if valid is None else keep & valid[None, :]
 
 
 @dataclass(frozen=True)
 class ColumnTiles:
     """One :class:`ColumnSet` cut into column tiles [start, stop): each tile's
-    :class:`Columns`, relative to the tile, without building the [n, N] set.
-
-    ``drop``: the left-out (row, column) pairs (every column kept but these); otherwise
-    ``keys`` (anchor keys [n], candidate keys [N]) decide per tile, with the subset's
-    per-row ``threshold`` [n] on :func:`subset_scores`.
-    """
+    :class:`Columns`, relative to the tile, from the keys (anchor keys [n], candidate keys
+    [N]) without building the [n, N] set; under a negatives subset, with the per-row
+    ``threshold`` [n] on :func:`subset_scores`; ``valid`` [N] leaves out padding columns."""
 
     columns: ColumnSet
     anchor_index: Tensor
-    drop: tuple[Tensor, Tensor] | None = None
-    anchor_keys: Tensor | None = None
-    keys: Tensor | None = None
+    anchor_keys: Tensor
+    keys: Tensor
     threshold: Tensor | None = None
     seed: int = 0
-
-    @staticmethod
-    def sparse(columns: ColumnSet, anchor_index: Tensor, rows: Tensor,
-               cols: Tensor) -> ColumnTiles:
-        return ColumnTiles(columns, anchor_index, drop=(rows, cols))
+    valid: Tensor | None = None
 
     def tile(self, start: int, stop: int, rows: slice = slice(None)) -> Columns:
         """The :class:`Columns` of candidate columns [start, stop) for the anchor ``rows``
         (a block of rows, contiguous), relative to the block."""
-        if self.drop is not None:
-            # a mask over the P pairs, O(P) per tile against the tile's O(n T D) product;
-            # no slice bounds read back to the host
-            drop_rows, cols = self.drop
-            first, last, _ = rows.indices(len(self.anchor_index))
-            inside = (cols >= start) & (cols < stop) & (drop_rows >= first) & (drop_rows < last)
-            return Columns(drop=(drop_rows[inside] - first, cols[inside] - start))
         anchor_index = self.anchor_index[rows]
         cols = torch.arange(start, stop, device=anchor_index.device)
-        same = self.anchor_keys[rows, None] == self.keys[None, start:stop]
-        keep = ~same
+        subset = None
         if self.threshold is not None:
             scores = subset_scores(self.seed, anchor_index, cols, len(self.keys))
-            keep &= scores <= self.threshold[rows, None]
-        is_self = anchor_index[:, None] == cols[None, :]
-        if self.columns.positives:
-            keep |= same & ~is_self
-        if self.columns.self_column:
-            keep |= is_self
-        return Columns(keep=keep)
+            subset = scores <= self.threshold[rows, None]
+        return Columns(keep=column_mask(
+            self.columns, anchor_index, self.anchor_keys[rows], self.keys[start:stop], cols,
+            subset, None if self.valid is None else self.valid[start:stop]))
 
 
 def subset_threshold(seed: int, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,

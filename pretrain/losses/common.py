@@ -120,20 +120,15 @@ def row_softmax_(logits: Tensor, columns: Columns) -> tuple[Tensor, Tensor]:
     return _RowSoftmax.apply(logits)
 
 
-def segment_logsumexp(values: Tensor, rows: Tensor, num_rows: int) -> Tensor:
-    """[num_rows] logsumexp of ``values`` [P] grouped by ``rows`` [P]; MASKED_LOGIT if empty."""
-    top = values.new_full((num_rows,), MASKED_LOGIT).scatter_reduce(
-        0, rows, values, reduce="amax", include_self=True)
-    sums = values.new_zeros(num_rows).index_add(0, rows, torch.exp(values - top[rows]))
-    return top + torch.log(sums.clamp(min=torch.finfo(values.dtype).tiny))
-
-
 def add_log_columns_(values: Tensor, anchor_group: Tensor, counts: Tensor) -> Tensor:
     """values [n, G] += log m_ig in place, m_ig = how many of anchor i's columns lie in
     group g: the group's size, less the anchor itself in its own group (MASKED_LOGIT when
-    that leaves none). Turns per-group logits into sums over the group's columns."""
+    that leaves none, and for an empty group). Turns per-group logits into sums over the
+    group's columns."""
     rows = torch.arange(len(anchor_group), device=values.device)
-    log_counts = torch.log(counts.to(values.dtype))
+    log_counts = torch.where(counts > 0, torch.log(counts.clamp(min=1).to(values.dtype)),
+                             torch.full((), MASKED_LOGIT, dtype=values.dtype,
+                                        device=values.device))  # an empty group: no column
     own = (counts[anchor_group] - 1).to(values.dtype)
     values.add_(log_counts)
     own_group = values[rows, anchor_group] - log_counts[anchor_group]

@@ -23,7 +23,6 @@ from pretrain.losses.common import (
     scaled,
 )
 from pretrain.losses.rows import row_logsumexp
-from pretrain.losses.sincere import with_positives
 
 
 def flat_nce(pos_logit: Tensor, lse_neg: Tensor) -> Tensor:
@@ -42,13 +41,12 @@ def flatnce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutpu
     kind = "instance"
     with full_precision(batch):
         anchors = scaled(batch.anchors, temperature)  # [n, D]
-        pairs = batch.positive_pairs(kind)  # [P], P = views - 1 per anchor
         negatives = row_logsumexp(batch, anchors, batch.candidates,
-                                  ColumnSet(kind, positives=False), monitors=True, pairs=pairs)
+                                  ColumnSet(kind, positives=False), monitors=True,
+                                  positive_lse=True)
         pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
-        pos_logits = negatives.pair_logits.detach()  # [P]
         loss = batch.anchor_mean(flat_nce(pos_mean, negatives.lse), kind)
+        all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)
         return finish(batch, loss, kind, temperature, report_infonce=True, pos_mean=pos_mean,
-                      infonce=with_positives(negatives.lse, pos_logits, pairs[0])
-                      - pos_mean.detach(),
+                      infonce=all_lse - pos_mean.detach(),
                       ess=negatives.ess, negative_logit_sum=negatives.negative_logit_sum)

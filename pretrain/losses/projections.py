@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 KernelMetric = Literal["l1", "l2", "cos"]
 
@@ -30,66 +31,70 @@ def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
 
     ``candidates`` [N, D] unit vectors, ``groups`` [N] group of each. Weights
     w_jm = K(d(z_j, z_m) / h); NW(c | z_j) = sum_m w_jm 1{g_m = c} / sum_m w_jm;
-    f_hat(c) = sum_j NW(c | z_j) z_j / sum_j NW(c | z_j). The kernel's compact support
-    keeps this sparse: only pairs with d < h carry weight, found from the cosine
-    similarity (for l1, ||u - v||_1 >= ||u - v||_2 bounds the search), then weighted
-    exactly with gradient. The 1/h factor of K_h cancels in the ratio. With ``tile_size``
-    the search runs over [T, T] blocks of the similarity matrix instead of [N, N].
+    f_hat(c) = sum_j NW(c | z_j) z_j / sum_j NW(c | z_j) (0 for a group without members).
+    The weights are computed over [T, T] blocks of the pair distances (T = ``tile_size``,
+    all N without it), each block recomputed in the backward instead of saved, so memory
+    stays O(N (D + G) + T^2) and no shape depends on how many pairs lie within h. The 1/h
+    factor of K_h cancels in the ratio.
     """
     n = candidates.shape[0]
-    rows, cols = _near_pairs(candidates, bandwidth, metric, tile_size or n)
-    dist = _pair_distance(candidates[rows], candidates[cols], metric)
-    weight = (1 - (dist / bandwidth) ** 2).clamp(min=0)  # [P]
-    row_sum = torch.ones(n, dtype=candidates.dtype, device=candidates.device)
-    row_sum = row_sum.index_add(0, rows, weight)  # K(0) = 1 for the sample itself
-    votes = F.one_hot(groups, num_groups).to(candidates.dtype)  # [N, G]
-    votes = votes.index_put((rows, groups[cols]), weight, accumulate=True)
-    posterior = votes / row_sum[:, None]  # [N, G] NW(c | z_j)
-    return (posterior.T @ candidates) / posterior.sum(0)[:, None]
+    size = tile_size or n
+    one_hot = F.one_hot(groups, num_groups).to(candidates.dtype)  # [N, G]
+    votes, row_sums = [], []
+    for row in range(0, n, size):
+        block_votes = one_hot[row:row + size]  # K(0) = 1: the sample itself
+        block_sum = torch.ones(block_votes.shape[0], dtype=candidates.dtype,
+                               device=candidates.device)
+        for col in range(0, n, size):
+            total, voted = checkpoint(_block_votes, candidates[row:row + size],
+                                      candidates[col:col + size], one_hot[col:col + size],
+                                      row - col, bandwidth, metric, use_reentrant=False)
+            block_sum, block_votes = block_sum + total, block_votes + voted
+        votes.append(block_votes)
+        row_sums.append(block_sum)
+    posterior = torch.cat(votes) / torch.cat(row_sums)[:, None]  # [N, G] NW(c | z_j)
+    mass = posterior.sum(0)[:, None]
+    return (posterior.T @ candidates) / mass.clamp(min=torch.finfo(mass.dtype).tiny)
 
 
-def _near_pairs(candidates: Tensor, bandwidth: float, metric: KernelMetric,
-                tile_size: int) -> tuple[Tensor, Tensor]:
-    """([P], [P]) the pairs j != m that may lie within ``bandwidth``, block by block."""
-    # cos: d < h <=> sim > 1 - 2h; l1/l2: ||u - v||_2 < h <=> sim > 1 - h^2 / 2
-    threshold = (1 - 2 * bandwidth if metric == "cos" else 1 - bandwidth**2 / 2) - 1e-4
-    found_rows, found_cols = [], []
-    n = candidates.shape[0]
-    with torch.no_grad():
-        for row in range(0, n, tile_size):
-            for col in range(0, n, tile_size):
-                block = candidates[row:row + tile_size] @ candidates[col:col + tile_size].T
-                near_rows, near_cols = (block > threshold).nonzero(as_tuple=True)
-                near_rows, near_cols = near_rows + row, near_cols + col
-                off_diagonal = near_rows != near_cols
-                found_rows.append(near_rows[off_diagonal])
-                found_cols.append(near_cols[off_diagonal])
-    return torch.cat(found_rows), torch.cat(found_cols)
+def _block_votes(rows: Tensor, cols: Tensor, col_groups: Tensor, offset: int,
+                 bandwidth: float, metric: KernelMetric) -> tuple[Tensor, Tensor]:
+    """([R] sum of the kernel weights of each row over the block's other columns, [R, G]
+    those weights summed per group); ``offset`` = row start - column start places the
+    diagonal (the sample itself, counted apart)."""
+    if metric == "cos":
+        dist = 0.5 - 0.5 * rows @ cols.T
+    else:
+        dist = torch.cdist(rows, cols, p=1.0 if metric == "l1" else 2.0)
+    weight = (1 - (dist / bandwidth) ** 2).clamp(min=0)  # [R, C]
+    r = torch.arange(rows.shape[0], device=rows.device)
+    c = torch.arange(cols.shape[0], device=rows.device)
+    weight = weight.masked_fill(r[:, None] + offset == c[None, :], 0.0)
+    return weight.sum(1), weight @ col_groups
 
 
 def median_class_embeddings(candidates: Tensor, groups: Tensor, counts: Tensor) -> Tensor:
     """Coordinate-wise lower median of each group's embeddings (ProjNCE-med, eq. 33).
 
     For an even count the lower of the two middle values is taken (``torch.median``'s
-    convention); the gradient flows to the selected element of each coordinate.
+    convention); the gradient flows to the selected element of each coordinate. Sorted by
+    value, then stably by group, each coordinate's rows are grouped in value order; each
+    group's median is read at its start + (size - 1) // 2: fixed shapes throughout. A
+    group without members gets an arbitrary finite row.
     """
-    num_groups, dim = counts.shape[0], candidates.shape[1]
-    order = torch.argsort(groups, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(groups.shape[0], device=groups.device) - starts[groups[order]]
-    padded = candidates.new_full((num_groups, int(counts.max()), dim), float("nan"))
-    padded = padded.index_put((groups[order], slot), candidates[order])
-    return padded.nanmedian(dim=1).values
+    by_value = candidates.argsort(dim=0, stable=True)  # [N, D]
+    by_group = groups[by_value].argsort(dim=0, stable=True)  # group-major, value order kept
+    rows = by_value.gather(0, by_group)  # [N, D] rows sorted by (group, value)
+    starts = torch.cumsum(counts, 0) - counts  # [G]
+    middle = (starts + (counts - 1).clamp(min=0) // 2).clamp(max=candidates.shape[0] - 1)
+    return candidates.gather(0, rows[middle])  # [G, D]
 
 
 def learned_class_embeddings(class_embeddings: Tensor, group_labels: Tensor) -> Tensor:
     """Rows of a trainable [C, D] class-embedding matrix (ProjNCE-MLP, eq. 34), L2-normalised.
 
     Normalising keeps psi(z, g) = z . g / tau a cosine, like every other critic here; an
-    unnormalised matrix could lower the loss by growing without bound.
+    unnormalised matrix could lower the loss by growing without bound. ``group_labels``
+    [G] lie in [0, C) (the batch's label groups are the C classes; checked there).
     """
-    if int(group_labels.max()) >= class_embeddings.shape[0] or int(group_labels.min()) < 0:
-        raise ValueError(
-            f"projnce learned: labels must lie in [0, {class_embeddings.shape[0]}) "
-            "of class_embeddings")
     return F.normalize(class_embeddings[group_labels], dim=1)

@@ -11,6 +11,7 @@ Nadaraya-Watson class means), ``median`` and ``learned`` (g+ = g-, so R = 1 exac
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -63,13 +64,11 @@ def _group_projection(batch: ContrastiveBatch, projection: Projection, bandwidth
     """[G, D] one projected vector per label group of the global batch."""
     values, groups, counts = batch.group_index("label")
     cand = as_float(batch.candidates)
-    if projection == "kernel":
+    if projection == "kernel":  # its class posterior is [N, G]: give num_classes for G = C
         return kernel_class_means(cand, groups, counts.shape[0], bandwidth, kernel_metric,
                                   tile_size=batch.tile_size)
     if projection == "median":
         return median_class_embeddings(cand, groups, counts)
-    if class_embeddings is None:
-        raise ValueError("projnce learned: pass class_embeddings, a trainable [C, D] tensor")
     return learned_class_embeddings(class_embeddings.to(cand.dtype), values)
 
 
@@ -79,6 +78,12 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
             class_embeddings: Tensor | None = None) -> ObjectiveOutput:
     """ProjNCE with the chosen projection; ``metrics["adjustment"]`` is the mean R."""
     require_labels(batch, "projnce")
+    if projection == "learned":
+        if class_embeddings is None:
+            raise ValueError("projnce learned: pass class_embeddings, a trainable [C, D] "
+                             "tensor")
+        # label groups are the matrix's C classes (labels outside [0, C) fail there)
+        batch = dataclasses.replace(batch, num_classes=class_embeddings.shape[0])
     kind = "label"
     columns = ColumnSet(kind)
     with full_precision(batch):
@@ -95,7 +100,9 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
             _, groups, _ = batch.group_index(kind)
             plus_own = pair_logits(anchors, projected, (batch.self_pairs()[0],
                                                         groups[batch.anchor_index]))
-            if batch.num_negatives is None:  # [n, G] logits suffice
+            if batch.num_negatives is None and (batch.tile_size is None
+                                                or batch.classes is not None):
+                # [n, G] logits suffice (tiled: G the C classes, not N slots)
                 lse_minus = _group_lse(batch, anchors @ projected.T)
             else:
                 lse_minus = row_logsumexp(batch, anchors, projected[groups], columns).lse

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
-from pretrain.losses.columns import ColumnSet, PositiveKind
-from pretrain.losses.common import as_float, pair_logits, row_softmax_
+from pretrain.losses.columns import MASKED_LOGIT, ColumnSet, PositiveKind
+from pretrain.losses.common import as_float, row_softmax_
 from pretrain.losses.tiles import TargetLogits, TiledRows, TilePlan, tiled_rows
 
 
@@ -26,7 +26,7 @@ class RowTerms(NamedTuple):
     lse: Tensor
     ess: Tensor | None = None  # ESS of the softmax restricted to the negatives
     negative_logit_sum: Tensor | None = None  # under num_negatives: sum of negatives' logits
-    pair_logits: Tensor | None = None  # [P] the logits at the requested (row, column) pairs
+    positive_lse: Tensor | None = None  # log-sum-exp over the anchor's positives, no grad
 
 
 def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -> Tensor:
@@ -35,37 +35,41 @@ def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -
 
 
 def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
-              targets: TargetLogits | None = None) -> TilePlan:
-    """The :class:`TilePlan` of ``column_set`` (and its negatives' monitors) on ``batch``."""
+              targets: TargetLogits | None = None, positive_lse: bool = False) -> TilePlan:
+    """The :class:`TilePlan` of ``column_set`` (and its negatives' monitors, and the
+    positives' log-sum-exp) on ``batch``."""
     return TilePlan(
         tile_size=batch.tile_size,
         columns=batch.column_tiles(column_set),
         targets=targets,
         negatives=batch.column_tiles(column_set.negatives) if monitors else None,
-        negative_logit_sum=monitors and batch.num_negatives is not None)
+        negative_logit_sum=monitors and batch.num_negatives is not None,
+        positives=batch.column_tiles(column_set.positives_only) if positive_lse else None)
 
 
 def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
                   column_set: ColumnSet, *, monitors: bool = False,
-                  pairs: tuple[Tensor, Tensor] | None = None) -> RowTerms:
+                  positive_lse: bool = False) -> RowTerms:
     """log sum over ``column_set`` of exp(``anchors`` [n, D] . ``columns`` [N, D]).
 
     ``anchors`` are already divided by the temperature. ``monitors`` adds the ESS over the
     negatives of ``column_set.kind`` and, under ``num_negatives``, their logit sum;
-    ``pairs`` (rows [P], cols [P]) adds the logits there, with gradient (dense: read from
-    the [n, N] logits, cheaper than P dot products when P is of order n N / C).
+    ``positive_lse`` adds the log-sum-exp over each anchor's positives (without gradient;
+    ``MASKED_LOGIT`` where an anchor has none).
     """
     columns = as_float(columns)
     if batch.tile_size is not None:
-        rows = tiled_rows(anchors, columns, tile_plan(batch, column_set, monitors=monitors))
-        terms = _terms(batch, column_set, rows, monitors)
-        return terms if pairs is None else terms._replace(
-            pair_logits=pair_logits(anchors, columns, pairs))
+        plan = tile_plan(batch, column_set, monitors=monitors, positive_lse=positive_lse)
+        return _terms(batch, column_set, tiled_rows(anchors, columns, plan), monitors)
     logits = anchors @ columns.T  # [n, N]
-    at_pairs = None if pairs is None else logits[pairs]  # before the softmax masks them
+    pos_lse = None
+    if positive_lse:  # before the softmax masks the positives' entries
+        with torch.no_grad():
+            pos_lse = batch.columns(column_set.positives_only).apply(
+                logits, MASKED_LOGIT).logsumexp(1)
     lse, probs = row_softmax_(logits, batch.columns(column_set))
     if not monitors:
-        return RowTerms(lse, pair_logits=at_pairs)
+        return RowTerms(lse, positive_lse=pos_lse)
     with torch.no_grad():
         negatives = _negatives_only(batch, column_set, probs)
         ratio = (negatives.sum(1) / torch.linalg.vector_norm(negatives, dim=1)).square()
@@ -73,23 +77,19 @@ def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
         if batch.num_negatives is not None:
             mask = batch.negative_mask(column_set.kind)
             neg_logits = torch.where(mask, logits, logits.new_zeros(())).sum(1)
-    return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits, at_pairs)
+    return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits, pos_lse)
 
 
 def _terms(batch: ContrastiveBatch, column_set: ColumnSet, rows: TiledRows,
            monitors: bool) -> RowTerms:
     if not monitors:
-        return RowTerms(rows.lse)
+        return RowTerms(rows.lse, positive_lse=rows.positive_lse)
     return RowTerms(rows.lse, ess_from_ratio(batch, column_set.kind, rows.ess_ratio),
-                    rows.negative_logit_sum)
+                    rows.negative_logit_sum, rows.positive_lse)
 
 
 def _negatives_only(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tensor) -> Tensor:
     """[n, N] ``probs`` with every column that is not a negative set to 0."""
     if column_set == column_set.negatives:
         return probs
-    if batch.num_negatives is not None:
-        return torch.where(batch.negative_mask(column_set.kind), probs, probs.new_zeros(()))
-    pairs = batch.non_negative_pairs(column_set.kind, column_set.positives,
-                                     column_set.self_column)
-    return probs.index_put(pairs, probs.new_zeros(()))
+    return torch.where(batch.negative_mask(column_set.kind), probs, probs.new_zeros(()))

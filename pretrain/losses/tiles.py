@@ -36,6 +36,7 @@ class TilePlan:
     targets: TargetLogits | None = None
     negatives: ColumnTiles | None = None
     negative_logit_sum: bool = False
+    positives: ColumnTiles | None = None  # a log-sum-exp over these columns, no gradient
 
 
 class TiledRows(NamedTuple):
@@ -46,6 +47,7 @@ class TiledRows(NamedTuple):
     target_entropy: Tensor | None  # -sum_j t_ij log t_ij
     ess_ratio: Tensor | None  # (sum_neg p)^2 / sum_neg p^2, p the softmax of the columns
     negative_logit_sum: Tensor | None  # sum over the negatives of l_ij
+    positive_lse: Tensor | None  # log sum over the plan's positives of exp l_ij
 
 
 class _PassSums(NamedTuple):
@@ -58,6 +60,7 @@ class _PassSums(NamedTuple):
     target_entropy: Tensor
     ess_ratio: Tensor
     negative_logit_sum: Tensor
+    positive_lse: Tensor
 
 
 class _Running:
@@ -94,6 +97,7 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
     n, num_columns = anchors.shape[0], columns.shape[0]
     rows = _Running(n, anchors)
     targets = _Running(n, anchors) if plan.targets is not None else None
+    positives = _Running(n, anchors) if plan.positives is not None else None
     term = anchors.new_zeros(n)  # sum exp(target - top) * l, rescaled with the targets' top
     cross = anchors.new_zeros(n)  # sum exp(target - top) * target
     neg_sum, neg_sq = anchors.new_zeros(n), anchors.new_zeros(n)
@@ -101,7 +105,11 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
     for start in range(0, num_columns, plan.tile_size):
         stop = min(start + plan.tile_size, num_columns)
         tile = plan.columns.tile(start, stop, block)
-        logits = tile.fill_(anchors @ columns[start:stop].T, MASKED_LOGIT)
+        logits = anchors @ columns[start:stop].T
+        if positives is not None:  # before the columns' mask leaves positives out
+            positives.update(plan.positives.tile(start, stop, block).apply(logits,
+                                                                           MASKED_LOGIT))
+        tile.fill_(logits, MASKED_LOGIT)
         weights, scale = rows.update(logits)
         if plan.negatives is not None:  # the negatives are a subset of the columns
             negatives = plan.negatives.tile(start, stop, block)
@@ -120,7 +128,9 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
     if targets is not None:
         target_lse = targets.lse()
         term, entropy = term / targets.total, target_lse - cross / targets.total
-    return _PassSums(lse, term, target_lse, entropy, neg_sum.square() / neg_sq, neg_logits)
+    pos_lse = positives.lse() if positives is not None else lse.new_zeros(0)
+    return _PassSums(lse, term, target_lse, entropy, neg_sum.square() / neg_sq, neg_logits,
+                     pos_lse)
 
 
 def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> _PassSums:
@@ -140,7 +150,7 @@ class _TiledLogSumExp(torch.autograd.Function):
         ctx.plan = plan
         ctx.save_for_backward(anchors, columns, sums.lse, sums.target_lse)
         ctx.mark_non_differentiable(sums.target_lse, sums.target_entropy, sums.ess_ratio,
-                                    sums.negative_logit_sum)
+                                    sums.negative_logit_sum, sums.positive_lse)
         return tuple(sums)  # autograd hands back plain tuples
 
     @staticmethod
@@ -185,81 +195,59 @@ def tiled_rows(anchors: Tensor, columns: Tensor, plan: TilePlan) -> TiledRows:
         target_entropy=sums.target_entropy if has_targets else None,
         ess_ratio=sums.ess_ratio if plan.negatives is not None else None,
         negative_logit_sum=sums.negative_logit_sum if plan.negative_logit_sum else None,
+        positive_lse=sums.positive_lse if plan.positives is not None else None,
     )
 
 
-@dataclass(frozen=True)
-class PositiveTiles:
-    """Per tile, the [rows, T] mask of each anchor's positives (same key, not itself)."""
-
-    tile_size: int
-    anchor_index: Tensor  # [n]
-    anchor_keys: Tensor  # [n]
-    keys: Tensor  # [N]
-
-    def tile(self, start: int, stop: int, rows: slice) -> Tensor:
-        cols = torch.arange(start, stop, device=self.keys.device)
-        return ((self.anchor_keys[rows, None] == self.keys[None, start:stop])
-                & (self.anchor_index[rows, None] != cols[None, :]))
-
-
-def _tile_pairs(positives: PositiveTiles, n: int, num_columns: int,
-                device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
-    """Each tile's positive pairs as global (rows [P_t], cols [P_t]): found with an
-    [rows, T] mask, then handled as P_t dot products instead of a [rows, T] matmul."""
-    for block in row_blocks(n, positives.tile_size, device):
-        for start in range(0, num_columns, positives.tile_size):
-            stop = min(start + positives.tile_size, num_columns)
-            rows, cols = positives.tile(start, stop, block).nonzero(as_tuple=True)
-            yield rows + block.start, cols + start
-
-
-class _TiledPairTerms(torch.autograd.Function):
-    """sum over positives p of softplus(lse_neg_i - l_ip + eps) - eps, per anchor [n]
-    (SINCERE's pair terms), and the positives' log-sum-exp [n] without gradient. The
-    positives of a tile are gathered and their logits taken as dot products: O(P D) in
-    all, about 1/C of the logits' matmul for C classes."""
+class _PairTerms(torch.autograd.Function):
+    """sum over the columns of ``positives`` of softplus(lse_neg_i - l_ij + eps) - eps, per
+    anchor [n] (SINCERE's pair terms), tile by tile from masks of fixed shape (no count of
+    pairs is read back); the backward recomputes each tile's logits."""
 
     @staticmethod
     def forward(ctx, anchors: Tensor, columns: Tensor, lse_neg: Tensor, eps: float,
-                positives: PositiveTiles) -> tuple[Tensor, Tensor]:
+                positives: ColumnTiles, tile_size: int) -> Tensor:
         ctx.set_materialize_grads(False)
-        n = anchors.shape[0]
-        total = anchors.new_zeros(n)
-        top, sums = anchors.new_full((n,), MASKED_LOGIT), anchors.new_zeros(n)
-        for rows, cols in _tile_pairs(positives, n, columns.shape[0], anchors.device):
-            logits = torch.linalg.vecdot(anchors[rows], columns[cols])  # [P_t]
-            terms = torch.nn.functional.softplus(lse_neg[rows] - logits + eps) - eps
-            total.index_add_(0, rows, terms)
-            new_top = top.scatter_reduce(0, rows, logits, reduce="amax")
-            sums = sums * torch.exp(top - new_top) + torch.zeros_like(sums).index_add_(
-                0, rows, torch.exp(logits - new_top[rows]))
-            top = new_top
-        ctx.eps, ctx.positives = eps, positives
+        total = anchors.new_zeros(anchors.shape[0])
+        for block, _, _, keep, logits in _pair_tiles(anchors, columns, positives,
+                                                      tile_size):
+            terms = torch.nn.functional.softplus(lse_neg[block, None] - logits + eps) - eps
+            total[block] += torch.where(keep, terms, terms.new_zeros(())).sum(1)
+        ctx.eps, ctx.positives, ctx.tile_size = eps, positives, tile_size
         ctx.save_for_backward(anchors, columns, lse_neg)
-        pos_lse = top + torch.log(sums.clamp(min=torch.finfo(sums.dtype).tiny))
-        ctx.mark_non_differentiable(pos_lse)
-        return total, pos_lse
+        return total
 
     @staticmethod
-    def backward(ctx, grad_total: Tensor | None, _: None) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad_total: Tensor | None) -> tuple[Tensor | None, ...]:
         if grad_total is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         anchors, columns, lse_neg = ctx.saved_tensors
         grad_anchors, grad_columns = torch.zeros_like(anchors), torch.zeros_like(columns)
         grad_lse = torch.zeros_like(lse_neg)
-        for rows, cols in _tile_pairs(ctx.positives, anchors.shape[0], columns.shape[0],
-                                      anchors.device):
-            logits = torch.linalg.vecdot(anchors[rows], columns[cols])
-            # d total / d lse_neg = sigmoid(...) = -d total / d l, times the incoming grad
-            slope = torch.sigmoid(lse_neg[rows] - logits + ctx.eps) * grad_total[rows]
-            grad_lse.index_add_(0, rows, slope)
-            grad_anchors.index_add_(0, rows, -slope[:, None] * columns[cols])
-            grad_columns.index_add_(0, cols, -slope[:, None] * anchors[rows])
-        return grad_anchors, grad_columns, grad_lse, None, None
+        for block, start, stop, keep, logits in _pair_tiles(anchors, columns, ctx.positives,
+                                                            ctx.tile_size):
+            # d term / d lse_neg = sigmoid(lse_neg - l + eps) = -d term / d l
+            slope = torch.sigmoid(lse_neg[block, None] - logits + ctx.eps)
+            slope = torch.where(keep, slope, slope.new_zeros(())) * grad_total[block, None]
+            grad_lse[block] += slope.sum(1)
+            grad_anchors[block] -= slope @ columns[start:stop]
+            grad_columns[start:stop] -= slope.T @ anchors[block]
+        return grad_anchors, grad_columns, grad_lse, None, None, None
 
 
-def tiled_pair_terms(anchors: Tensor, columns: Tensor, lse_neg: Tensor, eps: float,
-                     positives: PositiveTiles) -> tuple[Tensor, Tensor]:
-    """([n] sum of SINCERE's pair terms with gradient, [n] positives' log-sum-exp)."""
-    return _TiledPairTerms.apply(anchors, columns, lse_neg, eps, positives)
+def _pair_tiles(anchors: Tensor, columns: Tensor, positives: ColumnTiles, tile_size: int,
+                ) -> Iterator[tuple[slice, int, int, Tensor, Tensor]]:
+    """(block of anchor rows, start, stop, [rows, T] positives mask, [rows, T] logits) of
+    every tile."""
+    for block in row_blocks(anchors.shape[0], tile_size, anchors.device):
+        for start in range(0, columns.shape[0], tile_size):
+            stop = min(start + tile_size, columns.shape[0])
+            keep = positives.tile(start, stop, block).keep
+            yield block, start, stop, keep, anchors[block] @ columns[start:stop].T
+
+
+def pair_terms(anchors: Tensor, columns: Tensor, lse_neg: Tensor, eps: float,
+               positives: ColumnTiles, tile_size: int) -> Tensor:
+    """[n] sum over the positives of SINCERE's pair terms, with gradient; ``tile_size``
+    columns at a time (all of them for the dense path)."""
+    return _PairTerms.apply(anchors, columns, lse_neg, eps, positives, tile_size)

@@ -42,16 +42,17 @@ COLUMNS = ColumnSet("instance")  # every candidate but the anchor itself
 
 
 def _check_targets(batch: ContrastiveBatch) -> None:
+    """The targets' inputs are there; labels outside the class graph fail on the device
+    (``ContrastiveBatch.group_index``), with no value read back to the host."""
     if batch.class_graph is not None and batch.captions is not None:
         raise ValueError("xclr: give caption embeddings (captions=) or a class_graph, not "
                          "both; the targets come from one of them")
     if batch.class_graph is not None:
         if batch.labels is None:
             raise ValueError("xclr: a class_graph needs labels to look up class pairs")
-        values, _, _ = batch.group_index("label")
-        size = batch.class_graph.shape[0]
-        if int(values.max()) >= size or int(values.min()) < 0:
-            raise ValueError(f"xclr: labels must lie in [0, {size}) of class_graph")
+        if batch.num_classes is not None and batch.num_classes != batch.class_graph.shape[0]:
+            raise ValueError(f"xclr: the class_graph has {batch.class_graph.shape[0]} classes, "
+                             f"the batch {batch.num_classes}")
     elif batch.captions is None:
         raise ValueError("xclr: needs caption embeddings (captions=) or a class_graph")
 
@@ -60,24 +61,18 @@ def target_groups(batch: ContrastiveBatch,
                   target_temperature: float) -> tuple[PositiveKind | None, Tensor]:
     """(group kind, [n, G] c_i . c_g / tau_s) for the groups within which targets are constant.
 
-    Class graph: label groups. Captions: instance groups when every view of an instance
-    carries the same caption; otherwise (kind None) one group per candidate. Computed in the
-    embeddings' precision, whatever the graph's or captions' dtype.
+    Class graph: label groups, the graph's C classes ([n, C]). Captions: one group per
+    candidate ([n, N]; kind None), whether or not the views of an image share a caption.
+    Computed in the embeddings' precision, whatever the graph's or captions' dtype.
     """
     dtype = as_float(batch.candidates).dtype
     if batch.class_graph is not None:
         graph = batch.class_graph.to(dtype)
-        values, _, _ = batch.group_index("label")
-        rows = graph.index_select(0, batch.labels[batch.anchor_index])
-        return "label", rows.index_select(1, values) / target_temperature
+        batch.group_index("label")  # labels checked against the graph's classes
+        return "label", graph.index_select(0, batch.labels[batch.anchor_index]) / \
+            target_temperature
     captions = batch.captions.to(dtype)
-    anchors = captions[batch.anchor_index] / target_temperature
-    _, groups, counts = batch.group_index("instance")
-    first = torch.full_like(counts, captions.shape[0]).scatter_reduce(
-        0, groups, torch.arange(len(groups), device=groups.device), reduce="amin")
-    if torch.equal(captions, captions[first[groups]]):
-        return "instance", anchors @ captions[first].T
-    return None, anchors @ captions.T
+    return None, (captions[batch.anchor_index] / target_temperature) @ captions.T
 
 
 def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: Tensor,
@@ -97,7 +92,7 @@ def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim
     anchor_group = groups[batch.anchor_index]
     rows = torch.arange(len(anchor_group), device=sim.device)
     with torch.no_grad():
-        members = counts.to(sim.dtype)
+        members = counts.clamp(min=1).to(sim.dtype)  # an empty group's mass is 0
         own = members[anchor_group] - 1  # [n] the anchor's own group, minus itself
         log_members = torch.log(members)
         add_log_columns_(sim, anchor_group, counts)

@@ -132,8 +132,8 @@ class LargestOutput(TorchDispatchMode):
 @pytest.mark.parametrize("num_negatives", [None, 9])
 def test_no_tensor_of_anchors_by_candidates(name, hparams, num_negatives):
     """Forward and backward with tiles of 8 over N = 192 candidates: no operator output
-    reaches n * N / 8 elements (a dense run makes [n, N] ones: the probe works). The kernel
-    projection keeps its pairs within the bandwidth (docs/negatives.md): a narrow one here."""
+    reaches n * N / 8 elements (a dense run makes [n, N] ones: the probe works). ProjNCE
+    gets the number of classes, as a run gives it (its class posterior is [N, C])."""
     gen = torch.Generator().manual_seed(0)
     n, dim = 192, 6
     ids = torch.arange(n // 2).repeat_interleave(2)
@@ -144,6 +144,8 @@ def test_no_tensor_of_anchors_by_candidates(name, hparams, num_negatives):
     kwargs, leaves = inputs(b, name, hparams)
     if "bandwidth" in kwargs:
         kwargs["bandwidth"] = 0.3
+    if name == "projnce":  # label groups are the classes, as a run gives them
+        kwargs["num_classes"] = 6
     limit = n * n // 8
     sizes = {}
     for width in (None, 8):
