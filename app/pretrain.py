@@ -35,6 +35,7 @@ from pretrain.model import build_model
 from pretrain.optim import build_optimizer, warmup_cosine
 from pretrain.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
 from pretrain.run_lock import RunLock
+from pretrain.step import BatchSpec
 from pretrain.tracking import Tracker
 from pretrain.trainer import Parts, Trainer
 from serving.model_registry import ModelCard, log_encoder
@@ -132,7 +133,9 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
                                            rt.device, global_batch,
                                            engine.optimizer_sharded),
                  schedule=warmup_cosine(total, config.optim.warmup_steps), total_steps=total,
-                 class_graph=graph, config_yaml=to_yaml(config),
+                 batch_spec=BatchSpec(graph, len(shards.class_names) or None,
+                                      2 * data.batch_size),
+                 config_yaml=to_yaml(config),
                  preemption=PreemptionWatch(config.preemption, rt.device))
 
 

@@ -39,7 +39,7 @@ from pretrain.engine import DDPEngine, EngineConfig
 from pretrain.losses import ObjectiveConfig, objective_from_config
 from pretrain.model import ModelConfig, build_model
 from pretrain.optim import OptimConfig, build_optimizer
-from pretrain.step import forward_loss
+from pretrain.step import BatchSpec, forward_loss
 
 RESULTS = Path("bench/results/training.json")
 REPO = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def step_cases(batch_images: int, backbone: str) -> dict:
                                                if k != "caption_embeddings"}
 
         def step(engine=engine, objective=objective, cfg=cfg, inputs=inputs, graph=class_graph):
-            out = forward_loss(engine, inputs, objective, cfg, 0.1, 0, graph)
+            out = forward_loss(engine, inputs, objective, cfg, 0.1, 0, BatchSpec(graph))
             engine.backward(out.loss)
             engine.step()
 

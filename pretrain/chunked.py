@@ -29,11 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from core.collectives import active, row_counts
 from pretrain.engine import Engine
 from pretrain.losses import ObjectiveConfig, ObjectiveOutput
 from pretrain.model import ModelOutput
-from pretrain.step import loss_of_outputs, model_inputs
+from pretrain.step import BatchSpec, loss_of_outputs, model_inputs
 
 
 def chunks_of(rows: int, count: int) -> list[slice]:
@@ -43,13 +42,11 @@ def chunks_of(rows: int, count: int) -> list[slice]:
     return [slice(end - size, end) for size, end in zip(sizes, ends, strict=True)]
 
 
-def chunk_count(rows: int, chunk_size: int, device: torch.device) -> int:
+def chunk_count(rows_per_rank: int, chunk_size: int) -> int:
     """Chunks per rank: the same on every rank (ZeRO-2 reduces after every backward), enough
-    for the largest rank's rows."""
-    most = rows
-    if active():
-        most = max(row_counts(torch.empty(rows, device=device)))
-    return max(1, math.ceil(most / chunk_size))
+    for the most rows a rank holds (the run's ``BatchSpec.rows_per_rank``: no count is
+    exchanged)."""
+    return max(1, math.ceil(rows_per_rank / chunk_size))
 
 
 def rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -112,14 +109,15 @@ def _surrogate(out: ModelOutput, grads: ModelOutput, rows: slice, last: bool) ->
 
 def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Callable,
                          cfg: ObjectiveConfig, temperature: float, step: int,
-                         chunk_size: int, class_graph: Tensor | None = None,
+                         chunk_size: int, spec: BatchSpec | None = None,
                          ) -> tuple[ObjectiveOutput, Callable[[], None]]:
     """The objective on the whole batch from chunked no-gradient outputs, and the function
     that back-propagates it through the encoder chunk by chunk (steps 1-3 above). The
     caller decides, from the loss, whether to call it (the non-finite guard)."""
+    spec = spec or BatchSpec()
     device = batch["images"].device
     rows_here = len(batch["images"])
-    chunks = chunks_of(rows_here, chunk_count(rows_here, chunk_size, device))
+    chunks = chunks_of(rows_here, chunk_count(spec.rows_per_rank or rows_here, chunk_size))
     states, outputs = [], []
     with torch.no_grad():
         for rows in chunks:
@@ -134,7 +132,7 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Calla
         text=_cat([o.text for o in outputs]), temperature=_leaf(outputs[0].temperature),
         loss_parameters={name: _leaf(value)
                          for name, value in outputs[0].loss_parameters.items()})
-    result = loss_of_outputs(leaves, batch, objective, cfg, temperature, step, class_graph)
+    result = loss_of_outputs(leaves, batch, objective, cfg, temperature, step, spec)
     autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
 
     def backward() -> None:

@@ -128,7 +128,9 @@ class ContrastiveModel(nn.Module):
         self._loss_parameter_shapes = {name: value.shape for name, value in initial.items()}
 
     def forward(self, images: Tensor, input_ids: Tensor | None = None,
-                attention_mask: Tensor | None = None) -> ModelOutput:
+                attention_mask: Tensor | None = None, text_repeats: int = 1) -> ModelOutput:
+        """images [R, 3, H, W]; token ids and mask [R / text_repeats, L], each text row
+        standing for ``text_repeats`` image rows (the first R / k, repeated k times)."""
         if self.split_views and self.training:
             # [2B] = first views then second views; each half is its own batch for the
             # norms, so a view's statistics do not carry its partner's
@@ -138,6 +140,8 @@ class ContrastiveModel(nn.Module):
         else:
             features, projections = self.encoder(images)
         text = None if self.text is None else self.text(input_ids, attention_mask)
+        if text is not None and text_repeats > 1:
+            text = text.repeat(text_repeats, 1)
         temperature = (None if self.log_temperature is None
                        else self.log_temperature.exp().squeeze(0))
         loss_parameters = {name: p.reshape(self._loss_parameter_shapes[name])

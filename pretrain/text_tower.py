@@ -40,16 +40,14 @@ class TextTower(nn.Module):
         self.projection = nn.Linear(self.transformer.config.hidden_size, out_dim)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """Each distinct caption runs through the transformer once: the views of an image
-        share its caption, so a batch of 2B views holds B distinct rows (or fewer)."""
-        rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
-        distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
-        ids, mask = distinct.split([input_ids.shape[1], attention_mask.shape[1]], dim=1)
+        """Every row runs through the transformer (a training step hands it each caption
+        once: ``pretrain.step.model_inputs``)."""
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
-            hidden = self.transformer(input_ids=ids, attention_mask=mask).last_hidden_state
-            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            hidden = self.transformer(input_ids=input_ids,
+                                      attention_mask=attention_mask).last_hidden_state
+            weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
-        return self.projection(pooled)[inverse]
+        return self.projection(pooled)
 
     def train(self, mode: bool = True) -> TextTower:
         super().train(mode)

@@ -45,7 +45,7 @@ from pretrain.device_metrics import (
 from pretrain.engine import Engine
 from pretrain.losses import EssTemperatureController, ObjectiveConfig
 from pretrain.preemption import Preempted, PreemptionWatch
-from pretrain.step import forward_loss, to_device
+from pretrain.step import BatchSpec, forward_loss, to_device
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Parts:
     checkpointer: Checkpointer
     schedule: Callable[[int], float]
     total_steps: int
-    class_graph: torch.Tensor | None = None
+    batch_spec: BatchSpec = field(default_factory=BatchSpec)  # class graph, C, rows
     tracker: Any = None  # pretrain.tracking.Tracker on rank 0
     monitor: Callable[[torch.nn.Module], dict[str, float]] | None = None  # kNN monitor
     config_yaml: str = ""
@@ -227,10 +227,10 @@ class Trainer:
             if self.cfg.chunk_size:
                 out, backward = chunked_forward_loss(
                     p.engine, batch, p.objective, p.objective_cfg, tau, self.step,
-                    self.cfg.chunk_size, p.class_graph)
+                    self.cfg.chunk_size, p.batch_spec)
             else:
                 out = forward_loss(p.engine, batch, p.objective, p.objective_cfg, tau,
-                                   self.step, p.class_graph)
+                                   self.step, p.batch_spec)
                 backward = functools.partial(p.engine.backward, out.loss)
         flags = agreed_flags(out.loss, placeholder)
         self.guard.record(flags.finite | ~flags.real)

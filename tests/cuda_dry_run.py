@@ -27,12 +27,13 @@ from torch.utils._pytree import tree_flatten
 
 
 class CudaCollectives(TorchDispatchMode):
-    """Refuses any ``c10d`` operation that is handed a tensor not on a CUDA device; lists
-    those that ran in ``ran``."""
+    """Refuses any ``c10d`` operation that is handed a tensor not on a CUDA device (not on
+    ``device_type``); lists those that ran in ``ran``."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cuda") -> None:
         super().__init__()
         self.ran: list[str] = []
+        self.device_type = device_type
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
@@ -42,20 +43,21 @@ class CudaCollectives(TorchDispatchMode):
                 # on the GPU for NCCL)
                 return func(*args, **(kwargs or {}))
             for value in tree_flatten((args, kwargs or {}))[0]:
-                if isinstance(value, torch.Tensor) and value.device.type != "cuda":
+                if isinstance(value, torch.Tensor) and value.device.type != self.device_type:
                     raise RuntimeError(f"{func}: a {value.device.type} tensor "
                                        f"{tuple(value.shape)} handed to a collective of a "
-                                       "CUDA process group")
+                                       f"{self.device_type.upper()} process group")
         return func(*args, **(kwargs or {}))
 
 
 @contextmanager
-def cuda_world(world: int = 2, rank: int = 0) -> Iterator[None]:
+def cuda_world(world: int = 2, rank: int = 0, backend: str = "cuda:fake") -> Iterator[None]:
     """A process group of ``world`` ranks (this process is ``rank``) served by the fake
-    backend for CUDA tensors only: a CPU tensor in a collective fails as under NCCL."""
+    backend for CUDA tensors only: a CPU tensor in a collective fails as under NCCL
+    (``backend="cpu:fake"``: for CPU tensors only)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("cuda:fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
@@ -80,12 +82,17 @@ def move_by_replacing(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module
 
 
 @contextmanager
-def fake_cuda() -> Iterator[CudaCollectives]:
+def fake_cuda(value_dependent_shapes: bool = True,
+              device_type: str = "cuda") -> Iterator[CudaCollectives]:
     """Fake tensors (real CPU inputs are converted on use, value-dependent sizes symbolic)
     with collectives held to CUDA, and modules moved by :func:`move_by_replacing`; yields
-    the mode that lists the collectives that ran."""
-    shapes = ShapeEnv(allow_dynamic_output_shape_ops=True)
+    the mode that lists the collectives that ran. ``value_dependent_shapes=False`` makes
+    every operator whose output shape depends on values (``unique``, ``nonzero``, boolean
+    indexing) raise, as every read of a value (``item``, ``int``, ``torch.equal``) does:
+    on a GPU each would wait for the device. ``device_type="cpu"``: collectives are held
+    to CPU tensors instead (a ``cpu:fake`` group)."""
+    shapes = ShapeEnv(allow_dynamic_output_shape_ops=True) if value_dependent_shapes else None
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shapes), \
-            CudaCollectives() as collectives, mock.patch.object(nn.Module, "to",
+            CudaCollectives(device_type) as collectives, mock.patch.object(nn.Module, "to",
                                                                 move_by_replacing):
         yield collectives

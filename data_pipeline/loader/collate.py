@@ -64,6 +64,7 @@ class TrainCollator:
             batch["labels"] = torch.tensor([s.label for s in heads]).repeat(2)
         if self.text is not None:  # [2B, L] token ids and mask, the views share the caption
             batch.update({k: v.repeat(2, 1) for k, v in self._tokens(heads).items()})
+            batch["text_repeated"] = True  # the second half of token rows repeats the first
         if self.store is not None:  # [2B, E] float16, the views share their caption's row
             rows = [s.row for s in heads]
             batch["caption_embeddings"] = torch.from_numpy(
@@ -86,6 +87,7 @@ class TrainCollator:
                 self.tokenizer = load_tokenizer(self.text.model)
             tokens = tokenize(self.tokenizer, [""], self.text.max_length)
             batch.update({k: v.repeat(2, 1) for k, v in tokens.items()})
+            batch["text_repeated"] = True
         if self.store is not None:
             batch["caption_embeddings"] = torch.zeros(2, self.store.embeddings.shape[1],
                                                       dtype=torch.float16)

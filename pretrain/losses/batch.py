@@ -58,8 +58,11 @@ class ContrastiveBatch:
             an [n, N] tensor (``docs/negatives.md``); None computes it densely.
         world_size: number of ranks whose anchors partition the candidates; per-rank means
             are scaled by it so that gradient averaging across ranks gives the global mean.
-        num_classes: labels lie in [0, C): label groups are the C classes (a class
+        num_classes: C, labels lie in [0, C): label groups are the C classes (a class
             graph's C when it has one); None: groups found by sorting, N slots.
+        valid: [N] bool, False at padding rows (a rank that held fewer rows than the
+            others pads them so that every gather has one shape); None: every row is real.
+            A padding row is no candidate, no anchor and no member of any group.
 
     Every shape here follows from N, n and C, never from the values the batch holds, so
     no objective reads a value back to the host (``docs/training.md``).
@@ -77,6 +80,7 @@ class ContrastiveBatch:
     tile_size: int | None = None
     world_size: int = 1
     num_classes: int | None = None
+    valid: Tensor | None = None
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
     @cached_property
@@ -86,7 +90,19 @@ class ContrastiveBatch:
 
     @property
     def num_candidates(self) -> int:
+        """N, the rows of the global batch (padding rows included)."""
         return self.candidates.shape[0]
+
+    @cached_property
+    def positions(self) -> Tensor | None:
+        """[N] each row's place among the real rows (None without padding): what the
+        negatives subset hashes, so that it does not depend on the padding."""
+        return None if self.valid is None else self.valid.long().cumsum(0) - 1
+
+    @property
+    def num_valid(self) -> Tensor | int:
+        """The real candidates among the N ([] on the device, or N without padding)."""
+        return self.num_candidates if self.valid is None else self.valid.sum()
 
     def keys(self, kind: PositiveKind) -> Tensor:
         """[N] the key that defines positives: instance ids, or class labels."""
@@ -111,8 +127,9 @@ class ContrastiveBatch:
                 values, groups = torch.arange(classes, device=keys.device), keys
             else:
                 values, groups = _sorted_groups(keys)
+            members = torch.ones_like(groups) if self.valid is None else self.valid.long()
             counts = torch.zeros(values.shape[0], dtype=torch.long, device=keys.device)
-            counts.index_add_(0, groups, torch.ones_like(groups))
+            counts.index_add_(0, groups, members)
             self._cache["groups", kind] = (values, groups, counts)
         return self._cache["groups", kind]
 
@@ -156,7 +173,7 @@ class ContrastiveBatch:
             cols = torch.arange(self.num_candidates, device=self.candidates.device)
             self._cache["columns", columns] = column_mask(
                 columns, self.anchor_index, keys[self.anchor_index], keys, cols,
-                self._subset(columns.kind))
+                self._subset(columns.kind), self.valid)
         return Columns(keep=self._cache["columns", columns])
 
     def column_tiles(self, columns: ColumnSet) -> ColumnTiles:
@@ -168,15 +185,16 @@ class ContrastiveBatch:
             if ("threshold", columns.kind) not in self._cache:
                 self._cache["threshold", columns.kind] = subset_threshold(
                     self.negatives_seed, self.anchor_index, anchor_keys, keys,
-                    self.num_negatives, self.tile_size or self.num_candidates)
+                    self.num_negatives, self.tile_size or self.num_candidates, self.valid,
+                    self.positions)
             threshold = self._cache["threshold", columns.kind]
         return ColumnTiles(columns, self.anchor_index, anchor_keys, keys, threshold,
-                           self.negatives_seed)
+                           self.negatives_seed, self.valid, self.positions)
 
     def num_negatives_per_anchor(self, kind: PositiveKind) -> Tensor:
         """[n] how many negatives each anchor's softmax holds: min(k, all of them)."""
         _, groups, counts = self.group_index(kind)
-        available = self.num_candidates - counts[groups[self.anchor_index]]
+        available = self.num_valid - counts[groups[self.anchor_index]]
         if self.num_negatives is not None:
             available = available.clamp(max=self.num_negatives)
         return available
@@ -190,9 +208,12 @@ class ContrastiveBatch:
         if ("subset", kind) not in self._cache:
             keys = self.keys(kind)
             cols = torch.arange(self.num_candidates, device=self.candidates.device)
-            scores = subset_scores(self.negatives_seed, self.anchor_index, cols, len(cols))
-            scores = scores.masked_fill(keys[self.anchor_index][:, None] == keys[None, :],
-                                        NOT_A_NEGATIVE)
+            scores = subset_scores(self.negatives_seed, self.anchor_index, cols, len(cols),
+                                   self.positions)
+            not_negative = keys[self.anchor_index][:, None] == keys[None, :]
+            if self.valid is not None:
+                not_negative |= ~self.valid[None, :]
+            scores = scores.masked_fill(not_negative, NOT_A_NEGATIVE)
             chosen = scores.topk(k, dim=1, largest=False).indices
             kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
             self._cache["subset", kind] = kept.scatter_(1, chosen, True)
@@ -214,7 +235,9 @@ class ContrastiveBatch:
             group_size = counts[inverse]
             qualifies = group_size >= 2
             if need_negative:
-                qualifies &= group_size < self.num_candidates
+                qualifies &= group_size < self.num_valid
+        if self.valid is not None:
+            qualifies &= self.valid
         local = qualifies[self.anchor_index]
         total = torch.where(local, values, torch.zeros_like(values)).sum()
         return total * self.world_size / qualifies.sum().clamp(min=1)
@@ -251,13 +274,15 @@ class BatchOptions:
     """How an objective sees the global batch: ``class_graph`` [C, C] (xclr), a seeded
     subset of ``num_negatives`` negatives per anchor, ``tile_size`` (None: dense up to
     ``DENSE_MAX_CANDIDATES`` candidates, tiles above), ``num_classes`` C (labels in
-    [0, C); None: label groups found by sorting)."""
+    [0, C); None: label groups found by sorting) and ``rows_per_rank``, the rows every
+    rank contributes to a gather (fewer are padded; None: its own, equal on every rank)."""
 
     class_graph: Tensor | None = None
     num_negatives: int | None = None
     negatives_seed: int = 0
     tile_size: int | None = None
     num_classes: int | None = None
+    rows_per_rank: int | None = None
 
 
 def local_batch(rows: BatchRows, options: BatchOptions = BatchOptions()) -> ContrastiveBatch:

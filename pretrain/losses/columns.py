@@ -42,8 +42,16 @@ def pair_hash(seed: int, rows: Tensor, cols: Tensor) -> Tensor:
     return _mix32((row_key[:, None] * 0x01000193 + cols.long()[None, :]) & _MASK32)
 
 
-def subset_scores(seed: int, rows: Tensor, cols: Tensor, num_candidates: int) -> Tensor:
-    """[n, T] int64 scores, unique within a row: pair_hash * N + column (below 2**63)."""
+def subset_scores(seed: int, rows: Tensor, cols: Tensor, num_candidates: int,
+                  positions: Tensor | None = None) -> Tensor:
+    """[n, T] int64 scores, unique within a row: pair_hash * N + column (below 2**63).
+
+    ``rows`` and ``cols`` are positions in the global batch; with ``positions`` [N] (each
+    row's place among the real rows, when padding rows sit between them) the hash reads
+    those places, so a padded gather keeps the negatives one process keeps. The order of
+    the scores is that of (hash, column) for any N above the largest column."""
+    if positions is not None:
+        rows, cols = positions[rows], positions[cols]
     return pair_hash(seed, rows, cols) * num_candidates + cols.long()[None, :]
 
 
@@ -123,6 +131,7 @@ class ColumnTiles:
     threshold: Tensor | None = None
     seed: int = 0
     valid: Tensor | None = None
+    positions: Tensor | None = None  # [N] places among the real rows (subset_scores)
 
     def tile(self, start: int, stop: int, rows: slice = slice(None)) -> Columns:
         """The :class:`Columns` of candidate columns [start, stop) for the anchor ``rows``
@@ -131,7 +140,8 @@ class ColumnTiles:
         cols = torch.arange(start, stop, device=anchor_index.device)
         subset = None
         if self.threshold is not None:
-            scores = subset_scores(self.seed, anchor_index, cols, len(self.keys))
+            scores = subset_scores(self.seed, anchor_index, cols, len(self.keys),
+                                   self.positions)
             subset = scores <= self.threshold[rows, None]
         return Columns(keep=column_mask(
             self.columns, anchor_index, self.anchor_keys[rows], self.keys[start:stop], cols,
@@ -139,15 +149,20 @@ class ColumnTiles:
 
 
 def subset_threshold(seed: int, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,
-                     k: int, tile_size: int) -> Tensor:
+                     k: int, tile_size: int, valid: Tensor | None = None,
+                     positions: Tensor | None = None) -> Tensor:
     """[n] the k-th smallest :func:`subset_scores` among each row's negatives (the largest
-    one if a row has fewer), found tile by tile with a running top-k: O(n (k + T))."""
+    one if a row has fewer; ``valid`` [N] leaves padding columns out), found tile by tile
+    with a running top-k: O(n (k + T))."""
     best = torch.full((len(anchor_index), 0), NOT_A_NEGATIVE, dtype=torch.long,
                       device=anchor_index.device)
     for start in range(0, len(keys), tile_size):
         cols = torch.arange(start, min(start + tile_size, len(keys)), device=keys.device)
-        scores = subset_scores(seed, anchor_index, cols, len(keys))
-        scores.masked_fill_(anchor_keys[:, None] == keys[None, cols], NOT_A_NEGATIVE)
+        scores = subset_scores(seed, anchor_index, cols, len(keys), positions)
+        not_negative = anchor_keys[:, None] == keys[None, cols]
+        if valid is not None:
+            not_negative |= ~valid[None, cols]
+        scores.masked_fill_(not_negative, NOT_A_NEGATIVE)
         merged = torch.cat([best, scores], dim=1)
         best = merged.topk(min(k, merged.shape[1]), dim=1, largest=False).values
     return best.max(dim=1).values

@@ -26,7 +26,7 @@ def _pair_distance(a: Tensor, b: Tensor, metric: KernelMetric) -> Tensor:
 
 def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
                        bandwidth: float, metric: KernelMetric = "l1",
-                       tile_size: int | None = None) -> Tensor:
+                       tile_size: int | None = None, valid: Tensor | None = None) -> Tensor:
     """Nadaraya-Watson class means f_hat(c) (eq. 16-17) with K(t) = 1 - t^2 on [0, 1].
 
     ``candidates`` [N, D] unit vectors, ``groups`` [N] group of each. Weights
@@ -35,11 +35,16 @@ def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
     The weights are computed over [T, T] blocks of the pair distances (T = ``tile_size``,
     all N without it), each block recomputed in the backward instead of saved, so memory
     stays O(N (D + G) + T^2) and no shape depends on how many pairs lie within h. The 1/h
-    factor of K_h cancels in the ratio.
+    factor of K_h cancels in the ratio. ``valid`` [N] leaves padding rows out (they vote
+    for no class).
     """
     n = candidates.shape[0]
     size = tile_size or n
     one_hot = F.one_hot(groups, num_groups).to(candidates.dtype)  # [N, G]
+    real = torch.ones(n, dtype=candidates.dtype, device=candidates.device)
+    if valid is not None:
+        real = valid.to(candidates.dtype)
+        one_hot = one_hot * real[:, None]
     votes, row_sums = [], []
     for row in range(0, n, size):
         block_votes = one_hot[row:row + size]  # K(0) = 1: the sample itself
@@ -48,6 +53,7 @@ def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
         for col in range(0, n, size):
             total, voted = checkpoint(_block_votes, candidates[row:row + size],
                                       candidates[col:col + size], one_hot[col:col + size],
+                                      real[row:row + size, None] * real[None, col:col + size],
                                       row - col, bandwidth, metric, use_reentrant=False)
             block_sum, block_votes = block_sum + total, block_votes + voted
         votes.append(block_votes)
@@ -57,31 +63,36 @@ def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
     return (posterior.T @ candidates) / mass.clamp(min=torch.finfo(mass.dtype).tiny)
 
 
-def _block_votes(rows: Tensor, cols: Tensor, col_groups: Tensor, offset: int,
+def _block_votes(rows: Tensor, cols: Tensor, col_groups: Tensor, real: Tensor, offset: int,
                  bandwidth: float, metric: KernelMetric) -> tuple[Tensor, Tensor]:
     """([R] sum of the kernel weights of each row over the block's other columns, [R, G]
-    those weights summed per group); ``offset`` = row start - column start places the
-    diagonal (the sample itself, counted apart)."""
+    those weights summed per group); ``real`` [R, C] is 0 where the row or the column is
+    padding; ``offset`` = row start - column start places the diagonal (the sample
+    itself, counted apart)."""
     if metric == "cos":
         dist = 0.5 - 0.5 * rows @ cols.T
     else:
         dist = torch.cdist(rows, cols, p=1.0 if metric == "l1" else 2.0)
-    weight = (1 - (dist / bandwidth) ** 2).clamp(min=0)  # [R, C]
+    weight = (1 - (dist / bandwidth) ** 2).clamp(min=0) * real  # [R, C]
     r = torch.arange(rows.shape[0], device=rows.device)
     c = torch.arange(cols.shape[0], device=rows.device)
     weight = weight.masked_fill(r[:, None] + offset == c[None, :], 0.0)
     return weight.sum(1), weight @ col_groups
 
 
-def median_class_embeddings(candidates: Tensor, groups: Tensor, counts: Tensor) -> Tensor:
+def median_class_embeddings(candidates: Tensor, groups: Tensor, counts: Tensor,
+                            valid: Tensor | None = None) -> Tensor:
     """Coordinate-wise lower median of each group's embeddings (ProjNCE-med, eq. 33).
 
     For an even count the lower of the two middle values is taken (``torch.median``'s
     convention); the gradient flows to the selected element of each coordinate. Sorted by
     value, then stably by group, each coordinate's rows are grouped in value order; each
     group's median is read at its start + (size - 1) // 2: fixed shapes throughout. A
-    group without members gets an arbitrary finite row.
+    group without members gets an arbitrary finite row; padding rows (``valid`` [N]
+    False) are sorted after every group.
     """
+    if valid is not None:
+        groups = torch.where(valid, groups, counts.shape[0])
     by_value = candidates.argsort(dim=0, stable=True)  # [N, D]
     by_group = groups[by_value].argsort(dim=0, stable=True)  # group-major, value order kept
     rows = by_value.gather(0, by_group)  # [N, D] rows sorted by (group, value)

@@ -66,9 +66,9 @@ def _group_projection(batch: ContrastiveBatch, projection: Projection, bandwidth
     cand = as_float(batch.candidates)
     if projection == "kernel":  # its class posterior is [N, G]: give num_classes for G = C
         return kernel_class_means(cand, groups, counts.shape[0], bandwidth, kernel_metric,
-                                  tile_size=batch.tile_size)
+                                  tile_size=batch.tile_size, valid=batch.valid)
     if projection == "median":
-        return median_class_embeddings(cand, groups, counts)
+        return median_class_embeddings(cand, groups, counts, batch.valid)
     return learned_class_embeddings(class_embeddings.to(cand.dtype), values)
 
 

@@ -85,7 +85,8 @@ def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim
     """
     if kind is None:  # one group per candidate
         groups = torch.arange(batch.num_candidates, device=sim.device)
-        counts, sums = torch.ones_like(groups), as_float(batch.candidates)
+        counts = torch.ones_like(groups) if batch.valid is None else batch.valid.long()
+        sums = as_float(batch.candidates)
     else:
         _, groups, counts = batch.group_index(kind)
         sums = batch.group_sums(kind)

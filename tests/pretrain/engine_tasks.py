@@ -15,11 +15,13 @@ from pretrain.engine import DeepSpeedEngine, Engine, EngineConfig, build_engine
 from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config
 from pretrain.model import ModelConfig, build_model
 from pretrain.optim import OptimConfig, build_optimizer
-from pretrain.step import forward_loss
+from pretrain.step import BatchSpec, forward_loss
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 NUM_CLASSES = 6  # the batch's labels lie in [0, 6)
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19)
+# every rank gathers 16 rows (one process: its 19): rank 0 pads 10, rank 1 pads 3
+SPEC = BatchSpec(rows_per_rank=16)
 CAPTIONS = ["a photo of the digit zero", "a small dog on grass", "two red apples",
             "a photo of the digit three", "a boat at sea", "a city at night", "an old car",
             "the digit seven, handwritten", "a cat asleep", "snow on a mountain", "a violin"]
@@ -77,11 +79,12 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
     batch = {k: v[rows] for k, v in batch.items()} if rows is not None else batch
     if chunk_size:
         out, backward = chunked_forward_loss(engine, batch, objective_from_config(cfg), cfg,
-                                             cfg.temperature, step=5, chunk_size=chunk_size)
+                                             cfg.temperature, step=5, chunk_size=chunk_size,
+                                             spec=SPEC)
         backward()
     else:
         out = forward_loss(engine, batch, objective_from_config(cfg), cfg, cfg.temperature,
-                           step=5)
+                           step=5, spec=SPEC)
         engine.backward(out.loss)
     return {"loss": out.loss.detach(), "grads": full_gradients(engine)}
 

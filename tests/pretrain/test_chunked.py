@@ -65,7 +65,7 @@ def naive_chunks(model, batch, cfg, chunk_size):
     chunked step's two passes must reproduce."""
     rows = len(batch["ids"])
     outs = [model(*model_inputs(batch, part))
-            for part in chunks_of(rows, chunk_count(rows, chunk_size, torch.device("cpu")))]
+            for part in chunks_of(rows, chunk_count(rows, chunk_size))]
     whole = ModelOutput(None, torch.cat([o.projections for o in outs]), None, None, {})
     out = loss_of_outputs(whole, batch, objective_from_config(cfg), cfg, cfg.temperature,
                           step=0)

@@ -17,10 +17,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 import core.collectives as collectives
 from core.runtime import autocast
 from pretrain.device_metrics import MetricWindow, finite_on_every_rank
-from pretrain.distributed import global_batch
 from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config
 from pretrain.model import ModelConfig, build_model
-from pretrain.step import forward_loss
+from pretrain.step import BatchSpec, forward_loss
 from tests.cuda_dry_run import cuda_world, fake_cuda
 
 CUDA = torch.device("cuda")
@@ -45,16 +44,6 @@ def device_batch(name: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_a_training_forward_on_a_cuda_group_keeps_every_tensor_on_the_device(
         name, tile_size, num_negatives, monkeypatch):
-    # the fake group carries no values: every rank is taken to hold as many rows as this
-    # one (the count exchange itself is checked below), and xclr's check that the views
-    # of an image share a caption gets the answer the batch was built with
-    monkeypatch.setattr(global_batch, "row_counts", lambda local, group=None: [len(local)] * 2)
-
-    def views_share_captions(a: torch.Tensor, b: torch.Tensor) -> bool:
-        assert a.device == b.device
-        return True
-
-    monkeypatch.setattr(torch, "equal", views_share_captions)
     cfg = ObjectiveConfig(name=name, tile_size=tile_size, num_negatives=num_negatives,
                           learnable_temperature=OBJECTIVES[name].text_tower)
     # built with real weights (CLIP's text tower loads its checkpoint), then moved;
@@ -73,7 +62,7 @@ def test_a_training_forward_on_a_cuda_group_keeps_every_tensor_on_the_device(
             features, _ = model.encoder(batch["images"])
             assert features.dtype == torch.bfloat16  # autocast took effect
             out = forward_loss(model, batch, objective_from_config(cfg), cfg,
-                               0.1, step=3)
+                               0.1, step=3, spec=BatchSpec(rows_per_rank=2 * IMAGES))
         finite = finite_on_every_rank(out.loss)
         window = MetricWindow()
         window.add(out.metrics)

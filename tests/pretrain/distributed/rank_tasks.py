@@ -10,6 +10,7 @@ from pretrain.losses import BatchOptions, BatchRows, get_objective
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19): uneven and asymmetric
+ROWS_PER_RANK = 16  # every rank gathers 16 rows: rank 0 pads 10, rank 1 pads 3
 
 
 def local_rows(n: int) -> slice:
@@ -27,7 +28,7 @@ def objective_on_rank(name: str, hparams: dict, num_negatives: int | None,
     params = loss_parameters(name)
     batch = build_global_batch(BatchRows(z, b.ids[rows], b.labels[rows], b.captions[rows], text),
                                BatchOptions(num_negatives=num_negatives, negatives_seed=7,
-                                            tile_size=tile_size))
+                                            tile_size=tile_size, rows_per_rank=ROWS_PER_RANK))
     out = get_objective(name, **hparams, **params)(batch, tau)
     grad_z, grad_tau, grad_text, *grad_params = torch.autograd.grad(
         out.loss, [z, tau, text, *params.values()], allow_unused=True)
