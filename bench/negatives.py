@@ -47,9 +47,9 @@ from pretrain.losses.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
 
 NUM_CLASSES = 100
 RATIO_N = 8192
-# the tiled peak resident memory (GiB) docs/benchmarks.md records at N = 131,072, T = 256;
-# a run more than 20% above it fails its check (the tiles' memory grew)
-RECORDED_PEAK_GIB = {131072: 1.10}
+# the tiled peak resident memory (GiB) docs/benchmarks.md records at N = 131,072, T = 256
+# (2026-11-25); a run more than 20% above it fails its check (the tiles' memory grew)
+RECORDED_PEAK_GIB = {131072: 1.44}
 PEAK_TOLERANCE = 1.2
 
 
