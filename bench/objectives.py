@@ -52,9 +52,10 @@ def objective_cases(z, ids, labels, captions, graph, text, table, tile_size=None
         "holder_flatnce": case("holder_flatnce", gamma=2.0),
         "xclr[captions]": case("xclr", captions=captions),
         "xclr[class_graph]": case("xclr", class_graph=graph),
-        "projnce[centroid]": case("projnce"),
-        "projnce[kernel]": case("projnce", projection="kernel"),
-        "projnce[median]": case("projnce", projection="median"),
+        # the number of classes, as a run passes it (label groups are the classes)
+        "projnce[centroid]": case("projnce", num_classes=table.shape[0]),
+        "projnce[kernel]": case("projnce", projection="kernel", num_classes=table.shape[0]),
+        "projnce[median]": case("projnce", projection="median", num_classes=table.shape[0]),
         "projnce[learned]": case("projnce", projection="learned", class_embeddings=table),
         # N embeddings = N/2 images + N/2 texts, as N counts both views for the others
         "clip": lambda: batch_loss("clip", z[: len(z) // 2], ids[: len(z) // 2],

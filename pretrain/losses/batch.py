@@ -166,15 +166,15 @@ class ContrastiveBatch:
         return rows, self.anchor_index
 
     def columns(self, columns: ColumnSet) -> Columns:
-        """The dense :class:`Columns` of ``columns`` over [n, N]: an [n, N] mask from the
-        keys (and the negatives subset), of fixed shape whatever the batch holds."""
+        """The dense :class:`Columns` of ``columns`` over [n, N]: each row's own column
+        and/or an [n, N] mask from the keys (and the negatives subset), of fixed shape
+        whatever the batch holds."""
         if ("columns", columns) not in self._cache:
             keys = self.keys(columns.kind)
-            cols = torch.arange(self.num_candidates, device=self.candidates.device)
             self._cache["columns", columns] = column_mask(
-                columns, self.anchor_index, keys[self.anchor_index], keys, cols,
+                columns, self.anchor_index, keys[self.anchor_index], keys, 0,
                 self._subset(columns.kind), self.valid)
-        return Columns(keep=self._cache["columns", columns])
+        return self._cache["columns", columns]
 
     def column_tiles(self, columns: ColumnSet) -> ColumnTiles:
         """``columns`` cut into column tiles of ``tile_size`` (:class:`ColumnTiles`)."""

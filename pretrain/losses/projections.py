@@ -52,7 +52,8 @@ def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
                                device=candidates.device)
         for col in range(0, n, size):
             total, voted = checkpoint(_block_votes, candidates[row:row + size],
-                                      candidates[col:col + size], one_hot[col:col + size],
+                                      candidates[col:col + size], groups[col:col + size],
+                                      num_groups,
                                       real[row:row + size, None] * real[None, col:col + size],
                                       row - col, bandwidth, metric, use_reentrant=False)
             block_sum, block_votes = block_sum + total, block_votes + voted
@@ -63,12 +64,13 @@ def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
     return (posterior.T @ candidates) / mass.clamp(min=torch.finfo(mass.dtype).tiny)
 
 
-def _block_votes(rows: Tensor, cols: Tensor, col_groups: Tensor, real: Tensor, offset: int,
-                 bandwidth: float, metric: KernelMetric) -> tuple[Tensor, Tensor]:
+def _block_votes(rows: Tensor, cols: Tensor, col_groups: Tensor, num_groups: int,
+                 real: Tensor, offset: int, bandwidth: float,
+                 metric: KernelMetric) -> tuple[Tensor, Tensor]:
     """([R] sum of the kernel weights of each row over the block's other columns, [R, G]
-    those weights summed per group); ``real`` [R, C] is 0 where the row or the column is
-    padding; ``offset`` = row start - column start places the diagonal (the sample
-    itself, counted apart)."""
+    those weights summed per group of the columns, ``col_groups`` [C]); ``real`` [R, C] is
+    0 where the row or the column is padding; ``offset`` = row start - column start places
+    the diagonal (the sample itself, counted apart)."""
     if metric == "cos":
         dist = 0.5 - 0.5 * rows @ cols.T
     else:
@@ -77,7 +79,8 @@ def _block_votes(rows: Tensor, cols: Tensor, col_groups: Tensor, real: Tensor, o
     r = torch.arange(rows.shape[0], device=rows.device)
     c = torch.arange(cols.shape[0], device=rows.device)
     weight = weight.masked_fill(r[:, None] + offset == c[None, :], 0.0)
-    return weight.sum(1), weight @ col_groups
+    voted = weight.new_zeros(weight.shape[0], num_groups).index_add(1, col_groups, weight)
+    return weight.sum(1), voted
 
 
 def median_class_embeddings(candidates: Tensor, groups: Tensor, counts: Tensor,

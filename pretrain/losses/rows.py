@@ -27,6 +27,7 @@ class RowTerms(NamedTuple):
     ess: Tensor | None = None  # ESS of the softmax restricted to the negatives
     negative_logit_sum: Tensor | None = None  # under num_negatives: sum of negatives' logits
     positive_lse: Tensor | None = None  # log-sum-exp over the anchor's positives, no grad
+    positive_logits: Tensor | None = None  # dense only: [n, N] logits, 0 off the positives
 
 
 def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -> Tensor:
@@ -49,35 +50,40 @@ def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
 
 def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
                   column_set: ColumnSet, *, monitors: bool = False,
-                  positive_lse: bool = False) -> RowTerms:
+                  positive_lse: bool = False, positive_logits: bool = False) -> RowTerms:
     """log sum over ``column_set`` of exp(``anchors`` [n, D] . ``columns`` [N, D]).
 
     ``anchors`` are already divided by the temperature. ``monitors`` adds the ESS over the
     negatives of ``column_set.kind`` and, under ``num_negatives``, their logit sum;
     ``positive_lse`` adds the log-sum-exp over each anchor's positives (without gradient;
-    ``MASKED_LOGIT`` where an anchor has none).
+    ``MASKED_LOGIT`` where an anchor has none); ``positive_logits`` (dense only) the [n, N]
+    logits with gradient at the positives and 0 elsewhere.
     """
     columns = as_float(columns)
     if batch.tile_size is not None:
         plan = tile_plan(batch, column_set, monitors=monitors, positive_lse=positive_lse)
         return _terms(batch, column_set, tiled_rows(anchors, columns, plan), monitors)
     logits = anchors @ columns.T  # [n, N]
-    pos_lse = None
+    pos_lse = pos_logits = None
+    positives = batch.columns(column_set.positives_only) if positive_lse or positive_logits \
+        else None
+    if positive_logits:  # out of place: the fill below does not touch it
+        pos_logits = logits.masked_fill(positives.drop, 0.0)
     if positive_lse:  # before the softmax masks the positives' entries
         with torch.no_grad():
-            pos_lse = batch.columns(column_set.positives_only).apply(
-                logits, MASKED_LOGIT).logsumexp(1)
+            pos_lse = (logits if pos_logits is None else pos_logits).masked_fill(
+                positives.drop, MASKED_LOGIT).logsumexp(1)
     lse, probs = row_softmax_(logits, batch.columns(column_set))
     if not monitors:
-        return RowTerms(lse, positive_lse=pos_lse)
+        return RowTerms(lse, positive_lse=pos_lse, positive_logits=pos_logits)
     with torch.no_grad():
         negatives = _negatives_only(batch, column_set, probs)
         ratio = (negatives.sum(1) / torch.linalg.vector_norm(negatives, dim=1)).square()
         neg_logits = None
         if batch.num_negatives is not None:
-            mask = batch.negative_mask(column_set.kind)
-            neg_logits = torch.where(mask, logits, logits.new_zeros(())).sum(1)
-    return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits, pos_lse)
+            neg_logits = batch.columns(column_set.negatives).apply(logits, 0.0).sum(1)
+    return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits, pos_lse,
+                    pos_logits)
 
 
 def _terms(batch: ContrastiveBatch, column_set: ColumnSet, rows: TiledRows,
@@ -92,4 +98,4 @@ def _negatives_only(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tenso
     """[n, N] ``probs`` with every column that is not a negative set to 0."""
     if column_set == column_set.negatives:
         return probs
-    return torch.where(batch.negative_mask(column_set.kind), probs, probs.new_zeros(()))
+    return batch.columns(column_set.negatives).apply(probs, 0.0)

@@ -10,6 +10,7 @@ softplus(lse_neg - s_ip/tau + eps) - eps.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
@@ -35,12 +36,17 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
     columns = ColumnSet(kind, positives=False)
     with full_precision(batch):
         anchors = scaled(batch.anchors, temperature)  # [n, D]
+        dense = batch.tile_size is None
         negatives = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True,
-                                  positive_lse=True)
-        # per column tile (the dense path: one tile), from masks: no [P] pair list
-        pair_sum = pair_terms(anchors, as_float(batch.candidates), negatives.lse, eps,
-                              batch.column_tiles(columns.positives_only),
-                              batch.tile_size or batch.num_candidates)  # [n]
+                                  positive_lse=True, positive_logits=dense)
+        if dense:  # the positives' logits taken off the [n, N] logits, masked
+            terms = F.softplus(negatives.lse[:, None] - negatives.positive_logits + eps) - eps
+            drop = batch.columns(columns.positives_only).drop
+            pair_sum = terms.masked_fill(drop, 0.0).sum(1)  # [n]
+        else:  # per column tile, from masks: no [P] pair list
+            pair_sum = pair_terms(anchors, as_float(batch.candidates), negatives.lse, eps,
+                                  batch.column_tiles(columns.positives_only),
+                                  batch.tile_size)  # [n]
         pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
         loss = batch.anchor_mean(pair_sum / num_pos.clamp(min=1), kind)
         all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)

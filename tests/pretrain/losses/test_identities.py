@@ -80,7 +80,7 @@ def test_flatnce_with_positive_among_negatives_has_infonce_gradient():
     logits = batch.anchors @ batch.candidates.T / TAU
     positives = batch.positive_mask("instance")
     pos_logit = logits[positives]  # exactly one positive per anchor here
-    with_positive = Columns(keep=batch.negative_mask("instance") | positives)
+    with_positive = Columns(logits.shape[1], drop=~(batch.negative_mask("instance") | positives))
     lse = torch.logsumexp(with_positive.apply(logits, float("-inf")), dim=1)
     flat = flat_nce(pos_logit, lse)
     infonce = multi_positive_nce(make_batch(z, ids), TAU, "instance").loss
