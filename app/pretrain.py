@@ -122,6 +122,8 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
     graph = class_graph_for(config, rt.device)
     torch.manual_seed(config.seed)
     model = build_model(config.model, objective, rt.device, len(shards.class_names))
+    if config.train.compile:  # in place: parameter names, checkpoints and registry unchanged
+        model.encoder.compile()
     optimizer = build_optimizer(model, config.optim, global_batch)
     engine = build_engine(model, optimizer, config.engine, rt.device, 2 * data.batch_size)
     per_epoch = shards.total // (data.samples_per_batch * rt.world)  # the loader's epoch

@@ -19,6 +19,11 @@ of 2B views whose views share their captions (B distinct captions, as training s
 the loader says so and the tower encodes each once) against 2B distinct captions, the work
 a tower that encodes every view's caption does.
 
+Part ``compile``: one training step (forward, global batch, infonce, backward) of the small
+CNN and of timm's ``test_vit`` at patch 4, eager against the encoder compiled by
+``torch.compile`` (``train.compile``): the first step's seconds (the compilation) and the
+median steady-state step, each model built afresh from the same seed.
+
 Writes bench/results/training.json and prints tables.
 """
 
@@ -30,6 +35,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -164,9 +170,45 @@ def text_tower_times(batch_images: int, rounds: int) -> list[dict]:
             for label, seconds in times.items()]
 
 
+COMPILE_BACKBONES = {"small_cnn": {"width": 32},
+                     "timm:test_vit": {"backbone": "timm:test_vit", "patch_size": 4}}
+
+
+def compile_times(batch_images: int, rounds: int) -> list[dict]:
+    cfg = ObjectiveConfig(name="infonce", temperature=0.2)
+    gen = torch.Generator().manual_seed(1)
+    batch = {"images": torch.randn(2 * batch_images, 3, 32, 32, generator=gen),
+             "ids": torch.arange(batch_images).repeat(2)}
+    objective = objective_from_config(cfg)
+    rows = []
+    for name, model_keys in COMPILE_BACKBONES.items():
+        eager = None
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model = build_model(ModelConfig(**model_keys), cfg, torch.device("cpu"))
+            if compiled:
+                model.encoder.compile()
+
+            def run(model=model) -> None:
+                model.zero_grad(set_to_none=True)
+                forward_loss(model, batch, objective, cfg, 0.2, 0).loss.backward()
+
+            start = time.perf_counter()
+            run()
+            first = time.perf_counter() - start
+            steady = time_interleaved({"step": run}, rounds)["step"]
+            eager = steady if not compiled else eager
+            rows.append({"backbone": name, "compiled": compiled, "first_step_s": first,
+                         "step_s": steady, "vs_eager": steady / eager})
+            print(f"  {name} compiled={compiled}: first {first:.1f} s, step {steady:.3f} s",
+                  flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "throughput", "step", "text"], default="all")
+    parser.add_argument("--part", choices=["all", "throughput", "step", "text", "compile"],
+                        default="all")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=256, help="images per step (x2 views)")
     parser.add_argument("--rounds", type=int, default=7)
@@ -185,6 +227,10 @@ def main() -> None:
     if args.part in ("all", "text"):
         payload["text"] = text_tower_times(args.batch, args.rounds)
         print_table(payload["text"], ["rows", "captions", "step_s", "vs_one_per_view"])
+    if args.part in ("all", "compile"):
+        payload["compile"] = compile_times(args.batch, args.rounds)
+        print_table(payload["compile"], ["backbone", "compiled", "first_step_s", "step_s",
+                                         "vs_eager"])
     write_json(RESULTS, payload)
 
 

@@ -61,6 +61,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     max_nonfinite: int = 5  # consecutive non-finite losses that stop the run
     chunk_size: int = 0  # > 0: encode in chunks of this many rows, cached gradient (GradCache)
+    compile: bool = False  # torch.compile the encoder (docs/training.md, "Compiled step")
     progress: bool = True  # tqdm bar on rank 0
     knn_every: int = 0  # > 0: kNN monitor on a fixed subset of eval.* shards every N steps
     knn_samples: int = 2000  # size of that subset (bank and queries each)
