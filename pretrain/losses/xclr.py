@@ -12,10 +12,10 @@ class graph's targets keep their [n, C] group form (C classes); caption targets,
 under ``num_negatives``, are recomputed per tile in the same pass as the logits, from the
 captions or from the graph rows of the anchors' labels [n, C].
 
-Cost: t_ij is constant over a group of candidates that share a caption (the views of one
-image) or a label (class graph), so sum_j t_ij s_ij = sum_g w_ig z_i . S_g with S_g the
-group's sum of embeddings: [n, G] work instead of another pass over [n, N]. With the
-class graph the soft targets cost O(n C D); see docs/benchmarks.md.
+Cost: with the class graph t_ij is constant over a label group, so sum_j t_ij s_ij =
+sum_c w_ic z_i . S_c with S_c the class's sum of embeddings: O(n C D) instead of another
+pass over [n, N]. Caption targets take one group per candidate ([n, N]): whether views
+share a caption is not asked of the device (docs/training.md, "Host synchronisation").
 """
 
 from __future__ import annotations
