@@ -106,34 +106,63 @@ def timm_backbone(name: str, cfg: BackboneConfig) -> Backbone:
                          if getattr(cfg, k))
         raise RunError(f"{keys or 'model.backbone'}: {TIMM}{name} refuses "
                        f"{shaped or 'these settings'} ({first_line(err)})") from None
-    if cfg.vit_stem == "conv":
+    if cfg.vit_stem != "patch":
         patch_embed = getattr(net, "patch_embed", None)
         if patch_embed is None or not isinstance(getattr(patch_embed, "proj", None), nn.Conv2d):
-            raise RunError(f"model.vit_stem=conv: {TIMM}{name} has no patch embedding to "
-                           "replace; set model.vit_stem=patch")
-        patch_embed.proj = conv_stem(patch_embed.proj, cfg.norm)
+            raise RunError(f"model.vit_stem={cfg.vit_stem}: {TIMM}{name} has no patch "
+                           "embedding to replace; set model.vit_stem=patch")
+        patch_embed.proj = STEMS[cfg.vit_stem](patch_embed.proj, cfg)
     return Backbone(net, int(net.num_features))
 
 
-def conv_stem(patchify: nn.Conv2d, norm: str) -> nn.Sequential:
+def _stages(patchify: nn.Conv2d, stem: str) -> int:
+    """log2(p) of a square power-of-2 patchify of stride p, else one line naming the key."""
+    patch = patchify.kernel_size[0]
+    if patch < 2 or patch & (patch - 1) or patchify.stride != patchify.kernel_size:
+        raise RunError(f"model.vit_stem={stem} needs a square power-of-2 patch size, "
+                       f"got {patchify.kernel_size}")
+    return patch.bit_length() - 1
+
+
+def conv_stem(patchify: nn.Conv2d, cfg: BackboneConfig) -> nn.Sequential:
     """A convolutional stem in place of a ViT's patchify convolution (Xiao et al. 2021,
     "Early Convolutions Help Transformers See Better", Sec. 3): log2(p) 3x3 stride-2
     convolution - norm - ReLU blocks, widening to the embedding width, then a 1x1
     convolution; the same [B, D, H / p, W / p] tokens as the p x p patchify."""
-    patch, dim = patchify.kernel_size[0], patchify.out_channels
-    if patch < 2 or patch & (patch - 1) or patchify.stride != patchify.kernel_size:
-        raise RunError(f"model.vit_stem=conv needs a square power-of-2 patch size, "
-                       f"got {patchify.kernel_size}")
-    stages = patch.bit_length() - 1
+    stages, dim = _stages(patchify, "conv"), patchify.out_channels
     widths = [max(dim // 2 ** (stages - 1 - i), 8) for i in range(stages)]
     layers: list[nn.Module] = []
     channels = patchify.in_channels
     for width in widths:
         layers += [nn.Conv2d(channels, width, 3, stride=2, padding=1, bias=False),
-                   norm_layer(norm)(width), nn.ReLU(inplace=True)]
+                   norm_layer(cfg.norm)(width), nn.ReLU(inplace=True)]
         channels = width
     layers.append(nn.Conv2d(channels, dim, 1))
     return nn.Sequential(*layers)
+
+
+def hybrid_stem(patchify: nn.Conv2d, cfg: BackboneConfig) -> nn.Sequential:
+    """A CNN's feature map as the tokens (the hybrid of Dosovitskiy et al. 2021, "An Image
+    is Worth 16x16 Words", Sec. 3.1): log2(p) blocks of the small CNN (3x3 stride-1
+    convolution - norm - ReLU - 2x2 max-pool) of ``model.width`` x 1, 2, 4, ... channels,
+    then a 1x1 convolution to the embedding width; the same [B, D, H / p, W / p] tokens as
+    the p x p patchify, each seeing a (2^(s+2) - 3)-pixel neighbourhood after s blocks."""
+    stages, dim = _stages(patchify, "hybrid"), patchify.out_channels
+    layers: list[nn.Module] = []
+    channels = patchify.in_channels
+    for stage in range(stages):
+        width = cfg.width * 2 ** stage
+        layers += [nn.Conv2d(channels, width, 3, padding=1, bias=False),
+                   norm_layer(cfg.norm)(width), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        channels = width
+    layers.append(nn.Conv2d(channels, dim, 1))
+    return nn.Sequential(*layers)
+
+
+STEMS: dict[str, Callable[[nn.Conv2d, BackboneConfig], nn.Module]] = {
+    "conv": conv_stem,
+    "hybrid": hybrid_stem,
+}
 
 
 def build_backbone(cfg: BackboneConfig) -> Backbone:

@@ -31,8 +31,9 @@ class ModelConfig:
     patch_size: int = 0  # timm ViTs: patch size; 0 = the model's own
     # keywords for timm.create_model (global_pool: avg, class_token: false, ...)
     timm_kwargs: dict[str, Any] = field(default_factory=dict)  # timm:<model> only
-    # conv: a ViT's patchify replaced by 3x3 stride-2 convolutions (Xiao et al. 2021)
-    vit_stem: Literal["patch", "conv"] = "patch"  # timm ViTs: the stem of the tokens
+    # conv: a ViT's patchify replaced by 3x3 stride-2 convolutions (Xiao et al. 2021);
+    # hybrid: by the small CNN's blocks of model.width channels (Dosovitskiy et al. 2021)
+    vit_stem: Literal["patch", "conv", "hybrid"] = "patch"  # timm ViTs: the stem of the tokens
     width: int = 64  # small_cnn: channels of the first block (then x2, x4, x4)
     small_stem: bool = True  # resnet: 3x3/1 stem without max-pool, for 32-64 px images
     projector_hidden: int = 512  # hidden width of the 2-layer projector

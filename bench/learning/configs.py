@@ -118,11 +118,31 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
         *VIT, AVG_POOL, *VIT_SCHEDULE)),
     "sweep_supcon_vit_conv_stem_avg_pool_lr3e-4_epochs20": ("supcon.yaml", (
         *VIT, "model.vit_stem=conv", AVG_POOL, *VIT_SCHEDULE)),
+    # the hybrid (vit_supcon.yaml: the small CNN's first 3 blocks as the tokenizer), from
+    # the CNN recipe's 10 epochs: its learning rate, and twice the epochs
+    "sweep_vit_hybrid_epochs10": ("vit_supcon.yaml", ("train.epochs=10",)),
+    "sweep_vit_hybrid_epochs10_lr0.004": ("vit_supcon.yaml", ("train.epochs=10",
+                                                              "optim.lr=0.004")),
+    # the stem alone (no transformer block): what the 6 blocks add
+    "sweep_vit_hybrid_depth0": ("vit_supcon.yaml", (
+        "model.timm_kwargs={global_pool: avg, class_token: false, depth: 0}",)),
     # SigLIP's bias started near -log(texts in the batch) instead of the paper's -10
     "sweep_siglip_bias-5": ("siglip.yaml", ("objective.bias=-5.0",)),
     # the temperature and bias at 10x the lr (they move by at most lr per AdamW step)
     "sweep_siglip_loss_lr10": ("siglip.yaml", ("optim.loss_lr_scale=10",)),
     "sweep_siglip_tau0.05": ("siglip.yaml", ("objective.temperature=0.05",)),
+    # a sharper t with b scaled so a caption at cosine 2/3 sits at probability 1/2: the
+    # near-duplicate captions a batch holds are pushed away, the far ones left alone
+    "sweep_siglip_t30_b-20": ("siglip.yaml", ("objective.temperature=0.0333333",
+                                              "objective.bias=-20.0")),
+    # the other way: a softer t = 5 (the paper's b)
+    "sweep_siglip_tau0.2": ("siglip.yaml", ("objective.temperature=0.2",)),
+    # the budget: does SigLIP catch up with CLIP given 3x the epochs, or plateau?
+    "sweep_siglip_epochs30": ("siglip.yaml", ("train.epochs=30",)),
+    "sweep_clip_epochs30": ("clip.yaml", ("train.epochs=30",)),
+    "sweep_siglip_t30_b-20_fixed_t": ("siglip.yaml", (
+        "objective.temperature=0.0333333", "objective.bias=-20.0",
+        "objective.learnable_temperature=false")),
 }
 
 

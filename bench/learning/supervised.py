@@ -6,7 +6,10 @@ that cannot fit the data from a recipe that fails (docs/learning.md, "Supervised
     python -m bench.learning.supervised --shards data/shards/cluttered --model timm:test_vit \\
         --timm-kwargs "{patch_size: 4}" --steps 2000
     python -m bench.learning.supervised --shards data/shards/cluttered --model small_cnn \\
-        --lr 0.004 --steps 100
+        --steps 200
+    python -m bench.learning.supervised --shards data/shards/cluttered --model timm:test_vit \\
+        --timm-kwargs "{patch_size: 8, global_pool: avg, class_token: false}" \\
+        --vit-stem hybrid --steps 200
 
 ``--shards`` names the folder prefix of ``-train`` and ``-test`` shards (make-shards
 output). Writes JSON beside its table (``--out``).
@@ -35,12 +38,17 @@ def canvases(shards: str, resolution: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.cat([b["labels"] for b in batches]))
 
 
-def backbone(name: str, timm_kwargs: dict, resolution: int) -> tuple[torch.nn.Module, int]:
-    """The backbone ``name`` (``small_cnn``, ``timm:<model>``) as a run builds it."""
-    encoder = Encoder(ModelConfig(backbone=name, width=32, image_size=resolution,
+def backbone(args: argparse.Namespace) -> tuple[torch.nn.Module, int]:
+    """The backbone ``args.model`` (``small_cnn``, ``timm:<model>``) as a run builds it,
+    at width 32 (the cluttered recipes' CNN and the hybrid stem's first block)."""
+    timm = args.model.startswith("timm:")
+    timm_kwargs = (yaml.safe_load(args.timm_kwargs) or {}) if timm else {}
+    encoder = Encoder(ModelConfig(backbone=args.model, width=32, image_size=args.resolution,
                                   timm_kwargs={k: v for k, v in timm_kwargs.items()
                                                if k != "patch_size"},
-                                  patch_size=timm_kwargs.get("patch_size", 0)))
+                                  patch_size=timm_kwargs.get("patch_size", 0),
+                                  vit_stem=args.vit_stem if timm else "patch", norm=args.norm,
+                                  projector_bn_out=args.norm == "batch"))
     return encoder.backbone, encoder.feature_dim
 
 
@@ -49,6 +57,10 @@ def main() -> None:
     parser.add_argument("--shards", required=True)
     parser.add_argument("--model", default="timm:test_vit")
     parser.add_argument("--timm-kwargs", default="{}", help="YAML mapping")
+    parser.add_argument("--vit-stem", choices=["patch", "conv", "hybrid"], default="patch",
+                        help="model.vit_stem of a timm ViT")
+    parser.add_argument("--norm", choices=["batch", "group"], default="batch",
+                        help="model.norm: the convolutions' normalisation")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=256)
@@ -60,8 +72,7 @@ def main() -> None:
     train_x, train_y = canvases(f"{args.shards}-train", args.resolution)
     test_x, test_y = canvases(f"{args.shards}-test", args.resolution)
     torch.manual_seed(args.seed)
-    net, features = backbone(args.model, yaml.safe_load(args.timm_kwargs) or {},
-                             args.resolution)
+    net, features = backbone(args)
     model = torch.nn.Sequential(net, torch.nn.Linear(features, int(train_y.max()) + 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     draw = torch.Generator().manual_seed(args.seed)

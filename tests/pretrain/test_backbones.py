@@ -156,3 +156,32 @@ def test_a_conv_stem_replaces_the_patchify_and_keeps_the_tokens():
         build_backbone(ModelConfig(backbone="timm:resnet18", vit_stem="conv"))
     with pytest.raises(ConfigError, match="model.vit_stem"):
         load_config(RunConfig, None, ["model.vit_stem=conv"])
+
+
+def test_a_hybrid_stem_tokenises_the_small_cnns_feature_map():
+    """model.vit_stem=hybrid: log2(p) of the small CNN's blocks (3x3 stride-1 convolution,
+    norm, ReLU, 2x2 max-pool) of width x 1, 2, 4 channels, then a 1x1 to the embedding width:
+    the p x p patchify's [B, D, H / p, W / p] tokens, and the same blocks as ``small_cnn``
+    (its first log2(p) blocks, parameter for parameter)."""
+    for patch in (4, 8):
+        cfg = ModelConfig(backbone=VIT, image_size=32, patch_size=patch, vit_stem="hybrid",
+                          width=8)
+        net, features = build_backbone(cfg)
+        stem = net.patch_embed.proj
+        convs = [m for m in stem if isinstance(m, torch.nn.Conv2d)]
+        stages = patch.bit_length() - 1
+        assert [m.out_channels for m in convs] == [8 * 2 ** i for i in range(stages)] + [192]
+        assert [m.stride[0] for m in convs] == [1] * (stages + 1)
+        assert stem(images()).shape == (2, 192, 32 // patch, 32 // patch)
+        assert net(images()).shape == (2, features)
+        cnn = build_backbone(ModelConfig(width=8)).net
+        assert [p.shape for p in stem[:-1].parameters()] == \
+            [p.shape for p in cnn[:4 * stages].parameters()]
+        cnn[:4 * stages].load_state_dict(stem[:-1].state_dict())
+        torch.testing.assert_close(cnn[:4 * stages].eval()(images()),
+                                   stem[:-1].eval()(images()))
+    with pytest.raises(RunError, match="model.vit_stem=hybrid needs a square power-of-2"):
+        build_backbone(ModelConfig(backbone=VIT, image_size=36, patch_size=6,
+                                   vit_stem="hybrid"))
+    with pytest.raises(RunError, match="model.vit_stem=hybrid: timm:resnet18 has no patch"):
+        build_backbone(ModelConfig(backbone="timm:resnet18", vit_stem="hybrid"))
