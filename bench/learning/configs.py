@@ -135,8 +135,6 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     # near-duplicate captions a batch holds are pushed away, the far ones left alone
     "sweep_siglip_t30_b-20": ("siglip.yaml", ("objective.temperature=0.0333333",
                                               "objective.bias=-20.0")),
-    # the other way: a softer t = 5 (the paper's b)
-    "sweep_siglip_tau0.2": ("siglip.yaml", ("objective.temperature=0.2",)),
     # the budget: does SigLIP catch up with CLIP given 3x the epochs, or plateau?
     "sweep_siglip_epochs30": ("siglip.yaml", ("train.epochs=30",)),
     "sweep_clip_epochs30": ("clip.yaml", ("train.epochs=30",)),
