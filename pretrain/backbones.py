@@ -48,14 +48,19 @@ def norm_layer(kind: str) -> Callable[[int], nn.Module]:
     return nn.BatchNorm2d if kind == "batch" else (lambda channels: nn.GroupNorm(8, channels))
 
 
+def cnn_block(channels: int, out: int, norm: str) -> list[nn.Module]:
+    """One block of the small CNN: 3x3 convolution, norm, ReLU, 2x2 max-pool."""
+    return [nn.Conv2d(channels, out, 3, padding=1, bias=False), norm_layer(norm)(out),
+            nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+
+
 def small_cnn(cfg: BackboneConfig) -> Backbone:
     """Four conv-norm-ReLU blocks with pooling: a few million MACs per 32 px image."""
     layers: list[nn.Module] = []
     channels = 3
     width = cfg.width
     for out in (width, width * 2, width * 4, width * 4):
-        layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), norm_layer(cfg.norm)(out),
-                   nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        layers += cnn_block(channels, out, cfg.norm)
         channels = out
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
     return Backbone(nn.Sequential(*layers), channels)
@@ -152,8 +157,7 @@ def hybrid_stem(patchify: nn.Conv2d, cfg: BackboneConfig) -> nn.Sequential:
     channels = patchify.in_channels
     for stage in range(stages):
         width = cfg.width * 2 ** stage
-        layers += [nn.Conv2d(channels, width, 3, padding=1, bias=False),
-                   norm_layer(cfg.norm)(width), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        layers += cnn_block(channels, width, cfg.norm)
         channels = width
     layers.append(nn.Conv2d(channels, dim, 1))
     return nn.Sequential(*layers)

@@ -40,12 +40,8 @@ def row_weights(similarity: Tensor, scale: float, bias: float | None) -> tuple[T
     per unit of ``scale`` for the image-to-text rows, CLIP's softmax when ``bias`` is None,
     else SigLIP's sigmoid."""
     logits = scale * similarity
-    eye = torch.eye(len(similarity), dtype=torch.bool)
-    if bias is None:
-        p = logits.softmax(dim=1)
-        return 1 - p.diagonal(), p.masked_fill(eye, 0)
-    p = torch.sigmoid(logits + bias)
-    return 1 - p.diagonal(), p.masked_fill(eye, 0)
+    p = logits.softmax(dim=1) if bias is None else torch.sigmoid(logits + bias)
+    return 1 - p.diagonal(), p.masked_fill(torch.eye(len(p), dtype=torch.bool), 0)
 
 
 def allocation(similarity: Tensor, scale: float, bias: float | None) -> dict[str, float]:
