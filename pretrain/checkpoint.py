@@ -108,6 +108,18 @@ def _save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def interrupt_within(err: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C behind ``err``, if any. A SIGINT that lands while torch.save's writer
+    calls back into Python ends in a ``RuntimeError`` ("unexpected pos") raised while the
+    ``KeyboardInterrupt`` is handled; it is found in the context chain."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class Checkpointer:
     """Saves and finds the checkpoints of one run for ``rank`` of ``world`` ranks training
     at ``global_batch`` images per step (0: as the checkpoint was written), with sharded
@@ -157,6 +169,9 @@ class Checkpointer:
             if self.rank == 0:
                 _save(shared, tmp / "shared.pt")
         except (OSError, RuntimeError) as err:  # torch.save wraps the OSError
+            interrupt = interrupt_within(err)
+            if interrupt is not None:  # Ctrl-C mid-write: a stop, not a failed disk
+                raise interrupt from None
             return err
         return None
 

@@ -4,6 +4,7 @@ killed with SIGKILL that resumes to exactly the weights of an uninterrupted run.
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import signal
@@ -11,9 +12,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from core.errors import RunError
+from pretrain import checkpoint
 from pretrain.checkpoint import (
     CheckpointConfig,
     Checkpointer,
@@ -41,6 +44,33 @@ def test_save_keeps_the_newest_k_in_weights_only_files(tmp_path):
         torch.load(file, weights_only=True)
     shared, own, path = ckpt.load()
     assert shared["step"] == 6 and own["loader"]["batches"] == 6
+
+
+class SigintOnSecondWrite(io.FileIO):
+    """A file that delivers a real SIGINT to this process while torch.save writes to it."""
+
+    writes = 0
+
+    def write(self, data) -> int:
+        SigintOnSecondWrite.writes += 1
+        if SigintOnSecondWrite.writes == 2:
+            signal.raise_signal(signal.SIGINT)
+        return super().write(data)
+
+
+def test_ctrl_c_while_a_checkpoint_is_written_is_an_interrupt_not_a_failed_write(
+        tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(every=2, keep=2), 0, 1, torch.device("cpu"))
+    ckpt.save(2, *saved(2))
+
+    def save_with_sigint(obj, path):
+        with SigintOnSecondWrite(path, "wb") as f:
+            torch.save(obj, f)
+
+    monkeypatch.setattr(checkpoint, "_save", save_with_sigint)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(4, *saved(4))
+    assert [p.name for p in ckpt.checkpoints()] == ["step_00000002"]
 
 
 def save_where_rank_1_meets_a_full_disk(root: str) -> str:
