@@ -28,16 +28,16 @@ from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
 from data_pipeline.graph.class_graph import load_class_graph
 from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
-from pretrain.checkpoint import Checkpointer
-from pretrain.engine import build_engine
+from pretrain.loop.engine import build_engine, engine_spec
+from pretrain.loop.optim import build_optimizer, warmup_cosine
+from pretrain.loop.step import BatchSpec
+from pretrain.loop.trainer import Parts, Trainer
 from pretrain.losses import objective_from_config, objective_spec
-from pretrain.model import build_model
-from pretrain.optim import build_optimizer, warmup_cosine
-from pretrain.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
-from pretrain.run_lock import RunLock
-from pretrain.step import BatchSpec
-from pretrain.tracking import Tracker
-from pretrain.trainer import Parts, Trainer
+from pretrain.model.encoder import build_model
+from pretrain.run.checkpoint import Checkpointer
+from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
+from pretrain.run.run_lock import RunLock
+from pretrain.run.tracking import Tracker
 from serving.model_registry import ModelCard, log_encoder
 
 log = logging.getLogger("pretrain")
@@ -115,7 +115,7 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
         log.warning("objective.num_negatives=%d is at least the %d candidates per anchor at "
                     "global batch %d: every candidate is used, as with null",
                     objective.num_negatives, candidates, global_batch)
-    if config.engine.name == "deepspeed" and config.optim.name == "lars":
+    if engine_spec(config.engine.name).flat_partitions and config.optim.name == "lars":
         log.warning("optim.name=lars inside DeepSpeed ZeRO takes its trust ratio over each "
                     "rank's flat parameter partition, not per layer: prefer optim.name=adamw "
                     "with engine.name=deepspeed (docs/training.md)")
@@ -179,7 +179,7 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
 def train(config: RunConfig) -> Path:
     """Run (or resume) the configured training; returns the run directory."""
     rt = init_runtime(config.train.device, config.engine.backend,
-                      need_group=config.engine.name == "deepspeed")
+                      need_group=engine_spec(config.engine.name).process_group)
     run_dir = Path(config.output_dir) / config.name
     created = not run_dir.exists()
     lock = lock_run_dir(run_dir, rt)
@@ -233,7 +233,7 @@ def train(config: RunConfig) -> Path:
 
 
 def lock_run_dir(run_dir: Path, rt: Runtime) -> RunLock | None:
-    """Rank 0 creates ``run_dir`` and takes its lock (:mod:`pretrain.run_lock`); every rank
+    """Rank 0 creates ``run_dir`` and takes its lock (:mod:`pretrain.run.run_lock`); every rank
     stops with one line when another run holds it."""
     lock, refused = None, None
     if rt.is_main:

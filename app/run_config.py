@@ -19,15 +19,16 @@ from core.config import ConfigError, InvalidValue
 from data_pipeline.config import DataConfig, ShardsConfig
 from data_pipeline.graph.config import GraphConfig
 from evaluation.config import EvalConfig
-from pretrain.checkpoint import CheckpointConfig
-from pretrain.engine import EngineConfig
+from pretrain.loop.engine import EngineConfig
+from pretrain.loop.optim import OptimConfig
+from pretrain.loop.trainer import TrainConfig
 from pretrain.losses.config import ObjectiveConfig
-from pretrain.losses.registry import objective_spec
-from pretrain.model import ModelConfig
-from pretrain.optim import OptimConfig
-from pretrain.preemption import PreemptionConfig
-from pretrain.tracking import TrackingConfig
-from pretrain.trainer import TrainConfig
+from pretrain.losses.objectives import objective_spec
+from pretrain.model.backbones import backbone_spec
+from pretrain.model.encoder import ModelConfig
+from pretrain.run.checkpoint import CheckpointConfig
+from pretrain.run.preemption import PreemptionConfig
+from pretrain.run.tracking import TrackingConfig
 
 
 @dataclass
@@ -57,7 +58,7 @@ class RunConfig:
             raise InvalidValue("seed", f"must be >= 0, got {self.seed}")
         if not self.model.image_size:  # resolved here, so every rebuild of the encoder
             self.model.image_size = self.data.resolution  # reads it from model.* alone
-        if self.optim.layer_decay != 1 and not self.model.backbone.startswith("timm:"):
+        if self.optim.layer_decay != 1 and not backbone_spec(self.model.backbone).layers:
             raise ConfigError(f"key 'optim.layer_decay': layer-wise decay needs a backbone "
                               f"that declares its layers (model.backbone=timm:<name>), not "
                               f"{self.model.backbone}; set it to 1")

@@ -145,11 +145,11 @@ def linear_growth(rows: list[dict]) -> dict[str, float]:
 def chunk_child(rows: int, chunk_size: int, repeats: int) -> dict:
     """Training steps (forward, backward, SGD update) in this fresh process; chunk 0 is the
     plain step."""
-    from pretrain.chunked import chunked_forward_loss
-    from pretrain.engine import EngineConfig, build_engine
+    from pretrain.loop.chunked import chunked_forward_loss
+    from pretrain.loop.engine import EngineConfig, build_engine
+    from pretrain.loop.step import forward_loss
     from pretrain.losses import ObjectiveConfig, objective_from_config
-    from pretrain.model import ModelConfig, build_model
-    from pretrain.step import forward_loss
+    from pretrain.model.encoder import ModelConfig, build_model
 
     torch.manual_seed(0)
     cfg = ObjectiveConfig(name="infonce", temperature=0.2)

@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, print_table, time_interleaved, write_json
-from pretrain.engine import DDPEngine, EngineConfig
+from pretrain.loop.engine import DDPEngine, EngineConfig
+from pretrain.loop.optim import OptimConfig, build_optimizer
+from pretrain.loop.step import BatchSpec, forward_loss, model_inputs
 from pretrain.losses import ObjectiveConfig, objective_from_config
-from pretrain.model import ModelConfig, build_model
-from pretrain.optim import OptimConfig, build_optimizer
-from pretrain.step import BatchSpec, forward_loss, model_inputs
+from pretrain.model.encoder import ModelConfig, build_model
 
 RESULTS = Path("bench/results/training.json")
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def step_times(batch_images: int, rounds: int) -> list[dict]:
 
 def text_tower_times(batch_images: int, rounds: int) -> list[dict]:
     from data_pipeline.text import load_tokenizer, tokenize
-    from pretrain.text_tower import TextTower, TextTowerConfig
+    from pretrain.model.text_tower import TextTower, TextTowerConfig
 
     torch.manual_seed(0)
     tower = TextTower(TextTowerConfig(), 128)

@@ -39,7 +39,7 @@ from evaluation.probe import linear_probe
 from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json, write_markdown
 from evaluation.retrieval import caption_evaluation, class_embedding_classifier
 from evaluation.tracking import INDEX_DIR, end_failed, log_evaluation, upload_outputs
-from pretrain.tracking import TrackingConfig, tracking_uri
+from pretrain.run.tracking import TrackingConfig, tracking_uri
 from serving.model_registry import ModelRef
 
 log = logging.getLogger("evaluate")

@@ -15,14 +15,14 @@ import torch
 import yaml
 
 from core.config import from_dict
-from pretrain.checkpoint import list_checkpoints
-from pretrain.model import (
+from pretrain.model.encoder import (
     ModelConfig,
     class_embeddings_from_state,
     encoder_from_state,
     text_tower_from_state,
 )
-from pretrain.tracking import run_id_of
+from pretrain.run.checkpoint import list_checkpoints
+from pretrain.run.tracking import run_id_of
 from serving.model_registry import EmbeddingModel, ModelRef, download_verified, resolve
 
 

@@ -15,7 +15,7 @@ from core.errors import first_line
 from evaluation.config import EvalConfig
 from evaluation.promote import SCORE_TAG, promote
 from evaluation.report import scalars
-from pretrain.tracking import experiment_id, quiet_store_errors
+from pretrain.run.tracking import experiment_id, quiet_store_errors
 from serving.model_registry import ModelRef
 
 log = logging.getLogger(__name__)

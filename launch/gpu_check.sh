@@ -40,7 +40,7 @@ pipeline() {  # pipeline NAME OVERRIDES...: the demo pipeline, 1 process, in its
 }
 
 check cuda-tests "$python" -m pytest -q -p no:cacheprovider "$repo/tests/data_pipeline/dali" \
-    "$repo/tests/pretrain/test_cuda_dry_run.py" "$repo/tests/pretrain/test_host_reads.py" \
+    "$repo/tests/pretrain/loop/test_cuda_dry_run.py" "$repo/tests/pretrain/loop/test_host_reads.py" \
     "$repo/tests/evaluation/test_cuda_dry_run.py"
 check ddp-nccl-bf16 pipeline ddp train.precision=bf16
 check deepspeed-zero2 pipeline deepspeed engine.name=deepspeed \

@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from core.config import from_dict
 from core.errors import RunError, first_line
 from data_pipeline.manifest import file_sha256
-from pretrain.model import Encoder, ModelConfig
-from pretrain.text_tower import TextTower
+from pretrain.model.encoder import Encoder, ModelConfig
+from pretrain.model.text_tower import TextTower
 
 ARTIFACT = "encoder"  # the logged model's name under its run (runs:/<id>/encoder)
 VERSION_TAG = "artifact_sha256"  # model version tag: {relative path: sha256}

@@ -3,8 +3,9 @@
     core  <  data_pipeline  <  pretrain  <  serving  <  evaluation  <  app
 
 A module may import from its own layer and the ones below, never above; models and
-losses never touch torch.distributed (the gathering boundary does). Every import counts,
-also one inside a function."""
+losses never touch torch.distributed (the gathering boundary does). Within ``pretrain``
+each sub-package imports only the sub-packages its docstring names (``SUBPACKAGES``).
+Every import counts, also one inside a function."""
 
 from __future__ import annotations
 
@@ -13,9 +14,21 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.loop.engine import ENGINES
+from pretrain.losses.objectives import OBJECTIVES
+from pretrain.model.backbones import BACKBONES, TIMM, TIMM_FAMILY
+
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = ["core", "data_pipeline", "pretrain", "serving", "evaluation", "app"]
-NO_DISTRIBUTED = ["pretrain/losses", "pretrain/model.py", "pretrain/text_tower.py"]
+NO_DISTRIBUTED = ["pretrain/losses", "pretrain/model"]
+# each sub-package of pretrain -> the sub-packages of pretrain it may import (itself included)
+SUBPACKAGES = {
+    "losses": {"losses"},
+    "distributed": {"distributed", "losses"},
+    "model": {"model", "losses"},
+    "run": {"run"},
+    "loop": {"loop", "model", "run", "distributed", "losses"},
+}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -64,15 +77,51 @@ def test_models_and_losses_never_call_torch_distributed():
     assert not violations, "\n".join(violations)
 
 
+def subpackage_violations(path: Path) -> list[str]:
+    """The imports of ``path`` (a module under pretrain/<sub-package>/) of sub-packages
+    of pretrain its own may not import."""
+    own = path.relative_to(REPO / "pretrain").parts[0]
+    return [f"{path.relative_to(REPO)}:{line} imports {module}"
+            for line, module in imported_modules(path)
+            if module.startswith("pretrain.")
+            and module.split(".")[1] not in SUBPACKAGES[own]]
+
+
+def test_pretrain_holds_its_sub_packages_and_nothing_else():
+    entries = {p.name for p in (REPO / "pretrain").iterdir() if p.name != "__pycache__"}
+    assert entries == {"__init__.py", *SUBPACKAGES}
+    for name in SUBPACKAGES:
+        doc = ast.get_docstring(ast.parse((REPO / "pretrain" / name / "__init__.py").read_text()))
+        assert doc and "May import" in doc, f"pretrain/{name}/__init__.py states no role"
+
+
+@pytest.mark.parametrize("subpackage", sorted(SUBPACKAGES))
+def test_a_pretrain_sub_package_imports_only_what_its_role_allows(subpackage):
+    paths = sorted((REPO / "pretrain" / subpackage).rglob("*.py"))
+    assert paths
+    violations = [v for path in paths for v in subpackage_violations(path)]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_sub_package_check_sees_a_model_importing_the_loop(monkeypatch):
+    bad = REPO / "pretrain" / "model" / "_layer_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        "from pretrain.run.checkpoint import Checkpointer\n" if self == bad
+        else Path.read_bytes(self).decode()))
+    assert subpackage_violations(bad) == [
+        "pretrain/model/_layer_probe.py:1 imports pretrain.run.checkpoint",
+        "pretrain/model/_layer_probe.py:1 imports pretrain.run.checkpoint.Checkpointer"]
+
+
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     """The test itself can fail: a data module importing the trainer is caught."""
     bad = REPO / "data_pipeline" / "_layer_probe.py"
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
-        "def f():\n    from pretrain.trainer import Trainer\n" if self == bad
+        "def f():\n    from pretrain.loop.trainer import Trainer\n" if self == bad
         else Path.read_bytes(self).decode()))
     assert upward_imports(bad, "data_pipeline") == [
-        "data_pipeline/_layer_probe.py:2 imports pretrain.trainer",
-        "data_pipeline/_layer_probe.py:2 imports pretrain.trainer.Trainer"]
+        "data_pipeline/_layer_probe.py:2 imports pretrain.loop.trainer",
+        "data_pipeline/_layer_probe.py:2 imports pretrain.loop.trainer.Trainer"]
 
 
 def module_file(name: str) -> Path | None:
@@ -143,3 +192,52 @@ def test_the_circle_check_sees_a_circle():
     a, b, c = (REPO / name for name in ("a.py", "b.py", "c.py"))
     assert import_cycles({a: {b}, b: {c}, c: {a}}) == [[a, b, c]]
     assert import_cycles({a: {b}, b: {c}, c: set()}) == []
+
+
+def test_tests_mirror_the_package_layout():
+    """Every folder of tests/ is the test folder of a folder of the repository."""
+    folders = [p for p in (REPO / "tests").rglob("*") if p.is_dir() and p.name != "__pycache__"]
+    assert folders
+    unmatched = [str(p.relative_to(REPO)) for p in folders
+                 if not (REPO / p.relative_to(REPO / "tests")).is_dir()]
+    assert not unmatched, f"test folders with no package folder: {unmatched}"
+
+
+TABLES = {"pretrain/losses/objectives.py": OBJECTIVES, "pretrain/model/backbones.py": BACKBONES,
+          "pretrain/loop/engine.py": ENGINES}
+
+
+def name_checks(path: Path, names: set[str]) -> list[str]:
+    """Comparisons of a value with one of ``names`` (``x == "deepspeed"``, ``x in
+    ("clip", "siglip")``) and ``.startswith("timm:")`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            consts = [n for side in (node.left, *node.comparators) for n in ast.walk(side)
+                      if isinstance(n, ast.Constant) and n.value in names]
+            found += [f"{path.relative_to(REPO)}:{node.lineno} compares with {c.value!r}"
+                      for c in consts]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "startswith" and node.args
+              and isinstance(node.args[0], ast.Constant) and node.args[0].value == TIMM):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno} checks the {TIMM} prefix")
+    return found
+
+
+def test_the_run_reads_table_entries_never_names():
+    """No module of the layers outside a table's own checks a name of its entries: what an
+    objective, a backbone or an engine needs comes from its entry (docs/architecture.md)."""
+    names = {name for table in TABLES.values() for name in table} - {TIMM_FAMILY}
+    owners = {REPO / p for p in TABLES}
+    violations = [v for layer in LAYERS for path in modules(layer) if path not in owners
+                  for v in name_checks(path, names)]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_name_check_sees_a_name_check(monkeypatch):
+    probe = REPO / "app" / "_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        "if cfg.name == 'deepspeed' or b.startswith('timm:'):\n    pass\n" if self == probe
+        else Path.read_bytes(self).decode()))
+    assert name_checks(probe, {"deepspeed"}) == ["app/_probe.py:1 compares with 'deepspeed'",
+                                                 "app/_probe.py:1 checks the timm: prefix"]

@@ -16,8 +16,8 @@ from bench.learning.data import DataSet
 from bench.learning.runs import Configuration, evaluate, run_config
 from data_pipeline.loader import LoaderState, train_batches
 from data_pipeline.shards import ShardSet
-from pretrain.model import Encoder
-from pretrain.optim import build_optimizer, warmup_cosine
+from pretrain.loop.optim import build_optimizer, warmup_cosine
+from pretrain.model.encoder import Encoder
 from serving.model_registry import EmbeddingModel
 
 

@@ -31,7 +31,7 @@ from data_pipeline.config import DataConfig
 from evaluation.features import extract
 from evaluation.load import from_checkpoint
 from evaluation.retrieval import embed_texts
-from pretrain.checkpoint import list_checkpoints
+from pretrain.run.checkpoint import list_checkpoints
 
 
 def row_weights(similarity: Tensor, scale: float, bias: float | None) -> tuple[Tensor, Tensor]:

@@ -30,8 +30,9 @@ from evaluation.features import extract
 from evaluation.identity import bank_digest, model_digest
 from evaluation.load import from_checkpoint
 from evaluation.retrieval import caption_evaluation, class_embedding_classifier
-from pretrain.checkpoint import list_checkpoints
-from pretrain.model import build_model
+from pretrain.losses.objectives import objective_spec
+from pretrain.model.encoder import build_model
+from pretrain.run.checkpoint import list_checkpoints
 from serving.model_registry import EmbeddingModel, ModelRef
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,9 +65,10 @@ def run_config(conf: Configuration, data: DataSet, root: Path) -> tuple[RunConfi
                  "tracking.enabled=false", "train.progress=false", "checkpoint.every=0",
                  "checkpoint.keep=1"]
     config = load_config(RunConfig, REPO / conf.recipe, overrides)
-    if config.objective.name == "xclr" and config.objective.class_graph:
+    soft_targets = objective_spec(config.objective.name).soft_targets
+    if soft_targets and config.objective.class_graph:
         overrides.append(f"objective.class_graph={data.class_graph}")
-    if config.objective.name == "xclr" and config.data.caption_store:
+    if soft_targets and config.data.caption_store:
         overrides.append(f"data.caption_store={data.caption_store}")
     return load_config(RunConfig, REPO / conf.recipe, overrides), overrides
 

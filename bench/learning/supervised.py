@@ -27,7 +27,7 @@ import yaml
 from bench.common import print_table, write_json
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import eval_batches
-from pretrain.model import Encoder, ModelConfig
+from pretrain.model.encoder import Encoder, ModelConfig
 
 
 def canvases(shards: str, resolution: int) -> tuple[torch.Tensor, torch.Tensor]:

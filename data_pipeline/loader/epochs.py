@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 # what schedulers send a job's process group to stop or warn it: the training process
-# decides (pretrain/preemption.py) and ends its loader workers itself
+# decides (pretrain/run/preemption.py) and ends its loader workers itself
 SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
                      signal.SIGINT)  # Ctrl-C reaches the whole group: the main process answers
 

@@ -1,4 +1,7 @@
-"""The gathering boundary: the one place that builds each rank's global batch."""
+"""The gathering boundary: the one place that builds each rank's global batch.
+
+May import ``pretrain.losses`` (the ContrastiveBatch it builds) and ``core``.
+"""
 
 from pretrain.distributed.global_batch import build_global_batch
 

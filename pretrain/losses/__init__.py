@@ -3,7 +3,11 @@
 Every objective is a pure function ``(batch: ContrastiveBatch, temperature, **hparams) ->
 ObjectiveOutput(loss, metrics)``; none touches torch.distributed. The gathering boundary
 builds a distributed :class:`ContrastiveBatch`; :func:`batch_loss` builds the
-single-process one, so both paths run the same code.
+single-process one, so both paths run the same code. ``objectives`` holds the table of
+every objective and what each needs from the run.
+
+May import ``core`` and ``data_pipeline`` only: never the model, the loop or
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pretrain.losses.batch import (
 )
 from pretrain.losses.common import ObjectiveOutput, Temperature
 from pretrain.losses.config import ObjectiveConfig
-from pretrain.losses.registry import OBJECTIVES, Objective, ObjectiveSpec, objective_spec
+from pretrain.losses.objectives import OBJECTIVES, Objective, ObjectiveSpec, objective_spec
 from pretrain.losses.temperature import EssControlConfig, EssTemperatureController
 
 

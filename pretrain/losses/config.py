@@ -8,9 +8,9 @@ from typing import Any, Literal
 from torch import Tensor
 
 from core.config import InvalidValue
+from pretrain.losses.objectives import objective_spec
 from pretrain.losses.parameters import ParameterShape, initial_values
 from pretrain.losses.projnce import Projection
-from pretrain.losses.registry import OBJECTIVES
 from pretrain.losses.temperature import EssControlConfig
 
 
@@ -21,7 +21,7 @@ class ObjectiveConfig:
     Objective-specific keys are read only by the objective named in the comment.
     """
 
-    name: str = "infonce"  # an entry of pretrain/losses/registry.py (docs/objectives.md)
+    name: str = "infonce"  # an entry of pretrain/losses/objectives.py (docs/objectives.md)
     temperature: float = 0.1  # tau of the similarity logits (initial value if learnable)
     learnable_temperature: bool = False  # learn tau (stored as log tau) with the model
     num_negatives: int | None = None  # per-anchor random subset of k negatives; null = all
@@ -39,9 +39,7 @@ class ObjectiveConfig:
     ess_control: EssControlConfig = field(default_factory=EssControlConfig)  # ESS steering
 
     def validate(self) -> None:
-        if self.name not in OBJECTIVES:
-            raise InvalidValue("name", f"unknown objective {self.name!r}; "
-                                       f"choose one of {', '.join(OBJECTIVES)}")
+        spec = objective_spec(self.name)
         for key in ("temperature", "gamma", "target_temperature", "bandwidth"):
             if not getattr(self, key) > 0:
                 raise InvalidValue(key, f"must be > 0, got {getattr(self, key)}")
@@ -54,15 +52,15 @@ class ObjectiveConfig:
         if self.ess_control.enabled and self.learnable_temperature:
             raise InvalidValue("ess_control.enabled",
                                "cannot steer a learnable temperature; choose one")
-        if self.ess_control.enabled and not OBJECTIVES[self.name].softmax:
+        if self.ess_control.enabled and not spec.softmax:
             raise InvalidValue("ess_control.enabled",
                                f"{self.name} has no softmax over negatives to steer by ESS")
 
     def hparams(self) -> dict[str, Any]:
-        """Keyword arguments of the chosen objective function (its registry entry's keys)."""
-        return {key: getattr(self, key) for key in OBJECTIVES[self.name].hparams}
+        """Keyword arguments of the chosen objective function (its table entry's keys)."""
+        return {key: getattr(self, key) for key in objective_spec(self.name).hparams}
 
     def loss_parameters(self, shape: ParameterShape) -> dict[str, Tensor]:
         """Initial values of the learnable loss parameters the model owns for this
         objective, for a run of ``shape`` (its class count and projection width)."""
-        return initial_values(OBJECTIVES[self.name].parameters, vars(self), shape)
+        return initial_values(objective_spec(self.name).parameters, vars(self), shape)

@@ -1,6 +1,6 @@
 """Learnable loss parameters: tensors an objective learns beside the encoder.
 
-The objective registry declares them (:class:`LossParameter`); the model owns them (as
+The table of objectives declares them (:class:`LossParameter`); the model owns them (as
 open_clip's model owns ``logit_bias``), the optimiser trains them, checkpoints and the
 model registry keep them, and the step hands them to the objective as keywords. Each
 declaration says how to make its initial tensor from the run's shape

@@ -18,8 +18,8 @@ import torch
 
 from app.pretrain import RunLogFile
 from core.errors import RunError
-from pretrain.checkpoint import list_checkpoints
-from pretrain.tracking import RUN_ID_FILE, Tracker, TrackingConfig
+from pretrain.run.checkpoint import list_checkpoints
+from pretrain.run.tracking import RUN_ID_FILE, Tracker, TrackingConfig
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
 from tests.small_disk import resize, small_disk
 

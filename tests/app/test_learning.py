@@ -30,8 +30,8 @@ from evaluation.features import Features, extract
 from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import from_checkpoint
 from evaluation.probe import linear_probe
-from pretrain.checkpoint import list_checkpoints
-from pretrain.model import build_model
+from pretrain.model.encoder import build_model
+from pretrain.run.checkpoint import list_checkpoints
 from serving.model_registry import EmbeddingModel
 from tests.app.helpers import REPO, run_pretrain
 

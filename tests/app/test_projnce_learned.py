@@ -4,7 +4,7 @@ uninterrupted run, reshards it from 2 DeepSpeed ranks to 1, registers it with th
 and ``evaluate`` reports the classifier by cosine to the learned class embeddings from
 the checkpoint and from the registry alike. (The loss itself against the library function
 and a float64 loop: ``tests/pretrain/losses``; 2 ranks against 1 process under DDP and
-ZeRO: ``tests/pretrain/test_engine.py``.)"""
+ZeRO: ``tests/pretrain/loop/test_engine.py``.)"""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from data_pipeline.digits import DIGIT_NAMES
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.evaluation.test_evaluate import evaluate
-from tests.pretrain.test_checkpoint import final_model
-from tests.pretrain.test_reshard import velocities
+from tests.pretrain.run.test_checkpoint import final_model
+from tests.pretrain.run.test_reshard import velocities
 
 KEY = "loss_parameters.class_embeddings"
 LEARNED = {"objective.name": "projnce", "objective.projection": "learned",
@@ -92,7 +92,7 @@ def test_the_registry_and_the_checkpoint_evaluate_the_class_embedding_classifier
 def test_two_deepspeed_ranks_reshard_the_class_embeddings_onto_one(digits_shards, tmp_path):
     """ZeRO-2 partitions the class embeddings with every other parameter. Resumed on 1 rank
     at lr 1e-30, 4 LARS steps only play out the checkpoint's momentum (v <- 0.9 v,
-    w <- w - v; as ``tests/pretrain/test_reshard.py`` checks the encoder): the final matrix
+    w <- w - v; as ``tests/pretrain/run/test_reshard.py`` checks the encoder): the final matrix
     equals that replay of the 2-rank checkpoint's matrix and velocity."""
     zero2 = {"engine.name": "deepspeed",
              "engine.deepspeed_config": "launch/deepspeed/zero2.json", "train.max_steps": 8}

@@ -6,7 +6,7 @@ import torch
 
 from data_pipeline.config import DataConfig
 from evaluation.features import extract
-from pretrain.model import Encoder, ModelConfig
+from pretrain.model.encoder import Encoder, ModelConfig
 from serving.model_registry import EmbeddingModel
 
 

@@ -15,7 +15,7 @@ import torch
 
 from core.runtime import free_port
 from tests.app.helpers import REPO, run_pretrain, sigkill, train_overrides
-from tests.pretrain.test_checkpoint import final_model
+from tests.pretrain.run.test_checkpoint import final_model
 
 COMMON = {"checkpoint.every": 4, "data.workers": 1, "train.max_steps": 24}
 

@@ -16,7 +16,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
-from pretrain.model import Encoder, ModelConfig
+from pretrain.model.encoder import Encoder, ModelConfig
 from serving.inputs import BadRequest, ServedImages, embed
 from serving.limits import ServeLimits
 from serving.model_registry import EmbeddingModel

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from data_pipeline.transforms import DecodeSize, decode, eval_view
-from pretrain.model import ModelConfig, encoder_from_state
+from pretrain.model.encoder import ModelConfig, encoder_from_state
 from tests.data_pipeline.helpers import digit_sample
 from tests.data_pipeline.test_image_limits import bomb_png
 from tests.serving.helpers import raw_exchange, registered_encoder, send, serving, start

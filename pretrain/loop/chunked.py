@@ -1,0 +1,154 @@
+"""Cached-gradient encoder chunks: a batch far larger than activation memory trains with
+exactly the full-batch gradient (GradCache: Gao et al. 2021, "Scaling Deep Contrastive
+Learning Batch Size under Memory Limited Setup", Sec. 3.2); ``docs/negatives.md``.
+
+1. Embed the batch chunk by chunk without gradient, keeping only the outputs
+   (projections [2B, P], the text [2B, P] of clip and siglip, the learnable temperature
+   and loss parameters).
+2. Compute the objective on those outputs as leaves, against the global batch, and its
+   gradient with respect to them (the "representation gradient cache").
+3. Re-run each chunk with gradient and back-propagate its slice of the cached gradient,
+   as one surrogate sum(output * cached gradient) per chunk.
+
+Step 3 replays step 1 exactly: the RNG state (dropout) is restored per chunk, and batch
+norm computes the same chunk statistics while its running statistics, updated in step 1,
+are left alone. The engine reduces gradients across ranks once, after the last chunk
+(DDP ``no_sync`` before it; DeepSpeed's accumulation boundary). With batch norm each chunk
+is its own normalisation batch, as each rank is without SyncBatchNorm; with
+``model.norm=group`` chunked and unchunked steps are equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pretrain.loop.engine import Engine
+from pretrain.loop.step import BatchSpec, loss_of_outputs, model_inputs
+from pretrain.losses import ObjectiveConfig, ObjectiveOutput
+from pretrain.model.encoder import ModelOutput
+
+
+def chunks_of(rows: int, count: int) -> list[slice]:
+    """``rows`` split into ``count`` nearly equal chunks, smallest (possibly empty) first."""
+    sizes = [rows // count + (index >= count - rows % count) for index in range(count)]
+    ends = list(itertools.accumulate(sizes))
+    return [slice(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+
+
+def chunk_count(rows_per_rank: int, chunk_size: int) -> int:
+    """Chunks per rank: the same on every rank (ZeRO-2 reduces after every backward), enough
+    for the most rows a rank holds (the run's ``BatchSpec.rows_per_rank``: no count is
+    exchanged)."""
+    return max(1, math.ceil(rows_per_rank / chunk_size))
+
+
+def rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+@contextlib.contextmanager
+def batch_stats_frozen(model: nn.Module) -> Iterator[None]:
+    """Batch norm in training mode normalises with the batch's statistics but leaves its
+    running statistics (and their counter) untouched."""
+    norms = [m for m in model.modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    for norm in norms:
+        norm.track_running_stats = False
+    try:
+        yield
+    finally:
+        for norm in norms:
+            norm.track_running_stats = True
+
+
+def _cat(parts: list[Tensor | None]) -> Tensor | None:
+    return None if parts[0] is None else torch.cat(parts).requires_grad_()
+
+
+def _leaf(value: Tensor | None) -> Tensor | None:
+    return None if value is None else value.detach().requires_grad_()
+
+
+def _leaf_grads(loss: Tensor, leaves: ModelOutput) -> ModelOutput:
+    """The gradient of ``loss`` at each leaf of ``leaves``, in the same structure."""
+    flat = [leaves.projections, leaves.text, leaves.temperature,
+            *leaves.loss_parameters.values()]
+    wanted = [t for t in flat if t is not None]
+    found = iter(torch.autograd.grad(loss, wanted))
+    grads = [None if t is None else next(found) for t in flat]
+    return ModelOutput(None, grads[0], grads[1], grads[2],
+                       dict(zip(leaves.loss_parameters, grads[3:], strict=True)))
+
+
+def _surrogate(out: ModelOutput, grads: ModelOutput, rows: slice, last: bool) -> Tensor:
+    """sum(output * cached gradient) of one chunk: its rows of the projections (and text);
+    the whole gradient of the temperature and loss parameters once, with the last chunk."""
+    surrogate = (out.projections * grads.projections[rows]).sum()
+    if out.text is not None:
+        surrogate = surrogate + (out.text * grads.text[rows]).sum()
+    if out.temperature is not None:
+        surrogate = surrogate + out.temperature * grads.temperature * last
+    for name, value in out.loss_parameters.items():
+        surrogate = surrogate + (value * grads.loss_parameters[name]).sum() * last
+    return surrogate
+
+
+def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Callable,
+                         cfg: ObjectiveConfig, temperature: float, step: int,
+                         chunk_size: int, spec: BatchSpec | None = None,
+                         ) -> tuple[ObjectiveOutput, Callable[[], None]]:
+    """The objective on the whole batch from chunked no-gradient outputs, and the function
+    that back-propagates it through the encoder chunk by chunk (steps 1-3 above). The
+    caller decides, from the loss, whether to call it (the non-finite guard)."""
+    spec = spec or BatchSpec()
+    device = batch["images"].device
+    rows_here = len(batch["images"])
+    chunks = chunks_of(rows_here, chunk_count(spec.rows_per_rank or rows_here, chunk_size))
+    states, outputs = [], []
+    with torch.no_grad():
+        for rows in chunks:
+            states.append(rng_state(device))
+            if rows.stop > rows.start:
+                outputs.append(engine.module(*model_inputs(batch, rows)))
+    after = rng_state(device)
+    leaves = ModelOutput(
+        features=None if outputs[0].features is None else torch.cat(
+            [o.features for o in outputs]),  # no gradient: watched, not trained
+        projections=_cat([o.projections for o in outputs]),
+        text=_cat([o.text for o in outputs]), temperature=_leaf(outputs[0].temperature),
+        loss_parameters={name: _leaf(value)
+                         for name, value in outputs[0].loss_parameters.items()})
+    result = loss_of_outputs(leaves, batch, objective, cfg, temperature, step, spec)
+    autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+
+    def backward() -> None:
+        grads = _leaf_grads(result.loss, leaves)
+        with batch_stats_frozen(engine.module):
+            for index, rows in enumerate(chunks):
+                last = index == len(chunks) - 1
+                set_rng_state(states[index], device)
+                # A rank with fewer rows than chunks runs a zero-weighted copy of a real
+                # chunk: ZeRO-2 needs every rank's gradients ready in the same order.
+                weight = 1.0 if rows.stop > rows.start else 0.0
+                rows = rows if weight else slice(0, min(2, rows_here))
+                with engine.accumulating(last):
+                    with torch.autocast(device.type, dtype=autocast[1], enabled=autocast[0]):
+                        out = engine(*model_inputs(batch, rows))
+                    engine.backward(_surrogate(out, grads, rows, last) * weight)
+        set_rng_state(after, device)
+
+    return result, backward

@@ -1,0 +1,252 @@
+"""The table of training engines, behind one small interface: DDP (gloo on CPU, NCCL on
+GPU) and DeepSpeed ZeRO-1/2. Each entry of :data:`ENGINES` declares what the engine needs
+from the run (a process group even on one rank, its own configuration check) and what the
+run must know of it (per-rank flat optimizer partitions); adding an engine is its class,
+its entry, its test and a line in ``docs/training.md``.
+
+An engine owns the wrapped model and the optimiser and offers ``forward`` (``engine(...)``),
+``backward(loss)``, ``step()`` (clip, update, zero the gradients), ``skip(loss)`` (drop a
+step whose loss is not finite), ``set_lr(factor)``, and
+``state_dict()``/``load_state_dict()`` in a form ``torch.load(weights_only=True)`` reads.
+Both average gradients over ranks, which with the gathering boundary's scaling gives the
+gradient of the global-batch loss; shared scalars such as a learnable temperature are
+averaged once, like every other parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from core.config import InvalidValue
+from core.tables import table_entry
+from pretrain.loop.optim import step_unless
+from pretrain.run.reshard import zero_partition_for
+
+
+@dataclass
+class EngineConfig:
+    """``engine.*``. DeepSpeed reads its JSON (``deepspeed_config``, under launch/deepspeed/),
+    which must set ``gradient_clipping`` explicitly; DDP clips at ``gradient_clipping``."""
+
+    name: str = "ddp"  # the training engine: an entry of ENGINES (ddp, deepspeed)
+    deepspeed_config: str = "launch/deepspeed/zero1.json"  # deepspeed: its JSON config
+    gradient_clipping: float = 0.0  # ddp: max global gradient norm, 0 = off
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on GPU, gloo on CPU
+
+    def validate(self) -> None:
+        if self.gradient_clipping < 0:
+            raise InvalidValue("gradient_clipping", f"must be >= 0, got {self.gradient_clipping}")
+        engine_spec(self.name).check(self)
+
+
+def read_deepspeed_config(path: str) -> dict[str, Any]:
+    """The DeepSpeed JSON at ``path``; it must set gradient_clipping (DeepSpeed would
+    otherwise clip silently at 1.0) and a ZeRO stage of 1 or 2."""
+    file = Path(path)
+    if not file.is_file():
+        raise InvalidValue("deepspeed_config", f"{path}: no such file")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise InvalidValue("deepspeed_config", f"{path}: not valid JSON ({err})") from err
+    if "gradient_clipping" not in config:
+        raise InvalidValue("deepspeed_config", f"{path}: set \"gradient_clipping\" explicitly "
+                                               "(0.0 turns clipping off)")
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (1, 2):
+        raise InvalidValue("deepspeed_config", f"{path}: zero_optimization.stage must be 1 or "
+                                               f"2, got {stage}")
+    return config
+
+
+class Engine:
+    """Shared parts; subclasses set ``wrapped`` and ``optimizer``."""
+
+    optimizer_sharded = False  # True when each rank holds only its share of the state
+    skips_on_device = False  # step(skip=...) decides on the device, no host synchronisation
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module = model
+        self.optimizer = optimizer
+        self.wrapped: nn.Module = model
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapped(*args, **kwargs)
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around one of several backward passes of a step: gradients are reduced across
+        ranks only after the ``last`` one."""
+        return contextlib.nullcontext()
+
+    def set_lr(self, factor: float) -> float:
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
+        return self.base_lrs[0] * factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class DDPEngine(Engine):
+    """torch DistributedDataParallel; a plain module when there is one process."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 cfg: EngineConfig, device: torch.device) -> None:
+        super().__init__(model, optimizer)
+        self.clip = cfg.gradient_clipping
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            ids = [device.index] if device.type == "cuda" else None
+            self.wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        if last or self.wrapped is self.module:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()
+
+    def skip(self, loss: Tensor) -> None:
+        """Drop this step's update. A DDP forward expects its backward (the reducer would
+        refuse the next forward), so run it and throw the non-finite gradients away."""
+        if self.wrapped is not self.module:
+            loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    skips_on_device = True
+
+    def step(self, skip: Tensor | None = None) -> None:
+        """Clip, update and zero the gradients; where ``skip`` [] (bool, on the device) is
+        true the update leaves weights and optimiser state untouched."""
+        if self.clip > 0:
+            nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+        if skip is None:
+            self.optimizer.step()
+        else:
+            step_unless(self.optimizer, skip)
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class DeepSpeedEngine(Engine):
+    """DeepSpeed ZeRO stage 1 or 2 around our optimiser (LARS included)."""
+
+    optimizer_sharded = True
+    _UNSAFE_KEYS = ("loss_scaler", "param_slice_mappings", "zero_stage")  # live objects
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 cfg: EngineConfig, micro_batch: int) -> None:
+        import deepspeed
+
+        config = read_deepspeed_config(cfg.deepspeed_config)
+        config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1)
+        self.round_robin = config["zero_optimization"].get("round_robin_gradients", False)
+        self.ds, zero_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False)
+        super().__init__(model, zero_optimizer)
+        self.wrapped = self.ds
+
+    def backward(self, loss: Tensor) -> None:
+        self.ds.backward(loss)
+
+    @contextlib.contextmanager
+    def accumulating(self, last: bool) -> Iterator[None]:
+        """DeepSpeed's accumulation boundary: ZeRO-1 reduces at the boundary only; ZeRO-2
+        reduce-scatters every backward into its gradient partitions (by its design)."""
+        self.ds.set_gradient_accumulation_boundary(last)
+        try:
+            yield
+        finally:
+            self.ds.set_gradient_accumulation_boundary(True)
+
+    def skip(self, loss: Tensor) -> None:
+        """Drop this step's update: no backward, so nothing reaches ZeRO's buffers."""
+
+    def step(self) -> None:
+        self.ds.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizer = {k: v for k, v in self.optimizer.state_dict().items()
+                     if k not in self._UNSAFE_KEYS}
+        return {"model": self.module.state_dict(), "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """``state["optimizer"]``: this rank's partition as it saved it, or
+        ``state["optimizer_partitions"]``: every partition of a checkpoint written by
+        another number of ranks, resharded here
+        (:func:`pretrain.run.reshard.zero_partition_for`)."""
+        self.module.load_state_dict(state["model"])
+        live = self.optimizer.state_dict()
+        if "optimizer_partitions" in state:
+            live = zero_partition_for(state["optimizer_partitions"], live, dist.get_rank(),
+                                      dist.get_world_size(), self.round_robin)
+        else:
+            live.update(state["optimizer"])
+        # ZeRO reads entry [dp_rank] of a per-rank list; this rank's own state fills it. The
+        # fp32 master weights come from the checkpoint, not from the (possibly bf16) model.
+        self.optimizer.load_state_dict([live] * dist.get_world_size(),
+                                       load_from_fp32_weights=True)
+
+
+class EngineInputs(NamedTuple):
+    """What an engine is built from: the model, its optimiser, ``engine.*``, the device and
+    the micro-batch (images per rank and step, every view counted)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    cfg: EngineConfig
+    device: torch.device
+    micro_batch: int
+
+
+def no_check(cfg: EngineConfig) -> None:
+    """An engine with no keys of its own to check."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine and what it needs from the run."""
+
+    build: Callable[[EngineInputs], Engine]
+    process_group: bool = False  # needs a process group even on one rank
+    # optimises flat per-rank partitions: a per-layer rule such as LARS's trust ratio sees a
+    # partition, not a layer (the run warns)
+    flat_partitions: bool = False
+    check: Callable[[EngineConfig], None] = no_check  # its engine.* keys, before any work
+
+
+def deepspeed_check(cfg: EngineConfig) -> None:
+    read_deepspeed_config(cfg.deepspeed_config)
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "ddp": EngineSpec(lambda i: DDPEngine(i.model, i.optimizer, i.cfg, i.device)),
+    "deepspeed": EngineSpec(
+        lambda i: DeepSpeedEngine(i.model, i.optimizer, i.cfg, i.micro_batch),
+        process_group=True, flat_partitions=True, check=deepspeed_check),
+}
+
+
+def engine_spec(name: str) -> EngineSpec:
+    """The entry of engine ``name``; :class:`InvalidValue` for ``engine.name``, naming the
+    choices, if there is none."""
+    return table_entry(ENGINES, name, "name", "engine")
+
+
+def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig,
+                 device: torch.device, micro_batch: int) -> Engine:
+    """The engine ``cfg.name`` names around ``model`` and ``optimizer``."""
+    return engine_spec(cfg.name).build(EngineInputs(model, optimizer, cfg, device, micro_batch))

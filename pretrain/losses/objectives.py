@@ -1,0 +1,68 @@
+"""The table of objectives: each one's function and what it needs from the run.
+
+The run reads these entries instead of checking names: configuration checks (labels,
+soft targets), the model (a text tower, learnable loss parameters), the loader (tokenised
+captions) and the objective's keyword arguments. Adding an objective is its file, an entry
+here, its test and its section in ``docs/objectives.md`` (docs/architecture.md, "Adding an
+objective"); the backbones and the engines keep their tables the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from core.tables import table_entry
+from pretrain.losses.clip import clip
+from pretrain.losses.common import ObjectiveOutput
+from pretrain.losses.eps_supinfonce import eps_supinfonce
+from pretrain.losses.flatnce import flatnce
+from pretrain.losses.holder_flatnce import holder_flatnce
+from pretrain.losses.infonce import infonce
+from pretrain.losses.parameters import LossParameter, class_embeddings_when_learned, scalar_from
+from pretrain.losses.projnce import projnce
+from pretrain.losses.siglip import siglip
+from pretrain.losses.sincere import sincere
+from pretrain.losses.supcon import supcon
+from pretrain.losses.xclr import xclr
+
+Objective = Callable[..., ObjectiveOutput]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """An objective and what it needs."""
+
+    fn: Objective  # (batch: ContrastiveBatch, temperature, **hparams) -> ObjectiveOutput
+    hparams: tuple[str, ...] = ()  # objective.* keys passed to ``fn`` as keywords
+    # learnable loss parameters the model owns and hands to ``fn`` as keywords
+    # (pretrain/losses/parameters.py; as open_clip's model owns logit_bias)
+    parameters: tuple[LossParameter, ...] = ()
+    labels: bool = False  # positives share a class label: the shards must list classes
+    soft_targets: bool = False  # targets from objective.class_graph or data.caption_store
+    text_tower: bool = False  # image-caption pairs: a text tower, captions tokenised
+    softmax: bool = True  # reports a softmax's monitors (ess), which ess_control steers by
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    "infonce": ObjectiveSpec(infonce),
+    "supcon": ObjectiveSpec(supcon, labels=True),
+    "sincere": ObjectiveSpec(sincere, labels=True),
+    "eps_supinfonce": ObjectiveSpec(eps_supinfonce, ("eps",), labels=True),
+    "flatnce": ObjectiveSpec(flatnce),
+    "holder_flatnce": ObjectiveSpec(holder_flatnce, ("gamma",)),
+    "xclr": ObjectiveSpec(xclr, ("target_temperature",), soft_targets=True),
+    "projnce": ObjectiveSpec(
+        projnce, ("projection", "bandwidth", "kernel_metric"),
+        parameters=(LossParameter("class_embeddings", class_embeddings_when_learned),),
+        labels=True),
+    "clip": ObjectiveSpec(clip, text_tower=True),
+    "siglip": ObjectiveSpec(siglip, parameters=(LossParameter("bias", scalar_from("bias")),),
+                            text_tower=True, softmax=False),
+}
+
+
+def objective_spec(name: str) -> ObjectiveSpec:
+    """The entry of objective ``name``; :class:`InvalidValue` for ``objective.name``,
+    naming the choices, if there is none."""
+    return table_entry(OBJECTIVES, name, "name", "objective")

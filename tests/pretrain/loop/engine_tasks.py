@@ -1,0 +1,106 @@
+"""Work for the 2-rank gloo group and for the single-process reference: one training
+forward/backward through the real engines on a fixed, asymmetric batch, in float64."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from data_pipeline.text import load_tokenizer, tokenize
+from pretrain.loop.chunked import chunked_forward_loss
+from pretrain.loop.engine import DeepSpeedEngine, Engine, EngineConfig, build_engine
+from pretrain.loop.optim import OptimConfig, build_optimizer
+from pretrain.loop.step import BatchSpec, forward_loss
+from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config
+from pretrain.model.encoder import ModelConfig, build_model
+from tests.pretrain.losses.conftest import make_multiview_batch
+
+NUM_CLASSES = 6  # the batch's labels lie in [0, 6)
+SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19)
+# every rank gathers 16 rows (one process: its 19): rank 0 pads 10, rank 1 pads 3
+SPEC = BatchSpec(rows_per_rank=16)
+CAPTIONS = ["a photo of the digit zero", "a small dog on grass", "two red apples",
+            "a photo of the digit three", "a boat at sea", "a city at night", "an old car",
+            "the digit seven, handwritten", "a cat asleep", "snow on a mountain", "a violin"]
+MODEL = ModelConfig(backbone="small_cnn", width=8, norm="group", projector_hidden=32,
+                    projector_dim=16, projector_bn_out=False)  # independent of the split
+
+
+def training_batch() -> dict[str, Any]:
+    """19 rows: 8 images x 2 views + 3 single views, labels with gaps, shuffled; float64."""
+    b = make_multiview_batch(seed=3)
+    gen = torch.Generator().manual_seed(11)
+    images = torch.randn(len(b.ids), 3, 16, 16, generator=gen, dtype=torch.float64)
+    return {"images": images, "ids": b.ids, "labels": b.labels,
+            "caption_embeddings": b.captions}
+
+
+def add_tokens(batch: dict[str, Any]) -> None:
+    tokens = tokenize(load_tokenizer("bundled"), [CAPTIONS[i] for i in batch["ids"]], 12)
+    batch.update(tokens)
+
+
+def objective_config(name: str, hparams: dict) -> ObjectiveConfig:
+    return ObjectiveConfig(name=name, temperature=0.2, learnable_temperature=True,
+                           **hparams)
+
+
+def full_gradients(engine: Engine) -> dict[str, Tensor]:
+    """Every parameter's gradient as the engine will apply it (averaged over ranks)."""
+    if isinstance(engine, DeepSpeedEngine):
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+    else:
+        grads = {name: p.grad for name, p in engine.module.named_parameters()}
+    return {name: g.detach().double().clone() for name, g in grads.items() if g is not None}
+
+
+def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
+             rows: slice | None = None, chunk_size: int = 0) -> dict[str, Any]:
+    """Loss and full parameter gradients of one step on ``rows`` of the batch (the
+    rank's own rows under a process group, every row in the reference); with
+    ``chunk_size``, through the cached-gradient chunks."""
+    torch.manual_seed(0)
+    cfg = objective_config(name, hparams)
+    model = build_model(MODEL, cfg, torch.device("cpu"), NUM_CLASSES).double()
+    optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.1), 19)
+    engine = build_engine(model, optimizer, EngineConfig(name=engine_name,
+                                                         deepspeed_config=zero_config),
+                          torch.device("cpu"), micro_batch=19)
+    batch = training_batch()
+    if OBJECTIVES[name].text_tower:
+        add_tokens(batch)
+    if rows is None and dist.is_initialized():
+        rows = slice(0, SPLIT) if dist.get_rank() == 0 else slice(SPLIT, 19)
+    batch = {k: v[rows] for k, v in batch.items()} if rows is not None else batch
+    if chunk_size:
+        out, backward = chunked_forward_loss(engine, batch, objective_from_config(cfg), cfg,
+                                             cfg.temperature, step=5, chunk_size=chunk_size,
+                                             spec=SPEC)
+        backward()
+    else:
+        out = forward_loss(engine, batch, objective_from_config(cfg), cfg, cfg.temperature,
+                           step=5, spec=SPEC)
+        engine.backward(out.loss)
+    return {"loss": out.loss.detach(), "grads": full_gradients(engine)}
+
+
+def run_step_with_local_gradients(*args: Any) -> dict[str, Any]:
+    """:func:`run_step` with a broken gathering boundary: the gather's backward keeps this
+    rank's gradient instead of summing every rank's (a subtle 2-rank bug)."""
+    from core.collectives import _GatherWithGrad
+
+    def local_only(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        start, stop = ctx.rows
+        return grad[start:stop].contiguous(), None, None, None
+
+    original = _GatherWithGrad.backward
+    _GatherWithGrad.backward = staticmethod(local_only)
+    try:
+        return run_step(*args)
+    finally:
+        _GatherWithGrad.backward = original

@@ -1,0 +1,139 @@
+"""Cached-gradient chunks (``train.chunk_size``) give exactly the full-batch loss and
+gradient: one process and 2 gloo ranks under DDP, ZeRO-1 and ZeRO-2, against the unchunked
+step; batch norm and dropout replay their first pass; peak memory falls with the chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.common import peak_memory_bytes
+from pretrain.loop.chunked import chunk_count, chunked_forward_loss, chunks_of
+from pretrain.loop.step import loss_of_outputs, model_inputs
+from pretrain.losses import ObjectiveConfig, objective_from_config
+from pretrain.model.encoder import ModelConfig, ModelOutput, build_model
+from tests.pretrain.loop import engine_tasks
+from tests.pretrain.loop.test_engine import ENGINES, tolerance
+
+CASES = [("infonce", {}), ("xclr", {}), ("clip", {}), ("siglip", {"bias": -2.0}),
+         ("sincere", {}), ("projnce", {"projection": "learned"})]
+IDS = [name + ("-learned" if hparams else "") for name, hparams in CASES]
+
+
+def assert_same_step(got: dict, want: dict, engine: str = "ddp") -> None:
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=0, atol=1e-12)
+    assert set(got["grads"]) == set(want["grads"])
+    for key, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][key], grad, rtol=0,
+                                   atol=tolerance(engine, grad), msg=key)
+
+
+@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
+@pytest.mark.parametrize("chunk_size", [1, 4, 19])
+def test_chunked_equals_unchunked(name, hparams, chunk_size):
+    """Float64, a split-independent encoder (group norm), learnable temperature."""
+    whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
+    chunked = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None),
+                                    chunk_size=chunk_size)
+    assert_same_step(chunked, whole)
+
+
+@pytest.mark.parametrize(("engine", "zero"), ENGINES, ids=["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize(("name", "hparams"), CASES[:4], ids=IDS[:4])
+def test_two_ranks_chunked_equal_one_process(gloo2, engine, zero, name, hparams):
+    """Ranks of 6 and 13 rows in chunks of 4: the engines reduce the accumulated
+    gradient to the single-process full-batch one."""
+    ranks = gloo2.run(engine_tasks.run_step, engine, zero, name, hparams, None, 4)
+    whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
+    torch.testing.assert_close(sum(r["loss"] for r in ranks) / 2, whole["loss"], rtol=0,
+                               atol=1e-12)
+    for rank in ranks:
+        assert_same_step({**rank, "loss": whole["loss"]}, whole, engine)
+
+
+def bn_model(dropout: float = 0.0) -> tuple[torch.nn.Module, ObjectiveConfig]:
+    cfg = ObjectiveConfig(name="infonce", temperature=0.2)
+    model = build_model(ModelConfig(width=8, projector_hidden=32, projector_dim=16), cfg,
+                        torch.device("cpu")).double()
+    if dropout:
+        model.encoder.projector.insert(3, torch.nn.Dropout(dropout))
+    return model, cfg
+
+
+def naive_chunks(model, batch, cfg, chunk_size):
+    """Every chunk forward with gradient, kept in one graph: the reference of what the
+    chunked step's two passes must reproduce."""
+    rows = len(batch["ids"])
+    outs = [model(*model_inputs(batch, part))
+            for part in chunks_of(rows, chunk_count(rows, chunk_size))]
+    whole = ModelOutput(None, torch.cat([o.projections for o in outs]), None, None, {})
+    out = loss_of_outputs(whole, batch, objective_from_config(cfg), cfg, cfg.temperature,
+                          step=0)
+    out.loss.backward()
+    return out.loss
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["batchnorm", "batchnorm+dropout"])
+def test_batch_norm_and_dropout_replay_the_first_pass(dropout):
+    """With batch norm each chunk is its own normalisation batch: the chunked gradient is
+    the gradient of that loss, and the running statistics move once per chunk. Dropout
+    masks replay: without the RNG restore the second pass would differ."""
+    batch = engine_tasks.training_batch()
+    results = []
+    for chunked in (False, True):
+        torch.manual_seed(0)
+        model, cfg = bn_model(dropout)
+        torch.manual_seed(1)
+        if chunked:
+            engine = engine_tasks.build_engine(
+                model, torch.optim.SGD(model.parameters(), lr=0.1),
+                engine_tasks.EngineConfig(), torch.device("cpu"), micro_batch=19)
+            out, backward = chunked_forward_loss(engine, batch, objective_from_config(cfg),
+                                                 cfg, cfg.temperature, 0, chunk_size=5)
+            backward()
+            loss = out.loss
+        else:
+            loss = naive_chunks(model, batch, cfg, 5)
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()},
+                        {k: b.clone() for k, b in model.named_buffers()}))
+    (loss, grads, buffers), (chunk_loss, chunk_grads, chunk_buffers) = results
+    torch.testing.assert_close(chunk_loss, loss, rtol=0, atol=1e-12)
+    for key, grad in grads.items():
+        torch.testing.assert_close(chunk_grads[key], grad, rtol=1e-10, atol=1e-12, msg=key)
+    for key, buffer in buffers.items():  # running statistics: one update per chunk
+        torch.testing.assert_close(chunk_buffers[key], buffer, rtol=1e-12, atol=0, msg=key)
+
+
+def test_peak_memory_falls_with_the_chunk_size():
+    """64 images of 32 px: chunks of 8 hold a fraction of the activations of one chunk of
+    64 (the embeddings and their cached gradient are all that spans the batch)."""
+    cfg = ObjectiveConfig(name="infonce", temperature=0.2)
+    model = build_model(ModelConfig(width=16, projector_hidden=64, projector_dim=16), cfg,
+                        torch.device("cpu"))
+    engine = engine_tasks.build_engine(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                       engine_tasks.EngineConfig(), torch.device("cpu"), 64)
+    gen = torch.Generator().manual_seed(0)
+    batch = {"images": torch.randn(64, 3, 32, 32, generator=gen),
+             "ids": torch.arange(32).repeat(2)}
+
+    def step(chunk_size: int):
+        def run() -> None:
+            out, backward = chunked_forward_loss(engine, batch, objective_from_config(cfg),
+                                                 cfg, 0.2, 0, chunk_size=chunk_size)
+            backward()
+            model.zero_grad(set_to_none=True)
+        return run
+
+    peaks = {size: peak_memory_bytes(step(size), torch.device("cpu")) for size in (64, 8)}
+    assert peaks[8] < 0.4 * peaks[64], peaks
+
+
+def test_a_rank_with_fewer_rows_than_chunks_keeps_zero2_in_step(gloo2):
+    """Chunks of 2: 7 per rank, so the 6-row rank has one empty chunk (it runs a
+    zero-weighted copy of a real one) and both ranks reduce the same gradients in the same
+    order (without the copy, ZeRO-2 pairs up the wrong gradients)."""
+    engine, zero = ENGINES[2]
+    ranks = gloo2.run(engine_tasks.run_step, engine, zero, "infonce", {}, None, 2)
+    whole = engine_tasks.run_step("ddp", "", "infonce", {}, rows=slice(None))
+    for rank in ranks:
+        assert_same_step({**rank, "loss": whole["loss"]}, whole, engine)

@@ -1,0 +1,122 @@
+"""A training step never waits on the host: metrics, the finite check and the skipped
+update stay on the device, and the host reads them once per ``train.log_every`` steps.
+
+A host synchronisation is a read of a tensor's value into Python (``float``, ``bool``,
+``item``): the ``aten._local_scalar_dense`` operator, which a dispatch mode counts."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
+
+from core.runtime import Runtime
+from data_pipeline.config import DataConfig
+from pretrain.loop.device_metrics import MetricWindow, NonFiniteGuard, NonFiniteLoss
+from pretrain.loop.engine import DDPEngine, EngineConfig
+from pretrain.loop.optim import OptimConfig, build_optimizer, step_unless
+from pretrain.loop.trainer import Parts, TrainConfig, Trainer
+from pretrain.losses import EssControlConfig, ObjectiveConfig, objective_from_config
+from pretrain.model.encoder import ModelConfig, build_model
+from pretrain.run.checkpoint import CheckpointConfig, Checkpointer
+
+CPU = torch.device("cpu")
+
+
+class HostReads(TorchDispatchMode):
+    """Counts reads of tensor values into Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def trainer(tmp_path: Path, optimizer: str, objective: ObjectiveConfig,
+            **train: object) -> Trainer:
+    model = build_model(ModelConfig(width=8, projector_hidden=32, projector_dim=16),
+                        objective, CPU)
+    engine = DDPEngine(model, build_optimizer(model, OptimConfig(name=optimizer, lr=0.1), 32),
+                       EngineConfig(gradient_clipping=1.0), CPU)
+    parts = Parts(engine=engine, objective=objective_from_config(objective),
+                  objective_cfg=objective, data_cfg=DataConfig(), text=None,
+                  runtime=Runtime(0, 1, 0, CPU),
+                  checkpointer=Checkpointer(tmp_path, CheckpointConfig(every=0), 0, 1, CPU),
+                  schedule=lambda step: 1.0, total_steps=100)
+    return Trainer(TrainConfig(log_every=4, progress=False, **train), parts, "fp32")
+
+
+BATCH = {"images": torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(0)),
+         "ids": torch.arange(16).repeat(2)}
+
+
+@pytest.mark.parametrize("optimizer", ["lars", "sgd", "adamw"])
+@pytest.mark.parametrize("variant", ["plain", "ess_control", "chunks"])
+def test_a_step_reads_nothing_until_the_report(tmp_path, optimizer, variant):
+    objective = ObjectiveConfig(name="flatnce", temperature=0.2, ess_control=EssControlConfig(
+        enabled=variant == "ess_control", target=0.5))
+    run = trainer(tmp_path, optimizer, objective,
+                  chunk_size=12 if variant == "chunks" else 0)
+    bar = tqdm(disable=True)
+    reads = []
+    for _ in range(4):
+        probe = HostReads()
+        with probe:
+            run.train_step(dict(BATCH), bar)
+        reads.append(probe.count)
+    assert reads[:3] == [0, 0, 0], reads  # the 4th step reports (its reads are tolist's)
+    assert run.last_row["step"] == 4 and run.last_row["loss"] == run.last_row["loss"]
+
+
+@pytest.mark.parametrize("optimizer", ["lars", "sgd", "adamw"])
+def test_a_masked_step_skips_exactly(optimizer):
+    """Skipped steps (including the first) leave weights and optimiser state as they were;
+    the others equal plain steps. Float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)).double()
+    masked = build_optimizer(model, OptimConfig(name=optimizer, lr=0.05), 256)
+    twin = copy.deepcopy(model)
+    plain = build_optimizer(twin, OptimConfig(name=optimizer, lr=0.05), 256)
+    for step, skip in enumerate([True, False, True, False, False]):
+        for net in (model, twin):
+            for p in net.parameters():
+                p.grad = torch.full_like(p, float("nan")) if skip else torch.cos(p + step)
+        step_unless(masked, torch.tensor(skip))
+        if not skip:
+            plain.step()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_the_window_averages_finite_values_per_step():
+    window = MetricWindow()
+    for loss in (1.0, float("nan"), 3.0):
+        window.add({"loss": torch.tensor(loss), "ess": torch.tensor(0.5)})
+    assert window.means_over_ranks() == pytest.approx({"loss": 4.0 / 3, "ess": 0.5})
+    assert window.means_over_ranks() == {}
+
+
+def test_the_guard_counts_on_the_device_and_stops_at_the_check(caplog):
+    guard = NonFiniteGuard(limit=3, device=CPU)
+    probe = HostReads()
+    with probe:
+        for finite in (True, False, False, True, False, False):
+            guard.record(torch.tensor(finite))
+    assert probe.count == 0
+    with caplog.at_level(logging.WARNING):
+        assert guard.check(step=6) == 4
+    assert "non-finite loss in 4 step(s) up to step 6; update skipped (2 in a row, 4 in " \
+           "total)" in caplog.text
+    guard.record(torch.tensor(False))  # 3 in a row, across the check
+    with pytest.raises(NonFiniteLoss, match=r"3 non-finite losses in a row "
+                                            r"\(train.max_nonfinite=3\) by step 7"):
+        guard.check(step=7)

@@ -1,0 +1,100 @@
+"""The defining test of the distributed path, through the real engines: for every
+objective, 2 gloo ranks holding different, uneven rows give the loss and the gradient of
+every parameter (learnable temperature included) of 1 process on the concatenated batch,
+under DDP and DeepSpeed ZeRO-1 and ZeRO-2.
+
+Everything runs in float64, so the comparison does not depend on summation order or
+library versions. DDP keeps the gradients in float64: they must agree to 1e-10. DeepSpeed
+ZeRO stores gradient partitions in float32 whatever the parameters' dtype: each rank's
+float64 gradient is rounded to float32 (relative error 2**-24) and the ranks' float32
+partials are averaged (one more rounding), so the result differs from the float64
+reference by at most a few float32 ulps of the largest partial. A partial can exceed the
+tensor's final gradient where ranks' contributions cancel, so the bound is taken
+relative to the tensor's largest entry with a margin: atol = 1e-6 * max |g| (8 ulps).
+A 2-rank bug is O(|g|): dropping the gather's all-reduce fails every case
+(docs/objectives.md, "Distributed semantics")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import ConfigError, load_config
+from pretrain.loop.engine import EngineConfig, engine_spec
+from pretrain.losses import OBJECTIVES
+from tests.pretrain.loop import engine_tasks
+
+# every entry of the table, with the settings each is checked under
+SETTINGS = {"siglip": [{"bias": -2.0}],
+            "projnce": [{"projection": p} for p in ("centroid", "kernel", "median", "learned")]}
+CASES = [(name, hparams) for name in OBJECTIVES for hparams in SETTINGS.get(name, [{}])]
+ENGINES = [("ddp", ""), ("deepspeed", "launch/deepspeed/zero1.json"),
+           ("deepspeed", "launch/deepspeed/zero2.json")]
+FLOAT32_GRADIENTS = 1e-6  # DeepSpeed: tolerance relative to the tensor's largest gradient
+
+
+def tolerance(engine: str, reference: torch.Tensor) -> float:
+    if engine == "ddp":
+        return 1e-10
+    return FLOAT32_GRADIENTS * float(reference.abs().max())
+
+
+@pytest.mark.parametrize(("engine", "zero"), ENGINES, ids=["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize(("name", "hparams"), CASES,
+                         ids=[f"{n}-{h.get('projection', '')}".rstrip("-") for n, h in CASES])
+def test_two_ranks_equal_one_process(gloo2, engine, zero, name, hparams):
+    ranks = gloo2.run(engine_tasks.run_step, engine, zero, name, hparams)
+    whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
+    loss = sum(r["loss"] for r in ranks) / len(ranks)
+    torch.testing.assert_close(loss, whole["loss"], rtol=0, atol=1e-12)
+    assert set(whole["grads"]) >= {"log_temperature"}
+    if hparams.get("projection") == "learned":  # the class embeddings train with the model
+        assert whole["grads"]["loss_parameters.class_embeddings"].abs().max() > 0
+    for rank in ranks:  # the engine leaves every rank with the averaged gradient
+        assert set(rank["grads"]) == set(whole["grads"])
+        for key, grad in whole["grads"].items():
+            torch.testing.assert_close(rank["grads"][key], grad, rtol=0,
+                                       atol=tolerance(engine, grad), msg=key)
+
+
+@pytest.mark.parametrize(("engine", "zero"), [ENGINES[0], ENGINES[2]], ids=["ddp", "zero2"])
+def test_the_comparison_fails_a_gather_without_the_gradient_sum(gloo2, engine, zero):
+    """The mutation check: every case above fails when the gather's backward skips the
+    all-reduce, so the tolerances cannot hide a 2-rank bug. ProjNCE's learned projection
+    is the exception that proves the rule: each row's loss depends on its own embedding and
+    the shared class embeddings only (the other rows enter its no-gradient monitors), so
+    no gradient crosses the gather and the broken gather must change nothing."""
+    for name, hparams in CASES:
+        ranks = gloo2.run(engine_tasks.run_step_with_local_gradients, engine, zero, name,
+                          hparams)
+        whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
+        worst = max(float((ranks[0]["grads"][key] - grad).abs().max()) /
+                    tolerance(engine, grad) for key, grad in whole["grads"].items()
+                    if key != "log_temperature")
+        if hparams.get("projection") == "learned":
+            assert worst <= 1, f"{name} {hparams}: gradient crossed the gather ({worst:.1f}x)"
+            continue
+        assert worst > 100, f"{name} {hparams}: the broken gather passes ({worst:.1f}x tol)"
+
+
+def test_deepspeed_config_must_set_gradient_clipping(tmp_path):
+    bad = tmp_path / "zero.json"
+    bad.write_text('{"zero_optimization": {"stage": 2}}')
+    with pytest.raises(ConfigError, match="gradient_clipping"):
+        load_config(EngineConfig, overrides=["name=deepspeed", f"deepspeed_config={bad}"])
+    bad.write_text('{"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}')
+    with pytest.raises(ConfigError, match="stage must be 1 or 2"):
+        load_config(EngineConfig, overrides=["name=deepspeed", f"deepspeed_config={bad}"])
+
+
+def test_an_unknown_engine_is_refused_naming_the_table():
+    with pytest.raises(ConfigError, match="unknown engine 'fsdp'; choose one of ddp or deepspeed"):
+        load_config(EngineConfig, overrides=["name=fsdp"])
+
+
+def test_the_run_reads_what_an_engine_needs_from_its_entry():
+    """DeepSpeed builds on a process group even on one rank and optimises flat partitions
+    (the run warns for LARS); DDP needs neither."""
+    ddp, zero = engine_spec("ddp"), engine_spec("deepspeed")
+    assert (ddp.process_group, ddp.flat_partitions) == (False, False)
+    assert (zero.process_group, zero.flat_partitions) == (True, True)

@@ -1,0 +1,144 @@
+"""No training step reads a value back from the device, for any objective, at any world
+size: a step's forward and backward (model, gathering boundary with an uneven split,
+objective, finite flag, metric window) on fake CUDA tensors in a 2-rank CUDA-only process
+group, with every value-dependent shape refused (``tests/cuda_dry_run.py``). On a GPU
+each such read would stall the host until the device caught up, then idle the device
+while the host prepared the next step; here each raises.
+
+Variants: dense, tiled, with a negatives subset, both, and encoded in chunks (cached
+gradients); X-CLR from the class graph and from captions; ProjNCE with each projection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
+
+import pretrain.loop.chunked as chunked
+from core.runtime import autocast
+from pretrain.loop.device_metrics import MetricWindow, agreed_flags
+from pretrain.loop.step import BatchSpec, forward_loss
+from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config
+from pretrain.model.encoder import ModelConfig, build_model
+from tests.cuda_dry_run import cuda_world, fake_cuda
+
+CUDA = torch.device("cuda")
+IMAGES = 3  # this rank's images (two views each): 6 rows, padded to ROWS_PER_RANK
+ROWS_PER_RANK = 8
+CLASSES = 3
+VARIANTS = {"dense": {}, "tiled": {"tile_size": 4}, "negatives": {"num_negatives": 3},
+            "tiled-negatives": {"tile_size": 4, "num_negatives": 3}, "chunked": {}}
+OBJECTIVE_CASES = [(name, {}) for name in OBJECTIVES if name not in ("xclr", "projnce")] + [
+    ("xclr", {"graph": True}), ("xclr", {})] + [
+    ("projnce", {"projection": projection})
+    for projection in ("centroid", "kernel", "median", "learned")]
+
+
+def case_id(case: tuple[str, dict]) -> str:
+    name, extra = case
+    return "-".join([name, *(("class-graph",) if extra.get("graph") else ()),
+                     *(str(v) for k, v in extra.items() if k != "graph")])
+
+
+def device_batch(name: str, captions: bool, device: torch.device) -> dict[str, torch.Tensor]:
+    rows = 2 * IMAGES
+    batch = {"images": torch.randn(rows, 3, 16, 16, device=device),
+             "ids": torch.arange(IMAGES, device=device).repeat(2),
+             "labels": torch.arange(rows, device=device) % CLASSES}
+    if captions:
+        batch["caption_embeddings"] = torch.randn(IMAGES, 12, device=device).repeat(2, 1)
+    if OBJECTIVES[name].text_tower:
+        batch["input_ids"] = torch.randint(0, 100, (IMAGES, 6), device=device).repeat(2, 1)
+        batch["attention_mask"] = torch.ones(rows, 6, dtype=torch.long, device=device)
+    return batch
+
+
+def no_cuda_rng(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked step saves and restores the CUDA generator (a driver call): a stand-in."""
+    monkeypatch.setattr(chunked, "rng_state", lambda device: (torch.get_rng_state(), None))
+    monkeypatch.setattr(chunked, "set_rng_state", lambda state, device: None)
+
+
+class PlainEngine(torch.nn.Module):
+    """The engine calls the chunked step makes, without DDP (it cannot wrap fake
+    parameters): the model's forward, its backward, no gradient accumulation guard."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+    def forward(self, *inputs):
+        return self.module(*inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def accumulating(self, last: bool):
+        return contextlib.nullcontext()
+
+
+def train_step(name: str, extra: dict, variant: str, monkeypatch: pytest.MonkeyPatch,
+               device: torch.device) -> list[str]:
+    """One step of ``name`` on rank 0 of 2 on fake ``device`` tensors: forward, finite flag
+    and metric window; on the CPU the backward too (the autograd engine wants a CUDA driver
+    for CUDA tensors, fake or not). Returns the collectives that ran."""
+    cfg = ObjectiveConfig(name=name, learnable_temperature=OBJECTIVES[name].text_tower,
+                          **VARIANTS[variant], **{k: v for k, v in extra.items() if k != "graph"})
+    model_cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16,
+                            sync_batchnorm=False)
+    model = build_model(model_cfg, cfg, torch.device("cpu"), num_classes=CLASSES).train()
+    no_cuda_rng(monkeypatch)
+    with cuda_world(world=2, rank=0, backend=f"{device.type}:fake"), \
+            fake_cuda(value_dependent_shapes=False, device_type=device.type) as ran:
+        model = model.to(device, copy=True)
+        if device.type == "cuda":  # autocast turns itself off without a driver; it asks these
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+            monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+        graph = torch.rand(CLASSES, CLASSES, device=device) if extra.get("graph") else None
+        spec = BatchSpec(graph, CLASSES, ROWS_PER_RANK)
+        batch = device_batch(name, captions=graph is None, device=device)
+        objective = objective_from_config(cfg)
+        with autocast("bf16", device):
+            if variant == "chunked":
+                engine = PlainEngine(model)
+                out, backward = chunked.chunked_forward_loss(
+                    engine, batch, objective, cfg, 0.1, 3, chunk_size=4, spec=spec)
+            else:
+                out = forward_loss(model, batch, objective, cfg, 0.1, 3, spec)
+                backward = out.loss.backward
+        flags = agreed_flags(out.loss)
+        if device.type == "cpu":
+            backward()
+        window = MetricWindow()
+        window.add(out.metrics, flags.real)
+        assert out.loss.device.type == device.type
+    return ran.ran
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=case_id)
+def test_a_training_step_reads_no_value_back_from_the_device(case, variant, device,
+                                                             monkeypatch):
+    name, extra = case
+    ran = train_step(name, extra, variant, monkeypatch, torch.device(device))
+    assert "c10d.allgather_.default" in ran  # the global batch went through the group
+
+
+def test_a_read_of_a_value_fails_the_check():
+    """The check works: a count read back (``int``), a value-dependent shape (``unique``)
+    and a comparison answered on the host (``torch.equal``) each raise."""
+    with cuda_world(), fake_cuda(value_dependent_shapes=False):
+        labels = torch.arange(6, device=CUDA) % 3
+        with pytest.raises(DataDependentOutputException):
+            int(labels.max())
+        with pytest.raises(DynamicOutputShapeException):
+            torch.unique(labels)
+        with pytest.raises(DataDependentOutputException):
+            torch.equal(labels, labels)

@@ -1,0 +1,55 @@
+"""CLIP's text tower: each row's result equals encoding it on its own (float64), gradients
+included; and a training step hands the tower each caption once when the loader says the
+views share their captions (``text_repeated``), with the same result per view."""
+
+from __future__ import annotations
+
+import torch
+
+from data_pipeline.text import load_tokenizer, tokenize
+from pretrain.loop.step import model_inputs
+from pretrain.model.encoder import ContrastiveModel, ModelConfig
+from pretrain.model.text_tower import TextTower, TextTowerConfig
+
+CAPTIONS = ["a small red seven on blue", "number 3, large and green", "a photo of a dog"]
+ROWS = [0, 1, 2, 1, 0, 2, 0]  # any order, repeats included
+
+
+def test_every_row_equals_its_own_encoding():
+    torch.manual_seed(0)
+    tower = TextTower(TextTowerConfig(trainable=True), 16).double()
+    tokens = tokenize(load_tokenizer("bundled"), [CAPTIONS[i] for i in ROWS], 16)
+    out = tower(tokens["input_ids"], tokens["attention_mask"])
+    assert out.shape == (len(ROWS), 16)
+
+    def alone(row: int) -> torch.Tensor:  # the reference: one row, pooled by hand
+        ids, mask = tokens["input_ids"][row:row + 1], tokens["attention_mask"][row:row + 1]
+        hidden = tower.transformer(input_ids=ids, attention_mask=mask).last_hidden_state[0]
+        keep = mask[0].bool()
+        return tower.projection(hidden[keep].mean(0))
+
+    reference = torch.stack([alone(r) for r in range(len(ROWS))])
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-12)
+    weights = torch.randn(len(ROWS), 16, dtype=torch.float64)
+    params = [tower.projection.weight, tower.transformer.embeddings.word_embeddings.weight]
+    grads = torch.autograd.grad((out * weights).sum(), params)
+    expected = torch.autograd.grad((reference * weights).sum(), params)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_step_encodes_each_caption_once_when_the_views_share_them():
+    torch.manual_seed(0)
+    model = ContrastiveModel(ModelConfig(width=8, projector_hidden=16, projector_dim=16),
+                             with_text=True).double()
+    tokens = tokenize(load_tokenizer("bundled"), CAPTIONS * 2, 16)  # 2 views of 3 images
+    batch = {"images": torch.randn(6, 3, 16, 16, dtype=torch.float64), **tokens}
+    seen: list[int] = []
+    model.text.transformer.register_forward_hook(
+        lambda module, args, kwargs, out: seen.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True)
+    shared = model(*model_inputs({**batch, "text_repeated": True})).text
+    every_row = model(*model_inputs(batch)).text
+    assert seen == [3, 6]  # once per caption, then once per view
+    torch.testing.assert_close(shared, every_row, rtol=0, atol=1e-12)
+    assert model_inputs({**batch, "text_repeated": True}, slice(0, 4))[3] == 1  # chunks

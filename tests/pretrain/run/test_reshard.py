@@ -1,0 +1,240 @@
+"""Resuming on another number of ranks: a checkpoint of 1 rank continues on 2 and one of 2
+on 1, with replicated (DDP) and sharded (DeepSpeed ZeRO-2) optimizer state, against the
+uninterrupted run; a checkpoint of the other engine kind is refused and kept; a run never
+starts over checkpoints it cannot resume."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+
+from core.errors import RunError
+from pretrain.run.reshard import zero_partition_for
+from tests.app.helpers import run_pretrain, train_overrides
+from tests.pretrain.run.test_checkpoint import final_model
+
+STEPS = {"train.max_steps": 24, "checkpoint.every": 4, "checkpoint.keep": 10,
+         "data.workers": 1}
+ENGINES = {"ddp": {}, "zero2": {"engine.name": "deepspeed",
+                                "engine.deepspeed_config": "launch/deepspeed/zero2.json"}}
+CASES = [(engine, old, new) for engine in ENGINES for old, new in ((1, 2), (2, 1))]
+IDS = [f"{engine}-{old}to{new}" for engine, old, new in CASES]
+
+
+def train(shards: Path, out: Path, engine: str, world: int, **extra: object):
+    """A run of global batch 16 on ``world`` ranks (torchrun: DeepSpeed needs it)."""
+    overrides = train_overrides(shards, out, **{**STEPS, **ENGINES[engine],
+                                                "data.batch_size": 16 // world, **extra})
+    return run_pretrain(overrides, nproc=world, torchrun=True)
+
+
+def zero_layout(groups: list[torch.Tensor], world: int, rank: int) -> dict:
+    """The ZeRO-1/2 state rank ``rank`` of ``world`` saves for flat parameter groups
+    ``groups`` (each also its own "velocity" and a shared "step"), built by slicing the
+    padded groups directly: DeepSpeed pads a group to a multiple of 2 x world and gives
+    every rank an equal slice, storing the slice of the fp32 weights without padding."""
+    state: dict = {"base_optimizer_state": {"state": {}, "param_groups": [{"lr": 0.1}]},
+                   "single_partition_of_fp32_groups": [], "group_paddings": [],
+                   "param_alignment_paddings": [[0] for _ in groups], "clip_grad": 0.0}
+    for i, flat in enumerate(groups):
+        align = 2 * world
+        size = -(-flat.numel() // align) * align // world
+        padded = torch.cat([flat, flat.new_zeros(size * world - flat.numel())])
+        mine = padded[rank * size:(rank + 1) * size]
+        lean = max(0, min(size, flat.numel() - rank * size))
+        state["single_partition_of_fp32_groups"].append(mine[:lean].clone())
+        state["group_paddings"].append(size - lean)
+        state["base_optimizer_state"]["state"][i] = {"velocity": -mine.clone(),
+                                                     "step": torch.tensor(7.0)}
+    return state
+
+
+@pytest.mark.parametrize(("old", "new"), [(1, 2), (2, 1), (3, 2), (2, 5), (4, 3)])
+def test_zero_partitions_are_cut_as_the_new_world_would_have_written_them(old, new):
+    groups = [torch.arange(1.0, 24.0), torch.arange(100.0, 103.0)]  # 23 and 3 values
+    parts = [zero_layout(groups, old, r) for r in range(old)]
+    for rank in range(new):
+        expected = zero_layout(groups, new, rank)
+        live = {**expected, "base_optimizer_state": {"state": {}, "param_groups": []},
+                "single_partition_of_fp32_groups": [torch.zeros_like(t) for t in
+                                                    expected["single_partition_of_fp32_groups"]]}
+        got = zero_partition_for(parts, live, rank, new)
+        for key in ("single_partition_of_fp32_groups", "group_paddings"):
+            assert len(got[key]) == len(expected[key]) == 2
+            for a, b in zip(got[key], expected[key], strict=True):
+                assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), (key, rank)
+        for i in (0, 1):
+            state, want = (got["base_optimizer_state"]["state"][i],
+                           expected["base_optimizer_state"]["state"][i])
+            assert torch.equal(state["velocity"], want["velocity"]), (i, rank)
+            assert torch.equal(state["step"], torch.tensor(7.0))
+        assert got["base_optimizer_state"]["param_groups"] == [{"lr": 0.1}]
+
+
+def test_zero_layouts_that_depend_on_the_world_are_refused():
+    parts = [zero_layout([torch.arange(8.0)], 2, r) for r in range(2)]
+    live = zero_layout([torch.arange(8.0)], 1, 0)
+    with pytest.raises(RunError, match="round_robin_gradients"):
+        zero_partition_for(parts, live, 0, 1, round_robin=True)
+    parts[1]["param_alignment_paddings"] = [[0, 3]]
+    with pytest.raises(RunError, match="parameter_alignment"):
+        zero_partition_for(parts, live, 0, 1)
+    parts[1]["param_alignment_paddings"] = [[0]]
+    small = zero_layout([torch.arange(6.0)], 1, 0)  # another model: 6 values, not 8
+    with pytest.raises(RunError, match="does not fit this model"):
+        zero_partition_for(parts, small, 0, 1)
+
+
+def logged(stderr: str, key: str) -> dict[int, float]:
+    """{step: value} of ``key`` in the training log's metric rows."""
+    return {int(step): float(re.search(rf"\b{key}=(\S+)", row).group(1))
+            for step, row in re.findall(r"INFO: step (\d+) (.*)", stderr)}
+
+
+@pytest.fixture(scope="module")
+def references(digits_shards, tmp_path_factory):
+    """Uninterrupted runs at global batch 16 (1 rank x 16, 2 ranks x 8), made on first use:
+    {(engine, world): (run dir, its log)}."""
+    root, runs = tmp_path_factory.mktemp("reshard"), {}
+
+    def reference(engine: str, world: int) -> tuple[Path, str]:
+        if (engine, world) not in runs:
+            result = train(digits_shards, root / f"{engine}{world}", engine, world)
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[engine, world] = (root / f"{engine}{world}" / "run", result.stderr)
+        return runs[engine, world]
+    return reference
+
+
+@pytest.mark.parametrize(("engine", "old", "new"), CASES, ids=IDS)
+def test_a_checkpoint_resumes_on_another_number_of_ranks(references, digits_shards, tmp_path,
+                                                         engine, old, new):
+    source = references(engine, old)[0] / "checkpoints" / "step_00000012"
+    target = tmp_path / "run" / "checkpoints" / "step_00000012"
+    shutil.copytree(source, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    result = train(digits_shards, tmp_path, engine, new)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"written by {old} ranks, resumed on {new}" in result.stderr
+    assert "at step 12" in result.stderr
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before  # never rewritten
+    final = final_model(tmp_path / "run")
+    assert final["step"] == 24 and final["world"] == new
+    uninterrupted = references(engine, old)[1]  # the run that was preempted, had it gone on
+    # the schedule continues exactly: the same learning rate at every logged step
+    assert logged(result.stderr, "lr") == {s: v for s, v in logged(uninterrupted, "lr").items()
+                                           if s > 12}
+    # the loss trajectory, in distribution: after the resume the ranks train on exactly the
+    # samples the old run left in the epoch (tests/data_pipeline/test_plan.py), in other
+    # batches. The loss depends on the per-rank batch (BatchNorm statistics per rank: 2 x 8
+    # logs ~0.5 more than 1 x 16 here from step 12 on), so the resumed run is compared with
+    # the uninterrupted run on the new number of ranks: the mean of the 6 logged rows after
+    # step 12 must agree within 3 standard errors of the difference, from the rows' spread.
+    resumed, reference = logged(result.stderr, "loss"), logged(references(engine, new)[1],
+                                                                "loss")
+    after = [s for s in reference if s > 12]
+    a, b = torch.tensor([resumed[s] for s in after]), torch.tensor([reference[s] for s in after])
+    tolerance = 3 * float((a.var() / len(a) + b.var() / len(b)).sqrt())
+    assert abs(float(a.mean() - b.mean())) < tolerance, (a, b)
+
+
+def parameter_names(model: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The trained tensors of a model state, in LARS's two parameter groups (weights with
+    decay, then biases and norms), each in the model's order."""
+    names = [k for k in model if "running_" not in k and "num_batches" not in k]
+    return [[k for k in names if model[k].ndim >= 2], [k for k in names if model[k].ndim < 2]]
+
+
+def velocities(checkpoint: Path, engine: str) -> dict[str, torch.Tensor]:
+    """Each parameter's LARS velocity in a checkpoint. DDP saves them per parameter; ZeRO
+    saves, per rank and group, the rank's slice of the group's parameters flattened in
+    order (the partition, padded at the end of the last rank), so the group is the ranks'
+    slices joined without their padding."""
+    shared = torch.load(checkpoint / "shared.pt", weights_only=True)
+    groups = parameter_names(shared["model"])
+    if engine == "ddp":
+        state = shared["optimizer"]["state"]
+        return {name: state[i]["velocity"] for i, name in enumerate(sum(groups, []))}
+    parts = [torch.load(checkpoint / f"rank_{r:03d}.pt", weights_only=True)["optimizer"]
+             for r in range(shared["world"])]
+    out = {}
+    for i, names in enumerate(groups):
+        flat = torch.cat([p["base_optimizer_state"]["state"][i]["velocity"][
+            :p["single_partition_of_fp32_groups"][i].numel()] for p in parts])
+        sizes = [shared["model"][name].numel() for name in names]
+        assert flat.numel() == sum(sizes)
+        for name, piece in zip(names, flat.split(sizes), strict=True):
+            out[name] = piece.view_as(shared["model"][name])
+    return out
+
+
+@pytest.mark.parametrize(("engine", "old", "new"), CASES, ids=IDS)
+def test_the_resumed_ranks_hold_the_checkpoint_weights(references, digits_shards, tmp_path,
+                                                       engine, old, new):
+    """The model and optimizer state carry over exactly. At a learning rate of 1e-30 new
+    gradients move nothing (far below float32 resolution), so 12 resumed LARS steps only
+    play out the checkpoint's momentum: v <- 0.9 v, w <- w - v. The final weights must
+    equal that replay of the checkpoint's weights and velocities, done here in float32
+    (to 1e-9 absolute: the 1e-30-scaled gradient terms are all that is left out)."""
+    source = references(engine, old)[0] / "checkpoints" / "step_00000012"
+    shutil.copytree(source, tmp_path / "run" / "checkpoints" / "step_00000012")
+    result = train(digits_shards, tmp_path, engine, new, **{"optim.lr": 1e-30})
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = torch.load(source / "shared.pt", weights_only=True)["model"]
+    velocity = velocities(source, engine)
+    end = final_model(tmp_path / "run")
+    assert end["step"] == 24 and end["world"] == new
+    assert len(velocity) == len(sum(parameter_names(model), [])) > 10
+    for key, v in velocity.items():
+        weight, v = model[key].clone(), v.clone()
+        for _ in range(12):
+            v.mul_(0.9)
+            weight.sub_(v)
+        assert not torch.equal(weight, model[key]), key  # the momentum did move it
+        torch.testing.assert_close(end["model"][key], weight, rtol=0, atol=1e-9, msg=key)
+
+
+def test_a_checkpoint_of_the_other_engine_kind_is_refused_and_kept(digits_shards, tmp_path):
+    first = train(digits_shards, tmp_path, "ddp", 1, **{"train.max_steps": 4})
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    again = train(digits_shards, tmp_path, "zero2", 1, **{"train.max_steps": 8})
+    assert again.returncode == 1
+    assert "optim.name=lars inside DeepSpeed ZeRO" in again.stderr  # the default optimiser
+    assert (f"pretrain: error: {checkpoint} holds replicated optimizer state (DDP) and this "
+            "run has sharded optimizer state (DeepSpeed ZeRO): resume it with the engine that "
+            "wrote it (the checkpoint is kept)") in again.stderr.splitlines()
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_00000004"]
+
+
+def test_never_starts_over_checkpoints_it_cannot_use(digits_shards, tmp_path):
+    common = {"train.max_steps": 4, "checkpoint.every": 2, "data.workers": 1}
+    assert run_pretrain(train_overrides(digits_shards, tmp_path, **common)).returncode == 0
+    root = tmp_path / "run" / "checkpoints"
+    never = run_pretrain(train_overrides(digits_shards, tmp_path, **{
+        **common, "checkpoint.resume": "never"}))
+    assert never.returncode == 1
+    assert never.stderr.strip().splitlines()[-1] == (
+        f"pretrain: error: {root} holds checkpoints and checkpoint.resume=never would "
+        "overwrite them: choose another name or output_dir")
+    for step in ("step_00000002", "step_00000004"):  # every checkpoint corrupt
+        (root / step / "shared.pt").write_bytes(b"not a checkpoint")
+    corrupt = run_pretrain(train_overrides(digits_shards, tmp_path, **{
+        **common, "train.max_steps": 6, "tracking.enabled": True,
+        "tracking.system_metrics": False}))
+    assert corrupt.returncode == 1
+    assert "no checkpoint of" in corrupt.stderr.strip().splitlines()[-1]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    run = client.get_run((tmp_path / "run" / "mlflow_run_id").read_text())
+    assert run.info.status == "FAILED"  # not left RUNNING
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002_unreadable",
+                                                      "step_00000004_unreadable"]
+    assert all((root / name / "shared.pt").read_bytes() == b"not a checkpoint"
+               for name in ("step_00000002_unreadable", "step_00000004_unreadable"))
