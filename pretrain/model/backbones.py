@@ -170,13 +170,14 @@ class BackboneSpec:
     # the backbone-specific model.* keys it reads; any other keeps its neutral value
     takes: tuple[str, ...] = ()
     layers: bool = False  # declares its layers to optim.layer_decay (timm's group_matcher)
-    exists: Callable[[str], bool] = lambda name: True  # a family's check of the name
+    # a family's check of a member's name: why it is refused, or None
+    name_problem: Callable[[str], str | None] = lambda name: None
 
 
-def timm_has(name: str) -> bool:
+def timm_name_problem(name: str) -> str | None:
     import timm
 
-    return bool(timm.is_model(name))
+    return None if timm.is_model(name) else "timm has no such model (timm.list_models() lists them)"
 
 
 BACKBONES: dict[str, BackboneSpec] = {
@@ -185,7 +186,7 @@ BACKBONES: dict[str, BackboneSpec] = {
     "resnet50": BackboneSpec(resnet, ("small_stem",)),
     # a family: timm:<name> is any timm model, the entry's factory gets <name>
     TIMM_FAMILY: BackboneSpec(timm_backbone, ("patch_size", "timm_kwargs", "vit_stem", "width"),
-                       layers=True, exists=timm_has),
+                              layers=True, name_problem=timm_name_problem),
 }
 NEUTRAL = {"patch_size": 0, "timm_kwargs": {}, "vit_stem": "patch"}  # the keys' "not in use"
 
@@ -201,9 +202,9 @@ def backbone_spec(name: str) -> BackboneSpec:
     the choices, if there is none (or the family has no such model)."""
     key, member = split_name(name)
     spec = table_entry(BACKBONES, key, "backbone", "backbone")
-    if not spec.exists(member):
-        raise InvalidValue("backbone", f"{name}: timm has no such model "
-                                       "(timm.list_models() lists them)")
+    problem = spec.name_problem(member)
+    if problem is not None:
+        raise InvalidValue("backbone", f"{name}: {problem}")
     return spec
 
 
