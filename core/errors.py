@@ -26,20 +26,24 @@ def first_line(err: BaseException | str, limit: int = 200) -> str:
     return lines[0][:limit]
 
 
-def disk_full(err: BaseException) -> bool:
-    """Whether ``err``, or an error it was raised from, says a disk or quota is full: an
-    ``OSError`` with ENOSPC or EDQUOT, or SQLite's "database or disk is full" (which
-    SQLAlchemy and MLflow wrap in their own exception types)."""
+def error_chain(err: BaseException) -> Iterator[BaseException]:
+    """``err``, then the errors it was raised from or while handling (``__cause__``, else
+    ``__context__``), each once."""
     seen: set[int] = set()
     current: BaseException | None = err
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in NO_SPACE_ERRNOS:
-            return True
-        if any(message in str(current) for message in NO_SPACE_MESSAGES):
-            return True
+        yield current
         current = current.__cause__ or current.__context__
-    return False
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err``, or an error it was raised from, says a disk or quota is full: an
+    ``OSError`` with ENOSPC or EDQUOT, or SQLite's "database or disk is full" (which
+    SQLAlchemy and MLflow wrap in their own exception types)."""
+    return any((isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS)
+               or any(message in str(e) for message in NO_SPACE_MESSAGES)
+               for e in error_chain(err))
 
 
 def free_space(path: os.PathLike | str) -> str:

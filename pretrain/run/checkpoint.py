@@ -37,7 +37,7 @@ import torch
 
 from core.collectives import all_ranks_agree, barrier
 from core.config import InvalidValue
-from core.errors import RunError, disk_full, first_line, no_space
+from core.errors import RunError, disk_full, error_chain, first_line, no_space
 from data_pipeline.samples import stable_int
 from pretrain.run.reshard import batches_done, loader_state_for
 
@@ -111,13 +111,8 @@ def _save(obj: Any, path: Path) -> None:
 def interrupt_within(err: BaseException) -> KeyboardInterrupt | None:
     """The Ctrl-C behind ``err``, if any. A SIGINT that lands while torch.save's writer
     calls back into Python ends in a ``RuntimeError`` ("unexpected pos") raised while the
-    ``KeyboardInterrupt`` is handled; it is found in the context chain."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, KeyboardInterrupt):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
+    ``KeyboardInterrupt`` is handled; it is found in the error chain."""
+    return next((e for e in error_chain(err) if isinstance(e, KeyboardInterrupt)), None)
 
 
 class Checkpointer:

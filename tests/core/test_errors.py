@@ -9,7 +9,7 @@ import os
 import pytest
 
 from core.cli import reported_faults
-from core.errors import RunError, disk_full, free_space, full_disk_stops
+from core.errors import RunError, disk_full, error_chain, free_space, full_disk_stops
 
 
 def wrapped(inner: BaseException) -> RuntimeError:
@@ -70,3 +70,10 @@ def test_first_line_is_a_short_cause_even_of_an_empty_message():
     assert first_line(RuntimeError("x" * 500), 160) == "x" * 160
     assert first_line(OSError()) == "OSError"  # str() is empty: splitlines()[0] would raise
     assert first_line("from a message\nmore") == "from a message"
+
+
+def test_the_error_chain_follows_causes_and_contexts_once_each():
+    inner, outer = KeyboardInterrupt(), RuntimeError("unexpected pos")
+    outer.__context__ = inner
+    inner.__context__ = outer  # a cycle ends the walk instead of looping
+    assert list(error_chain(outer)) == [outer, inner]
