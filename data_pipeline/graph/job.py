@@ -128,15 +128,21 @@ def _chunks_of(captions: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def caption_batches(cfg: GraphConfig, num_parts: int) -> Iterator[list[str]]:
+    """The encoder's batches: the sorted distinct captions of all parts in runs of
+    ``batch_size``. They depend on the captions alone, not on ``num_parts``, so every
+    caption is encoded beside the same neighbours however the work is split."""
+    return _chunks_of(distinct_captions(_parts(cfg, num_parts)), cfg.batch_size)
+
+
 def encode_part(cfg: GraphConfig, part: int, num_parts: int) -> int:
-    """Phase 2: embed chunks c % num_parts == part of the sorted distinct captions, streamed
+    """Phase 2: embed chunks c % num_parts == part of :func:`caption_batches`, streamed
     from the parts' sorted files; returns the number of chunks of all parts."""
     infos = collected(cfg, num_parts)
     bar = tqdm(total=sum(i["samples"] for i in infos), unit="caption", unit_scale=True,
                desc=f"graph-precompute encode part {part}/{num_parts} (captions streamed)")
     model, chunks = None, 0
-    for c, batch in enumerate(_chunks_of(distinct_captions(_parts(cfg, num_parts)),
-                                              cfg.batch_size)):
+    for c, batch in enumerate(caption_batches(cfg, num_parts)):
         chunks = c + 1
         bar.update(len(batch))
         if c % num_parts != part or valid(chunk_path(cfg, c)) is not None:
