@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from app.run_config import RunConfig, parse_run
 from core.cli import reported_faults
@@ -179,7 +180,8 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
 def train(config: RunConfig) -> Path:
     """Run (or resume) the configured training; returns the run directory."""
     rt = init_runtime(config.train.device, config.engine.backend,
-                      need_group=engine_spec(config.engine.name).process_group)
+                      need_group=(engine_spec(config.engine.name).process_group
+                                  or config.engine.process_group))
     run_dir = Path(config.output_dir) / config.name
     created = not run_dir.exists()
     lock = lock_run_dir(run_dir, rt)
@@ -195,8 +197,9 @@ def train(config: RunConfig) -> Path:
         if rt.is_main:
             (run_dir / "config.yaml").write_text(parts.config_yaml)
             log.info("resolved config: %s", run_dir / "config.yaml")
-            log.info("%d ranks on %s, %s, %d steps", rt.world, rt.device, precision,
-                     parts.total_steps)
+            log.info("%d ranks on %s, %s, %d steps; backend %s", rt.world, rt.device,
+                     precision, parts.total_steps,
+                     dist.get_backend() if dist.is_initialized() else "none (one process)")
             if config.tracking.enabled:
                 parts.tracker = Tracker(config.tracking, run_dir, config.name)
                 parts.tracker.start(flatten(config))

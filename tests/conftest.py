@@ -14,6 +14,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from core.runtime import free_port
+from pretrain.model.text_tower import TextTowerConfig, random_text_model
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.leftovers import lingering_threads, mark_session, remove_strays
 
@@ -107,3 +108,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_SESSION["status"])
+
+
+@pytest.fixture(scope="session")
+def random_text(tmp_path_factory) -> TextTowerConfig:
+    """``model.text`` for a randomly initialised 1-layer BERT: CLIP's and SigLIP's tower
+    without the bundled sentence model (tests of the step's mechanics, not of its text)."""
+    return TextTowerConfig(model=random_text_model(tmp_path_factory.mktemp("text-model")))
+

@@ -12,6 +12,7 @@ branch on ``torch.equal``) cannot run here: a test supplies those.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +21,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,5 +96,15 @@ def fake_cuda(value_dependent_shapes: bool = True,
     shapes = ShapeEnv(allow_dynamic_output_shape_ops=True) if value_dependent_shapes else None
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shapes), \
             CudaCollectives(device_type) as collectives, mock.patch.object(nn.Module, "to",
-                                                                move_by_replacing):
+                                                                move_by_replacing), \
+            no_gpu_context():
         yield collectives
+
+
+def no_gpu_context() -> contextlib.AbstractContextManager:
+    """Without a GPU, keep fake CUDA tensors from making a real CUDA context: torch 2.11
+    makes one for the first fake CUDA tensor whenever ``torch.cuda.is_available()`` says
+    True, which the tests make it say for autocast (torch 2.15 asks the driver instead)."""
+    if torch.cuda.device_count() > 0:
+        return contextlib.nullcontext()
+    return mock.patch.object(fake_tensor, "init_gpu_context", lambda device: None)

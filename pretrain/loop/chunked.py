@@ -110,6 +110,7 @@ def _surrogate(out: ModelOutput, grads: ModelOutput, rows: slice, last: bool) ->
 def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Callable,
                          cfg: ObjectiveConfig, temperature: float, step: int,
                          chunk_size: int, spec: BatchSpec | None = None,
+                         measure_rank: bool = True,
                          ) -> tuple[ObjectiveOutput, Callable[[], None]]:
     """The objective on the whole batch from chunked no-gradient outputs, and the function
     that back-propagates it through the encoder chunk by chunk (steps 1-3 above). The
@@ -132,7 +133,8 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Calla
         text=_cat([o.text for o in outputs]), temperature=_leaf(outputs[0].temperature),
         loss_parameters={name: _leaf(value)
                          for name, value in outputs[0].loss_parameters.items()})
-    result = loss_of_outputs(leaves, batch, objective, cfg, temperature, step, spec)
+    result = loss_of_outputs(leaves, batch, objective, cfg, temperature, step, spec,
+                             measure_rank)
     autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
 
     def backward() -> None:

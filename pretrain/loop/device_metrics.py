@@ -69,10 +69,13 @@ def finite_on_every_rank(loss: Tensor) -> Tensor:
 
 
 class MetricWindow:
-    """Sums of per-step metric tensors over the steps since the last report."""
+    """Sums of per-step metric tensors over the steps since the last report, each metric
+    averaged over the steps that measured it (the effective rank is measured on the
+    reporting step only)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, Tensor] = {}
+        self.counts: dict[str, Tensor | float] = {}  # steps that measured each metric
         self.steps: Tensor | int = 0  # the steps counted (a device tensor once one is added)
 
     def add(self, metrics: dict[str, Tensor], counted: Tensor | None = None) -> None:
@@ -86,6 +89,7 @@ class MetricWindow:
             if weight is not None:
                 value = value * weight
             self.sums[key] = self.sums[key] + value if key in self.sums else value
+            self.counts[key] = self.counts.get(key, 0.0) + (1.0 if weight is None else weight)
         self.steps = self.steps + (1 if weight is None else weight)
 
     def means_over_ranks(self) -> dict[str, float]:
@@ -95,12 +99,14 @@ class MetricWindow:
         if not self.sums or not steps:  # nothing measured (every step a placeholder)
             self.sums, self.steps = {}, 0
             return {}
-        packed = torch.stack(list(self.sums.values())) / steps
+        counts = torch.stack([torch.as_tensor(self.counts[k], dtype=torch.float32,
+                                              device=v.device) for k, v in self.sums.items()])
+        packed = torch.stack(list(self.sums.values())) / counts.clamp(min=1)
         if active():
             dist.all_reduce(packed)
             packed /= dist.get_world_size()
         means = dict(zip(self.sums, packed.tolist(), strict=True))
-        self.sums, self.steps = {}, 0
+        self.sums, self.counts, self.steps = {}, {}, 0
         return means
 
 

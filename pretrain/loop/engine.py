@@ -41,6 +41,7 @@ class EngineConfig:
     deepspeed_config: str = "launch/deepspeed/zero1.json"  # deepspeed: its JSON config
     gradient_clipping: float = 0.0  # ddp: max global gradient norm, 0 = off
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on GPU, gloo on CPU
+    process_group: bool = False  # ddp: a group and the DDP wrapper for one process too
 
     def validate(self) -> None:
         if self.gradient_clipping < 0:
@@ -108,7 +109,7 @@ class DDPEngine(Engine):
                  cfg: EngineConfig, device: torch.device) -> None:
         super().__init__(model, optimizer)
         self.clip = cfg.gradient_clipping
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and (dist.get_world_size() > 1 or cfg.process_group):
             ids = [device.index] if device.type == "cuda" else None
             self.wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids)
 

@@ -41,9 +41,11 @@ def step_seed(objective: ObjectiveConfig, step: int) -> int:
 
 def forward_loss(model: Callable[..., Any], batch: dict[str, Any], objective: Callable,
                  cfg: ObjectiveConfig, temperature: float, step: int,
-                 spec: BatchSpec | None = None) -> ObjectiveOutput:
+                 spec: BatchSpec | None = None, measure_rank: bool = True) -> ObjectiveOutput:
     """Objective output of this rank's anchors against the global batch, with the
-    effective rank of this rank's embeddings among the metrics (collapse detection).
+    effective rank of this rank's embeddings among the metrics (collapse detection) when
+    ``measure_rank``: its singular values make the host wait for a GPU, so the trainer
+    asks for it on the steps that report, not on every step.
 
     ``batch`` holds this rank's tensors on the model's device: ``images`` [2B, 3, R, R],
     ``ids`` [2B], optional ``labels`` [2B], ``caption_embeddings`` [2B, E],
@@ -52,7 +54,7 @@ def forward_loss(model: Callable[..., Any], batch: dict[str, Any], objective: Ca
     model learns its own.
     """
     return loss_of_outputs(model(*model_inputs(batch)), batch, objective, cfg, temperature,
-                           step, spec)
+                           step, spec, measure_rank)
 
 
 def model_inputs(batch: dict[str, Any], rows: slice = slice(None)) -> tuple:
@@ -72,7 +74,8 @@ def model_inputs(batch: dict[str, Any], rows: slice = slice(None)) -> tuple:
 
 def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Callable,
                     cfg: ObjectiveConfig, temperature: float, step: int,
-                    spec: BatchSpec | None = None) -> ObjectiveOutput:
+                    spec: BatchSpec | None = None, measure_rank: bool = True,
+                    ) -> ObjectiveOutput:
     """The objective on this rank's model outputs (``out.projections`` [2B, P], the
     ``text`` [2B, P] of clip and siglip, a learnable ``temperature`` [] and the learnable
     ``loss_parameters``, each []) against the global batch."""
@@ -85,7 +88,8 @@ def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Callable
     global_batch = build_global_batch(rows, options)
     tau = temperature if out.temperature is None else out.temperature
     result = objective(global_batch, tau, **out.loss_parameters)
-    result.metrics["effective_rank"] = effective_rank(out.projections.detach())
+    if measure_rank:
+        result.metrics["effective_rank"] = effective_rank(out.projections.detach())
     if out.features is not None:
         result.metrics.update(backbone_measures(out.features, batch["ids"]))
     return result

@@ -210,7 +210,7 @@ class Trainer:
         self.window.add(out.metrics, flags.real)
         self.views += 0 if placeholder else len(batch["images"])
         bar.update(1)
-        if self.step % self.cfg.log_every == 0 or self.step == p.total_steps:
+        if self.reports_after(self.step):
             self._report(bar, lr)
         if p.monitor is not None and self.step % self.cfg.knn_every == 0:
             self._monitor()
@@ -218,20 +218,25 @@ class Trainer:
             self.save()
         self._stop_if_preempted()
 
+    def reports_after(self, step: int) -> bool:
+        """Whether the metric row is reported once ``step`` steps are done."""
+        return step % self.cfg.log_every == 0 or step == self.p.total_steps
+
     def _forward_and_update(self, batch: dict[str, Any], placeholder: bool,
                             ) -> tuple[Any, StepFlags]:
         """The step's forward, then its update unless a non-finite loss or a placeholder
         batch on any rank skips it on every rank."""
         p = self.p
         tau = self.controller.temperature if self.controller else p.objective_cfg.temperature
+        reports = self.reports_after(self.step + 1)  # the effective rank: on these steps
         with autocast(self.precision, p.runtime.device):
             if self.cfg.chunk_size:
                 out, backward = chunked_forward_loss(
                     p.engine, batch, p.objective, p.objective_cfg, tau, self.step,
-                    self.cfg.chunk_size, p.batch_spec)
+                    self.cfg.chunk_size, p.batch_spec, measure_rank=reports)
             else:
                 out = forward_loss(p.engine, batch, p.objective, p.objective_cfg, tau,
-                                   self.step, p.batch_spec)
+                                   self.step, p.batch_spec, measure_rank=reports)
                 backward = functools.partial(p.engine.backward, out.loss)
         flags = agreed_flags(out.loss, placeholder)
         self.guard.record(flags.finite | ~flags.real)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -44,13 +45,47 @@ class TextTower(nn.Module):
         once: ``pretrain.loop.step.model_inputs``)."""
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
             hidden = self.transformer(input_ids=input_ids,
-                                      attention_mask=attention_mask).last_hidden_state
+                                      attention_mask=additive_mask(attention_mask,
+                                                                   self.dtype)
+                                      ).last_hidden_state
             weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
         return self.projection(pooled)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.projection.weight.dtype
 
     def train(self, mode: bool = True) -> TextTower:
         super().train(mode)
         if not self.trainable:  # a frozen transformer stays in eval mode (no dropout)
             self.transformer.eval()
         return self
+
+
+def additive_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The [B, L] padding mask as the [B, 1, 1, L] additive mask attention adds to its
+    scores in ``dtype`` (0 where a token is seen, the dtype's minimum where it is padding),
+    which transformers takes as it is. Handed the [B, L] mask, transformers first asks whether
+    any token is padding (``padding_mask.all()``), a value read that makes the host wait
+    for a GPU on every step; with fake tensors it skips that question, so only a real
+    GPU shows it (``bench/gpu``, part ``sync``)."""
+    seen = attention_mask[:, None, None, :].to(dtype)
+    return (1.0 - seen) * torch.finfo(dtype).min
+
+
+def random_text_model(directory: Path) -> str:
+    """A randomly initialised 1-layer BERT (vocabulary of 128 ids, width 32) saved as a
+    local model directory for ``model.text.model``: the tower's code path and shapes
+    without the bundled weights (83 MB), for tests and for the GPU kit's dry runs on
+    nodes that lack them. Made once per directory; returns its path."""
+    from transformers import BertConfig, BertModel
+
+    if not (directory / "config.json").is_file():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            BertModel(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=64)
+                      ).save_pretrained(directory)
+    return str(directory)
+

@@ -43,13 +43,13 @@ def device_batch(name: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("tile_size,num_negatives", [(None, None), (4, None), (None, 3), (4, 3)])
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_a_training_forward_on_a_cuda_group_keeps_every_tensor_on_the_device(
-        name, tile_size, num_negatives, monkeypatch):
+        name, tile_size, num_negatives, monkeypatch, random_text):
     cfg = ObjectiveConfig(name=name, tile_size=tile_size, num_negatives=num_negatives,
                           learnable_temperature=OBJECTIVES[name].text_tower)
     # built with real weights (CLIP's text tower loads its checkpoint), then moved;
     # build_model's own CUDA steps but SyncBatchNorm (no fake kernel) run below
     model_cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16,
-                            sync_batchnorm=False)
+                            sync_batchnorm=False, text=random_text)
     model = build_model(model_cfg, cfg, torch.device("cpu")).train()
     with cuda_world(world=2, rank=0), fake_cuda() as ran:
         model = model.to(CUDA)

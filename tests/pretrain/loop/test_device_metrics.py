@@ -28,15 +28,21 @@ from pretrain.run.checkpoint import CheckpointConfig, Checkpointer
 CPU = torch.device("cpu")
 
 
+# decompositions whose CUDA kernels read their status back to the host to check it (seen
+# on an H100: bench/gpu, part sync); on a CPU they read nothing a dispatch mode can see
+CHECKED_ON_THE_HOST = {torch.ops.aten._linalg_svd.default, torch.ops.aten._linalg_eigh.default}
+
+
 class HostReads(TorchDispatchMode):
-    """Counts reads of tensor values into Python."""
+    """Counts reads of tensor values into Python, and the decompositions a GPU would check
+    on the host."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default or func in CHECKED_ON_THE_HOST:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -103,6 +109,28 @@ def test_the_window_averages_finite_values_per_step():
         window.add({"loss": torch.tensor(loss), "ess": torch.tensor(0.5)})
     assert window.means_over_ranks() == pytest.approx({"loss": 4.0 / 3, "ess": 0.5})
     assert window.means_over_ranks() == {}
+
+
+def test_a_metric_measured_on_some_steps_is_their_mean():
+    window = MetricWindow()
+    window.add({"loss": torch.tensor(1.0)})
+    window.add({"loss": torch.tensor(2.0)}, counted=torch.tensor(False))  # a placeholder
+    window.add({"loss": torch.tensor(3.0), "effective_rank": torch.tensor(7.0)})
+    assert window.means_over_ranks() == pytest.approx({"loss": 2.0, "effective_rank": 7.0})
+
+
+def test_the_effective_rank_is_measured_on_the_reporting_steps_only(tmp_path, monkeypatch):
+    import pretrain.loop.step as step
+
+    measured = []
+    monkeypatch.setattr(step, "effective_rank",
+                        lambda z: measured.append(len(z)) or torch.tensor(3.0))
+    run = trainer(tmp_path, "sgd", ObjectiveConfig(name="infonce"))
+    bar = tqdm(disable=True)
+    for _ in range(8):
+        run.train_step(dict(BATCH), bar)
+    assert measured == [32, 32]  # steps 4 and 8 report (log_every=4)
+    assert run.last_row["effective_rank"] == 3.0
 
 
 def test_the_guard_counts_on_the_device_and_stops_at_the_check(caplog):

@@ -26,6 +26,7 @@ from pretrain.loop.device_metrics import MetricWindow, agreed_flags
 from pretrain.loop.step import BatchSpec, forward_loss
 from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config
 from pretrain.model.encoder import ModelConfig, build_model
+from pretrain.model.text_tower import TextTowerConfig
 from tests.cuda_dry_run import cuda_world, fake_cuda
 
 CUDA = torch.device("cuda")
@@ -84,14 +85,14 @@ class PlainEngine(torch.nn.Module):
 
 
 def train_step(name: str, extra: dict, variant: str, monkeypatch: pytest.MonkeyPatch,
-               device: torch.device) -> list[str]:
+               device: torch.device, random_text: TextTowerConfig) -> list[str]:
     """One step of ``name`` on rank 0 of 2 on fake ``device`` tensors: forward, finite flag
     and metric window; on the CPU the backward too (the autograd engine wants a CUDA driver
     for CUDA tensors, fake or not). Returns the collectives that ran."""
     cfg = ObjectiveConfig(name=name, learnable_temperature=OBJECTIVES[name].text_tower,
                           **VARIANTS[variant], **{k: v for k, v in extra.items() if k != "graph"})
     model_cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16,
-                            sync_batchnorm=False)
+                            sync_batchnorm=False, text=random_text)
     model = build_model(model_cfg, cfg, torch.device("cpu"), num_classes=CLASSES).train()
     no_cuda_rng(monkeypatch)
     with cuda_world(world=2, rank=0, backend=f"{device.type}:fake"), \
@@ -125,9 +126,9 @@ def train_step(name: str, extra: dict, variant: str, monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=case_id)
 def test_a_training_step_reads_no_value_back_from_the_device(case, variant, device,
-                                                             monkeypatch):
+                                                             monkeypatch, random_text):
     name, extra = case
-    ran = train_step(name, extra, variant, monkeypatch, torch.device(device))
+    ran = train_step(name, extra, variant, monkeypatch, torch.device(device), random_text)
     assert "c10d.allgather_.default" in ran  # the global batch went through the group
 
 

@@ -1,0 +1,116 @@
+"""Run the GPU kit's parts one after another and write their figures.
+
+    python -m bench.gpu OUT_DIR [--dry-run] [--parts tests,sync,...] [--budget SECONDS]
+
+Each part runs in a process of its own with its share of ``--budget`` (time a part leaves
+unused passes to the next); a part that fails or runs out of time is recorded as such and
+the others go on. Writes ``OUT_DIR/gpu.json`` (the machine, every part's rows, status and
+log tail), ``OUT_DIR/gpu.md`` (a table per part, also printed) and ``OUT_DIR/logs/``.
+Exits 1 if any part failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.gpu.part import PARTS
+
+MARGIN = 0.85  # of its time limit, a part plans its own work to end within
+
+
+def machine() -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    return {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name() if cuda else None,
+            "gpu_memory_gib": (torch.cuda.get_device_properties(0).total_memory / 2**30
+                               if cuda else None),
+            "cpu_cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
+
+
+def run_part(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, Any]:
+    log = out / "logs" / f"{name}.log"
+    command = [sys.executable, "-m", "bench.gpu.part", name, str(out / "parts"),
+               "--seconds", f"{seconds * MARGIN:.0f}", *(["--dry-run"] if dry_run else [])]
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        try:
+            code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT,
+                                  timeout=seconds).returncode
+            status = "ok" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            status = f"out of time ({seconds:.0f} s)"
+    result_file = out / "parts" / f"{name}.json"
+    result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    if status == "ok" and not result.get("ok", False):
+        status = "failed (its check)"
+    return {"status": status, "seconds": time.perf_counter() - start, **result,
+            "log_tail": log.read_text()[-4000:]}
+
+
+def table(title: str, status: str, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    lines = [f"### {title}: {status}", ""]
+    if rows:
+        lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return "" if value is None else str(value).replace("|", "/")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (the suite)")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, in order")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds for all parts")
+    args = parser.parse_args()
+    names = args.parts.split(",")
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(unknown)} (choose from {', '.join(PARTS)})")
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("torch sees no CUDA device: run on a GPU node, or pass --dry-run")
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    (args.out / "parts").mkdir(exist_ok=True)
+    report = {"machine": machine(), "dry_run": args.dry_run, "budget_s": args.budget,
+              "parts": {}}
+    shares = sum(PARTS[n].share for n in names)
+    spare = 0.0
+    for name in names:
+        allowed = args.budget * PARTS[name].share / shares + spare
+        print(f"gpu kit: {name} (up to {allowed:.0f} s)", flush=True)
+        result = run_part(name, args.out, allowed, args.dry_run)
+        spare = max(0.0, allowed - result["seconds"])
+        report["parts"][name] = result
+        print(f"gpu kit: {name} {result['status']} in {result['seconds']:.0f} s: "
+              f"{result.get('summary', '')}", flush=True)
+    (args.out / "gpu.json").write_text(json.dumps(report, indent=2))
+    m = report["machine"]
+    header = (f"# GPU kit, {m['date']}: {m['gpu'] or 'CPU dry run'}, torch {m['torch']} "
+              f"(CUDA {m['cuda']}), Python {m['python']}, {m['cpu_cores']} CPU cores\n\n")
+    tables = [table(PARTS[n].title, f"{r['status']}, {r['seconds']:.0f} s; "
+                    f"{r.get('summary', '')}", r.get("rows", []), PARTS[n].columns)
+              for n, r in report["parts"].items()]
+    (args.out / "gpu.md").write_text(header + "\n".join(tables))
+    print("\n" + header + "\n".join(tables))
+    sys.exit(0 if all(r["status"] == "ok" for r in report["parts"].values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

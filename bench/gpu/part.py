@@ -1,0 +1,71 @@
+"""One part of the GPU kit, in a process of its own:
+
+    python -m bench.gpu.part NAME WORK_DIR --seconds S [--dry-run]
+
+writes ``WORK_DIR/NAME.json``: ``{"rows": [...], "ok": bool, "summary": str}``. The parts
+are the entries of :data:`PARTS`, each with its share of the kit's time budget and the
+columns of its table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.gpu import losses, pipeline, steps
+from bench.gpu.sizes import DRY_RUN, GPU
+
+
+@dataclass(frozen=True)
+class Part:
+    run: Callable[..., dict[str, Any]]  # (sizes, device, work, deadline, dry_run) -> result
+    share: float  # of the kit's time budget
+    title: str
+    columns: tuple[str, ...]
+
+
+PARTS: dict[str, Part] = {
+    "tests": Part(pipeline.tests, 0.16, "CUDA-gated and CUDA dry-run tests",
+                  ("tests", "failed", "skipped", "seconds", "cuda", "failures")),
+    "sync": Part(steps.sync, 0.10, "Host synchronisations per training step",
+                 ("objective", "variant", "steps", "synchronisations", "where")),
+    "objectives": Part(losses.objectives, 0.30, "Objectives: forward + backward",
+                       ("N", "tile", "loss", "fwd_bwd_ms", "peak_mib", "note")),
+    "step": Part(steps.step, 0.10, "Training step, bf16, channels-last",
+                 ("backbone", "precision", "views", "images_s", "plain_images_s",
+                  "vs_plain", "tflops", "plain_tflops")),
+    "data": Part(pipeline.data, 0.08, "CPU data path: decode + two views",
+                 ("loader", "workers", "resolution", "images_s", "per_core")),
+    "demo": Part(pipeline.demo, 0.13, "Demo pipeline, one process, DDP, no MLflow",
+                 ("ranks", "device", "precision", "backend", "steps", "train_s", "images_s",
+                  "knn_top1")),
+    "compile": Part(steps.compiled, 0.13, "train.compile",
+                    ("backbone", "compiled", "first_step_s", "step_s", "vs_eager")),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name", choices=list(PARTS))
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--seconds", type=float, required=True, help="this part's budget")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes")
+    args = parser.parse_args()
+    deadline = time.monotonic() + args.seconds
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    work = args.work / args.name
+    work.mkdir(parents=True, exist_ok=True)
+    result = PARTS[args.name].run(sizes=DRY_RUN if args.dry_run else GPU, device=device,
+                                  work=work, deadline=deadline, dry_run=args.dry_run)
+    (args.work / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The kit's parts that run whole commands or the data path:
+
+- ``tests``: the CUDA-gated tests and the CUDA dry-run tests, with the GPU present;
+- ``data``: the CPU data path (JPEG decode + two SimCLR views, every core a worker), in
+  images/s, beside the training step's rate from the ``step`` part;
+- ``demo``: the demo pipeline, one process under torchrun, DDP over NCCL in bf16 (on CPU:
+  gloo, fp32), without MLflow: make-shards, pretrain, evaluate from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.gpu.sizes import Sizes
+
+REPO = Path(__file__).resolve().parents[2]
+CUDA_TESTS = ["tests/pretrain/loop/test_cuda_dry_run.py", "tests/pretrain/loop/test_host_reads.py",
+              "tests/evaluation/test_cuda_dry_run.py",
+              "tests/data_pipeline/test_loader.py::test_loader_options_prefetch_and_pin_only_for_a_gpu",
+              "tests/data_pipeline/dali"]
+# the dry run: a few cases of each file, on CPU
+DRY_RUN_SELECTION = "(infonce and dense) or extract_on_cuda or catches_a_reduction or pin_only"
+
+
+def junit_counts(report: Path) -> dict[str, Any]:
+    suite = ET.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    return {"tests": int(suite.get("tests", 0)), "failed": failed,
+            "skipped": int(suite.get("skipped", 0))}
+
+
+def tests(sizes: Sizes, device: torch.device, work: Path, dry_run: bool = False,
+          **_: Any) -> dict[str, Any]:
+    paths, notes = list(CUDA_TESTS), []
+    if importlib.util.find_spec("nvidia.dali") is None:
+        paths.remove("tests/data_pipeline/dali")
+        notes.append("DALI not installed: its tests left out")
+    report = work / "tests.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
+               "addopts=", f"--junitxml={report}", *paths]
+    if dry_run:
+        command += ["-k", DRY_RUN_SELECTION]
+    elif importlib.util.find_spec("xdist") is not None:  # pytest-xdist, where the node has it
+        command += ["-n", str(min(8, os.cpu_count() or 1))]
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    print(result.stdout[-3000:], result.stderr[-2000:], flush=True)
+    counts = junit_counts(report)
+    row = {"tests": counts["tests"], "failed": len(counts["failed"]),
+           "skipped": counts["skipped"], "seconds": time.perf_counter() - start,
+           "cuda": torch.cuda.is_available(), "failures": "; ".join(counts["failed"][:20])}
+    return {"rows": [row], "ok": result.returncode == 0,
+            "summary": "; ".join([f"pytest exit {result.returncode}", *notes])}
+
+
+def data(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
+    """The loader's images/s on every core (two 224 px views per image)."""
+    from bench.data_pipeline import RESOLUTION, time_stream, write_jpegs
+    from data_pipeline.config import ShardsConfig
+    from data_pipeline.make_shards import make_shards
+
+    cores = os.cpu_count() or 1
+    tree, shards = work / "jpegs", work / "jpeg-shards"
+    write_jpegs(tree, sizes.data_images)
+    make_shards(ShardsConfig(source="imagenet", input=str(tree), output=str(shards),
+                             shard_size=max(1, math.ceil(sizes.data_images / (2 * cores))),
+                             workers=cores))
+    batch = max(1, min(32, sizes.data_images // (2 * cores)))
+    time_stream(shards, batch, cores)  # warm-up: page cache, imports in the workers
+    rate = time_stream(shards, batch, cores)
+    return {"rows": [{"loader": "WebDataset stream, CPU workers", "workers": cores,
+                      "resolution": RESOLUTION, "images_s": rate, "per_core": rate / cores}],
+            "ok": True, "summary": f"{rate:.0f} images/s on {cores} cores"}
+
+
+def stage(args: list[str], log: Path, module: str, launcher: list[str] | None = None) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "4"}
+    command = [*(launcher or [sys.executable]), "-m", module, *args]
+    result = subprocess.run(command, cwd=log.parent, env=env, capture_output=True, text=True)
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(command)}\n{result.stdout}{result.stderr}\n")
+    if result.returncode:
+        raise RuntimeError(f"{module} exited {result.returncode}: {result.stderr[-1500:]}")
+    return result.stderr
+
+
+def demo(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
+    """The demo recipe without the class graph (the sentence model that builds it is too
+    large to carry): SupCon on the cluttered digits, NCCL on a GPU."""
+    root = work / "demo"
+    root.mkdir(exist_ok=True)
+    log = root / "demo.log"
+    config = ["--config", str(REPO / "launch/configs/demo.yaml")]
+    common = [*config, "tracking.enabled=false", "objective.name=supcon",
+              "objective.class_graph="]
+    stage([*config, f"shards.samples={sizes.demo_samples}"], log, "app.make_shards")
+    stage([*config, "shards.split=test", f"shards.samples={sizes.demo_samples // 4}",
+           "shards.output=data/shards/cluttered-test"], log, "app.make_shards")
+    start = time.perf_counter()
+    train_log = stage([*common, f"train.max_steps={sizes.demo_steps}", "train.progress=false",
+                       "engine.process_group=true",
+                       f"train.log_every={max(1, sizes.demo_steps // 4)}"], log, "app.pretrain",
+                      [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc_per_node", "1"])
+    train_s = time.perf_counter() - start
+    stage([*common, "eval.index=exact", "eval.probe_epochs=10", "eval.compare_untrained=false",
+           "eval.save_index=false"], log, "app.evaluate")
+    results = json.loads(next((root / "runs").rglob("results.json")).read_text())
+    setup = re.search(r"(\d+) ranks on (\S+), (\S+), (\d+) steps; backend (\S+)", train_log)
+    rates = [float(r) for r in re.findall(r"images_per_s=([\d.]+)", train_log)]
+    row = {"ranks": setup and int(setup[1]), "device": setup and setup[2],
+           "precision": setup and setup[3], "backend": setup and setup[5],
+           "steps": sizes.demo_steps, "train_s": train_s,
+           "images_s": rates[-1] if rates else None,
+           "knn_top1": knn_top1(results)}
+    return {"rows": [row], "ok": setup is not None,
+            "summary": f"train {train_s:.0f} s on {row['backend']}, kNN top-1 {row['knn_top1']}"}
+
+
+def knn_top1(results: dict[str, Any]) -> float | None:
+    """The backbone's best weighted-kNN top-1 in an ``evaluate`` results.json."""
+    found = [value for key, value in _flat(results) if "knn" in key and key.endswith("top1")]
+    return max(found) if found else None
+
+
+def _flat(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [item for k, v in value.items() for item in _flat(v, f"{prefix}{k}.")]
+    return [(prefix.rstrip("."), value)] if isinstance(value, int | float) else []

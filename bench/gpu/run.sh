@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU kit on a bare, offline GPU node, with the node's own python3 and torch:
+#   bash bench/gpu/run.sh OUT_DIR                 # about 8 minutes on one GPU
+#   bash bench/gpu/run.sh --dry-run OUT_DIR       # the same code on CPU, tiny sizes
+# Installs bench/gpu/wheels/ (bash bench/gpu/fetch_wheels.sh, beforehand, where there is
+# an index) into OUT_DIR/site, never over what the node has; no MLflow, no network.
+# Writes OUT_DIR/gpu.json, OUT_DIR/gpu.md and OUT_DIR/logs/. Extra arguments go to
+# `python -m bench.gpu` (--parts, --budget).
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+python="${PYTHON:-python3}"
+args=()
+out=""
+for arg in "$@"; do
+    case "$arg" in
+        -*) args+=("$arg") ;;
+        *) if [ -z "$out" ]; then out="$arg"; else args+=("$arg"); fi ;;
+    esac
+done
+[ -n "$out" ] || { echo "usage: bash bench/gpu/run.sh [--dry-run] OUT_DIR [--parts ...] [--budget S]" >&2; exit 2; }
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+site="$out/site"
+if compgen -G "$repo/bench/gpu/wheels/*.whl" >/dev/null; then
+    "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
+        --no-compile --target "$site" "$repo"/bench/gpu/wheels/*.whl
+fi
+# the node's packages first: the wheels only fill in what it lacks
+export PYTHONPATH="$repo:${PYTHONPATH:+$PYTHONPATH:}$("$python" -c 'import site; print(":".join(site.getsitepackages()))'):$site"
+export HF_HUB_OFFLINE=1 MLFLOW_TRACKING_URI="" PYTHONUNBUFFERED=1
+cd "$repo"
+exec "$python" -m bench.gpu "$out" "${args[@]}"

@@ -1,0 +1,37 @@
+"""How big each part of the kit runs: on a GPU (:data:`GPU`), and on CPU for the dry run
+that keeps the kit from rotting (:data:`DRY_RUN`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sizes:
+    sync_images: int  # images per step of the host-synchronisation check (two views each)
+    sync_resolution: int
+    sync_steps: int  # steps counted per objective, after two uncounted ones
+    dense_n: tuple[int, ...]  # objectives: embeddings per batch, dense
+    tiled_n: tuple[int, ...]  # and over column tiles
+    tile_bytes: int  # a tiled case's [N, T] float32 buffer at most this many bytes
+    step_backbones: tuple[str, ...]  # training-step throughput: model.backbone values
+    step_images: int  # images per step (two views each)
+    step_resolution: int
+    step_steps: int  # timed steps, after three uncounted ones
+    data_images: int  # JPEGs the data path decodes, two views each
+    compile_backbone: str
+    demo_samples: int  # cluttered digits for the demo pipeline's training shards
+    demo_steps: int
+
+
+GPU = Sizes(sync_images=64, sync_resolution=32, sync_steps=3,
+            dense_n=(8192,), tiled_n=(65_536, 262_144, 1_048_576), tile_bytes=2**32,
+            step_backbones=("resnet50", "timm:vit_base_patch16_224"), step_images=128,
+            step_resolution=224, step_steps=10, data_images=1500,
+            compile_backbone="resnet50", demo_samples=2000, demo_steps=60)
+
+DRY_RUN = Sizes(sync_images=4, sync_resolution=16, sync_steps=1,
+                dense_n=(64,), tiled_n=(256,), tile_bytes=2**14,
+                step_backbones=("small_cnn", "timm:test_vit"), step_images=4,
+                step_resolution=32, step_steps=1, data_images=24,
+                compile_backbone="small_cnn", demo_samples=200, demo_steps=4)

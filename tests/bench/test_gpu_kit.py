@@ -1,0 +1,57 @@
+"""The GPU kit (``bench/gpu``) in its dry run: the same parts and code on CPU with tiny
+sizes, so that the command a GPU node runs cannot rot; and its synchronisation check
+names the project line behind a synchronising call."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import torch
+
+from bench.gpu import steps
+from bench.gpu.part import PARTS
+from tests.app.helpers import REPO
+
+
+def test_the_dry_run_measures_every_part(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(["bash", "bench/gpu/run.sh", "--dry-run", str(tmp_path / "out")],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=800)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    assert report["dry_run"] and list(report["parts"]) == list(PARTS)
+    parts = report["parts"]
+    for name, part in parts.items():
+        assert part["status"] == "ok" and part["rows"], (name, part["log_tail"][-2000:])
+    assert parts["tests"]["rows"][0]["tests"] >= 4 and parts["tests"]["rows"][0]["failed"] == 0
+    assert len(parts["sync"]["rows"]) == 3 * len(steps.OBJECTIVE_CASES)
+    losses = {row["loss"] for row in parts["objectives"]["rows"]}
+    assert {"infonce", "xclr[captions]", "projnce[kernel]", "siglip",
+            "open_clip SigLipLoss"} <= losses
+    assert all("fwd_bwd_ms" in row for row in parts["objectives"]["rows"])
+    assert [row["compiled"] for row in parts["compile"]["rows"]] == [False, True]
+    demo = parts["demo"]["rows"][0]
+    assert demo["backend"] == "gloo" and demo["steps"] > 0 and 0 <= demo["knn_top1"] <= 1
+    table = (tmp_path / "out" / "gpu.md").read_text()
+    assert table.count("\n### ") + table.startswith("### ") == len(PARTS)
+
+
+def test_a_synchronising_call_is_named_by_the_project_line_that_made_it(monkeypatch):
+    """On a GPU torch warns for each synchronising call (sync debug mode "warn"); here the
+    warning is raised by hand from project code, the mode switch stubbed."""
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    import pretrain.loop.collapse as collapse
+
+    def synchronising(features, ids):  # stands in for a read of a device value
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        return {}
+
+    monkeypatch.setattr(collapse, "backbone_measures", synchronising)
+    with steps.synchronisations(torch.device("cuda")) as found:
+        collapse.backbone_measures(None, None)
+        warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
+    assert len(found) == 1 and found[0].startswith("tests/bench/test_gpu_kit.py:")
