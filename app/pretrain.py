@@ -27,13 +27,14 @@ from core.config import flatten, to_yaml
 from core.errors import RunError
 from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
 from data_pipeline.graph.class_graph import load_class_graph
+from data_pipeline.loader import TrainLoader
 from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
 from pretrain.loop.engine import build_engine, engine_spec
 from pretrain.loop.optim import build_optimizer, warmup_cosine
-from pretrain.loop.step import BatchSpec
-from pretrain.loop.trainer import Parts, Trainer
-from pretrain.losses import objective_from_config, objective_spec
+from pretrain.loop.step import Objective
+from pretrain.loop.trainer import Trainer
+from pretrain.losses import objective_spec
 from pretrain.model.encoder import build_model
 from pretrain.run.checkpoint import Checkpointer
 from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
@@ -81,11 +82,11 @@ def text_for(config: RunConfig) -> TextConfig | None:
 
 
 def class_graph_for(config: RunConfig, device: torch.device) -> torch.Tensor | None:
-    path = config.objective.class_graph
+    path = config.objective.xclr.class_graph
     if not objective_spec(config.objective.name).soft_targets or not path:
         return None
     if not Path(path).is_file():
-        raise RunError(f"objective.class_graph={path}: no such file (run graph-precompute "
+        raise RunError(f"objective.xclr.class_graph={path}: no such file (run graph-precompute "
                        "graph.task=class_graph)")
     return torch.from_numpy(load_class_graph(path)[0]).to(device)
 
@@ -99,7 +100,9 @@ def knn_monitor_for(config: RunConfig, rt: Runtime):
                       rt.world)
 
 
-def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
+def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str) -> Trainer:
+    """The trainer of ``config`` on this rank: model, engine, objective, loader,
+    checkpointer and monitors (the tracker joins on rank 0 in :func:`train`)."""
     objective, data = config.objective, config.data
     shards = ShardSet.open(data.shards, retry=data.retry)
     if objective_spec(objective.name).labels and not shards.class_names:
@@ -129,20 +132,19 @@ def build_parts(config: RunConfig, rt: Runtime, run_dir: Path) -> Parts:
     engine = build_engine(model, optimizer, config.engine, rt.device, 2 * data.batch_size)
     per_epoch = shards.total // (data.samples_per_batch * rt.world)  # the loader's epoch
     total = config.train.max_steps or config.train.epochs * per_epoch
-    return Parts(engine=engine, monitor=knn_monitor_for(config, rt),
-                 objective=objective_from_config(objective), objective_cfg=objective,
-                 data_cfg=data, text=text_for(config), runtime=rt,
-                 checkpointer=Checkpointer(run_dir, config.checkpoint, rt.rank, rt.world,
-                                           rt.device, global_batch,
-                                           engine.optimizer_sharded),
-                 schedule=warmup_cosine(total, config.optim.warmup_steps), total_steps=total,
-                 batch_spec=BatchSpec(graph, len(shards.class_names) or None,
-                                      2 * data.batch_size),
-                 config_yaml=to_yaml(config),
-                 preemption=PreemptionWatch(config.preemption, rt.device))
+    return Trainer(
+        config.train, engine=engine,
+        objective=Objective(objective, graph, len(shards.class_names) or None,
+                            2 * data.batch_size),
+        loader=TrainLoader(data, rt.rank, rt.world, text=text_for(config), device=rt.device),
+        checkpointer=Checkpointer(run_dir, config.checkpoint, rt.rank, rt.world, rt.device,
+                                  global_batch, engine.optimizer_sharded),
+        schedule=warmup_cosine(total, config.optim.warmup_steps), total_steps=total,
+        runtime=rt, precision=precision, knn=knn_monitor_for(config, rt),
+        preemption=PreemptionWatch(config.preemption, rt.device), config_yaml=to_yaml(config))
 
 
-def model_card(config: RunConfig, parts: Parts, trainer: Trainer, name: str) -> ModelCard:
+def model_card(config: RunConfig, trainer: Trainer, name: str) -> ModelCard:
     """The registered version's card: objective, data, training and kNN numbers."""
     shards = ShardSet.open(config.data.shards, retry=config.data.retry)
     last = {k: round(v, 6) for k, v in trainer.last_row.items()
@@ -151,9 +153,9 @@ def model_card(config: RunConfig, parts: Parts, trainer: Trainer, name: str) -> 
         name=name, objective=flatten(config.objective),
         data={"shards": config.data.shards, "samples": shards.total,
               "classes": len(shards.class_names), "resolution": config.data.resolution,
-              "global_batch": config.data.batch_size * parts.runtime.world},
+              "global_batch": config.data.batch_size * trainer.runtime.world},
         training={"run": config.name, "seed": config.seed, "steps": trainer.step,
-                  "world_size": parts.runtime.world, "engine": config.engine.name,
+                  "world_size": trainer.runtime.world, "engine": config.engine.name,
                   "optimizer": config.optim.name, "lr": config.optim.lr,
                   "backbone": config.model.backbone, **{f"last.{k}": v for k, v in last.items()}},
         knn={k: round(v, 6) for k, v in trainer.last_knn.items()})
@@ -161,17 +163,17 @@ def model_card(config: RunConfig, parts: Parts, trainer: Trainer, name: str) -> 
 
 def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
                     run_dir: Path) -> None:
-    parts = trainer.p
+    """The run's artifacts (config, final checkpoint) and, with ``tracking.log_model``, the
+    encoder as a new version of the registered model."""
     tracker.log_artifact(run_dir / "config.yaml")
-    last = parts.checkpointer.checkpoints()[0]
-    tracker.log_artifact(last, "checkpoint")
+    tracker.log_artifact(trainer.checkpointer.checkpoints()[0], "checkpoint")
     if config.tracking.log_model:
         name = config.tracking.registered_model or f"{config.name}-encoder"
-        module = parts.engine.module
-        card = model_card(config, parts, trainer, name)
-        classes = module.loss_parameters.get("class_embeddings")  # projnce learned
+        model = trainer.model
+        card = model_card(config, trainer, name)
+        classes = model.loss_parameters.get("class_embeddings")  # projnce learned
         version = tracker.log_model(lambda uri, run_id: log_encoder(
-            uri, run_id, module.encoder, name, parts.config_yaml, card, module.text, classes))
+            uri, run_id, model.encoder, name, trainer.config_yaml, card, model.text, classes))
         if version is not None:
             log.info("registered model %s version %s", name, version)
     tracker.finish()
@@ -187,52 +189,58 @@ def train(config: RunConfig) -> Path:
     lock = lock_run_dir(run_dir, rt)
     setup_logging(rt, run_dir)
     try:
+        precision = resolve_precision(config.train.precision, rt.device)
         try:
-            parts = build_parts(config, rt, run_dir)
+            trainer = build_trainer(config, rt, run_dir, precision)
         except RunError:  # nothing was trained: leave no stray run directory behind
             if rt.is_main and created:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        precision = resolve_precision(config.train.precision, rt.device)
         if rt.is_main:
-            (run_dir / "config.yaml").write_text(parts.config_yaml)
+            (run_dir / "config.yaml").write_text(trainer.config_yaml)
             log.info("resolved config: %s", run_dir / "config.yaml")
             log.info("%d ranks on %s, %s, %d steps; backend %s", rt.world, rt.device,
-                     precision, parts.total_steps,
+                     precision, trainer.total_steps,
                      dist.get_backend() if dist.is_initialized() else "none (one process)")
             if config.tracking.enabled:
-                parts.tracker = Tracker(config.tracking, run_dir, config.name)
-                parts.tracker.start(flatten(config))
-        trainer = Trainer(config.train, parts, precision)
-        try:  # whatever stops the run from here on marks its MLflow run FAILED
-            trainer.resume()
-            if rt.is_main:
-                (run_dir / MARKER).unlink(missing_ok=True)
-            trainer.run()
-            if parts.tracker is not None:
-                finish_tracking(parts.tracker, config, trainer, run_dir)
-        except Preempted as stop:  # checkpointed: KILLED and tagged, to be resumed
-            if rt.is_main:
-                (run_dir / MARKER).write_text(json.dumps(
-                    {"step": stop.step, "signal": stop.signal_name,
-                     "checkpoint": stop.checkpoint}) + "\n")
-                if parts.tracker is not None:
-                    parts.tracker.finish("KILLED", {"preempted": stop.signal_name,
-                                                    "preempted_at_step": str(stop.step)})
-            raise
-        except BaseException as stop:
-            if parts.tracker is not None:
-                parts.tracker.finish("FAILED")
-            if isinstance(stop, KeyboardInterrupt):
-                newest = parts.checkpointer.checkpoints()
-                raise Interrupted(trainer.step, str(newest[0]) if newest else "") from None
-            raise
+                trainer.tracker = Tracker(config.tracking, run_dir, config.name)
+                trainer.tracker.start(flatten(config))
+        run(trainer, config, run_dir)
         barrier()
     finally:
         if lock is not None:
             lock.release()
         shutdown()
     return run_dir
+
+
+def run(trainer: Trainer, config: RunConfig, run_dir: Path) -> None:
+    """Resume, train and finish tracking; whatever stops the run from here on marks its
+    MLflow run FAILED, or KILLED with a marker file when a signal preempted it."""
+    tracker, rt = trainer.tracker, trainer.runtime
+    try:
+        trainer.resume()
+        if rt.is_main:
+            (run_dir / MARKER).unlink(missing_ok=True)
+        trainer.train()
+        if tracker is not None:
+            finish_tracking(tracker, config, trainer, run_dir)
+    except Preempted as stop:  # checkpointed: KILLED and tagged, to be resumed
+        if rt.is_main:
+            (run_dir / MARKER).write_text(json.dumps(
+                {"step": stop.step, "signal": stop.signal_name,
+                 "checkpoint": stop.checkpoint}) + "\n")
+            if tracker is not None:
+                tracker.finish("KILLED", {"preempted": stop.signal_name,
+                                          "preempted_at_step": str(stop.step)})
+        raise
+    except BaseException as stop:
+        if tracker is not None:
+            tracker.finish("FAILED")
+        if isinstance(stop, KeyboardInterrupt):
+            newest = trainer.checkpointer.checkpoints()
+            raise Interrupted(trainer.step, str(newest[0]) if newest else "") from None
+        raise
 
 
 def lock_run_dir(run_dir: Path, rt: Runtime) -> RunLock | None:

@@ -99,12 +99,12 @@ def _check_training(config: RunConfig) -> None:
                           "per-view batch norm; set one of them off")
     objective = config.objective
     soft_targets = objective_spec(objective.name).soft_targets
-    if soft_targets and not (objective.class_graph or config.data.caption_store):
-        raise ConfigError(f"key 'objective.class_graph': {objective.name} needs soft targets: "
+    if soft_targets and not (objective.xclr.class_graph or config.data.caption_store):
+        raise ConfigError(f"key 'objective.xclr.class_graph': {objective.name} needs soft targets: "
                           "a class graph (graph-precompute graph.task=class_graph) or "
                           "data.caption_store")
-    if soft_targets and objective.class_graph and config.data.caption_store:
-        raise ConfigError(f"key 'objective.class_graph': {objective.name} takes its targets "
+    if soft_targets and objective.xclr.class_graph and config.data.caption_store:
+        raise ConfigError(f"key 'objective.xclr.class_graph': {objective.name} takes its targets "
                           "from a class graph or from data.caption_store, not both; set one "
                           "to \"\"")
     if config.train.knn_every:

@@ -42,7 +42,7 @@ from bench.common import (
     write_json,
 )
 from bench.objectives import objective_cases
-from pretrain.losses import get_objective, make_batch
+from pretrain.losses import BatchOptions, BatchRows, local_batch, objective_function
 from pretrain.losses.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
 
 NUM_CLASSES = 100
@@ -69,10 +69,10 @@ def child(n: int, dim: int, tile_size: int | None, repeats: int) -> dict:
     for _ in range(repeats):
         start = time.perf_counter()
         z.grad = None
-        batch = make_batch(z, ids, labels, tile_size=tile_size)
+        batch = local_batch(BatchRows(z, ids, labels), BatchOptions(tile_size=tile_size))
         if tile_size is None:  # dense even above the automatic choice's limit
             batch = dataclasses.replace(batch, tile_size=None)
-        get_objective("infonce")(batch, 0.1).loss.backward()
+        objective_function("infonce")(batch, 0.1).loss.backward()
         times.append(time.perf_counter() - start)
     peak = peak_rss_bytes()
     return {"seconds": min(times), "peak_gib": peak / 2**30, "idle_gib": idle / 2**30}
@@ -145,10 +145,10 @@ def linear_growth(rows: list[dict]) -> dict[str, float]:
 def chunk_child(rows: int, chunk_size: int, repeats: int) -> dict:
     """Training steps (forward, backward, SGD update) in this fresh process; chunk 0 is the
     plain step."""
-    from pretrain.loop.chunked import chunked_forward_loss
     from pretrain.loop.engine import EngineConfig, build_engine
-    from pretrain.loop.step import forward_loss
-    from pretrain.losses import ObjectiveConfig, objective_from_config
+    from pretrain.loop.step import Objective
+    from pretrain.loop.trainer import chunked_loss, forward_loss
+    from pretrain.losses import ObjectiveConfig
     from pretrain.model.encoder import ModelConfig, build_model
 
     torch.manual_seed(0)
@@ -157,16 +157,16 @@ def chunk_child(rows: int, chunk_size: int, repeats: int) -> dict:
     engine = build_engine(model, torch.optim.SGD(model.parameters(), lr=0.01), EngineConfig(),
                           torch.device("cpu"), micro_batch=rows)
     batch = {"images": torch.randn(rows, 3, 32, 32), "ids": torch.arange(rows // 2).repeat(2)}
-    objective = objective_from_config(cfg)
+    objective = Objective(cfg)
     idle = peak_rss_bytes()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         if chunk_size:
-            _, backward = chunked_forward_loss(engine, batch, objective, cfg, 0.2, 0, chunk_size)
+            _, backward = chunked_loss(engine, batch, objective, 0, chunk_size)
             backward()
         else:
-            engine.backward(forward_loss(engine, batch, objective, cfg, 0.2, 0).loss)
+            engine.backward(forward_loss(engine, batch, objective, 0).loss)
         engine.step()
         times.append(time.perf_counter() - start)
     peak = peak_rss_bytes()

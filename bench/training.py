@@ -44,8 +44,9 @@ import torch
 from bench.common import machine, print_table, time_interleaved, write_json
 from pretrain.loop.engine import DDPEngine, EngineConfig
 from pretrain.loop.optim import OptimConfig, build_optimizer
-from pretrain.loop.step import BatchSpec, forward_loss, model_inputs
-from pretrain.losses import ObjectiveConfig, objective_from_config
+from pretrain.loop.step import Objective, model_inputs
+from pretrain.loop.trainer import forward_loss
+from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 
 RESULTS = Path("bench/results/training.json")
@@ -122,12 +123,12 @@ def step_cases(batch_images: int, backbone: str) -> dict:
         model = build_model(ModelConfig(backbone=backbone), cfg, torch.device("cpu"))
         engine = DDPEngine(model, build_optimizer(model, OptimConfig(), views), EngineConfig(),
                            torch.device("cpu"))
-        objective = objective_from_config(cfg)
+        objective = Objective(cfg, class_graph)
         inputs = dict(batch) if captions else {k: v for k, v in batch.items()
                                                if k != "caption_embeddings"}
 
-        def step(engine=engine, objective=objective, cfg=cfg, inputs=inputs, graph=class_graph):
-            out = forward_loss(engine, inputs, objective, cfg, 0.1, 0, BatchSpec(graph))
+        def step(engine=engine, objective=objective, inputs=inputs):
+            out = forward_loss(engine, inputs, objective, 0)
             engine.backward(out.loss)
             engine.step()
 
@@ -179,7 +180,7 @@ def compile_times(batch_images: int, rounds: int) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     batch = {"images": torch.randn(2 * batch_images, 3, 32, 32, generator=gen),
              "ids": torch.arange(batch_images).repeat(2)}
-    objective = objective_from_config(cfg)
+    objective = Objective(cfg)
     rows = []
     for name, model_keys in COMPILE_BACKBONES.items():
         eager = None
@@ -191,7 +192,7 @@ def compile_times(batch_images: int, rounds: int) -> list[dict]:
 
             def run(model=model) -> None:
                 model.zero_grad(set_to_none=True)
-                forward_loss(model, batch, objective, cfg, 0.2, 0).loss.backward()
+                forward_loss(model, batch, objective, 0).loss.backward()
 
             start = time.perf_counter()
             run()

@@ -11,7 +11,8 @@ YAML 1.1 octal 120; ``key=`` is the empty string), an int field reads decimal di
 float field accepts ``1e-3``. A dataclass may define ``validate(self) -> None`` that raises
 :class:`InvalidValue` naming one of its own fields; the loader prefixes the dotted path and
 the source. Each field's trailing ``# comment`` is its one-line description
-(:func:`describe`, ``--help-config``).
+(:func:`describe`, ``--help-config``). A dataclass's ``MOVED`` mapping (old key -> its new
+dotted key below the same section) refuses an old key in one line naming the new one.
 """
 
 from __future__ import annotations
@@ -150,6 +151,10 @@ def from_dict(cls: type[T], tree: dict[str, Any], sources: dict[str, str] | None
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = get_type_hints(cls)
     unknown = sorted(set(tree) - set(fields))
+    moved = [key for key in unknown if key in getattr(cls, "MOVED", {})]
+    if moved:
+        raise ConfigError(f"{where(moved[0])}: moved; set '{prefix}{cls.MOVED[moved[0]]}' "
+                          "instead")
     if unknown:
         raise ConfigError(
             f"{where(unknown[0])}: unknown key for {cls.__name__}; "

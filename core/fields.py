@@ -30,7 +30,10 @@ def field_descriptions(cls: type) -> dict[str, str]:
 @cache
 def _own_descriptions(cls: type) -> dict[str, str]:
     names = {f.name for f in dataclasses.fields(cls)}
-    source = textwrap.dedent(inspect.getsource(cls))
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # made by make_dataclass: its fields are sections
+        return {}
     first_name: dict[int, str] = {}  # line -> first name token at class-body indentation
     comments: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):

@@ -106,7 +106,7 @@ def demo(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
     log = root / "demo.log"
     config = ["--config", str(REPO / "launch/configs/demo.yaml")]
     common = [*config, "tracking.enabled=false", "objective.name=supcon",
-              "objective.class_graph="]
+              "objective.xclr.class_graph="]
     stage([*config, f"shards.samples={sizes.demo_samples}"], log, "app.make_shards")
     stage([*config, "shards.split=test", f"shards.samples={sizes.demo_samples // 4}",
            "shards.output=data/shards/cluttered-test"], log, "app.make_shards")

@@ -24,16 +24,14 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
-from tqdm import tqdm
 
 from bench.gpu.sizes import Sizes
 from core.runtime import Runtime, resolve_precision
-from data_pipeline.config import DataConfig
 from pretrain.loop.engine import EngineConfig, build_engine
 from pretrain.loop.optim import OptimConfig, build_optimizer, warmup_cosine
-from pretrain.loop.step import BatchSpec
-from pretrain.loop.trainer import Parts, TrainConfig, Trainer
-from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config, objective_spec
+from pretrain.loop.step import Objective
+from pretrain.loop.trainer import TrainConfig, Trainer
+from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_spec
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.model.text_tower import TextTowerConfig, random_text_model
 from pretrain.run.checkpoint import CheckpointConfig, Checkpointer
@@ -82,21 +80,20 @@ def synthetic_batch(images: int, resolution: int, device: torch.device, captions
 def project_trainer(model_cfg: ModelConfig, objective: ObjectiveConfig, images: int,
                     device: torch.device, run_dir: Path, graph: torch.Tensor | None = None,
                     chunk_size: int = 0) -> Trainer:
-    """The trainer a one-process run builds (``app.pretrain.build_parts``), with no
+    """The trainer a one-process run builds (``app.pretrain.build_trainer``), with no
     loader, checkpoints, tracking or periodic report inside the steps it is handed."""
     torch.manual_seed(0)
     model = build_model(model_cfg, objective, device, CLASSES)
     optimizer = build_optimizer(model, OptimConfig(), images)
     engine = build_engine(model, optimizer, EngineConfig(), device, 2 * images)
-    parts = Parts(engine=engine, objective=objective_from_config(objective),
-                  objective_cfg=objective, data_cfg=DataConfig(batch_size=images), text=None,
-                  runtime=Runtime(0, 1, 0, device),
-                  checkpointer=Checkpointer(run_dir, CheckpointConfig(every=0), 0, 1, device,
-                                            images),
-                  schedule=warmup_cosine(10**6, 10), total_steps=10**6,
-                  batch_spec=BatchSpec(graph, CLASSES, 2 * images))
     train = TrainConfig(log_every=10**6, progress=False, chunk_size=chunk_size)
-    return Trainer(train, parts, resolve_precision("auto", device))
+    return Trainer(train, engine=engine,
+                   objective=Objective(objective, graph, CLASSES, 2 * images), loader=None,
+                   checkpointer=Checkpointer(run_dir, CheckpointConfig(every=0), 0, 1, device,
+                                             images),
+                   schedule=warmup_cosine(10**6, 10), total_steps=10**6,
+                   runtime=Runtime(0, 1, 0, device),
+                   precision=resolve_precision("auto", device))
 
 
 def synchronize(device: torch.device) -> None:
@@ -157,8 +154,8 @@ def sync(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
     for name, keys, with_graph in OBJECTIVE_CASES:
         spec = objective_spec(name)
         for variant, options in sync_variants(sizes).items():
-            objective = ObjectiveConfig(name=name, learnable_temperature=spec.text_tower,
-                                        tile_size=options.get("tile_size"), **keys)
+            objective = ObjectiveConfig.of(name, learnable_temperature=spec.text_tower,
+                                           tile_size=options.get("tile_size"), **keys)
             model_cfg = ModelConfig(width=16, projector_hidden=64, projector_dim=32,
                                     text=TextTowerConfig(model=text_dir))
             with tempfile.TemporaryDirectory(dir=work) as run_dir:
@@ -168,13 +165,12 @@ def sync(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
                 batch = synthetic_batch(sizes.sync_images, sizes.sync_resolution, device,
                                         captions=spec.soft_targets and not with_graph,
                                         text=spec.text_tower)
-                bar = tqdm(disable=True)
                 for _ in range(2):
-                    trainer.train_step(batch, bar)
+                    trainer.train_step(batch)
                 synchronize(device)
                 with synchronisations(device) as found:
                     for _ in range(sizes.sync_steps):
-                        trainer.train_step(batch, bar)
+                        trainer.train_step(batch)
                     synchronize(device)  # outside the steps: not one of theirs
             rows.append({"objective": case_name(name, keys, with_graph), "variant": variant,
                          "steps": sizes.sync_steps, "synchronisations": len(found),
@@ -250,11 +246,10 @@ def step(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
         with tempfile.TemporaryDirectory(dir=work) as run_dir:
             trainer = project_trainer(model_cfg, objective, sizes.step_images, device,
                                       Path(run_dir))
-            bar = tqdm(disable=True)
-            _, ours = timed(functools.partial(trainer.train_step, batch, bar), sizes.step_steps,
+            _, ours = timed(functools.partial(trainer.train_step, batch), sizes.step_steps,
                             device)
             precision = trainer.precision
-            flops = step_flops(trainer.p.engine.module, batch["images"], precision)
+            flops = step_flops(trainer.model, batch["images"], precision)
             del trainer
         torch.manual_seed(0)
         model = build_model(model_cfg, objective, device, CLASSES)
@@ -286,9 +281,8 @@ def compiled(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[s
             trainer = project_trainer(model_cfg, ObjectiveConfig(name="infonce"),
                                       sizes.step_images, device, Path(run_dir))
             if compile_encoder:
-                trainer.p.engine.module.encoder.compile()
-            bar = tqdm(disable=True)
-            first, median = timed(functools.partial(trainer.train_step, batch, bar),
+                trainer.model.encoder.compile()
+            first, median = timed(functools.partial(trainer.train_step, batch),
                                   sizes.step_steps, device)
             del trainer
         eager = median if eager is None else eager

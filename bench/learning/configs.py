@@ -23,10 +23,10 @@ OBJECTIVES = {  # configuration name -> (recipe file, overrides)
     "eps_supinfonce": ("eps_supinfonce.yaml", ()),
     "xclr_class_graph": ("xclr_class_graph.yaml", ()),
     "xclr_captions": ("xclr_captions.yaml", ()),
-    "projnce_centroid": ("projnce.yaml", ("objective.projection=centroid",)),
+    "projnce_centroid": ("projnce.yaml", ("objective.projnce.projection=centroid",)),
     # kernel and median learn better at the earlier 0.1 (docs/learning.md)
-    "projnce_kernel": ("projnce.yaml", ("objective.projection=kernel", *TAU01)),
-    "projnce_median": ("projnce.yaml", ("objective.projection=median", *TAU01)),
+    "projnce_kernel": ("projnce.yaml", ("objective.projnce.projection=kernel", *TAU01)),
+    "projnce_median": ("projnce.yaml", ("objective.projnce.projection=median", *TAU01)),
     "projnce_learned": ("projnce_learned.yaml", ()),
     "clip": ("clip.yaml", ()),
     "siglip": ("siglip.yaml", ()),
@@ -88,13 +88,14 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     "sweep_projnce_learned_tau0.1": ("projnce_learned.yaml", TAU01),
     "sweep_eps_supinfonce_tau0.1": ("eps_supinfonce.yaml", TAU01),
     "sweep_xclr_class_graph_tau0.1": ("xclr_class_graph.yaml", TAU01),
-    "sweep_projnce_centroid_tau0.1": ("projnce.yaml", ("objective.projection=centroid", *TAU01)),
-    "sweep_projnce_kernel_tau0.2": ("projnce.yaml", ("objective.projection=kernel",)),
-    "sweep_projnce_median_tau0.2": ("projnce.yaml", ("objective.projection=median",)),
+    "sweep_projnce_centroid_tau0.1": ("projnce.yaml",
+                                      ("objective.projnce.projection=centroid", *TAU01)),
+    "sweep_projnce_kernel_tau0.2": ("projnce.yaml", ("objective.projnce.projection=kernel",)),
+    "sweep_projnce_median_tau0.2": ("projnce.yaml", ("objective.projnce.projection=median",)),
     "sweep_xclr_class_graph_tau_s0.1": ("xclr_class_graph.yaml",
-                                        ("objective.target_temperature=0.1",)),
+                                        ("objective.xclr.target_temperature=0.1",)),
     "sweep_xclr_captions_tau_s0.05": ("xclr_captions.yaml",
-                                      ("objective.target_temperature=0.05",)),
+                                      ("objective.xclr.target_temperature=0.05",)),
     "sweep_xclr_captions_epochs10": ("xclr_captions.yaml", TEN),
     "sweep_xclr_captions_no_color_jitter": ("xclr_captions.yaml", (
         "data.color_strength=0.0", "data.grayscale=0.0")),
@@ -127,19 +128,19 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     "sweep_vit_hybrid_depth0": ("vit_supcon.yaml", (
         "model.timm_kwargs={global_pool: avg, class_token: false, depth: 0}",)),
     # SigLIP's bias started near -log(texts in the batch) instead of the paper's -10
-    "sweep_siglip_bias-5": ("siglip.yaml", ("objective.bias=-5.0",)),
+    "sweep_siglip_bias-5": ("siglip.yaml", ("objective.siglip.bias=-5.0",)),
     # the temperature and bias at 10x the lr (they move by at most lr per AdamW step)
     "sweep_siglip_loss_lr10": ("siglip.yaml", ("optim.loss_lr_scale=10",)),
     "sweep_siglip_tau0.05": ("siglip.yaml", ("objective.temperature=0.05",)),
     # a sharper t with b scaled so a caption at cosine 2/3 sits at probability 1/2: the
     # near-duplicate captions a batch holds are pushed away, the far ones left alone
     "sweep_siglip_t30_b-20": ("siglip.yaml", ("objective.temperature=0.0333333",
-                                              "objective.bias=-20.0")),
+                                              "objective.siglip.bias=-20.0")),
     # the budget: does SigLIP catch up with CLIP given 3x the epochs, or plateau?
     "sweep_siglip_epochs30": ("siglip.yaml", ("train.epochs=30",)),
     "sweep_clip_epochs30": ("clip.yaml", ("train.epochs=30",)),
     "sweep_siglip_t30_b-20_fixed_t": ("siglip.yaml", (
-        "objective.temperature=0.0333333", "objective.bias=-20.0",
+        "objective.temperature=0.0333333", "objective.siglip.bias=-20.0",
         "objective.learnable_temperature=false")),
 }
 

@@ -66,8 +66,8 @@ def run_config(conf: Configuration, data: DataSet, root: Path) -> tuple[RunConfi
                  "checkpoint.keep=1"]
     config = load_config(RunConfig, REPO / conf.recipe, overrides)
     soft_targets = objective_spec(config.objective.name).soft_targets
-    if soft_targets and config.objective.class_graph:
-        overrides.append(f"objective.class_graph={data.class_graph}")
+    if soft_targets and config.objective.xclr.class_graph:
+        overrides.append(f"objective.xclr.class_graph={data.class_graph}")
     if soft_targets and config.data.caption_store:
         overrides.append(f"data.caption_store={data.caption_store}")
     return load_config(RunConfig, REPO / conf.recipe, overrides), overrides

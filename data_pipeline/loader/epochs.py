@@ -150,6 +150,16 @@ class TrainLoader:
         """End the worker processes (they also end with the process)."""
         self.prepared = self.loader = None
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position (before the first epoch is started)."""
+        restored = LoaderState.from_state_dict(state)
+        for item in dataclasses.fields(LoaderState):
+            setattr(self.state, item.name, getattr(restored, item.name))
+        self.state.enter(list(self.stream.layout))  # as the stream does when made
+
 
 def train_batches(cfg: DataConfig, rank: int = 0, world: int = 1,
                   state: LoaderState | None = None, text: TextConfig | None = None,

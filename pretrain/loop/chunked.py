@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from pretrain.loop.engine import Engine
-from pretrain.loop.step import BatchSpec, loss_of_outputs, model_inputs
-from pretrain.losses import ObjectiveConfig, ObjectiveOutput
+from pretrain.loop.step import model_inputs
+from pretrain.losses import ObjectiveOutput
 from pretrain.model.encoder import ModelOutput
 
 
@@ -44,7 +44,7 @@ def chunks_of(rows: int, count: int) -> list[slice]:
 
 def chunk_count(rows_per_rank: int, chunk_size: int) -> int:
     """Chunks per rank: the same on every rank (ZeRO-2 reduces after every backward), enough
-    for the most rows a rank holds (the run's ``BatchSpec.rows_per_rank``: no count is
+    for the most rows a rank holds (the objective's ``rows_per_rank``: no count is
     exchanged)."""
     return max(1, math.ceil(rows_per_rank / chunk_size))
 
@@ -107,18 +107,17 @@ def _surrogate(out: ModelOutput, grads: ModelOutput, rows: slice, last: bool) ->
     return surrogate
 
 
-def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Callable,
-                         cfg: ObjectiveConfig, temperature: float, step: int,
-                         chunk_size: int, spec: BatchSpec | None = None,
-                         measure_rank: bool = True,
+def chunked_forward_loss(engine: Engine, batch: dict[str, Any],
+                         loss_of: Callable[[ModelOutput], ObjectiveOutput], chunk_size: int,
+                         rows_per_rank: int | None = None,
                          ) -> tuple[ObjectiveOutput, Callable[[], None]]:
-    """The objective on the whole batch from chunked no-gradient outputs, and the function
-    that back-propagates it through the encoder chunk by chunk (steps 1-3 above). The
-    caller decides, from the loss, whether to call it (the non-finite guard)."""
-    spec = spec or BatchSpec()
+    """``loss_of`` (the step's objective against the global batch) on the whole batch's
+    outputs, made chunk by chunk without gradient, and the function that back-propagates
+    it through the encoder chunk by chunk (steps 1-3 above). The caller decides, from the
+    loss, whether to call it (the non-finite guard)."""
     device = batch["images"].device
     rows_here = len(batch["images"])
-    chunks = chunks_of(rows_here, chunk_count(spec.rows_per_rank or rows_here, chunk_size))
+    chunks = chunks_of(rows_here, chunk_count(rows_per_rank or rows_here, chunk_size))
     states, outputs = [], []
     with torch.no_grad():
         for rows in chunks:
@@ -133,8 +132,7 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any], objective: Calla
         text=_cat([o.text for o in outputs]), temperature=_leaf(outputs[0].temperature),
         loss_parameters={name: _leaf(value)
                          for name, value in outputs[0].loss_parameters.items()})
-    result = loss_of_outputs(leaves, batch, objective, cfg, temperature, step, spec,
-                             measure_rank)
+    result = loss_of(leaves)
     autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
 
     def backward() -> None:

@@ -1,13 +1,22 @@
-"""The training loop: steps, non-finite guard, monitors, checkpoints, progress.
+"""The training loop and its step, top to bottom (``docs/training.md``).
 
-Per step: set the learning rate from the schedule, forward under autocast, build the
-global batch and the objective (:func:`pretrain.loop.step.forward_loss`), then backward and
-update through the engine. A non-finite loss on any rank skips the update on every rank
-and is counted; ``max_nonfinite`` in a row stops the run with a message. The metrics, the
-finite check and the skip stay on the device (:mod:`pretrain.loop.device_metrics`): under DDP
-the host reads them once per ``log_every`` steps, when the training monitors (averaged
-over ranks and steps) go to MLflow and the progress bar; DeepSpeed's step decides on the
-host. Checkpoints follow :mod:`pretrain.run.checkpoint`.
+A :class:`Trainer` owns named parts, built from the run configuration by
+:func:`app.pretrain.build_trainer`: the ``engine`` (the model and its optimiser, DDP or
+DeepSpeed), the ``objective``, the ``loader``, the ``checkpointer``, the ``tracker``
+(MLflow on rank 0) and the ``monitors``. One step (:meth:`Trainer.train_step`):
+
+1. the learning rate from the schedule;
+2. forward under autocast: this rank's embeddings (:func:`forward_loss`);
+3. the gathering boundary: every rank's embeddings in one global batch
+   (:func:`pretrain.distributed.build_global_batch`, the one place that talks to the
+   process group);
+4. the objective on that batch (the table's function, e.g. ``losses/supcon.py``);
+5. backward and the update through the engine, masked on the device when the loss is
+   not finite on some rank (no host synchronisation);
+6. the metrics, summed on the device and read every ``log_every`` steps.
+
+``train.chunk_size`` runs steps 2-5 chunk by chunk with the cached embedding gradient
+(``chunked.py``). Checkpoints follow :mod:`pretrain.run.checkpoint`.
 """
 
 from __future__ import annotations
@@ -27,12 +36,16 @@ from tqdm import tqdm
 from core.collectives import mean_over_ranks_on_device, sum_over_ranks, totals_over_ranks
 from core.config import InvalidValue
 from core.runtime import Runtime, autocast, peak_memory_mib
-from data_pipeline.config import DataConfig
-from data_pipeline.loader import LoaderState, TrainLoader
+from data_pipeline.loader import TrainLoader
 from data_pipeline.samples import SKIP_REASONS
-from data_pipeline.text import TextConfig
+from pretrain.distributed import build_global_batch
 from pretrain.loop.chunked import chunked_forward_loss
-from pretrain.loop.collapse import CollapseConfig, CollapseWatch
+from pretrain.loop.collapse import (
+    CollapseConfig,
+    CollapseWatch,
+    backbone_measures,
+    effective_rank,
+)
 from pretrain.loop.device_metrics import (
     MetricWindow,
     NonFiniteGuard,
@@ -41,8 +54,9 @@ from pretrain.loop.device_metrics import (
     kept_buffers,
 )
 from pretrain.loop.engine import Engine
-from pretrain.loop.step import BatchSpec, forward_loss, to_device
-from pretrain.losses import EssTemperatureController, ObjectiveConfig
+from pretrain.loop.step import Objective, model_inputs, to_device
+from pretrain.losses import BatchRows, ObjectiveOutput
+from pretrain.model.encoder import ModelOutput
 from pretrain.run.checkpoint import Checkpointer, rng_state, set_rng_state
 from pretrain.run.config_drift import check_drift, unfit_checkpoint
 from pretrain.run.preemption import Preempted, PreemptionWatch
@@ -76,236 +90,283 @@ class TrainConfig:
                 raise InvalidValue(key, f"must be >= 0, got {getattr(self, key)}")
 
 
-@dataclass
-class Parts:
-    """What the loop drives, assembled by :mod:`app.pretrain`."""
+def forward_loss(model: Callable[..., ModelOutput], batch: dict[str, Any],
+                 objective: Objective, step: int, measure_rank: bool = True,
+                 ) -> ObjectiveOutput:
+    """Steps 2-4 of a training step: this rank's embeddings, the global batch, the
+    objective (:func:`loss_of_outputs`)."""
+    return loss_of_outputs(model(*model_inputs(batch)), batch, objective, step, measure_rank)
 
-    engine: Engine
-    objective: Callable
-    objective_cfg: ObjectiveConfig
-    data_cfg: DataConfig
-    text: TextConfig | None  # tokenise captions with this model (clip)
-    runtime: Runtime
-    checkpointer: Checkpointer
-    schedule: Callable[[int], float]
-    total_steps: int
-    batch_spec: BatchSpec = field(default_factory=BatchSpec)  # class graph, C, rows
-    tracker: Any = None  # pretrain.run.tracking.Tracker on rank 0
-    monitor: Callable[[torch.nn.Module], dict[str, float]] | None = None  # kNN monitor
-    config_yaml: str = ""
-    preemption: PreemptionWatch | None = None  # stop with a checkpoint on a signal
+
+def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Objective,
+                    step: int, measure_rank: bool = True) -> ObjectiveOutput:
+    """The objective on this rank's model outputs (``out.projections`` [2B, P], the ``text``
+    [2B, P] of clip and siglip, a learnable ``temperature`` [] and the learnable
+    ``loss_parameters``) against the global batch, with the collapse monitors among the
+    metrics: the backbone's, and (``measure_rank``) the effective rank of this rank's
+    embeddings, whose singular values make the host wait for a GPU, so the trainer asks
+    for it on the steps that report, not on every step."""
+    captions = batch.get("caption_embeddings")
+    rows = BatchRows(out.projections, batch["ids"], batch.get("labels"),
+                     None if captions is None else captions.float(), out.text)
+    global_batch = build_global_batch(rows, objective.options(step))
+    temperature = objective.temperature if out.temperature is None else out.temperature
+    result = objective.fn(global_batch, temperature, **out.loss_parameters)
+    if measure_rank:
+        result.metrics["effective_rank"] = effective_rank(out.projections.detach())
+    if out.features is not None:
+        result.metrics.update(backbone_measures(out.features, batch["ids"]))
+    return result
+
+
+def chunked_loss(engine: Engine, batch: dict[str, Any], objective: Objective, step: int,
+                 chunk_size: int, measure_rank: bool = True,
+                 ) -> tuple[ObjectiveOutput, Callable[[], None]]:
+    """Steps 2-4 chunk by chunk (``train.chunk_size``), and the backward to run after
+    them (``chunked.py``)."""
+    loss_of = functools.partial(loss_of_outputs, batch=batch, objective=objective, step=step,
+                                measure_rank=measure_rank)
+    return chunked_forward_loss(engine, batch, loss_of, chunk_size, objective.rows_per_rank)
+
+
+@dataclass
+class Monitors:
+    """What watches the run: the metric ``window`` and the non-finite ``guard`` (both on
+    the device until a report), the ``collapse`` watch and the optional ``knn`` monitor
+    (encoder -> kNN top-1 on a fixed subset of the evaluation shards)."""
+
+    guard: NonFiniteGuard
+    collapse: CollapseWatch
+    knn: Callable[[torch.nn.Module], dict[str, float]] | None = None
+    window: MetricWindow = field(default_factory=MetricWindow)
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, parts: Parts, precision: str) -> None:
-        self.cfg, self.p, self.precision = cfg, parts, precision
+    """Trains ``engine.module`` for ``total_steps`` steps; see the module's docstring.
+    ``loader`` None: the caller hands :meth:`train_step` its batches (tests, benchmarks)."""
+
+    def __init__(self, cfg: TrainConfig, *, engine: Engine, objective: Objective,
+                 loader: TrainLoader | None, checkpointer: Checkpointer,
+                 schedule: Callable[[int], float], total_steps: int, runtime: Runtime,
+                 precision: str, tracker: Any = None,
+                 knn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+                 preemption: PreemptionWatch | None = None, config_yaml: str = "") -> None:
+        self.cfg, self.runtime, self.precision = cfg, runtime, precision
+        self.engine, self.objective, self.loader = engine, objective, loader
+        self.checkpointer, self.tracker, self.preemption = checkpointer, tracker, preemption
+        self.schedule, self.total_steps, self.config_yaml = schedule, total_steps, config_yaml
+        self.monitors = Monitors(NonFiniteGuard(cfg.max_nonfinite, runtime.device),
+                                 CollapseWatch(cfg.collapse), knn)
         self.step = 0
-        self.loader_state = LoaderState()
-        self.guard = NonFiniteGuard(cfg.max_nonfinite, parts.runtime.device)
-        ess = parts.objective_cfg.ess_control
-        self.controller = (EssTemperatureController(ess, parts.objective_cfg.temperature)
-                           if ess.enabled else None)
-        self.collapse = CollapseWatch(cfg.collapse)
-        self.window = MetricWindow()  # on the device until reported
-        self.views, self.window_start = 0, time.perf_counter()
         self.last_saved = -1
         self.last_row: dict[str, float] = {}  # the newest logged metrics (all ranks' mean)
         self.last_knn: dict[str, float] = {}  # the newest kNN monitor result
+        self.views, self.window_start = 0, time.perf_counter()
         self.empty_steps: torch.Tensor | int = 0  # steps with a placeholder batch, unreported
+        self.bar = tqdm(disable=True)
 
-    # -- state ------------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.module
+
+    # -- the loop ---------------------------------------------------------------------
+    def train(self) -> None:
+        """Resume if a checkpoint is there, then train to ``total_steps``."""
+        self.bar = tqdm(total=self.total_steps, initial=self.step, unit="step",
+                        disable=not (self.cfg.progress and self.runtime.is_main),
+                        dynamic_ncols=True)
+        self.window_start = time.perf_counter()
+        if self.cfg.chunk_size and self.runtime.is_main:
+            log.info("encoder runs in chunks of at most %d rows per rank, with the cached "
+                     "embedding gradient (train.chunk_size)", self.cfg.chunk_size)
+        try:
+            with self.preemption or contextlib.nullcontext():
+                while self.step < self.total_steps:
+                    for batch in self.loader.epoch():
+                        self.train_step(batch)
+                        if self.step >= self.total_steps:
+                            break
+        finally:
+            self.loader.close()
+            self.bar.close()
+        if self.last_saved != self.step:
+            self.save()
+        self.report_skips()
+
+    def train_step(self, batch: dict[str, Any]) -> None:
+        placeholder = bool(batch.get("placeholder", False))  # the loader's, on the host
+        batch = to_device(batch, self.runtime.device)
+        lr = self.engine.set_lr(self.schedule(self.step))  # 1
+        reports = self.reports_after(self.step + 1)
+        with kept_buffers(self.model, placeholder):  # a placeholder leaves no statistics
+            with autocast(self.precision, self.runtime.device):
+                if self.cfg.chunk_size:  # 2-4 chunk by chunk, 5 returned for later
+                    out, backward = chunked_loss(self.engine, batch, self.objective,
+                                                 self.step, self.cfg.chunk_size, reports)
+                else:  # 2-4
+                    out = forward_loss(self.engine, batch, self.objective, self.step,
+                                       reports)
+                    backward = functools.partial(self.engine.backward, out.loss)
+            flags = self.update(out, backward, placeholder)  # 5
+        if self.objective.controller:
+            self.objective.controller.update(mean_over_ranks_on_device(out.metrics["ess"]),
+                                             self.step / max(1, self.total_steps))
+        self.step += 1
+        self.monitors.window.add(out.metrics, flags.real)  # 6
+        self.views += 0 if placeholder else len(batch["images"])
+        self.bar.update(1)
+        if reports:
+            self.report(lr)
+        if self.monitors.knn is not None and self.step % self.cfg.knn_every == 0:
+            self.run_knn_monitor()
+        if self.checkpointer.due(self.step):
+            self.save()
+        self.stop_if_preempted()
+
+    def reports_after(self, step: int) -> bool:
+        """Whether the metric row is reported once ``step`` steps are done."""
+        return step % self.cfg.log_every == 0 or step == self.total_steps
+
+    def update(self, out: ObjectiveOutput, backward: Callable[[], None],
+               placeholder: bool) -> StepFlags:
+        """Backward and the optimiser step, unless a non-finite loss or a placeholder
+        batch on any rank skips it on every rank: masked on the device where the engine
+        can (DDP), decided on the host where it cannot (DeepSpeed)."""
+        flags = agreed_flags(out.loss, placeholder)
+        guard = self.monitors.guard
+        guard.record(flags.finite | ~flags.real)
+        self.empty_steps = self.empty_steps + (~flags.real).long()
+        if self.engine.skips_on_device:
+            backward()
+            self.engine.step(skip=~flags.update)
+        elif bool(flags.update):
+            backward()
+            self.engine.step()
+        else:
+            if not self.cfg.chunk_size:  # chunks ran no forward with gradient yet
+                self.engine.skip(out.loss)
+            if bool(flags.real):
+                guard.check(self.step)  # synchronised anyway: stop at once
+        return flags
+
+    # -- reports and monitors ---------------------------------------------------------
+    def report(self, lr: float) -> None:
+        """The window's metric row: the host synchronises here, once per log_every steps."""
+        device = self.runtime.device
+        nonfinite_total = self.monitors.guard.check(self.step)
+        elapsed = time.perf_counter() - self.window_start
+        views = sum_over_ranks(self.views, device)
+        row = self.monitors.window.means_over_ranks()
+        empty, self.empty_steps = int(self.empty_steps), 0
+        if empty:
+            log.warning("%d step(s) up to step %d had a rank whose every sample was skipped; "
+                        "no update in them", empty, self.step)
+        skipped = sum(self.loader.state.skipped.values()) if self.loader else 0
+        row.update(lr=lr, images_per_s=views / elapsed, memory_mib=peak_memory_mib(device),
+                   empty_steps=float(empty), skipped_samples=sum_over_ranks(skipped, device),
+                   nonfinite_steps=float(nonfinite_total))
+        if self.objective.controller:
+            row["temperature"] = float(self.objective.controller.temperature)
+        self.last_row = {"step": self.step, **row}
+        warning = self.monitors.collapse.check(self.step, row)
+        row["collapse"] = float(warning is not None)
+        if self.runtime.is_main:
+            self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
+                                 img_s=f"{row['images_per_s']:.0f}",
+                                 **({"collapse": "WARNING"} if warning else {}), refresh=False)
+            if warning:
+                log.warning(warning)
+            if self.tracker is not None:
+                self.tracker.log_metrics(self.step, row)
+            log.info("step %d %s", self.step,
+                     " ".join(f"{k}={v:.4g}" for k, v in sorted(row.items())))
+        self.views = 0
+        self.window_start = time.perf_counter()
+        self.monitors.collapse.stop_if_spent()
+
+    def run_knn_monitor(self) -> None:
+        result = self.monitors.knn(self.model.encoder)
+        self.last_knn = {"step": self.step, **result}
+        if self.runtime.is_main:
+            log.info("step %d knn monitor: top-1 %.4f", self.step, result["knn_top1"])
+            if self.tracker is not None:
+                self.tracker.log_metrics(self.step, result)
+
+    def report_skips(self) -> None:
+        """The run's skipped samples: each rank logs its own (per reason and shard, with
+        examples); rank 0 sends the totals per reason to MLflow."""
+        state = self.loader.state
+        summary = state.summary()
+        if summary:
+            log.warning("rank %d data: %s", self.runtime.rank, summary)
+        totals = totals_over_ranks({f"skipped.{reason}": state.skipped.get(reason, 0)
+                                    for reason in SKIP_REASONS}, self.runtime.device)
+        if self.runtime.is_main:
+            log.info("data: skipped per reason over all ranks: %s",
+                     {k.split(".")[1]: int(v) for k, v in totals.items() if v} or "none")
+            if self.tracker is not None:
+                self.tracker.log_metrics(self.step, totals)
+
+    def stop_if_preempted(self) -> None:
+        """At the agreed step boundary: checkpoint (unless just written) and stop."""
+        watch = self.preemption
+        if watch is None or self.step >= self.total_steps or not watch.due(self.step) \
+                or not watch.agreed():
+            return
+        if self.last_saved != self.step:
+            self.save()
+        path = self.checkpointer.checkpoints()[0]
+        log.warning("preempted by %s: stopped at step %d with checkpoint %s", watch.received,
+                    self.step, path)
+        raise Preempted(self.step, watch.received or "a signal", str(path))
+
+    # -- checkpoints ------------------------------------------------------------------
     def save(self) -> Path:
-        engine = self.p.engine.state_dict()
-        world = self.p.runtime.world
-        shared = {"step": self.step, "world": world, "model": engine["model"],
-                  "global_batch": self.p.data_cfg.batch_size * world,
-                  "nonfinite_total": self.guard.check(self.step), "config": self.p.config_yaml,
-                  "controller": self.controller.state_dict() if self.controller else {},
-                  "collapse": self.collapse.state_dict()}
-        own = {"rng": rng_state(), "loader": self.loader_state.state_dict()}
-        (own if self.p.engine.optimizer_sharded else shared)["optimizer"] = engine["optimizer"]
-        path = self.p.checkpointer.save(self.step, shared, own)
+        """A checkpoint of this step: what every rank shares (written once, by rank 0) and
+        what is this rank's own (its RNG streams, its loader position, and its optimiser
+        partition under ZeRO)."""
+        engine = self.engine.state_dict()
+        controller = self.objective.controller
+        replicated = {"step": self.step, "world": self.runtime.world, "model": engine["model"],
+                      "global_batch": self.checkpointer.global_batch,
+                      "nonfinite_total": self.monitors.guard.check(self.step),
+                      "config": self.config_yaml,
+                      "controller": controller.state_dict() if controller else {},
+                      "collapse": self.monitors.collapse.state_dict()}
+        per_rank = {"rng": rng_state(),
+                    "loader": self.loader.state_dict() if self.loader else {}}
+        (per_rank if self.engine.optimizer_sharded else replicated)["optimizer"] = \
+            engine["optimizer"]
+        path = self.checkpointer.save(self.step, replicated, per_rank)
         self.last_saved = self.step
         log.info("checkpoint: %s", path)
         return path
 
     def resume(self) -> bool:
-        loaded = self.p.checkpointer.load()
+        """Continue from the newest readable checkpoint, if there is one."""
+        loaded = self.checkpointer.load()
         if loaded is None:
             return False
-        shared, own, path = loaded
-        check_drift(path, shared.get("config", ""), self.p.config_yaml,
-                    self.p.checkpointer.cfg.allow_changes)
-        state = {"model": shared["model"]}
-        if "optimizer_partitions" in own:  # ZeRO partitions of another number of ranks
-            state["optimizer_partitions"] = own["optimizer_partitions"]
+        replicated, per_rank, path = loaded
+        check_drift(path, replicated.get("config", ""), self.config_yaml,
+                    self.checkpointer.cfg.allow_changes)
+        state = {"model": replicated["model"]}
+        if "optimizer_partitions" in per_rank:  # ZeRO partitions of another number of ranks
+            state["optimizer_partitions"] = per_rank["optimizer_partitions"]
         else:
-            state["optimizer"] = (own if self.p.engine.optimizer_sharded else shared)["optimizer"]
+            state["optimizer"] = (per_rank if self.engine.optimizer_sharded
+                                  else replicated)["optimizer"]
         try:
-            self.p.engine.load_state_dict(state)
+            self.engine.load_state_dict(state)
         except RuntimeError as err:  # tensors of another model: name what changed
-            raise unfit_checkpoint(path, shared.get("config", ""), self.p.config_yaml,
+            raise unfit_checkpoint(path, replicated.get("config", ""), self.config_yaml,
                                    err) from None
-        self.step = self.last_saved = shared["step"]
-        self.guard.total = shared["nonfinite_total"]
-        if self.controller:
-            self.controller.load_state_dict(shared["controller"])
-        self.collapse.load_state_dict(shared.get("collapse", {}))
-        self.loader_state = LoaderState.from_state_dict(own["loader"])
-        set_rng_state(own["rng"])
+        self.step = self.last_saved = replicated["step"]
+        self.monitors.guard.total = replicated["nonfinite_total"]
+        if self.objective.controller:
+            self.objective.controller.load_state_dict(replicated["controller"])
+        self.monitors.collapse.load_state_dict(replicated.get("collapse", {}))
+        self.loader.load_state_dict(per_rank["loader"])
+        set_rng_state(per_rank["rng"])
         log.info("resumed from %s at step %d", path, self.step)
         return True
-
-    # -- loop -------------------------------------------------------------------------
-    def run(self) -> None:
-        rt = self.p.runtime
-        bar = tqdm(total=self.p.total_steps, initial=self.step, unit="step",
-                   disable=not (self.cfg.progress and rt.is_main), dynamic_ncols=True)
-        self.window_start = time.perf_counter()
-        if self.cfg.chunk_size and rt.is_main:
-            log.info("encoder runs in chunks of at most %d rows per rank, with the cached "
-                     "embedding gradient (train.chunk_size)", self.cfg.chunk_size)
-        loader = TrainLoader(self.p.data_cfg, rt.rank, rt.world, self.loader_state, self.p.text,
-                             rt.device)
-        try:
-            with self.p.preemption or contextlib.nullcontext():
-                while self.step < self.p.total_steps:
-                    for batch in loader.epoch():
-                        self.train_step(batch, bar)
-                        if self.step >= self.p.total_steps:
-                            break
-        finally:
-            loader.close()
-            bar.close()
-        if self.last_saved != self.step:
-            self.save()
-        self.report_skips()
-
-    def report_skips(self) -> None:
-        """The run's skipped samples: each rank logs its own (per reason and shard, with
-        examples); rank 0 sends the totals per reason to MLflow."""
-        rt, state = self.p.runtime, self.loader_state
-        summary = state.summary()
-        if summary:
-            log.warning("rank %d data: %s", rt.rank, summary)
-        totals = totals_over_ranks({f"skipped.{reason}": state.skipped.get(reason, 0)
-                                    for reason in SKIP_REASONS}, rt.device)
-        if rt.is_main:
-            log.info("data: skipped per reason over all ranks: %s",
-                     {k.split(".")[1]: int(v) for k, v in totals.items() if v} or "none")
-            if self.p.tracker is not None:
-                self.p.tracker.log_metrics(self.step, totals)
-
-    def train_step(self, batch: dict[str, Any], bar: tqdm) -> None:
-        p, rt = self.p, self.p.runtime
-        placeholder = bool(batch.get("placeholder", False))  # the loader's, on the host
-        batch = to_device(batch, rt.device)
-        lr = p.engine.set_lr(p.schedule(self.step))
-        with kept_buffers(p.engine.module, placeholder):
-            out, flags = self._forward_and_update(batch, placeholder)
-        if self.controller:
-            self.controller.update(mean_over_ranks_on_device(out.metrics["ess"]),
-                                   self.step / max(1, p.total_steps))
-        self.step += 1
-        self.window.add(out.metrics, flags.real)
-        self.views += 0 if placeholder else len(batch["images"])
-        bar.update(1)
-        if self.reports_after(self.step):
-            self._report(bar, lr)
-        if p.monitor is not None and self.step % self.cfg.knn_every == 0:
-            self._monitor()
-        if p.checkpointer.due(self.step):
-            self.save()
-        self._stop_if_preempted()
-
-    def reports_after(self, step: int) -> bool:
-        """Whether the metric row is reported once ``step`` steps are done."""
-        return step % self.cfg.log_every == 0 or step == self.p.total_steps
-
-    def _forward_and_update(self, batch: dict[str, Any], placeholder: bool,
-                            ) -> tuple[Any, StepFlags]:
-        """The step's forward, then its update unless a non-finite loss or a placeholder
-        batch on any rank skips it on every rank."""
-        p = self.p
-        tau = self.controller.temperature if self.controller else p.objective_cfg.temperature
-        reports = self.reports_after(self.step + 1)  # the effective rank: on these steps
-        with autocast(self.precision, p.runtime.device):
-            if self.cfg.chunk_size:
-                out, backward = chunked_forward_loss(
-                    p.engine, batch, p.objective, p.objective_cfg, tau, self.step,
-                    self.cfg.chunk_size, p.batch_spec, measure_rank=reports)
-            else:
-                out = forward_loss(p.engine, batch, p.objective, p.objective_cfg, tau,
-                                   self.step, p.batch_spec, measure_rank=reports)
-                backward = functools.partial(p.engine.backward, out.loss)
-        flags = agreed_flags(out.loss, placeholder)
-        self.guard.record(flags.finite | ~flags.real)
-        self.empty_steps = self.empty_steps + (~flags.real).long()
-        if p.engine.skips_on_device:  # no host synchronisation: the update is masked
-            backward()
-            p.engine.step(skip=~flags.update)
-        elif bool(flags.update):
-            backward()
-            p.engine.step()
-        else:
-            if not self.cfg.chunk_size:  # chunks ran no forward with gradient yet
-                p.engine.skip(out.loss)
-            if bool(flags.real):
-                self.guard.check(self.step)  # synchronised anyway: stop at once
-        return out, flags
-
-    def _stop_if_preempted(self) -> None:
-        """At the agreed step boundary: checkpoint (unless just written) and stop."""
-        watch = self.p.preemption
-        if watch is None or self.step >= self.p.total_steps or not watch.due(self.step) \
-                or not watch.agreed():
-            return
-        if self.last_saved != self.step:
-            self.save()
-        path = self.p.checkpointer.checkpoints()[0]
-        log.warning("preempted by %s: stopped at step %d with checkpoint %s", watch.received,
-                    self.step, path)
-        raise Preempted(self.step, watch.received or "a signal", str(path))
-
-    def _monitor(self) -> None:
-        result = self.p.monitor(self.p.engine.module.encoder)
-        self.last_knn = {"step": self.step, **result}
-        if self.p.runtime.is_main:
-            log.info("step %d knn monitor: top-1 %.4f", self.step, result["knn_top1"])
-            if self.p.tracker is not None:
-                self.p.tracker.log_metrics(self.step, result)
-
-    def _report(self, bar: tqdm, lr: float) -> None:
-        """The window's metric row: the host synchronises here, once per log_every steps."""
-        rt = self.p.runtime
-        nonfinite_total = self.guard.check(self.step)
-        elapsed = time.perf_counter() - self.window_start
-        views = sum_over_ranks(self.views, rt.device)
-        row = self.window.means_over_ranks()
-        empty, self.empty_steps = int(self.empty_steps), 0
-        if empty:
-            log.warning("%d step(s) up to step %d had a rank whose every sample was skipped; "
-                        "no update in them", empty, self.step)
-        row.update(lr=lr, images_per_s=views / elapsed, memory_mib=peak_memory_mib(rt.device),
-                   empty_steps=float(empty),
-                   skipped_samples=sum_over_ranks(sum(self.loader_state.skipped.values()),
-                                                  rt.device),
-                   nonfinite_steps=float(nonfinite_total))
-        if self.controller:
-            row["temperature"] = float(self.controller.temperature)
-        self.last_row = {"step": self.step, **row}
-        warning = self.collapse.check(self.step, row)
-        row["collapse"] = float(warning is not None)
-        if rt.is_main:
-            bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
-                            img_s=f"{row['images_per_s']:.0f}",
-                            **({"collapse": "WARNING"} if warning else {}), refresh=False)
-            if warning:
-                log.warning(warning)
-            if self.p.tracker is not None:
-                self.p.tracker.log_metrics(self.step, row)
-            log.info("step %d %s", self.step,
-                     " ".join(f"{k}={v:.4g}" for k, v in sorted(row.items())))
-        self.views = 0
-        self.window_start = time.perf_counter()
-        self.collapse.stop_if_spent()

@@ -12,32 +12,19 @@ torch.distributed.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 from torch import Tensor
 
-from pretrain.losses.batch import (
-    BatchOptions,
-    BatchRows,
-    ContrastiveBatch,
-    local_batch,
-    make_batch,
-)
+from pretrain.losses.batch import BatchOptions, BatchRows, ContrastiveBatch, local_batch
 from pretrain.losses.common import ObjectiveOutput, Temperature
 from pretrain.losses.config import ObjectiveConfig
-from pretrain.losses.objectives import OBJECTIVES, Objective, ObjectiveSpec, objective_spec
+from pretrain.losses.objectives import (
+    OBJECTIVES,
+    ObjectiveFn,
+    ObjectiveSpec,
+    objective_function,
+    objective_spec,
+)
 from pretrain.losses.temperature import EssControlConfig, EssTemperatureController
-
-
-def get_objective(name: str, **hparams: object) -> Callable[[ContrastiveBatch, Temperature],
-                                                            ObjectiveOutput]:
-    """The objective ``name`` with its hyperparameters bound."""
-    return functools.partial(objective_spec(name).fn, **hparams)
-
-
-def objective_from_config(config: ObjectiveConfig) -> Callable[..., ObjectiveOutput]:
-    return get_objective(config.name, **config.hparams())
 
 
 def batch_loss(
@@ -80,15 +67,15 @@ def batch_loss(
         if value is not None and not isinstance(value, Tensor):
             raise TypeError(f"batch_loss: {arg} must be a tensor, got {type(value).__name__} "
                             f"{value!r} (temperature and hyperparameters are keywords)")
-    batch = make_batch(z, ids, labels=labels, captions=captions, class_graph=class_graph,
-                       text=text, num_negatives=num_negatives, negatives_seed=negatives_seed,
-                       tile_size=tile_size, num_classes=num_classes)
-    return get_objective(name, **hparams)(batch, temperature)
+    batch = local_batch(BatchRows(z, ids, labels, captions, text),
+                        BatchOptions(class_graph, num_negatives, negatives_seed, tile_size,
+                                     num_classes))
+    return objective_function(name, **hparams)(batch, temperature)
 
 
 __all__ = [
     "OBJECTIVES", "BatchOptions", "BatchRows", "ContrastiveBatch", "EssControlConfig",
-    "EssTemperatureController", "Objective", "ObjectiveConfig", "ObjectiveOutput",
-    "ObjectiveSpec", "batch_loss", "get_objective", "local_batch", "make_batch",
-    "objective_from_config", "objective_spec",
+    "EssTemperatureController", "ObjectiveConfig", "ObjectiveFn", "ObjectiveOutput",
+    "ObjectiveSpec", "Temperature", "batch_loss", "local_batch", "objective_function",
+    "objective_spec",
 ]

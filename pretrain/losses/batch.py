@@ -302,22 +302,3 @@ def local_batch(rows: BatchRows, options: BatchOptions = BatchOptions()) -> Cont
         tile_size=auto_tile_size(options.tile_size, rows.z.shape[0]),
         num_classes=options.num_classes,
     )
-
-
-def make_batch(
-    z: Tensor,
-    ids: Tensor,
-    labels: Tensor | None = None,
-    captions: Tensor | None = None,
-    class_graph: Tensor | None = None,
-    text: Tensor | None = None,
-    num_negatives: int | None = None,
-    negatives_seed: int = 0,
-    tile_size: int | None = None,
-    num_classes: int | None = None,
-) -> ContrastiveBatch:
-    """:func:`local_batch` with the fields of :class:`BatchRows` and :class:`BatchOptions`
-    as keywords (``z`` [N, D], ``text`` [N, D] and ``captions`` [N, E] are L2-normalised)."""
-    return local_batch(BatchRows(z, ids, labels, captions, text),
-                       BatchOptions(class_graph, num_negatives, negatives_seed, tile_size,
-                                    num_classes))

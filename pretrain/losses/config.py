@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, ClassVar
 
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.objectives import objective_spec
+from pretrain.losses.objectives import OBJECTIVES, objective_spec
 from pretrain.losses.parameters import ParameterShape, initial_values
-from pretrain.losses.projnce import Projection
 from pretrain.losses.temperature import EssControlConfig
 
 
 @dataclass
-class ObjectiveConfig:
-    """Which objective, its temperature, the negatives it sees and its hyperparameters.
-
-    Objective-specific keys are read only by the objective named in the comment.
-    """
+class SharedObjectiveConfig:
+    """``objective.*``: which objective, its temperature, the negatives it sees and its
+    tiles, what every objective shares. :data:`ObjectiveConfig` adds the sections."""
 
     name: str = "infonce"  # an entry of pretrain/losses/objectives.py (docs/objectives.md)
     temperature: float = 0.1  # tau of the similarity logits (initial value if learnable)
@@ -27,24 +24,19 @@ class ObjectiveConfig:
     num_negatives: int | None = None  # per-anchor random subset of k negatives; null = all
     negatives_seed: int = 0  # the subset is reseeded from (seed, step) every step
     tile_size: int | None = None  # column tile width (docs/negatives.md); null = automatic
-    eps: float = 0.1  # eps_supinfonce: margin on the positive's denominator term
-    gamma: float = 2.0  # holder_flatnce: scale of the logits
-    target_temperature: float = 0.1  # xclr: tau_s of the soft targets
-    bias: float = -10.0  # siglip: initial value of the learned logit bias b (Zhai et al.)
-    class_graph: str = ""  # xclr: class_graph.npz (ImageNet recipe); "" = caption targets
-    # learned: a [C, D] class-embedding matrix trained with the encoder (ProjNCE-MLP)
-    projection: Projection = "centroid"  # projnce: the class projection g(c)
-    bandwidth: float = 0.5  # projnce kernel: Nadaraya-Watson bandwidth h
-    kernel_metric: Literal["l1", "l2", "cos"] = "l1"  # projnce kernel: distance
     ess_control: EssControlConfig = field(default_factory=EssControlConfig)  # ESS steering
+
+    # keys that moved into an objective's section: refused, naming where they went
+    MOVED: ClassVar[dict[str, str]] = {
+        "eps": "eps_supinfonce.eps", "gamma": "holder_flatnce.gamma",
+        "target_temperature": "xclr.target_temperature", "class_graph": "xclr.class_graph",
+        "projection": "projnce.projection", "bandwidth": "projnce.bandwidth",
+        "kernel_metric": "projnce.kernel_metric", "bias": "siglip.bias"}
 
     def validate(self) -> None:
         spec = objective_spec(self.name)
-        for key in ("temperature", "gamma", "target_temperature", "bandwidth"):
-            if not getattr(self, key) > 0:
-                raise InvalidValue(key, f"must be > 0, got {getattr(self, key)}")
-        if self.eps < 0:
-            raise InvalidValue("eps", f"must be >= 0, got {self.eps}")
+        if not self.temperature > 0:
+            raise InvalidValue("temperature", f"must be > 0, got {self.temperature}")
         if self.tile_size is not None and self.tile_size < 1:
             raise InvalidValue("tile_size", f"must be >= 1 or null, got {self.tile_size}")
         if self.num_negatives is not None and self.num_negatives < 1:
@@ -56,11 +48,41 @@ class ObjectiveConfig:
             raise InvalidValue("ess_control.enabled",
                                f"{self.name} has no softmax over negatives to steer by ESS")
 
+    @classmethod
+    def of(cls, name: str, **keys: Any) -> SharedObjectiveConfig:
+        """Objective ``name``'s configuration from one set of keywords: the shared keys as
+        they are, the objective's own into its section
+        (``ObjectiveConfig.of("projnce", projection="kernel", temperature=0.2)``)."""
+        shared = {f.name for f in fields(SharedObjectiveConfig)}
+        own = {key: keys.pop(key) for key in list(keys) if key not in shared}
+        if own:
+            section = objective_spec(name).config
+            if section is None:
+                raise TypeError(f"{name} has no keys of its own, got {sorted(own)}")
+            keys[name] = section(**own)
+        return cls(name=name, **keys)
+
+    @property
+    def own(self) -> Any:
+        """The chosen objective's own section (None for an objective without keys)."""
+        return getattr(self, self.name) if objective_spec(self.name).config else None
+
     def hparams(self) -> dict[str, Any]:
         """Keyword arguments of the chosen objective function (its table entry's keys)."""
-        return {key: getattr(self, key) for key in objective_spec(self.name).hparams}
+        return {key: getattr(self.own, key) for key in objective_spec(self.name).hparams}
 
     def loss_parameters(self, shape: ParameterShape) -> dict[str, Tensor]:
         """Initial values of the learnable loss parameters the model owns for this
         objective, for a run of ``shape`` (its class count and projection width)."""
-        return initial_values(objective_spec(self.name).parameters, vars(self), shape)
+        own = vars(self.own) if self.own is not None else {}
+        return initial_values(objective_spec(self.name).parameters, own, shape)
+
+
+# ``objective.*``: the shared keys plus one section per objective whose table entry
+# declares a config, ``objective.<name>.*`` (e.g. ``objective.xclr.target_temperature``):
+# a new objective's keys come with its table entry, nothing to add here
+ObjectiveConfig = make_dataclass(
+    "ObjectiveConfig",
+    [(name, spec.config, field(default_factory=spec.config))
+     for name, spec in OBJECTIVES.items() if spec.config is not None],
+    bases=(SharedObjectiveConfig,), namespace={"__module__": __name__})

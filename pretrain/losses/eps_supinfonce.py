@@ -6,12 +6,26 @@ a margin eps >= 0 between the positive and the negatives; eps = 0 is exactly SIN
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from core.config import InvalidValue
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.common import ObjectiveOutput, Temperature
 from pretrain.losses.sincere import sincere_family
 
 
+@dataclass
+class EpsSupInfoNCEConfig:
+    """``objective.eps_supinfonce.*``."""
+
+    eps: float = 0.1  # margin on the positive's denominator term (0 = sincere)
+
+    def validate(self) -> None:
+        if self.eps < 0:
+            raise InvalidValue("eps", f"must be >= 0, got {self.eps}")
+
+
 def eps_supinfonce(batch: ContrastiveBatch, temperature: Temperature, *,
-                   eps: float = 0.1) -> ObjectiveOutput:
+                   eps: float) -> ObjectiveOutput:
     """SINCERE with margin ``eps`` on the positive's denominator term."""
     return sincere_family(batch, temperature, eps=eps)

@@ -11,13 +11,27 @@ the configured tau and ``effective_temperature`` tau / gamma.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from core.config import InvalidValue
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.common import ObjectiveOutput, Temperature, as_metric, scalar
 from pretrain.losses.flatnce import flatnce
 
 
+@dataclass
+class HolderFlatNCEConfig:
+    """``objective.holder_flatnce.*``."""
+
+    gamma: float = 2.0  # scale of the logits: FlatNCE at temperature tau / gamma
+
+    def validate(self) -> None:
+        if not self.gamma > 0:
+            raise InvalidValue("gamma", f"must be > 0, got {self.gamma}")
+
+
 def holder_flatnce(batch: ContrastiveBatch, temperature: Temperature, *,
-                   gamma: float = 2.0) -> ObjectiveOutput:
+                   gamma: float) -> ObjectiveOutput:
     """FlatNCE on gamma * s / tau, i.e. at the effective temperature tau / gamma."""
     out = flatnce(batch, temperature / gamma)
     out.metrics["effective_temperature"] = out.metrics["temperature"]

@@ -9,37 +9,40 @@ objective"); the backbones and the engines keep their tables the same way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.tables import table_entry
 from pretrain.losses.clip import clip
 from pretrain.losses.common import ObjectiveOutput
-from pretrain.losses.eps_supinfonce import eps_supinfonce
+from pretrain.losses.eps_supinfonce import EpsSupInfoNCEConfig, eps_supinfonce
 from pretrain.losses.flatnce import flatnce
-from pretrain.losses.holder_flatnce import holder_flatnce
+from pretrain.losses.holder_flatnce import HolderFlatNCEConfig, holder_flatnce
 from pretrain.losses.infonce import infonce
 from pretrain.losses.parameters import LossParameter, class_embeddings_when_learned, scalar_from
-from pretrain.losses.projnce import projnce
-from pretrain.losses.siglip import siglip
+from pretrain.losses.projnce import ProjNCEConfig, projnce
+from pretrain.losses.siglip import SigLIPConfig, siglip
 from pretrain.losses.sincere import sincere
 from pretrain.losses.supcon import supcon
-from pretrain.losses.xclr import xclr
+from pretrain.losses.xclr import XclrConfig, xclr
 
-Objective = Callable[..., ObjectiveOutput]
+ObjectiveFn = Callable[..., ObjectiveOutput]
 
 
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """An objective and what it needs."""
 
-    fn: Objective  # (batch: ContrastiveBatch, temperature, **hparams) -> ObjectiveOutput
-    hparams: tuple[str, ...] = ()  # objective.* keys passed to ``fn`` as keywords
+    fn: ObjectiveFn  # (batch: ContrastiveBatch, temperature, **hparams) -> ObjectiveOutput
+    # its own keys, objective.<name>.*: a dataclass beside ``fn`` (defaults written there)
+    config: type | None = None
+    hparams: tuple[str, ...] = ()  # keys of ``config`` passed to ``fn`` as keywords
     # learnable loss parameters the model owns and hands to ``fn`` as keywords
     # (pretrain/losses/parameters.py; as open_clip's model owns logit_bias)
     parameters: tuple[LossParameter, ...] = ()
     labels: bool = False  # positives share a class label: the shards must list classes
-    soft_targets: bool = False  # targets from objective.class_graph or data.caption_store
+    soft_targets: bool = False  # targets from objective.xclr.class_graph or data.caption_store
     text_tower: bool = False  # image-caption pairs: a text tower, captions tokenised
     softmax: bool = True  # reports a softmax's monitors (ess), which ess_control steers by
 
@@ -48,18 +51,31 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     "infonce": ObjectiveSpec(infonce),
     "supcon": ObjectiveSpec(supcon, labels=True),
     "sincere": ObjectiveSpec(sincere, labels=True),
-    "eps_supinfonce": ObjectiveSpec(eps_supinfonce, ("eps",), labels=True),
+    "eps_supinfonce": ObjectiveSpec(eps_supinfonce, EpsSupInfoNCEConfig, ("eps",),
+                                    labels=True),
     "flatnce": ObjectiveSpec(flatnce),
-    "holder_flatnce": ObjectiveSpec(holder_flatnce, ("gamma",)),
-    "xclr": ObjectiveSpec(xclr, ("target_temperature",), soft_targets=True),
+    "holder_flatnce": ObjectiveSpec(holder_flatnce, HolderFlatNCEConfig, ("gamma",)),
+    "xclr": ObjectiveSpec(xclr, XclrConfig, ("target_temperature",), soft_targets=True),
     "projnce": ObjectiveSpec(
-        projnce, ("projection", "bandwidth", "kernel_metric"),
+        projnce, ProjNCEConfig, ("projection", "bandwidth", "kernel_metric"),
         parameters=(LossParameter("class_embeddings", class_embeddings_when_learned),),
         labels=True),
     "clip": ObjectiveSpec(clip, text_tower=True),
-    "siglip": ObjectiveSpec(siglip, parameters=(LossParameter("bias", scalar_from("bias")),),
+    # bias: the configured start, bound as a default; a run's model hands in its learned
+    # bias (the parameter below) at every step, which takes its place
+    "siglip": ObjectiveSpec(siglip, SigLIPConfig, ("bias",),
+                            parameters=(LossParameter("bias", scalar_from("bias")),),
                             text_tower=True, softmax=False),
 }
+
+
+def objective_function(name: str, **keys: object) -> Callable[..., ObjectiveOutput]:
+    """Objective ``name``'s function with its own keys bound: ``keys``, else the defaults
+    of its configuration (``objective.<name>.*``); called as ``(batch, temperature,
+    **loss_parameters)``."""
+    spec = objective_spec(name)
+    defaults = {key: getattr(spec.config(), key) for key in spec.hparams}
+    return functools.partial(spec.fn, **(defaults | keys))
 
 
 def objective_spec(name: str) -> ObjectiveSpec:

@@ -44,7 +44,7 @@ def scalar_from(key: str) -> Initial:
 def class_embeddings_when_learned(values: Mapping[str, Any],
                                   shape: ParameterShape) -> Tensor | None:
     """ProjNCE-MLP's [C, D] class-embedding matrix (Jeong & Hero, eq. 34) when
-    ``objective.projection=learned``: rows drawn from N(0, 1/D) under the run's seed, so
+    ``objective.projnce.projection=learned``: rows drawn from N(0, 1/D) under the run's seed, so
     that after normalisation they point in independent random directions, nearly
     orthogonal for D >> log C (as a freshly initialised linear layer of one-hot inputs)."""
     if values.get("projection") != "learned":

@@ -12,11 +12,13 @@ Nadaraya-Watson class means), ``median`` and ``learned`` (g+ = g-, so R = 1 exac
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from core.config import InvalidValue
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
@@ -40,6 +42,20 @@ from pretrain.losses.projections import (
 from pretrain.losses.rows import RowTerms, row_logsumexp
 
 Projection = Literal["centroid", "kernel", "median", "learned"]
+
+
+@dataclass
+class ProjNCEConfig:
+    """``objective.projnce.*``."""
+
+    # learned: a [C, D] class-embedding matrix trained with the encoder (ProjNCE-MLP)
+    projection: Projection = "centroid"  # the class projection g(c)
+    bandwidth: float = 0.5  # kernel: Nadaraya-Watson bandwidth h
+    kernel_metric: KernelMetric = "l1"  # kernel: distance
+
+    def validate(self) -> None:
+        if not self.bandwidth > 0:
+            raise InvalidValue("bandwidth", f"must be > 0, got {self.bandwidth}")
 
 
 def _centroid_plus(batch: ContrastiveBatch) -> Tensor:
@@ -73,8 +89,7 @@ def _group_projection(batch: ContrastiveBatch, projection: Projection, bandwidth
 
 
 def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
-            projection: Projection = "centroid", bandwidth: float = 0.5,
-            kernel_metric: KernelMetric = "l1",
+            projection: Projection, bandwidth: float, kernel_metric: KernelMetric,
             class_embeddings: Tensor | None = None) -> ObjectiveOutput:
     """ProjNCE with the chosen projection; ``metrics["adjustment"]`` is the mean R."""
     require_labels(batch, "projnce")

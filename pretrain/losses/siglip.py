@@ -4,13 +4,15 @@ Algorithm 1); ``docs/objectives.md``.
 loss = -1/N sum_i sum_j log sigmoid(z_ij (x_i . y_j / tau + b)), z_ij = 1 for row i's own
 text and -1 for every other text: each image-text pair is its own binary decision, with no
 softmax over the batch. tau (the paper's 1/t) is learnable through a 0-dim temperature
-tensor, and b is a bias the model owns and hands in (``objective.bias`` initialises it;
-the paper starts at t = 10, b = -10). Other rows with the same instance id (further views
+tensor, and b is a bias the model owns and hands in (``objective.siglip.bias`` initialises
+it; the paper starts at t = 10, b = -10). Other rows with the same instance id (further views
 of one image, whose captions are identical) are neither positive nor negative, as in
 ``clip``. Under ``num_negatives`` each anchor's negative terms run over its seeded subset.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -32,8 +34,15 @@ from pretrain.losses.sigmoid_rows import sigmoid_rows
 NEGATIVES = ColumnSet("instance", positives=False, self_column=False)
 
 
+@dataclass
+class SigLIPConfig:
+    """``objective.siglip.*``."""
+
+    bias: float = -10.0  # initial value of the learned logit bias b (Zhai et al.)
+
+
 def siglip(batch: ContrastiveBatch, temperature: Temperature, *,
-           bias: Temperature = 0.0) -> ObjectiveOutput:
+           bias: Temperature) -> ObjectiveOutput:
     """Pairwise sigmoid loss of ``batch.anchors`` against every text in ``batch.text``."""
     if batch.text is None:
         raise ValueError("siglip: needs the second modality's embeddings (text=)")

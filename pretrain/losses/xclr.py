@@ -20,9 +20,12 @@ share a caption is not asked of the device (docs/training.md, "Host synchronisat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from core.config import InvalidValue
 from pretrain.losses.batch import ContrastiveBatch, PositiveKind
 from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
 from pretrain.losses.common import (
@@ -136,8 +139,21 @@ def target_logits(batch: ContrastiveBatch, target_temperature: float) -> TargetL
     return lambda start, stop, block: anchors[block] @ captions[start:stop].T
 
 
+@dataclass
+class XclrConfig:
+    """``objective.xclr.*``: where the soft targets come from and how sharp they are."""
+
+    target_temperature: float = 0.1  # tau_s of the soft targets
+    class_graph: str = ""  # class_graph.npz (the ImageNet recipe); "" = caption targets
+
+    def validate(self) -> None:
+        if not self.target_temperature > 0:
+            raise InvalidValue("target_temperature",
+                               f"must be > 0, got {self.target_temperature}")
+
+
 def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
-         target_temperature: float = 0.1) -> ObjectiveOutput:
+         target_temperature: float) -> ObjectiveOutput:
     """Soft-target contrastive loss; ``target_temperature`` is the paper's tau_s."""
     _check_targets(batch)
     with full_precision(batch):

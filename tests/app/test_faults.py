@@ -41,8 +41,8 @@ def test_batch_larger_than_the_data(digits_shards, tmp_path, capsys):
 def test_missing_class_graph(digits_shards, tmp_path, capsys):
     graph = tmp_path / "nowhere.npz"
     line = fails_with(train_overrides(digits_shards, tmp_path, **{
-        "objective.name": "xclr", "objective.class_graph": graph}), capsys)
-    assert line == (f"pretrain: error: objective.class_graph={graph}: no such file (run "
+        "objective.name": "xclr", "objective.xclr.class_graph": graph}), capsys)
+    assert line == (f"pretrain: error: objective.xclr.class_graph={graph}: no such file (run "
                     "graph-precompute graph.task=class_graph)")
     assert not (tmp_path / "run").exists()
 
@@ -66,7 +66,7 @@ def test_learned_class_embeddings_need_shards_that_list_classes(tmp_path, capsys
     manifest = write_set(tmp_path / "unlabelled", [[digit_sample(i) for i in range(40)]])
     dataclasses.replace(manifest, class_names=[]).write(tmp_path / "unlabelled")
     line = fails_with(train_overrides(tmp_path / "unlabelled", tmp_path, **{
-        "objective.name": "projnce", "objective.projection": "learned"}), capsys)
+        "objective.name": "projnce", "objective.projnce.projection": "learned"}), capsys)
     assert line == (f"pretrain: error: objective.name=projnce needs class labels, and "
                     f"data.shards={tmp_path / 'unlabelled'} lists no classes (no manifest "
                     "with class names)")

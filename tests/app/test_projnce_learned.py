@@ -1,4 +1,4 @@
-"""ProjNCE with learned class embeddings (``objective.projection=learned``) through the real
+"""ProjNCE with learned class embeddings (``objective.projnce.projection=learned``) through the real
 commands: the run owns and trains the [C, D] matrix, checkpoints it, resumes to exactly the
 uninterrupted run, reshards it from 2 DeepSpeed ranks to 1, registers it with the encoder,
 and ``evaluate`` reports the classifier by cosine to the learned class embeddings from
@@ -24,7 +24,7 @@ from tests.pretrain.run.test_checkpoint import final_model
 from tests.pretrain.run.test_reshard import velocities
 
 KEY = "loss_parameters.class_embeddings"
-LEARNED = {"objective.name": "projnce", "objective.projection": "learned",
+LEARNED = {"objective.name": "projnce", "objective.projnce.projection": "learned",
            "checkpoint.every": 4, "checkpoint.keep": 10, "data.workers": 1}
 
 

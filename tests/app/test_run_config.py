@@ -61,7 +61,7 @@ def test_every_key_has_a_description():
     ("make-shards", ["shards.source=digits"], "shards.output"),
     ("evaluate", ["name=r", "eval.train_shards=a"], "eval.test_shards"),
     ("graph-precompute", ["graph.output=o"], "graph.shards"),
-    ("pretrain", ["name=r", "data.shards=x", "objective.name=xclr"], "objective.class_graph"),
+    ("pretrain", ["name=r", "data.shards=x", "objective.name=xclr"], "objective.xclr.class_graph"),
 ])
 def test_a_stage_names_the_key_it_lacks(stage, overrides, key):
     config = load_config(RunConfig, None, overrides)
@@ -102,8 +102,8 @@ def test_help_points_at_every_key_and_help_config_lists_them():
 
 
 def test_zero_padded_keys_stay_strings():
-    cfg = load_config(RunConfig, None, ["graph.key=0000170", "objective.class_graph="])
-    assert cfg.graph.key == "0000170" and cfg.objective.class_graph == ""
+    cfg = load_config(RunConfig, None, ["graph.key=0000170", "objective.xclr.class_graph="])
+    assert cfg.graph.key == "0000170" and cfg.objective.xclr.class_graph == ""
 
 
 def test_the_image_size_resolves_from_the_data_resolution_unless_set():
@@ -122,7 +122,19 @@ def test_a_timm_backbone_is_checked_at_configuration_time():
 
 def test_projnce_projections_are_run_options_and_others_are_refused():
     config = load_config(RunConfig, None, ["objective.name=projnce",
-                                           "objective.projection=learned"])
-    assert config.objective.projection == "learned"
-    with pytest.raises(ConfigError, match="objective.projection"):
-        load_config(RunConfig, None, ["objective.name=projnce", "objective.projection=mlp"])
+                                           "objective.projnce.projection=learned"])
+    assert config.objective.projnce.projection == "learned"
+    with pytest.raises(ConfigError, match="objective.projnce.projection"):
+        load_config(RunConfig, None, ["objective.name=projnce", "objective.projnce.projection=mlp"])
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("objective.target_temperature", "objective.xclr.target_temperature"),
+    ("objective.class_graph", "objective.xclr.class_graph"),
+    ("objective.bias", "objective.siglip.bias"),
+    ("objective.projection", "objective.projnce.projection")])
+def test_an_objective_key_that_moved_into_its_section_is_refused_naming_the_new_key(old, new):
+    with pytest.raises(ConfigError) as err:
+        load_config(RunConfig, None, [f"{old}=0.2"])
+    assert str(err.value) == (f"key '{old}' (command-line override): moved; set '{new}' "
+                              "instead")

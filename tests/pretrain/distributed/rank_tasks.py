@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.distributed import build_global_batch
-from pretrain.losses import BatchOptions, BatchRows, get_objective
+from pretrain.losses import BatchOptions, BatchRows, objective_function
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19): uneven and asymmetric
@@ -29,7 +29,7 @@ def objective_on_rank(name: str, hparams: dict, num_negatives: int | None,
     batch = build_global_batch(BatchRows(z, b.ids[rows], b.labels[rows], b.captions[rows], text),
                                BatchOptions(num_negatives=num_negatives, negatives_seed=7,
                                             tile_size=tile_size, rows_per_rank=ROWS_PER_RANK))
-    out = get_objective(name, **hparams, **params)(batch, tau)
+    out = objective_function(name, **hparams, **params)(batch, tau)
     grad_z, grad_tau, grad_text, *grad_params = torch.autograd.grad(
         out.loss, [z, tau, text, *params.values()], allow_unused=True)
     return {"loss": out.loss.detach(), "grad_z": grad_z, "grad_tau": grad_tau,

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.losses import OBJECTIVES, get_objective, make_batch
+from pretrain.losses import OBJECTIVES, objective_function
 from tests.pretrain.distributed import rank_tasks
+from tests.pretrain.losses.batches import batch_of
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 CASES = [(name, {}) for name in OBJECTIVES if name != "projnce"] + [
@@ -27,8 +28,8 @@ def test_two_ranks_equal_one_process(gloo2, name, hparams, num_negatives, tile_s
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
     text = b.text.detach().clone().requires_grad_()
     params = rank_tasks.loss_parameters(name)
-    whole = get_objective(name, **hparams, **params)(
-        make_batch(b.z, b.ids, b.labels, captions=b.captions, text=text,
+    whole = objective_function(name, **hparams, **params)(
+        batch_of(b.z, b.ids, b.labels, captions=b.captions, text=text,
                    num_negatives=num_negatives, negatives_seed=7), tau)
     grad_z, grad_tau, grad_text, *grad_params = torch.autograd.grad(
         whole.loss, [b.z, tau, text, *params.values()], allow_unused=True)

@@ -10,18 +10,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from data_pipeline.text import load_tokenizer, tokenize
-from pretrain.loop.chunked import chunked_forward_loss
 from pretrain.loop.engine import DeepSpeedEngine, Engine, EngineConfig, build_engine
 from pretrain.loop.optim import OptimConfig, build_optimizer
-from pretrain.loop.step import BatchSpec, forward_loss
-from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config
+from pretrain.loop.step import Objective
+from pretrain.loop.trainer import chunked_loss, forward_loss
+from pretrain.losses import OBJECTIVES, ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 NUM_CLASSES = 6  # the batch's labels lie in [0, 6)
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19)
 # every rank gathers 16 rows (one process: its 19): rank 0 pads 10, rank 1 pads 3
-SPEC = BatchSpec(rows_per_rank=16)
+ROWS_PER_RANK = 16
 CAPTIONS = ["a photo of the digit zero", "a small dog on grass", "two red apples",
             "a photo of the digit three", "a boat at sea", "a city at night", "an old car",
             "the digit seven, handwritten", "a cat asleep", "snow on a mountain", "a violin"]
@@ -44,8 +44,7 @@ def add_tokens(batch: dict[str, Any]) -> None:
 
 
 def objective_config(name: str, hparams: dict) -> ObjectiveConfig:
-    return ObjectiveConfig(name=name, temperature=0.2, learnable_temperature=True,
-                           **hparams)
+    return ObjectiveConfig.of(name, temperature=0.2, learnable_temperature=True, **hparams)
 
 
 def full_gradients(engine: Engine) -> dict[str, Tensor]:
@@ -77,14 +76,12 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
     if rows is None and dist.is_initialized():
         rows = slice(0, SPLIT) if dist.get_rank() == 0 else slice(SPLIT, 19)
     batch = {k: v[rows] for k, v in batch.items()} if rows is not None else batch
+    objective = Objective(cfg, rows_per_rank=ROWS_PER_RANK)
     if chunk_size:
-        out, backward = chunked_forward_loss(engine, batch, objective_from_config(cfg), cfg,
-                                             cfg.temperature, step=5, chunk_size=chunk_size,
-                                             spec=SPEC)
+        out, backward = chunked_loss(engine, batch, objective, step=5, chunk_size=chunk_size)
         backward()
     else:
-        out = forward_loss(engine, batch, objective_from_config(cfg), cfg, cfg.temperature,
-                           step=5, spec=SPEC)
+        out = forward_loss(engine, batch, objective, step=5)
         engine.backward(out.loss)
     return {"loss": out.loss.detach(), "grads": full_gradients(engine)}
 

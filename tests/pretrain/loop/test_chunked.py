@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from bench.common import peak_memory_bytes
-from pretrain.loop.chunked import chunk_count, chunked_forward_loss, chunks_of
-from pretrain.loop.step import loss_of_outputs, model_inputs
-from pretrain.losses import ObjectiveConfig, objective_from_config
+from pretrain.loop.chunked import chunk_count, chunks_of
+from pretrain.loop.step import Objective, model_inputs
+from pretrain.loop.trainer import chunked_loss, loss_of_outputs
+from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, ModelOutput, build_model
 from tests.pretrain.loop import engine_tasks
 from tests.pretrain.loop.test_engine import ENGINES, tolerance
@@ -67,8 +68,7 @@ def naive_chunks(model, batch, cfg, chunk_size):
     outs = [model(*model_inputs(batch, part))
             for part in chunks_of(rows, chunk_count(rows, chunk_size))]
     whole = ModelOutput(None, torch.cat([o.projections for o in outs]), None, None, {})
-    out = loss_of_outputs(whole, batch, objective_from_config(cfg), cfg, cfg.temperature,
-                          step=0)
+    out = loss_of_outputs(whole, batch, Objective(cfg), step=0)
     out.loss.backward()
     return out.loss
 
@@ -88,8 +88,7 @@ def test_batch_norm_and_dropout_replay_the_first_pass(dropout):
             engine = engine_tasks.build_engine(
                 model, torch.optim.SGD(model.parameters(), lr=0.1),
                 engine_tasks.EngineConfig(), torch.device("cpu"), micro_batch=19)
-            out, backward = chunked_forward_loss(engine, batch, objective_from_config(cfg),
-                                                 cfg, cfg.temperature, 0, chunk_size=5)
+            out, backward = chunked_loss(engine, batch, Objective(cfg), 0, chunk_size=5)
             backward()
             loss = out.loss
         else:
@@ -118,8 +117,7 @@ def test_peak_memory_falls_with_the_chunk_size():
 
     def step(chunk_size: int):
         def run() -> None:
-            out, backward = chunked_forward_loss(engine, batch, objective_from_config(cfg),
-                                                 cfg, 0.2, 0, chunk_size=chunk_size)
+            out, backward = chunked_loss(engine, batch, Objective(cfg), 0, chunk_size)
             backward()
             model.zero_grad(set_to_none=True)
         return run

@@ -15,8 +15,9 @@ from pretrain.loop.collapse import (
     backbone_measures,
     effective_rank,
 )
-from pretrain.loop.step import forward_loss
-from pretrain.losses import ObjectiveConfig, objective_from_config
+from pretrain.loop.step import Objective
+from pretrain.loop.trainer import forward_loss
+from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ContrastiveModel, ModelConfig
 from tests.app.helpers import run_pretrain, train_overrides
 
@@ -115,12 +116,11 @@ def test_a_backbone_collapsed_behind_the_projector_s_batch_norm_is_caught():
     images = torch.randn(64, 3, 16, 16)
     batch = {"images": images, "ids": torch.arange(32).repeat(2),
              "labels": torch.arange(32).repeat(2) % 4}
-    cfg = ObjectiveConfig(name="supcon")
-    objective = objective_from_config(cfg)
+    objective = Objective(ObjectiveConfig(name="supcon"))
     watch = CollapseWatch(CollapseConfig())
 
     def row(model) -> dict[str, float]:
-        out = forward_loss(model, batch, objective, cfg, 0.1, 0)
+        out = forward_loss(model, batch, objective, 0)
         return {k: float(v) for k, v in out.metrics.items()}
 
     healthy = row(model)

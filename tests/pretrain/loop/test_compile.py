@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.loop.step import forward_loss
-from pretrain.losses import ObjectiveConfig, objective_from_config
+from pretrain.loop.step import Objective
+from pretrain.loop.trainer import forward_loss
+from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 
 
@@ -28,7 +29,7 @@ def step(compiled: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[st
     gen = torch.Generator().manual_seed(1)
     batch = {"images": torch.randn(32, 3, 16, 16, generator=gen),
              "ids": torch.arange(16).repeat(2), "labels": torch.arange(32) % 4}
-    out = forward_loss(model, batch, objective_from_config(cfg), cfg, 0.2, 0)
+    out = forward_loss(model, batch, Objective(cfg), 0)
     out.loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     return out.loss.detach(), grads, list(model.state_dict())

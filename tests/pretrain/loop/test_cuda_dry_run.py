@@ -17,8 +17,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 import core.collectives as collectives
 from core.runtime import autocast
 from pretrain.loop.device_metrics import MetricWindow, finite_on_every_rank
-from pretrain.loop.step import BatchSpec, forward_loss
-from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config
+from pretrain.loop.step import Objective
+from pretrain.loop.trainer import forward_loss
+from pretrain.losses import OBJECTIVES, ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 from tests.cuda_dry_run import cuda_world, fake_cuda
 
@@ -61,8 +62,8 @@ def test_a_training_forward_on_a_cuda_group_keeps_every_tensor_on_the_device(
         with autocast("bf16", CUDA):
             features, _ = model.encoder(batch["images"])
             assert features.dtype == torch.bfloat16  # autocast took effect
-            out = forward_loss(model, batch, objective_from_config(cfg), cfg,
-                               0.1, step=3, spec=BatchSpec(rows_per_rank=2 * IMAGES))
+            out = forward_loss(model, batch, Objective(cfg, rows_per_rank=2 * IMAGES),
+                               step=3)
         finite = finite_on_every_rank(out.loss)
         window = MetricWindow()
         window.add(out.metrics)

@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from tqdm import tqdm
 
 from core.runtime import Runtime
-from data_pipeline.config import DataConfig
 from pretrain.loop.device_metrics import MetricWindow, NonFiniteGuard, NonFiniteLoss
 from pretrain.loop.engine import DDPEngine, EngineConfig
 from pretrain.loop.optim import OptimConfig, build_optimizer, step_unless
-from pretrain.loop.trainer import Parts, TrainConfig, Trainer
-from pretrain.losses import EssControlConfig, ObjectiveConfig, objective_from_config
+from pretrain.loop.step import Objective
+from pretrain.loop.trainer import TrainConfig, Trainer
+from pretrain.losses import EssControlConfig, ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.run.checkpoint import CheckpointConfig, Checkpointer
 
@@ -53,12 +52,11 @@ def trainer(tmp_path: Path, optimizer: str, objective: ObjectiveConfig,
                         objective, CPU)
     engine = DDPEngine(model, build_optimizer(model, OptimConfig(name=optimizer, lr=0.1), 32),
                        EngineConfig(gradient_clipping=1.0), CPU)
-    parts = Parts(engine=engine, objective=objective_from_config(objective),
-                  objective_cfg=objective, data_cfg=DataConfig(), text=None,
-                  runtime=Runtime(0, 1, 0, CPU),
-                  checkpointer=Checkpointer(tmp_path, CheckpointConfig(every=0), 0, 1, CPU),
-                  schedule=lambda step: 1.0, total_steps=100)
-    return Trainer(TrainConfig(log_every=4, progress=False, **train), parts, "fp32")
+    return Trainer(TrainConfig(log_every=4, progress=False, **train), engine=engine,
+                   objective=Objective(objective), loader=None,
+                   checkpointer=Checkpointer(tmp_path, CheckpointConfig(every=0), 0, 1, CPU),
+                   schedule=lambda step: 1.0, total_steps=100,
+                   runtime=Runtime(0, 1, 0, CPU), precision="fp32")
 
 
 BATCH = {"images": torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(0)),
@@ -72,12 +70,11 @@ def test_a_step_reads_nothing_until_the_report(tmp_path, optimizer, variant):
         enabled=variant == "ess_control", target=0.5))
     run = trainer(tmp_path, optimizer, objective,
                   chunk_size=12 if variant == "chunks" else 0)
-    bar = tqdm(disable=True)
     reads = []
     for _ in range(4):
         probe = HostReads()
         with probe:
-            run.train_step(dict(BATCH), bar)
+            run.train_step(dict(BATCH))
         reads.append(probe.count)
     assert reads[:3] == [0, 0, 0], reads  # the 4th step reports (its reads are tolist's)
     assert run.last_row["step"] == 4 and run.last_row["loss"] == run.last_row["loss"]
@@ -120,15 +117,14 @@ def test_a_metric_measured_on_some_steps_is_their_mean():
 
 
 def test_the_effective_rank_is_measured_on_the_reporting_steps_only(tmp_path, monkeypatch):
-    import pretrain.loop.step as step
+    import pretrain.loop.trainer as trainer_module
 
     measured = []
-    monkeypatch.setattr(step, "effective_rank",
+    monkeypatch.setattr(trainer_module, "effective_rank",
                         lambda z: measured.append(len(z)) or torch.tensor(3.0))
     run = trainer(tmp_path, "sgd", ObjectiveConfig(name="infonce"))
-    bar = tqdm(disable=True)
     for _ in range(8):
-        run.train_step(dict(BATCH), bar)
+        run.train_step(dict(BATCH))
     assert measured == [32, 32]  # steps 4 and 8 report (log_every=4)
     assert run.last_row["effective_rank"] == 3.0
 

@@ -23,8 +23,9 @@ from torch._subclasses.fake_tensor import (
 import pretrain.loop.chunked as chunked
 from core.runtime import autocast
 from pretrain.loop.device_metrics import MetricWindow, agreed_flags
-from pretrain.loop.step import BatchSpec, forward_loss
-from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_from_config
+from pretrain.loop.step import Objective
+from pretrain.loop.trainer import chunked_loss, forward_loss
+from pretrain.losses import OBJECTIVES, ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.model.text_tower import TextTowerConfig
 from tests.cuda_dry_run import cuda_world, fake_cuda
@@ -89,8 +90,9 @@ def train_step(name: str, extra: dict, variant: str, monkeypatch: pytest.MonkeyP
     """One step of ``name`` on rank 0 of 2 on fake ``device`` tensors: forward, finite flag
     and metric window; on the CPU the backward too (the autograd engine wants a CUDA driver
     for CUDA tensors, fake or not). Returns the collectives that ran."""
-    cfg = ObjectiveConfig(name=name, learnable_temperature=OBJECTIVES[name].text_tower,
-                          **VARIANTS[variant], **{k: v for k, v in extra.items() if k != "graph"})
+    cfg = ObjectiveConfig.of(name, learnable_temperature=OBJECTIVES[name].text_tower,
+                             **VARIANTS[variant], **{k: v for k, v in extra.items()
+                                                     if k != "graph"})
     model_cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16,
                             sync_batchnorm=False, text=random_text)
     model = build_model(model_cfg, cfg, torch.device("cpu"), num_classes=CLASSES).train()
@@ -102,16 +104,14 @@ def train_step(name: str, extra: dict, variant: str, monkeypatch: pytest.MonkeyP
             monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
             monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
         graph = torch.rand(CLASSES, CLASSES, device=device) if extra.get("graph") else None
-        spec = BatchSpec(graph, CLASSES, ROWS_PER_RANK)
+        objective = Objective(cfg, graph, CLASSES, ROWS_PER_RANK)
         batch = device_batch(name, captions=graph is None, device=device)
-        objective = objective_from_config(cfg)
         with autocast("bf16", device):
             if variant == "chunked":
-                engine = PlainEngine(model)
-                out, backward = chunked.chunked_forward_loss(
-                    engine, batch, objective, cfg, 0.1, 3, chunk_size=4, spec=spec)
+                out, backward = chunked_loss(PlainEngine(model), batch, objective, 3,
+                                             chunk_size=4)
             else:
-                out = forward_loss(model, batch, objective, cfg, 0.1, 3, spec)
+                out = forward_loss(model, batch, objective, 3)
                 backward = out.loss.backward
         flags = agreed_flags(out.loss)
         if device.type == "cpu":

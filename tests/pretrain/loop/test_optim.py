@@ -143,7 +143,7 @@ def test_the_objective_s_parameters_train_at_their_own_lr_scale(name):
     bias, ProjNCE's class embeddings) at lr x scale, every other parameter at lr."""
     from pretrain.model.encoder import ModelConfig, build_model
 
-    objective = ObjectiveConfig(name="projnce", projection="learned",
+    objective = ObjectiveConfig.of("projnce", projection="learned",
                                 learnable_temperature=True)
     model = build_model(ModelConfig(width=8, projector_hidden=16, projector_dim=8), objective,
                         torch.device("cpu"), num_classes=5)

@@ -49,10 +49,10 @@ def test_two_ranks_deepspeed_run_resumes_where_it_stopped(digits_shards, tmp_pat
 
 def test_missing_class_graph_is_named_before_training(digits_shards, tmp_path):
     overrides = train_overrides(digits_shards, tmp_path, **{
-        "objective.name": "xclr", "objective.class_graph": tmp_path / "missing.npz"})
+        "objective.name": "xclr", "objective.xclr.class_graph": tmp_path / "missing.npz"})
     result = run_pretrain(overrides)
     assert result.returncode != 0
-    assert "objective.class_graph=" in result.stderr and "missing.npz" in result.stderr
+    assert "objective.xclr.class_graph=" in result.stderr and "missing.npz" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.losses import batch_loss, make_batch
+from pretrain.losses import batch_loss
 from pretrain.losses.batch import Columns
 from pretrain.losses.flatnce import flat_nce
 from pretrain.losses.supcon import multi_positive_nce
+from tests.pretrain.losses.batches import batch_of
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 TAU = 0.25
@@ -76,14 +77,14 @@ def test_xclr_with_sharp_targets_and_class_template_captions_is_supcon():
 
 def test_flatnce_with_positive_among_negatives_has_infonce_gradient():
     z, ids, _, _ = paired_batch()
-    batch = make_batch(z, ids)
+    batch = batch_of(z, ids)
     logits = batch.anchors @ batch.candidates.T / TAU
     positives = batch.positive_mask("instance")
     pos_logit = logits[positives]  # exactly one positive per anchor here
     with_positive = Columns(logits.shape[1], drop=~(batch.negative_mask("instance") | positives))
     lse = torch.logsumexp(with_positive.apply(logits, float("-inf")), dim=1)
     flat = flat_nce(pos_logit, lse)
-    infonce = multi_positive_nce(make_batch(z, ids), TAU, "instance").loss
+    infonce = multi_positive_nce(batch_of(z, ids), TAU, "instance").loss
     torch.testing.assert_close(grad(flat.mean(), z), grad(infonce, z), rtol=1e-9, atol=1e-12)
 
 

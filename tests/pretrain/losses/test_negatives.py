@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.losses import batch_loss, make_batch
+from pretrain.losses import batch_loss
 from pretrain.losses.batch import ContrastiveBatch
 from tests.pretrain.losses import naive
+from tests.pretrain.losses.batches import batch_of
 
 
 def big_batch(n_images: int = 40, seed: int = 0):
@@ -21,8 +22,8 @@ def big_batch(n_images: int = 40, seed: int = 0):
 @pytest.mark.parametrize("kind", ["instance", "label"])
 def test_each_anchor_keeps_exactly_k_negatives_and_all_positives(kind):
     z, ids, labels = big_batch()
-    batch = make_batch(z, ids, labels, num_negatives=5, negatives_seed=3)
-    full = make_batch(z, ids, labels)
+    batch = batch_of(z, ids, labels, num_negatives=5, negatives_seed=3)
+    full = batch_of(z, ids, labels)
     kept = batch.negative_mask(kind)
     assert (kept.sum(1) == 5).all()
     assert not (kept & ~full.negative_mask(kind)).any()  # only true negatives
@@ -31,9 +32,9 @@ def test_each_anchor_keeps_exactly_k_negatives_and_all_positives(kind):
 
 def test_subset_is_reproducible_and_changes_with_the_seed():
     z, ids, labels = big_batch()
-    first = make_batch(z, ids, num_negatives=4, negatives_seed=1).negative_mask("instance")
-    again = make_batch(z, ids, num_negatives=4, negatives_seed=1).negative_mask("instance")
-    other = make_batch(z, ids, num_negatives=4, negatives_seed=2).negative_mask("instance")
+    first = batch_of(z, ids, num_negatives=4, negatives_seed=1).negative_mask("instance")
+    again = batch_of(z, ids, num_negatives=4, negatives_seed=1).negative_mask("instance")
+    other = batch_of(z, ids, num_negatives=4, negatives_seed=2).negative_mask("instance")
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
 
@@ -43,9 +44,9 @@ def test_subset_is_uniform_over_negatives():
     counts = torch.zeros(len(ids), len(ids))
     trials = 3000
     for seed in range(trials):
-        counts += make_batch(z, ids, num_negatives=3, negatives_seed=seed).negative_mask(
+        counts += batch_of(z, ids, num_negatives=3, negatives_seed=seed).negative_mask(
             "instance").double()
-    negatives = make_batch(z, ids).negative_mask("instance")
+    negatives = batch_of(z, ids).negative_mask("instance")
     freq = counts[negatives] / trials  # expected 3 / 18 for every negative
     expected = 3 / 18
     sd = (expected * (1 - expected) / trials) ** 0.5
@@ -54,7 +55,7 @@ def test_subset_is_uniform_over_negatives():
 
 def test_subset_of_a_row_does_not_depend_on_which_rank_holds_it():
     z, ids, labels = big_batch()
-    whole = make_batch(z, ids, num_negatives=6, negatives_seed=9)
+    whole = batch_of(z, ids, num_negatives=6, negatives_seed=9)
     rows = torch.arange(30, 55)
     part = ContrastiveBatch(candidates=whole.candidates, anchor_index=rows, ids=ids,
                             num_negatives=6, negatives_seed=9, world_size=3)
@@ -71,7 +72,7 @@ def test_k_larger_than_available_keeps_every_negative():
 @pytest.mark.parametrize("name", ["infonce", "supcon", "sincere"])
 def test_loss_with_subset_matches_naive_on_that_subset(name):
     z, ids, labels = big_batch(n_images=12)
-    batch = make_batch(z, ids, labels, num_negatives=4, negatives_seed=5)
+    batch = batch_of(z, ids, labels, num_negatives=4, negatives_seed=5)
     kind = "instance" if name == "infonce" else "label"
     kept = batch.negative_mask(kind)
     loss, _ = batch_loss(name, z, ids, labels, temperature=0.2, num_negatives=4,

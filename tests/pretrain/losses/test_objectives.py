@@ -44,30 +44,44 @@ def test_the_needs_are_the_documented_ones():
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVES))
-def test_declared_hyperparameters_are_config_keys_and_keywords(name):
+def test_an_objective_s_own_keys_are_its_section_and_its_keywords(name):
+    """objective.<name>.* is the dataclass the table entry names, a section of
+    ObjectiveConfig of that name; its hyperparameters are keys there and keyword-only
+    arguments of the function without defaults (the dataclass holds them, once)."""
     spec = objective_spec(name)
-    keys = {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    sections = {f.name: f.type for f in dataclasses.fields(ObjectiveConfig)}
     keywords = inspect.signature(spec.fn).parameters
-    for key in spec.hparams:
-        assert key in keys, key
+    if spec.config is None:
+        assert name not in sections and not spec.hparams
+    else:
+        assert sections[name] in (spec.config, spec.config.__name__)
+        own = {f.name for f in dataclasses.fields(spec.config)}
+        assert set(spec.hparams) <= own
     for key in (*spec.hparams, *(p.name for p in spec.parameters)):
         assert keywords[key].kind is inspect.Parameter.KEYWORD_ONLY, key
+        assert keywords[key].default is inspect.Parameter.empty or key == "class_embeddings"
     assert set(ObjectiveConfig(name=name).hparams()) == set(spec.hparams)
+
+
+def test_every_moved_key_names_a_key_of_a_section():
+    for old, new in ObjectiveConfig.MOVED.items():
+        section, key = new.split(".")
+        assert key == old and hasattr(getattr(ObjectiveConfig(), section), key)
 
 
 def test_loss_parameters_are_made_for_the_run_s_shape_when_used():
     shape = ParameterShape(num_classes=7, dim=16)
-    bias = ObjectiveConfig(name="siglip", bias=-3.0).loss_parameters(shape)
+    bias = ObjectiveConfig.of("siglip", bias=-3.0).loss_parameters(shape)
     assert list(bias) == ["bias"] and bias["bias"].shape == () and float(bias["bias"]) == -3.0
     assert ObjectiveConfig(name="projnce").loss_parameters(shape) == {}  # centroid: none
-    learned = ObjectiveConfig(name="projnce", projection="learned").loss_parameters(shape)
+    learned = ObjectiveConfig.of("projnce", projection="learned").loss_parameters(shape)
     table = learned["class_embeddings"]
     assert table.shape == (7, 16)
     cosines = torch.nn.functional.normalize(table, dim=1) @ torch.nn.functional.normalize(
         table, dim=1).T
     assert cosines.fill_diagonal_(0).abs().max() < 0.9  # distinct random directions
     with pytest.raises(ValueError, match="no classes"):
-        ObjectiveConfig(name="projnce", projection="learned").loss_parameters(
+        ObjectiveConfig.of("projnce", projection="learned").loss_parameters(
             ParameterShape(0, 16))
     assert ObjectiveConfig(name="infonce").loss_parameters(shape) == {}
 

@@ -78,9 +78,9 @@ def test_xclr_with_a_different_caption_per_view(batch):
 
 
 def test_xclr_on_a_subset_of_negatives(batch):
-    from pretrain.losses import make_batch
+    from tests.pretrain.losses.batches import batch_of
 
-    subset = make_batch(batch.z, batch.ids, num_negatives=4, negatives_seed=2)
+    subset = batch_of(batch.z, batch.ids, num_negatives=4, negatives_seed=2)
     kept = subset.positive_mask("instance") | subset.negative_mask("instance")
     loss, _ = batch_loss("xclr", batch.z, batch.ids, captions=batch.captions, temperature=TAU,
                          num_negatives=4, negatives_seed=2)

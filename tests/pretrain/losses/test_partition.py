@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.losses import OBJECTIVES, get_objective, make_batch
+from pretrain.losses import OBJECTIVES, objective_function
 from pretrain.losses.batch import ContrastiveBatch
+from tests.pretrain.losses.batches import batch_of
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 CASES = [(name, {}) for name in OBJECTIVES if name != "projnce"] + [
@@ -30,10 +31,10 @@ def test_ranks_average_to_the_whole_batch(name, hparams, num_negatives):
     if hparams.get("projection") == "kernel":
         hparams = {**hparams, "bandwidth": 2.0}
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
-    objective = get_objective(name, **hparams)
+    objective = objective_function(name, **hparams)
     extras = {"labels": b.labels, "captions": b.captions, "text": b.text,
               "num_negatives": num_negatives, "negatives_seed": 7}
-    whole = objective(make_batch(b.z, b.ids, **extras), tau)
+    whole = objective(batch_of(b.z, b.ids, **extras), tau)
     want = torch.autograd.grad(whole.loss, [b.z, tau])
 
     slices = [torch.arange(0, 6), torch.arange(6, 19)]  # uneven ranks

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain.losses import OBJECTIVES, batch_loss, get_objective, tiles
-from pretrain.losses.batch import ContrastiveBatch, auto_tile_size, make_batch
+from pretrain.losses import OBJECTIVES, batch_loss, objective_function, tiles
+from pretrain.losses.batch import ContrastiveBatch, auto_tile_size
+from tests.pretrain.losses.batches import batch_of
 from tests.pretrain.losses.conftest import Batch, make_multiview_batch
 
 CASES = [(name, {}) for name in OBJECTIVES if name not in ("projnce", "xclr")] + [
@@ -86,11 +87,11 @@ def test_tiled_rank_slices_average_to_the_whole_batch(name, hparams, num_negativ
     """The distributed arithmetic (rows of one rank against all columns) with tiles on."""
     b = make_multiview_batch(seed=4)
     kwargs, _ = inputs(b, name, hparams)
-    objective = get_objective(name, **{k: v for k, v in kwargs.items()
+    objective = objective_function(name, **{k: v for k, v in kwargs.items()
                                        if k not in ("labels", "text", "captions",
                                                     "class_graph")})
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
-    whole = objective(make_batch(b.z, b.ids, labels=b.labels, captions=kwargs.get("captions"),
+    whole = objective(batch_of(b.z, b.ids, labels=b.labels, captions=kwargs.get("captions"),
                                  class_graph=kwargs.get("class_graph"), text=b.text,
                                  num_negatives=num_negatives, negatives_seed=7), tau)
     want = torch.autograd.grad(whole.loss, [b.z, tau])

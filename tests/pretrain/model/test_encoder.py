@@ -42,12 +42,12 @@ def test_split_views_normalise_each_view_set_on_its_own():
 
 
 def test_the_objective_s_loss_parameters_are_model_parameters_without_decay():
-    """SigLIP's bias: owned by the model at objective.bias, handed out by forward, learned
+    """SigLIP's bias: owned by the model at objective.siglip.bias, handed out by forward, learned
     without weight decay beside the learnable temperature; other objectives own none."""
     from pretrain.loop.optim import parameter_groups
 
     cfg = ModelConfig(width=8, projector_hidden=16, projector_dim=8)
-    objective = ObjectiveConfig(name="siglip", bias=-7.0, learnable_temperature=True)
+    objective = ObjectiveConfig.of("siglip", bias=-7.0, learnable_temperature=True)
     model = build_model(cfg, objective, torch.device("cpu"))
     assert model.text is not None
     assert model.state_dict()["loss_parameters.bias"].tolist() == [-7.0]
