@@ -10,6 +10,8 @@ Pass a learnable temperature tensor (1 / exp(logit_scale)) to learn the logit sc
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
@@ -24,6 +26,17 @@ from pretrain.losses.common import (
     summarize_metrics,
 )
 from pretrain.losses.rows import row_logsumexp
+
+
+def plain_clip(image: Tensor, text: Tensor, ids: Tensor, tau: float) -> Tensor:
+    """CLIP's loss as written: ``image``, ``text`` [N, D] paired row by row, ``ids`` [N]
+    (rows of one image, its other views, are left out of each other's softmax)."""
+    image, text = F.normalize(image, dim=1), F.normalize(text, dim=1)
+    own = torch.eye(len(image), dtype=torch.bool, device=image.device)
+    other_view = (ids[:, None] == ids[None, :]) & ~own
+    logits = (image @ text.T / tau).masked_fill(other_view, float("-inf"))  # [N, N] i -> j
+    target = torch.arange(len(image), device=image.device)
+    return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
 
 # a row's own text (image) and the negatives; the other views of its image are left out
 COLUMNS = ColumnSet("instance", positives=False, self_column=True)

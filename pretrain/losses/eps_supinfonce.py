@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from core.config import InvalidValue
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.common import ObjectiveOutput, Temperature
-from pretrain.losses.sincere import sincere_family
+from pretrain.losses.sincere import plain_sincere, sincere_family
+
+
+def plain_eps_supinfonce(z: Tensor, labels: Tensor, tau: float, eps: float) -> Tensor:
+    """epsilon-SupInfoNCE as written: SINCERE's pair terms with the margin ``eps``."""
+    return plain_sincere(z, labels, tau, eps)
 
 
 @dataclass

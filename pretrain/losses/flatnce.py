@@ -10,6 +10,7 @@ InfoNCE value instead. Several positives per anchor average v over them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
@@ -23,6 +24,22 @@ from pretrain.losses.common import (
     scaled,
 )
 from pretrain.losses.rows import row_logsumexp
+
+
+def plain_flatnce(z: Tensor, ids: Tensor, tau: float) -> Tensor:
+    """FlatNCE as written: ``z`` [N, D], ``ids`` [N]. Value 0; gradient that of
+    v_i = logsumexp over the negatives of s_ij / tau minus the mean positive s_ip / tau;
+    the mean over anchors that have a positive (0 for one without a negative)."""
+    z = F.normalize(z, dim=1)
+    logits = z @ z.T / tau                                               # [N, N]
+    same = ids[:, None] == ids[None, :]
+    positive = same & ~torch.eye(len(z), dtype=torch.bool, device=z.device)
+    count = positive.sum(1)
+    pos_mean = logits.masked_fill(~positive, 0.0).sum(1) / count.clamp(min=1)  # [N]
+    lse_neg = logits.masked_fill(same, float("-inf")).logsumexp(1)       # [N]
+    v = torch.where(lse_neg > float("-inf"), lse_neg - pos_mean, torch.zeros_like(pos_mean))
+    per_anchor = torch.exp(v - v.detach()) - 1
+    return per_anchor[count > 0].mean()
 
 
 def flat_nce(pos_logit: Tensor, lse_neg: Tensor) -> Tensor:

@@ -16,6 +16,25 @@ from torch.utils.checkpoint import checkpoint
 KernelMetric = Literal["l1", "l2", "cos"]
 
 
+def plain_kernel_class_means(z: Tensor, labels: Tensor, num_classes: int, bandwidth: float,
+                             metric: KernelMetric) -> Tensor:
+    """The Nadaraya-Watson class means as written (eq. 16-17), K(t) = 1 - t^2 on [0, 1]:
+    ``z`` [N, D] unit rows, ``labels`` [N] in [0, C); returns [C, D] (every class present)."""
+    distance = {"l1": lambda: torch.cdist(z, z, p=1.0), "l2": lambda: torch.cdist(z, z),
+                "cos": lambda: 0.5 - 0.5 * z @ z.T}[metric]()                # [N, N]
+    self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)
+    weight = torch.where(self_pair, 1.0, (1 - (distance / bandwidth) ** 2).clamp(min=0))
+    one_hot = F.one_hot(labels, num_classes).to(z.dtype)                    # [N, C]
+    posterior = weight @ one_hot / weight.sum(1, keepdim=True)              # NW(c | z_j)
+    return posterior.T @ z / posterior.sum(0)[:, None]                      # f_hat(c)
+
+
+def plain_median_class_embeddings(z: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """Each class's coordinate-wise lower median (eq. 33) as written: [C, D]."""
+    return torch.stack([z[labels == c].sort(dim=0).values[((labels == c).sum() - 1) // 2]
+                        for c in range(num_classes)])
+
+
 def _pair_distance(a: Tensor, b: Tensor, metric: KernelMetric) -> Tensor:
     if metric == "l1":
         return (a - b).abs().sum(1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
@@ -40,6 +41,31 @@ from pretrain.losses.projections import (
     median_class_embeddings,
 )
 from pretrain.losses.rows import RowTerms, row_logsumexp
+
+
+def plain_projnce(z: Tensor, labels: Tensor, tau: float, plus: Tensor,
+                  minus: Tensor) -> Tensor:
+    """ProjNCE as written: ``z`` [N, D], ``labels`` [N], and ``plus``, ``minus`` [N, D], the
+    projections g+(y_k), g-(y_k) of every sample k; the mean of I_proj + R over anchors
+    that have a positive. :func:`plain_centroid_projections` gives the centroid's."""
+    z = F.normalize(z, dim=1)
+    self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)
+    lse_minus = (z @ minus.T / tau).masked_fill(self_pair, float("-inf")).logsumexp(1)
+    lse_plus = (z @ plus.T / tau).masked_fill(self_pair, float("-inf")).logsumexp(1)
+    i_proj = lse_minus - (z * plus).sum(1) / tau                         # [N]
+    adjustment = torch.exp(lse_plus - lse_minus)                         # R_i
+    has_positive = ((labels[:, None] == labels[None, :]) & ~self_pair).any(1)
+    return (i_proj + adjustment)[has_positive].mean()
+
+
+def plain_centroid_projections(z: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(g+, g-) [N, D] of ProjNCE's centroid: the mean of the other samples of y_k (z_k
+    alone in its class), and z_k."""
+    z = F.normalize(z, dim=1)
+    mates = (labels[:, None] == labels[None, :]).to(z.dtype).fill_diagonal_(0)  # [N, N]
+    count = mates.sum(1, keepdim=True)
+    plus = torch.where(count > 0, mates @ z / count.clamp(min=1), z)
+    return plus, z
 
 Projection = Literal["centroid", "kernel", "median", "learned"]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 from torch.nn import functional as F
 
 from pretrain.losses.batch import ContrastiveBatch
@@ -30,6 +31,18 @@ from pretrain.losses.common import (
     scaled,
 )
 from pretrain.losses.sigmoid_rows import sigmoid_rows
+
+
+def plain_siglip(image: Tensor, text: Tensor, ids: Tensor, tau: Temperature,
+                 bias: Temperature) -> Tensor:
+    """SigLIP's loss as written: ``image``, ``text`` [N, D] paired row by row, ``ids`` [N]
+    (an image's other views are neither positive nor negative)."""
+    image, text = F.normalize(image, dim=1), F.normalize(text, dim=1)
+    own = torch.eye(len(image), dtype=torch.bool, device=image.device)
+    other_view = (ids[:, None] == ids[None, :]) & ~own
+    sign = own.to(image.dtype) * 2 - 1                                     # z_ij: 1 or -1
+    pair_loss = -F.logsigmoid(sign * (image @ text.T / tau + bias))        # [N, N]
+    return pair_loss.masked_fill(other_view, 0.0).sum() / len(image)
 
 NEGATIVES = ColumnSet("instance", positives=False, self_column=False)
 

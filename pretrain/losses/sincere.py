@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
@@ -26,6 +27,21 @@ from pretrain.losses.common import (
 )
 from pretrain.losses.rows import row_logsumexp
 from pretrain.losses.tiles import pair_terms
+
+
+def plain_sincere(z: Tensor, labels: Tensor, tau: float, eps: float = 0.0) -> Tensor:
+    """SINCERE as written (eps > 0: epsilon-SupInfoNCE): ``z`` [N, D], ``labels`` [N]; the
+    mean over anchors that have a positive."""
+    z = F.normalize(z, dim=1)
+    logits = z @ z.T / tau                                               # [N, N] s_ij / tau
+    same = labels[:, None] == labels[None, :]
+    positive = same & ~torch.eye(len(z), dtype=torch.bool, device=z.device)
+    lse_neg = logits.masked_fill(same, float("-inf")).logsumexp(1, keepdim=True)  # Neg(i)
+    # -log( e^{s_ip} / (e^{s_ip - eps} + sum_{n in Neg(i)} e^{s_in}) ) for every pair
+    terms = torch.logaddexp(logits - eps, lse_neg) - logits              # [N, N]
+    count = positive.sum(1)
+    per_anchor = terms.masked_fill(~positive, 0.0).sum(1) / count.clamp(min=1)
+    return per_anchor[count > 0].mean()
 
 
 def sincere_family(batch: ContrastiveBatch, temperature: Temperature,

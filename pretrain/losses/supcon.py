@@ -6,6 +6,10 @@ per anchor i: -1/|P(i)| sum_{p in P(i)} log( exp(s_ip/tau) / sum_{a != i} exp(s_
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
 from pretrain.losses.batch import ContrastiveBatch, PositiveKind
 from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
@@ -18,6 +22,20 @@ from pretrain.losses.common import (
     scaled,
 )
 from pretrain.losses.rows import row_logsumexp
+
+
+def plain_supcon(z: Tensor, labels: Tensor, tau: float) -> Tensor:
+    """SupCon L_out as written (the definition the tests hold :func:`supcon` to):
+    ``z`` [N, D] every view's embedding, ``labels`` [N]; the mean over anchors that have a
+    positive."""
+    z = F.normalize(z, dim=1)
+    self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)      # [N, N]
+    logits = (z @ z.T / tau).masked_fill(self_pair, float("-inf"))      # s_ia / tau, a != i
+    log_prob = logits.log_softmax(dim=1)                                 # [N, N]
+    positive = (labels[:, None] == labels[None, :]) & ~self_pair         # p in P(i)
+    count = positive.sum(1)                                              # [N] |P(i)|
+    per_anchor = -log_prob.masked_fill(~positive, 0.0).sum(1) / count.clamp(min=1)
+    return per_anchor[count > 0].mean()
 
 
 def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
@@ -40,6 +41,17 @@ from pretrain.losses.common import (
 )
 from pretrain.losses.rows import ess_from_ratio, row_logsumexp, tile_plan
 from pretrain.losses.tiles import TargetLogits, tiled_rows
+
+
+def plain_xclr(z: Tensor, similarity: Tensor, tau: float, tau_s: float) -> Tensor:
+    """X-CLR as written: ``z`` [N, D]; ``similarity`` [N, N] = c_i . c_j of unit caption
+    embeddings (or the class graph at each label pair); the mean over every anchor."""
+    z = F.normalize(z, dim=1)
+    self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)
+    targets = (similarity / tau_s).masked_fill(self_pair, float("-inf")).softmax(1)  # t_ij
+    log_q = (z @ z.T / tau).masked_fill(self_pair, float("-inf")).log_softmax(1)     # q_ij
+    return -(targets * log_q.masked_fill(self_pair, 0.0)).sum(1).mean()
+
 
 COLUMNS = ColumnSet("instance")  # every candidate but the anchor itself
 
