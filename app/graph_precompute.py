@@ -13,10 +13,8 @@ from collections.abc import Sequence
 
 from app.run_config import parse_run
 from core.cli import reported_faults
-from data_pipeline.graph.class_graph import build_class_graph
 from data_pipeline.graph.config import GraphConfig
-from data_pipeline.graph.job import run_captions
-from data_pipeline.graph.neighbours import build_neighbours, describe
+from data_pipeline.graph.tasks import task_spec
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -26,22 +24,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def run(cfg: GraphConfig) -> None:
-    if cfg.task == "captions":
-        store = run_captions(cfg)
-        if store is not None:
-            meta = store.meta
-            print(f"graph-precompute: {meta['num_keys']} captions, {meta['num_unique']} "
-                  f"distinct ({meta['duplicate_rate']:.1%} duplicates), "
-                  f"{meta['truncated']} truncated, skipped {meta['skipped'] or 'none'} "
-                  f"-> {cfg.output}")
-    elif cfg.task == "class_graph":
-        print(f"graph-precompute: class graph -> {build_class_graph(cfg)}")
-    elif cfg.task == "neighbours":
-        graph = build_neighbours(cfg)
-        print(f"graph-precompute: caption-neighbour graph ({graph.index}, recall "
-              f"{graph.recall:.3f} against exact search on a sample) -> {graph.path}")
-    else:
-        print(describe(cfg))
+    """The configured task (``data_pipeline/graph/tasks.py``); prints its summary line."""
+    line = task_spec(cfg.task).run(cfg)
+    if line:
+        print(line)
 
 
 if __name__ == "__main__":

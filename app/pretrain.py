@@ -31,7 +31,7 @@ from data_pipeline.loader import TrainLoader
 from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
 from pretrain.loop.engine import build_engine, engine_spec
-from pretrain.loop.optim import build_optimizer, warmup_cosine
+from pretrain.loop.optim import build_optimizer, optimizer_spec, warmup_cosine
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import Trainer
 from pretrain.losses import objective_spec
@@ -119,10 +119,11 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
         log.warning("objective.num_negatives=%d is at least the %d candidates per anchor at "
                     "global batch %d: every candidate is used, as with null",
                     objective.num_negatives, candidates, global_batch)
-    if engine_spec(config.engine.name).flat_partitions and config.optim.name == "lars":
-        log.warning("optim.name=lars inside DeepSpeed ZeRO takes its trust ratio over each "
+    if engine_spec(config.engine.name).flat_partitions and \
+            optimizer_spec(config.optim.name).per_layer:
+        log.warning("optim.name=%s inside DeepSpeed ZeRO takes its per-layer rule over each "
                     "rank's flat parameter partition, not per layer: prefer optim.name=adamw "
-                    "with engine.name=deepspeed (docs/training.md)")
+                    "with engine.name=deepspeed (docs/training.md)", config.optim.name)
     graph = class_graph_for(config, rt.device)
     torch.manual_seed(config.seed)
     model = build_model(config.model, objective, rt.device, len(shards.class_names))

@@ -18,6 +18,9 @@ from core.cli import parse_stage_args
 from core.config import ConfigError, InvalidValue
 from data_pipeline.config import DataConfig, ShardsConfig
 from data_pipeline.graph.config import GraphConfig
+from data_pipeline.graph.tasks import check_task
+from data_pipeline.loader.backends import backend_spec
+from data_pipeline.sources import check_source
 from evaluation.config import EvalConfig
 from pretrain.loop.engine import EngineConfig
 from pretrain.loop.optim import OptimConfig
@@ -78,19 +81,27 @@ def _get(config: Any, key: str) -> Any:
     return config
 
 
+# what the table entries a stage uses need of their sections: (section, check)
+ENTRY_CHECKS: dict[str, tuple[tuple[str, Callable[[RunConfig], None]], ...]] = {
+    "make-shards": (("shards", lambda config: check_source(config.shards)),),
+    "graph-precompute": (("graph", lambda config: check_task(config.graph)),),
+    "pretrain": (("data", lambda config: backend_spec(config.data.backend).check(config.data)),),
+}
+
+
 def check_stage(config: RunConfig, stage: str) -> None:
     """Raise :class:`ConfigError` naming the first key ``stage`` needs and ``config`` lacks."""
     for key in REQUIRED[stage]:
         if _get(config, key) in (None, ""):
             raise ConfigError(f"key '{key}': {stage} needs a value (set it in the YAML file "
                               f"or as {key}=...)")
+    for section, check in ENTRY_CHECKS.get(stage, ()):
+        try:
+            check(config)
+        except InvalidValue as err:
+            raise ConfigError(f"key '{section}.{err.field}': {err}") from None
     if stage == "pretrain":
         _check_training(config)
-    graph = config.graph
-    if stage == "graph-precompute" and not graph.shards and (
-            graph.task == "captions" or (graph.task == "class_graph" and not graph.class_names)):
-        raise ConfigError(f"key 'graph.shards': graph.task={graph.task} reads the shards' "
-                          "captions or class names; set it (or graph.class_names)")
 
 
 def _check_training(config: RunConfig) -> None:

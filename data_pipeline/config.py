@@ -6,10 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from core.config import InvalidValue
-from data_pipeline.dali import INSTALL_HINT, dali_available
 from data_pipeline.images import PILLOW_HARD_LIMIT
-
-Source = Literal["digits", "cluttered_digits", "imagenet", "captions", "img2dataset"]
 
 
 @dataclass
@@ -24,7 +21,7 @@ class ShardsConfig:
     ``img2dataset`` (``input`` holds img2dataset's tar shards: validated and indexed in place).
     """
 
-    source: Source | None = None  # digits, cluttered_digits, imagenet, captions, img2dataset
+    source: str | None = None  # an entry of data_pipeline/sources.py (the list above)
     input: str = ""  # the source's input: image tree, caption table or img2dataset folder
     output: str = ""  # directory for the shards and manifest.json
     class_names: str = ""  # file with one name per line, or "imagenet1k" (torchvision's list)
@@ -52,13 +49,8 @@ class ShardsConfig:
         if not 0 <= self.max_image_pixels <= PILLOW_HARD_LIMIT:
             raise InvalidValue("max_image_pixels", f"must lie in [0, {PILLOW_HARD_LIMIT}] "
                                f"(Pillow refuses larger images), got {self.max_image_pixels}")
-        if self.source not in (None, "digits", "cluttered_digits") and not self.input:
-            raise InvalidValue("input", f"source {self.source!r} needs an input path")
         if self.digits_size < 8:
             raise InvalidValue("digits_size", f"must be >= 8, got {self.digits_size}")
-        if self.source == "cluttered_digits" and self.split == "all":
-            raise InvalidValue("split", "cluttered_digits draws train or test canvases from "
-                                        "disjoint digits: set train or test")
         if self.canvas_size < 16 or self.samples < 0 or self.clutter < 0:
             raise InvalidValue("canvas_size", "canvas_size >= 16, samples >= 0, clutter >= 0")
 
@@ -96,7 +88,7 @@ class DataConfig:
     max_image_pixels: int = 89_478_485  # larger images are skipped (bombs); 0 = Pillow's 2 x this
     verify_checksums: bool = False  # local: hash every shard at start; remote: each on read
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
-    backend: Literal["cpu", "dali"] = "cpu"  # training views: CPU workers, or DALI (GPU)
+    backend: str = "cpu"  # training views: CPU workers, or dali (GPU): loader/backends.py
     draft_decode: bool = True  # decode JPEGs at the reduced size every view allows (1/2-1/8)
     prefetch: int = 2  # batches each loader worker prepares ahead
     persistent_workers: bool = True  # training: keep the workers from one epoch to the next
@@ -135,10 +127,5 @@ class DataConfig:
             raise InvalidValue("color_strength", "need color_strength >= 0 and hue in [0, 0.5]")
         if self.retries < 1 or self.retry_wait < 0:
             raise InvalidValue("retries", "need retries >= 1 and retry_wait >= 0")
-        if self.backend == "dali" and (self.augment, self.pairing) != ("simclr", "views"):
-            raise InvalidValue("backend", "dali renders SimCLR views of one image: needs "
-                                          "data.augment=simclr and data.pairing=views")
-        if self.backend == "dali" and not dali_available():
-            raise InvalidValue("backend", INSTALL_HINT)
         if not 0 < self.crop_min_scale <= 1:
             raise InvalidValue("crop_min_scale", f"must lie in (0, 1], got {self.crop_min_scale}")

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from data_pipeline.config import ShardsConfig
 from data_pipeline.formats import Sample, SkipSample, image_of
 from data_pipeline.manifest import HashingReader, Manifest, ShardInfo, file_sha256
-from data_pipeline.sources import build_source
+from data_pipeline.sources import build_source, source_spec
 from data_pipeline.tario import TruncatedShard, iter_stream, write_shard
 
 _SOURCE = None  # the source, set once per worker process
@@ -168,6 +168,6 @@ def index_img2dataset(cfg: ShardsConfig) -> Manifest:
 
 
 def make_shards(cfg: ShardsConfig) -> Manifest:
-    if cfg.source == "img2dataset":
+    if source_spec(cfg.source).build is None:  # shards that are there: indexed in place
         return index_img2dataset(cfg)
     return write_source_shards(cfg)

@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from data_pipeline.graph.tasks import TASKS
+from data_pipeline.loader.backends import BACKENDS
+from data_pipeline.sources import SOURCES
 from pretrain.loop.engine import ENGINES
+from pretrain.loop.optim import OPTIMIZERS
 from pretrain.losses.objectives import OBJECTIVES
 from pretrain.model.backbones import BACKBONES, TIMM, TIMM_FAMILY
 
@@ -204,7 +208,9 @@ def test_tests_mirror_the_package_layout():
 
 
 TABLES = {"pretrain/losses/objectives.py": OBJECTIVES, "pretrain/model/backbones.py": BACKBONES,
-          "pretrain/loop/engine.py": ENGINES}
+          "pretrain/loop/engine.py": ENGINES, "pretrain/loop/optim.py": OPTIMIZERS,
+          "data_pipeline/sources.py": SOURCES, "data_pipeline/graph/tasks.py": TASKS,
+          "data_pipeline/loader/backends.py": BACKENDS}
 
 
 def name_checks(path: Path, names: set[str]) -> list[str]:

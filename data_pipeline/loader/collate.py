@@ -12,6 +12,7 @@ import torch
 from data_pipeline.config import DataConfig
 from data_pipeline.dali.params import SimCLRParams
 from data_pipeline.graph.store import CaptionStore
+from data_pipeline.loader.backends import backend_spec
 from data_pipeline.samples import RawSample, SkipLog, stable_int
 from data_pipeline.text import TextConfig, load_tokenizer, tokenize
 from data_pipeline.transforms import eval_view
@@ -27,8 +28,8 @@ class TrainCollator:
 
     def __init__(self, cfg: DataConfig, text: TextConfig | None,
                  store: CaptionStore | None) -> None:
-        # the DALI backend draws parameters only: the main process renders the views
-        kind = (SimCLRParams if cfg.backend == "dali"
+        # a backend that renders on the device: the workers draw parameters only
+        kind = (SimCLRParams if backend_spec(cfg.backend).device_views
                 else functools.partial(batch_views, cfg.augment))
         views = functools.partial(kind, cfg.resolution, cfg.crop_min_scale,
                                   cfg.color_strength, blur=cfg.blur, flip=cfg.flip, hue=cfg.hue)

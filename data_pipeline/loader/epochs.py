@@ -26,12 +26,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from data_pipeline.config import DataConfig
-from data_pipeline.dali.device import DaliViews
+from data_pipeline.loader.backends import backend_spec
 from data_pipeline.loader.state import LoaderState
 from data_pipeline.loader.train import TrainStream
 from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
-from data_pipeline.transforms import view_kernel_size
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ def loader_options(cfg: DataConfig) -> dict[str, Any]:
     if cfg.workers > 0:
         options["prefetch_factor"] = cfg.prefetch
         options["worker_init_fn"] = ignore_scheduler_signals
-        if cfg.backend == "dali":  # a fork would copy DALI's thread pools half-alive
+        if backend_spec(cfg.backend).forkserver:  # a fork would copy its threads half-alive
             options["multiprocessing_context"] = "forkserver"
     return options
 
@@ -96,13 +95,15 @@ class TrainLoader:
     def __init__(self, cfg: DataConfig, rank: int = 0, world: int = 1,
                  state: LoaderState | None = None, text: TextConfig | None = None,
                  device: torch.device | None = None) -> None:
+        backend = backend_spec(cfg.backend)
+        backend.check(cfg)
         self.cfg, self.state = cfg, state or LoaderState()
         shards = ShardSet.open(cfg.shards, cfg.verify_checksums, cfg.retry)
         self.stream = TrainStream(cfg, shards, rank, world, self.state, text)
         # data.backend=dali: workers send encoded images, views are made on ``device``
-        self.device_views = (DaliViews(cfg.resolution, view_kernel_size(cfg.resolution),
-                                       device or torch.device("cpu"), max(1, cfg.workers))
-                             if cfg.backend == "dali" else None)
+        render = backend_spec(cfg.backend).device_views
+        self.device_views = (render(cfg, device or torch.device("cpu"))
+                             if render is not None else None)
         self.persistent = cfg.persistent_workers and cfg.workers > 0
         self.loader: DataLoader | None = None
         self.prepared: Iterator[dict[str, Any]] | None = None  # the next epoch's, started

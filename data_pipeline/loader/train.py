@@ -27,6 +27,7 @@ from data_pipeline.config import DataConfig
 from data_pipeline.dali.params import encoded_image
 from data_pipeline.formats import SkipSample
 from data_pipeline.graph.store import CaptionStore
+from data_pipeline.loader.backends import backend_spec
 from data_pipeline.loader.collate import Instance, TrainCollator
 from data_pipeline.loader.plan import EpochPlan, Layout, ShardOrder, StreamOrder, Work
 from data_pipeline.loader.reading import ShardReader
@@ -139,7 +140,8 @@ class TrainStream(IterableDataset):
         kind = self.cfg.augment if self.cfg.pairing == "views" else "none"
         size = (decode_size(kind, self.cfg.resolution, self.cfg.crop_min_scale)
                 if self.cfg.draft_decode else None)
-        encoded = self.cfg.backend == "dali"  # the main process decodes, on its device
+        # the main process decodes, on its device
+        encoded = backend_spec(self.cfg.backend).device_views is not None
 
         def decoded(placed: Placed, checker: SampleChecker) -> tuple[RawSample, Any] | None:
             sample = placed[1]

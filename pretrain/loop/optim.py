@@ -9,21 +9,21 @@ token), get no weight decay and, under LARS, no trust-ratio adaptation (SimCLR a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from core.config import ConfigError, InvalidValue
+from core.tables import table_entry
 
 
 @dataclass
 class OptimConfig:
     """``optim.*``. ``lr`` is per 256 images (scaled by global batch / 256, SimCLR's rule)."""
 
-    name: Literal["lars", "sgd", "adamw"] = "lars"  # the optimiser
+    name: str = "lars"  # an entry of OPTIMIZERS: lars, sgd or adamw
     lr: float = 0.3  # learning rate per 256 images of global batch
     weight_decay: float = 1e-6  # on weights (>= 2 dims); biases and norms get none
     momentum: float = 0.9  # lars, sgd: momentum
@@ -38,6 +38,7 @@ class OptimConfig:
     loss_lr_scale: float = 1.0  # lr scale of the objective's own parameters; 1 = the lr
 
     def validate(self) -> None:
+        optimizer_spec(self.name)
         if not self.lr > 0:
             raise InvalidValue("lr", f"must be > 0, got {self.lr}")
         if not self.loss_lr_scale > 0:
@@ -160,17 +161,41 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, global_batch: int,
     lr = cfg.lr * global_batch / 256
     groups = parameter_groups(model, cfg.weight_decay, cfg.layer_decay, cfg.loss_lr_scale)
     groups[1]["params"] = groups[1]["params"] + list(extra)
+    spec = optimizer_spec(cfg.name)
     for group in groups:
         group["lr"] = lr * group.pop("lr_scale")
-    if cfg.name == "lars":
-        return LARS(groups, lr=lr, momentum=cfg.momentum,
-                    trust_coefficient=cfg.trust_coefficient)
-    for group in groups:
-        group.pop("adapt")
-    # fused: one kernel per step, and it honours found_inf (a skip decided on the device)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, fused=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, fused=True)
+        if not spec.per_layer:
+            group.pop("adapt")
+    return spec.build(groups, lr, cfg)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimiser and what it needs."""
+
+    build: Callable[[list[dict], float, OptimConfig], torch.optim.Optimizer]  # groups, lr
+    # its update reads a whole layer (LARS's trust ratio; the groups say which adapt):
+    # inside ZeRO it would see a flat partition instead
+    per_layer: bool = False
+
+
+# torch's fused SGD and AdamW: one kernel per step, and they honour found_inf (a skip
+# decided on the device), as LARS does
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "lars": OptimizerSpec(lambda groups, lr, cfg: LARS(
+        groups, lr=lr, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient),
+        per_layer=True),
+    "sgd": OptimizerSpec(lambda groups, lr, cfg: torch.optim.SGD(
+        groups, lr=lr, momentum=cfg.momentum, fused=True)),
+    "adamw": OptimizerSpec(lambda groups, lr, cfg: torch.optim.AdamW(
+        groups, lr=lr, betas=cfg.betas, fused=True)),
+}
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The entry of optimiser ``name``; :class:`InvalidValue` for ``optim.name`` naming
+    the choices, if there is none."""
+    return table_entry(OPTIMIZERS, name, "name", "optimizer")
 
 
 def step_unless(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:

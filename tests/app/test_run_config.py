@@ -62,6 +62,14 @@ def test_every_key_has_a_description():
     ("evaluate", ["name=r", "eval.train_shards=a"], "eval.test_shards"),
     ("graph-precompute", ["graph.output=o"], "graph.shards"),
     ("pretrain", ["name=r", "data.shards=x", "objective.name=xclr"], "objective.xclr.class_graph"),
+    # what the tables' entries need: a source, a graph task, a data backend
+    ("make-shards", ["shards.source=imagenet", "shards.output=o"], "shards.input"),
+    ("make-shards", ["shards.source=cluttered_digits", "shards.output=o"], "shards.split"),
+    ("make-shards", ["shards.source=folders", "shards.output=o"], "shards.source"),
+    ("graph-precompute", ["graph.output=o", "graph.task=show"], "graph.key"),
+    ("graph-precompute", ["graph.output=o", "graph.task=class_graph"], "graph.shards"),
+    ("graph-precompute", ["graph.output=o", "graph.task=edges"], "graph.task"),
+    ("pretrain", ["name=r", "data.shards=x", "data.backend=gpu"], "data.backend"),
 ])
 def test_a_stage_names_the_key_it_lacks(stage, overrides, key):
     config = load_config(RunConfig, None, overrides)

@@ -16,7 +16,8 @@ from core.config import InvalidValue
 from data_pipeline.config import DataConfig
 from data_pipeline.dali.device import DaliViews
 from data_pipeline.formats import Sample
-from data_pipeline.loader import LoaderState, train_batches
+from data_pipeline.loader import LoaderState, TrainLoader, train_batches
+from data_pipeline.loader.backends import backend_spec
 from data_pipeline.transforms import decode
 from tests.data_pipeline.helpers import digit_jpeg, digit_sample, uneven_set, write_set
 
@@ -105,10 +106,13 @@ def test_resume_continues_exactly_and_undecodable_images_are_dropped(tmp_path):
         assert got["keys"] == want["keys"] and torch.equal(got["images"], want["images"])
 
 
-def test_the_backend_renders_simclr_views_of_one_image_only():
+def test_the_backend_renders_simclr_views_of_one_image_only(tmp_path):
     for kw in ({"augment": "autoaugment"}, {"pairing": "same_label"}):
         with pytest.raises(InvalidValue, match="needs data.augment=simclr"):
-            DataConfig(backend="dali", **kw).validate()
+            backend_spec("dali").check(DataConfig(backend="dali", **kw))
+    write_set(tmp_path, [[digit_sample(i) for i in range(8)]])
+    with pytest.raises(InvalidValue, match="needs data.augment=simclr"):  # the loader asks
+        TrainLoader(DataConfig(shards=str(tmp_path), backend="dali", augment="autoaugment"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="nvJPEG needs CUDA")
