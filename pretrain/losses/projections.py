@@ -90,7 +90,7 @@ def _block_votes(rows: Tensor, cols: Tensor, col_groups: Tensor, num_groups: int
     those weights summed per group of the columns, ``col_groups`` [C]); ``real`` [R, C] is
     0 where the row or the column is padding; ``offset`` = row start - column start places
     the diagonal (the sample itself, counted apart)."""
-    weight = (1 - (_distances(rows, cols, metric) / bandwidth) ** 2).clamp(min=0) * real
+    weight = (1 - _scaled_square_distances(rows, cols, metric, bandwidth)).clamp(min=0) * real
     r = torch.arange(rows.shape[0], device=rows.device)
     c = torch.arange(cols.shape[0], device=rows.device)
     weight = weight.masked_fill(r[:, None] + offset == c[None, :], 0.0)
@@ -98,15 +98,20 @@ def _block_votes(rows: Tensor, cols: Tensor, col_groups: Tensor, num_groups: int
     return weight.sum(1), voted
 
 
-def _distances(rows: Tensor, cols: Tensor, metric: KernelMetric) -> Tensor:
-    """[R, C] distances between the rows of ``rows`` [R, D] and ``cols`` [C, D]. On a GPU
-    torch.cdist's backward for the l1 distance holds an [R, C, D] buffer: 34 GB at
-    R = C = 8,192 and D = 128 on an H100, so that ``objective.tile_size`` (R = C = T) is
-    what bounds it (``docs/benchmarks.md``, "On a GPU"). Summing cdist over slices of 16
-    coordinates held 7.4 GB there but took 1.7 s instead of 0.27 s."""
-    if metric == "cos":
-        return 0.5 - 0.5 * rows @ cols.T
-    return torch.cdist(rows, cols, p=1.0 if metric == "l1" else 2.0)
+def _scaled_square_distances(rows: Tensor, cols: Tensor, metric: KernelMetric,
+                             bandwidth: float) -> Tensor:
+    """[R, C] (d / h)^2 between the rows of ``rows`` [R, D] and ``cols`` [C, D]. l2 and cos
+    are matrix products (l2 squared as |a|^2 + |b|^2 - 2 a.b: no square root, whose
+    gradient at a zero distance is infinite). l1 goes through torch.cdist, whose backward
+    holds an [R, C, D] buffer on a GPU (34 GB at R = C = 8,192, D = 128 on an H100), so
+    ``objective.tile_size`` (R = C = T) is what bounds it there."""
+    if metric == "l2":
+        square = (rows.square().sum(1)[:, None] + cols.square().sum(1)[None, :]
+                  - 2 * rows @ cols.T).clamp(min=0)
+        return square / bandwidth**2
+    distance = (0.5 - 0.5 * rows @ cols.T if metric == "cos"
+                else torch.cdist(rows, cols, p=1.0))
+    return (distance / bandwidth) ** 2
 
 
 def median_class_embeddings(candidates: Tensor, groups: Tensor, counts: Tensor,
