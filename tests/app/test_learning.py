@@ -1,17 +1,21 @@
 """Training learns. On the cluttered digits an untrained encoder sits near chance (10
-classes: 0.1), and a shipped recipe trained through the real ``pretrain`` command (2 DDP
-processes, the learning benchmark's data) must move two measures of its backbone features
-above the untrained encoder it started from: weighted kNN top-1 (k = 20) and the linear
-probe's top-1.
+classes: 0.1); a shipped recipe trained through the real ``pretrain`` command (2 DDP
+processes, the learning benchmark's 6,000 training canvases) must move its backbone
+features above the untrained encoder it started from, on 1,000 test canvases.
 
 Each run lands where its seed and the CPU's kernels take it, so each threshold sits 3
-standard deviations below the mean gain that the recipe delivers over 5 seeds of the
-learning benchmark (``docs/learning.md``, "What CI asserts"), where the runs and the
-command are recorded; the run here is that benchmark's seed 0. The gains here are therefore
-"it learned" checks, not the benchmark's claim (a), whose margins (15 and 30 kNN points) are
-judged over its seeds. InfoNCE runs its whole recipe (30 epochs, 8-12 minutes on 2
-cores): at 10 epochs its gain over 3 seeds was 9.9 +- 7.2 kNN points, which leaves no
-threshold 3 standard deviations below the mean that still means anything.
+standard deviations below the mean gain over seeds 0-4 (``docs/learning.md``, "What CI
+asserts", with the command that measured them); the run here is seed 0.
+
+- SupCon trains its whole recipe (10 epochs) and must gain in class structure: weighted
+  kNN top-1 (k = 20) and the linear probe's top-1.
+- InfoNCE trains 8 of its recipe's 30 epochs (its whole recipe took 11-15 minutes here,
+  three quarters of the suite's longest test). What this still proves: InfoNCE's gradient,
+  through the real command and the gathering boundary, teaches the encoder the instance
+  discrimination it is written for, on canvases it never saw (view retrieval: a canvas's
+  augmented view finds its other view among 1,000), and the linear probe's class
+  structure rises with it. That the whole recipe reaches the benchmark's class-level
+  margins is claim (a) of the learning benchmark, judged over its seeds, not here.
 """
 
 from __future__ import annotations
@@ -20,87 +24,58 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-from app.run_config import RunConfig
-from core.config import load_config
-from data_pipeline.config import DataConfig, ShardsConfig
-from data_pipeline.make_shards import make_shards
-from evaluation.features import Features, extract
-from evaluation.knn import build_index, knn_accuracy
-from evaluation.load import from_checkpoint
-from evaluation.probe import linear_probe
-from pretrain.model.encoder import build_model
-from pretrain.run.checkpoint import list_checkpoints
-from serving.model_registry import EmbeddingModel
-from tests.app.helpers import REPO, run_pretrain
-
-TRAIN, TEST = 6000, 1000  # canvases, as in the learning benchmark
-PROBE_EPOCHS, PROBE_LR = 50, 0.1  # the learning benchmark's probe
+from bench.learning.ci_check import (
+    cluttered,
+    overrides,
+    pretrain,
+    scores,
+    trained,
+    untrained,
+    views_of_test,
+)
 
 
 @dataclass(frozen=True)
 class Check:
-    """A recipe and the least gain (trained minus untrained top-1) it must show."""
+    """A recipe, the epochs it trains, and the least gain (trained minus untrained top-1)
+    it must show; None: not asserted."""
 
-    recipe: str  # launch/configs/cluttered/<recipe>.yaml, trained as shipped
-    knn_gain: float  # weighted kNN top-1, k = 20, backbone
+    recipe: str  # launch/configs/cluttered/<recipe>.yaml
+    epochs: int
+    knn_gain: float | None  # weighted kNN top-1, k = 20, backbone
     probe_gain: float  # linear probe top-1, backbone
+    views_gain: float | None  # view retrieval top-1 among the test canvases, backbone
 
 
-# mean - 3 sd of the gain over seeds 0-4, rounded down (docs/learning.md, "What CI asserts")
-CHECKS = [Check("infonce", knn_gain=0.08, probe_gain=0.23),  # 0.276 +- 0.063, 0.352 +- 0.040
-          Check("supcon", knn_gain=0.44, probe_gain=0.46)]  # 0.556 +- 0.036, 0.548 +- 0.028
-
-
-@dataclass(frozen=True)
-class Scores:
-    knn: float
-    probe: float
+# mean - 3 sd of the gain over seeds 0-4, rounded down (docs/learning.md, "What CI asserts");
+# InfoNCE's kNN gain at 8 epochs (0.073 +- 0.045) leaves no such threshold above zero
+CHECKS = [Check("infonce", 8, knn_gain=None, probe_gain=0.08,  # 0.133 +- 0.017
+                views_gain=0.02),  # 0.052 +- 0.010
+          Check("supcon", 10, knn_gain=0.44, probe_gain=0.46,  # 0.556 +- 0.036, 0.548 +- 0.028
+                views_gain=None)]
 
 
 @pytest.fixture(scope="module")
-def cluttered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("cluttered")
-    common = {"source": "cluttered_digits", "shard_size": 1000, "workers": 2}
-    for split, samples in (("train", TRAIN), ("test", TEST)):
-        make_shards(ShardsConfig(**common, split=split, samples=samples,
-                                 output=str(root / split)))
-    return root / "train", root / "test"
+def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return cluttered(tmp_path_factory.mktemp("cluttered"))
 
 
-def scores(model: EmbeddingModel, train: Path, test: Path) -> Scores:
-    """kNN and linear-probe top-1 of ``model``'s backbone features, as the benchmark
-    measures them."""
-    loader = DataConfig(shards=str(train), batch_size=256, workers=1, resolution=32)
-    cpu = torch.device("cpu")
-    bank: Features = extract(model, loader, str(train), cpu, progress=False)
-    queries: Features = extract(model, loader, str(test), cpu, progress=False)
-    classes = len(bank.class_names)
-    accuracy, _ = knn_accuracy(build_index(bank.backbone, "exact"), bank.labels,
-                               queries.backbone, queries.labels, [20], 0.07, classes)
-    probe = linear_probe(bank.backbone, bank.labels, queries.backbone, queries.labels,
-                         classes, PROBE_EPOCHS, PROBE_LR)
-    return Scores(accuracy["k20"]["top1"], probe["top1"])
-
-
-@pytest.mark.timeout(3000)  # InfoNCE's 30 epochs take 8-12 minutes on 2 cores
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("check", CHECKS, ids=[c.recipe for c in CHECKS])
-def test_recipe_learns_beyond_the_untrained_encoder(cluttered, tmp_path, check):
-    train, test = cluttered
-    recipe = REPO / "launch" / "configs" / "cluttered" / f"{check.recipe}.yaml"
-    overrides = [f"output_dir={tmp_path}", "name=run", f"data.shards={train}",
-                 "tracking.enabled=false", "train.progress=false", "checkpoint.every=0"]
-    result = run_pretrain(["--config", str(recipe), *overrides], nproc=2, timeout=2400)
+def test_recipe_learns_beyond_the_untrained_encoder(shards, tmp_path, check):
+    train, test = shards
+    keys = overrides(tmp_path / "run", train, check.epochs, seed=0)
+    result = pretrain(check.recipe, keys, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
-    trained = from_checkpoint(list_checkpoints(tmp_path / "run")[0])[0]
-    config = load_config(RunConfig, recipe, overrides)
-    torch.manual_seed(config.seed)  # the encoder the run started from
-    untrained = EmbeddingModel(build_model(config.model, config.objective,
-                                           torch.device("cpu")).encoder)
-    before, after = scores(untrained, train, test), scores(trained, train, test)
-    report = (f"kNN top-1 {before.knn:.3f} -> {after.knn:.3f} (gain >= {check.knn_gain}), "
-              f"probe {before.probe:.3f} -> {after.probe:.3f} (gain >= {check.probe_gain})")
+    views = views_of_test(check.recipe, keys, test)
+    before = scores(untrained(check.recipe, keys), train, test, views)
+    after = scores(trained(tmp_path / "run"), train, test, views)
+    report = (f"kNN top-1 {before.knn:.3f} -> {after.knn:.3f}, "
+              f"probe {before.probe:.3f} -> {after.probe:.3f}, "
+              f"views {before.views:.3f} -> {after.views:.3f}; asserted gains {check}")
     print(report)
-    assert after.knn - before.knn >= check.knn_gain, report
-    assert after.probe - before.probe >= check.probe_gain, report
+    for measure in ("knn", "probe", "views"):
+        least = getattr(check, f"{measure}_gain")
+        if least is not None:
+            assert getattr(after, measure) - getattr(before, measure) >= least, report

@@ -1,0 +1,192 @@
+"""The measures of the CI learning test (``tests/app/test_learning.py``) and the spread
+behind its thresholds: a shipped recipe trained with the real ``pretrain`` command (2 DDP
+processes) on 6,000 cluttered-digit canvases for a given number of epochs, then its
+backbone features beside those of the untrained encoder it started from, on 1,000 test
+canvases:
+
+- weighted kNN top-1 (k = 20) and linear-probe top-1 (50 epochs): class structure;
+- view retrieval top-1: each test canvas's first augmented view (the recipe's own
+  augmentation) finds its second view among all 1,000 second views by cosine similarity,
+  the instance discrimination InfoNCE trains for.
+
+    python -m bench.learning.ci_check --recipe infonce --epochs 6 --seeds 0 1 2 3 4
+
+Prints per seed untrained -> trained (gain) and, per measure, the gain's mean, standard
+deviation and mean - 3 sd (the highest threshold the test may assert); writes
+``ci_check-<recipe>-e<epochs>.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from app.run_config import RunConfig
+from core.config import load_config
+from data_pipeline.config import DataConfig, ShardsConfig
+from data_pipeline.loader.epochs import train_batches
+from data_pipeline.make_shards import make_shards
+from evaluation.features import Features, extract
+from evaluation.knn import build_index, knn_accuracy
+from evaluation.load import from_checkpoint
+from evaluation.probe import linear_probe
+from pretrain.model.encoder import build_model
+from pretrain.run.checkpoint import list_checkpoints
+from serving.model_registry import EmbeddingModel
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN, TEST = 6000, 1000  # canvases, as in the learning benchmark
+PROBE_EPOCHS, PROBE_LR = 50, 0.1  # the learning benchmark's probe
+MEASURES = ("knn", "probe", "views")
+
+
+@dataclass(frozen=True)
+class Scores:
+    knn: float  # weighted kNN top-1, k = 20, backbone
+    probe: float  # linear probe top-1, backbone
+    views: float  # view retrieval top-1 among the test canvases, backbone
+
+
+def cluttered(root: Path) -> tuple[Path, Path]:
+    """Train and test shards of the cluttered digits under ``root`` (made once)."""
+    common = {"source": "cluttered_digits", "shard_size": 1000, "workers": 2}
+    out = []
+    for split, samples in (("train", TRAIN), ("test", TEST)):
+        path = root / split
+        if not (path / "manifest.json").is_file():
+            make_shards(ShardsConfig(**common, split=split, samples=samples,
+                                     output=str(path)))
+        out.append(path)
+    return out[0], out[1]
+
+
+def recipe_path(recipe: str) -> Path:
+    return REPO / "launch" / "configs" / "cluttered" / f"{recipe}.yaml"
+
+
+def overrides(run_dir: Path, train: Path, epochs: int, seed: int) -> list[str]:
+    return [f"output_dir={run_dir.parent}", f"name={run_dir.name}", f"data.shards={train}",
+            f"train.epochs={epochs}", f"seed={seed}", f"data.seed={seed}",
+            "tracking.enabled=false", "train.progress=false", "checkpoint.every=0"]
+
+
+def pretrain(recipe: str, keys: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """The real ``pretrain`` command on 2 processes."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", "-m", "app.pretrain", "--config",
+               str(recipe_path(recipe)), *keys]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def untrained(recipe: str, keys: list[str]) -> EmbeddingModel:
+    """The encoder the run started from: the same seed, the same construction."""
+    config = load_config(RunConfig, recipe_path(recipe), keys)
+    torch.manual_seed(config.seed)
+    return EmbeddingModel(build_model(config.model, config.objective,
+                                      torch.device("cpu")).encoder)
+
+
+def trained(run_dir: Path) -> EmbeddingModel:
+    return from_checkpoint(list_checkpoints(run_dir)[0])[0]
+
+
+@torch.no_grad()
+def view_retrieval(model: EmbeddingModel, views: DataConfig) -> float:
+    """Top-1 of each first view's cosine nearest neighbour among all second views being
+    its own second view (``views``: the recipe's augmentation on the test shards)."""
+    model = model.eval()
+    first, second = [], []
+    for batch in train_batches(views):
+        features = F.normalize(model.encoder(batch["images"])[0].float(), dim=1)
+        half = features.shape[0] // 2  # [2B, F]: the B first views, then the B second
+        first.append(features[:half])
+        second.append(features[half:])
+    similarity = torch.cat(first) @ torch.cat(second).T  # [N, N]
+    return (similarity.argmax(1) == torch.arange(similarity.shape[0])).float().mean().item()
+
+
+def scores(model: EmbeddingModel, train: Path, test: Path, views: DataConfig) -> Scores:
+    """The three measures of ``model``'s backbone features."""
+    loader = DataConfig(shards=str(train), batch_size=256, workers=1, resolution=32)
+    cpu = torch.device("cpu")
+    bank: Features = extract(model, loader, str(train), cpu, progress=False)
+    queries: Features = extract(model, loader, str(test), cpu, progress=False)
+    classes = len(bank.class_names)
+    accuracy, _ = knn_accuracy(build_index(bank.backbone, "exact"), bank.labels,
+                               queries.backbone, queries.labels, [20], 0.07, classes)
+    probe = linear_probe(bank.backbone, bank.labels, queries.backbone, queries.labels,
+                         classes, PROBE_EPOCHS, PROBE_LR)
+    return Scores(accuracy["k20"]["top1"], probe["top1"], view_retrieval(model, views))
+
+
+def views_of_test(recipe: str, keys: list[str], test: Path) -> DataConfig:
+    """The recipe's augmentation over the test shards, every canvas once, in one
+    worker and a fixed order of draws."""
+    data = load_config(RunConfig, recipe_path(recipe), keys).data
+    return dataclasses.replace(data, shards=str(test), workers=1,
+                               batch_size=250)
+
+
+def measure(recipe: str, epochs: int, seed: int, root: Path) -> dict[str, dict[str, float]]:
+    """Untrained and trained scores of one seed (kept in the run's ``result.json``)."""
+    train, test = cluttered(root / "shards")
+    run_dir = root / "runs" / f"{recipe}-e{epochs}-s{seed}"
+    if (run_dir / "result.json").is_file():
+        return json.loads((run_dir / "result.json").read_text())
+    keys = overrides(run_dir, train, epochs, seed)
+    result = pretrain(recipe, keys, timeout=3600)
+    if result.returncode != 0:
+        raise SystemExit(f"{run_dir}: pretrain failed\n{result.stderr[-3000:]}")
+    views = views_of_test(recipe, keys, test)
+    result = {"untrained": scores(untrained(recipe, keys), train, test, views),
+              "trained": scores(trained(run_dir), train, test, views)}
+    result = {name: dataclasses.asdict(value) for name, value in result.items()}
+    (run_dir / "result.json").write_text(json.dumps(result))
+    return result
+
+
+def summary(gains: list[float]) -> dict[str, float]:
+    mean, sd = statistics.fmean(gains), statistics.stdev(gains)
+    return {"mean": mean, "sd": sd, "mean_minus_3sd": mean - 3 * sd,
+            "threshold": math.floor(100 * (mean - 3 * sd)) / 100}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default="infonce")
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ci_check")
+    args = parser.parse_args()
+    per_seed = {}
+    for seed in args.seeds:
+        per_seed[seed] = measure(args.recipe, args.epochs, seed, args.out)
+        print(seed, json.dumps(per_seed[seed]), flush=True)
+    report = {"recipe": args.recipe, "epochs": args.epochs, "per_seed": per_seed}
+    print("| measure | per seed: untrained -> trained (gain) | gain mean ± sd | mean - 3 sd |")
+    print("| --- | --- | --- | --- |")
+    for name in MEASURES:
+        rows = [(r["untrained"][name], r["trained"][name]) for r in per_seed.values()]
+        stats = report[name] = summary([after - before for before, after in rows])
+        cells = ", ".join(f"{b:.3f} -> {a:.3f} ({a - b:+.3f})" for b, a in rows)
+        print(f"| {name} | {cells} | {stats['mean']:.3f} ± {stats['sd']:.3f} "
+              f"| {stats['mean_minus_3sd']:.3f} |")
+    path = args.out / f"ci_check-{args.recipe}-e{args.epochs}.json"
+    path.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
