@@ -10,16 +10,25 @@ which maps images [B, 3, H, W] to features [B, F], and F; the entry declares whi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torchvision
-from torch import nn
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from core.config import InvalidValue
 from core.errors import RunError, first_line
 from core.tables import table_entry
+from pretrain.model.checkpointing import (
+    Setting,
+    checkpoint_children,
+    checkpointed,
+    every_of,
+    recompute_contexts,
+)
 
 
 class BackboneConfig(Protocol):
@@ -58,6 +67,33 @@ def cnn_block(channels: int, out: int, norm: str) -> list[nn.Module]:
             nn.ReLU(inplace=True), nn.MaxPool2d(2)]
 
 
+class SmallCNN(nn.Sequential):
+    """Four blocks of :func:`cnn_block` (4 layers each), then global pooling; blocks 0, k,
+    2k, ... run checkpointed when ``checkpoint_every`` k > 0 (one flat sequence, so its
+    keys are those of the plain ``nn.Sequential``)."""
+
+    BLOCK = 4  # layers of a cnn_block
+    checkpoint_every = 0
+
+    def forward(self, images: Tensor) -> Tensor:
+        layers, x = list(self), images
+        for block, start in enumerate(range(0, len(layers) - 2, self.BLOCK)):
+            segment = layers[start:start + self.BLOCK]
+            run = functools.partial(run_layers, segment)
+            if self.checkpoint_every and block % self.checkpoint_every == 0:
+                x = checkpoint(run, x, use_reentrant=False,
+                               context_fn=recompute_contexts(segment))
+            else:
+                x = run(x)
+        return layers[-1](layers[-2](x))
+
+
+def run_layers(layers: list[nn.Module], x: Tensor) -> Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
 def small_cnn(name: str, cfg: BackboneConfig) -> Backbone:
     """Four conv-norm-ReLU blocks with pooling: a few million MACs per 32 px image."""
     layers: list[nn.Module] = []
@@ -67,7 +103,11 @@ def small_cnn(name: str, cfg: BackboneConfig) -> Backbone:
         layers += cnn_block(channels, out, cfg.norm)
         channels = out
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-    return Backbone(nn.Sequential(*layers), channels)
+    return Backbone(SmallCNN(*layers), channels)
+
+
+def checkpoint_small_cnn(net: nn.Module, every: int, name: str) -> None:
+    net.checkpoint_every = every
 
 
 def resnet(name: str, cfg: BackboneConfig) -> Backbone:
@@ -80,6 +120,15 @@ def resnet(name: str, cfg: BackboneConfig) -> Backbone:
     features = net.fc.in_features
     net.fc = nn.Identity()
     return Backbone(net, features)
+
+
+RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4")
+
+
+def checkpoint_resnet(net: nn.Module, every: int, name: str) -> None:
+    """Stages 0, k, 2k, ... of the four."""
+    for stage in RESNET_STAGES[::every]:
+        setattr(net, stage, checkpointed(getattr(net, stage)))
 
 
 def timm_backbone(name: str, cfg: BackboneConfig) -> Backbone:
@@ -111,6 +160,20 @@ def timm_backbone(name: str, cfg: BackboneConfig) -> Backbone:
                            "embedding to replace; set model.vit_stem=patch")
         patch_embed.proj = STEMS[cfg.vit_stem](patch_embed.proj, cfg)
     return Backbone(net, int(net.num_features))
+
+
+def checkpoint_timm(net: nn.Module, every: int, name: str) -> None:
+    """The transformer blocks (``net.blocks``) 0, k, 2k, ...; a timm model without a
+    ``blocks`` list takes ``full`` through timm's own ``set_grad_checkpointing``."""
+    blocks = getattr(net, "blocks", None)
+    if isinstance(blocks, nn.Sequential | nn.ModuleList):
+        checkpoint_children(blocks, every)
+    elif every == 1 and hasattr(net, "set_grad_checkpointing"):
+        net.set_grad_checkpointing(True)
+    else:
+        raise RunError(f"model.activation_checkpointing={every}: {TIMM}{name} has no list of "
+                       "blocks to choose from; set model.activation_checkpointing=full "
+                       "(timm's own checkpointing)")
 
 
 def _stages(patchify: nn.Conv2d, stem: str) -> int:
@@ -167,6 +230,8 @@ class BackboneSpec:
     """A backbone and what it takes from ``model.*``."""
 
     build: Callable[[str, BackboneConfig], Backbone]  # (name, model config) -> network, F
+    # (network, k, name): checkpoint blocks 0, k, 2k, ... (pretrain/model/checkpointing.py)
+    checkpoint: Callable[[nn.Module, int, str], None]
     # the backbone-specific model.* keys it reads; any other keeps its neutral value
     takes: tuple[str, ...] = ()
     layers: bool = False  # declares its layers to optim.layer_decay (timm's group_matcher)
@@ -181,11 +246,12 @@ def timm_name_problem(name: str) -> str | None:
 
 
 BACKBONES: dict[str, BackboneSpec] = {
-    "small_cnn": BackboneSpec(small_cnn, ("width",)),
-    "resnet18": BackboneSpec(resnet, ("small_stem",)),
-    "resnet50": BackboneSpec(resnet, ("small_stem",)),
+    "small_cnn": BackboneSpec(small_cnn, checkpoint_small_cnn, ("width",)),
+    "resnet18": BackboneSpec(resnet, checkpoint_resnet, ("small_stem",)),
+    "resnet50": BackboneSpec(resnet, checkpoint_resnet, ("small_stem",)),
     # a family: timm:<name> is any timm model, the entry's factory gets <name>
-    TIMM_FAMILY: BackboneSpec(timm_backbone, ("patch_size", "timm_kwargs", "vit_stem", "width"),
+    TIMM_FAMILY: BackboneSpec(timm_backbone, checkpoint_timm,
+                              ("patch_size", "timm_kwargs", "vit_stem", "width"),
                               layers=True, name_problem=timm_name_problem),
 }
 NEUTRAL = {"patch_size": 0, "timm_kwargs": {}, "vit_stem": "patch"}  # the keys' "not in use"
@@ -222,3 +288,11 @@ def build_backbone(cfg: BackboneConfig) -> Backbone:
     """The network ``cfg.backbone`` names."""
     key, member = split_name(cfg.backbone)
     return BACKBONES[key].build(member, cfg)
+
+
+def checkpoint_backbone(net: nn.Module, name: str, setting: Setting) -> None:
+    """Activation checkpointing of the blocks of backbone ``name`` (built as ``net``) as
+    ``model.activation_checkpointing`` asks."""
+    if every_of(setting):
+        key, member = split_name(name)
+        BACKBONES[key].checkpoint(net, every_of(setting), member)

@@ -18,7 +18,8 @@ from core.config import InvalidValue
 from pretrain.losses.config import ObjectiveConfig
 from pretrain.losses.objectives import objective_spec
 from pretrain.losses.parameters import ParameterShape
-from pretrain.model.backbones import build_backbone, check_backbone
+from pretrain.model.backbones import build_backbone, check_backbone, checkpoint_backbone
+from pretrain.model.checkpointing import every_of
 from pretrain.model.text_tower import TextTower, TextTowerConfig
 
 
@@ -43,6 +44,9 @@ class ModelConfig:
     sync_batchnorm: bool = True  # batch norm over the global batch on multi-GPU runs
     split_views: bool = False  # batch-norm statistics per view set (first views, second views)
     channels_last: bool = True  # channels-last memory format on GPU
+    # none, full, or k: recompute blocks 0, k, 2k, ... in the backward instead of holding
+    # their activations (pretrain/model/checkpointing.py)
+    activation_checkpointing: Literal["none", "full"] | int = "none"
     text: TextTowerConfig = field(default_factory=TextTowerConfig)  # clip's text tower
 
     def validate(self) -> None:
@@ -50,6 +54,9 @@ class ModelConfig:
         for key in ("image_size", "patch_size"):
             if getattr(self, key) < 0:
                 raise InvalidValue(key, f"must be >= 0, got {getattr(self, key)}")
+        if isinstance(self.activation_checkpointing, int) and self.activation_checkpointing < 1:
+            raise InvalidValue("activation_checkpointing", "none, full, or k >= 1 (every k-th "
+                               f"block), got {self.activation_checkpointing}")
         for key in ("width", "projector_hidden", "projector_dim"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
@@ -157,6 +164,9 @@ def build_model(cfg: ModelConfig, objective: ObjectiveConfig, device: torch.devi
         parameters = objective.loss_parameters(ParameterShape(num_classes, cfg.projector_dim))
     model = ContrastiveModel(cfg, objective_spec(objective.name).text_tower, temperature,
                              parameters).to(device)
+    checkpoint_backbone(model.encoder.backbone, cfg.backbone, cfg.activation_checkpointing)
+    if model.text is not None and every_of(cfg.activation_checkpointing):
+        model.text.checkpoint(every_of(cfg.activation_checkpointing))
     if device.type == "cuda":
         if cfg.channels_last:
             model.encoder = model.encoder.to(memory_format=torch.channels_last)

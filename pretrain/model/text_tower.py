@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from core.errors import RunError
 from data_pipeline.text import TextConfig, model_path
+from pretrain.model.checkpointing import checkpoint_children
 
 
 @dataclass
@@ -51,6 +53,15 @@ class TextTower(nn.Module):
             weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
         return self.projection(pooled)
+
+    def checkpoint(self, every: int) -> None:
+        """Activation checkpointing of the transformer's layers 0, k, 2k, ... (k =
+        ``every``; ``pretrain/model/checkpointing.py``); only a trainable tower holds them."""
+        layers = getattr(getattr(self.transformer, "encoder", None), "layer", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise RunError(f"model.activation_checkpointing: {self.config.model} has no "
+                           "encoder.layer list to checkpoint; set it to none")
+        checkpoint_children(layers, every)
 
     @property
     def dtype(self) -> torch.dtype:

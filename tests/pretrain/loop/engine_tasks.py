@@ -3,6 +3,7 @@ forward/backward through the real engines on a fixed, asymmetric batch, in float
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -59,13 +60,16 @@ def full_gradients(engine: Engine) -> dict[str, Tensor]:
 
 
 def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
-             rows: slice | None = None, chunk_size: int = 0) -> dict[str, Any]:
+             rows: slice | None = None, chunk_size: int = 0,
+             checkpointing: str = "none") -> dict[str, Any]:
     """Loss and full parameter gradients of one step on ``rows`` of the batch (the
     rank's own rows under a process group, every row in the reference); with
-    ``chunk_size``, through the cached-gradient chunks."""
+    ``chunk_size``, through the cached-gradient chunks; ``checkpointing``:
+    ``model.activation_checkpointing``."""
     torch.manual_seed(0)
     cfg = objective_config(name, hparams)
-    model = build_model(MODEL, cfg, torch.device("cpu"), NUM_CLASSES).double()
+    model_cfg = dataclasses.replace(MODEL, activation_checkpointing=checkpointing)
+    model = build_model(model_cfg, cfg, torch.device("cpu"), NUM_CLASSES).double()
     optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.1), 19)
     engine = build_engine(model, optimizer, EngineConfig(name=engine_name,
                                                          deepspeed_config=zero_config),

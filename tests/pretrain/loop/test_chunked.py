@@ -52,6 +52,16 @@ def test_two_ranks_chunked_equal_one_process(gloo2, engine, zero, name, hparams)
         assert_same_step({**rank, "loss": whole["loss"]}, whole, engine)
 
 
+@pytest.mark.parametrize(("name", "hparams"), [CASES[0], CASES[2]], ids=["infonce", "clip"])
+def test_two_ranks_checkpointed_and_chunked_equal_one_process(gloo2, name, hparams):
+    """Activation checkpointing inside DDP and the cached-gradient chunks (whose second
+    pass is the checkpointed forward's first): the plain single-process gradient."""
+    ranks = gloo2.run(engine_tasks.run_step, "ddp", "", name, hparams, None, 4, "full")
+    whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
+    for rank in ranks:
+        assert_same_step({**rank, "loss": whole["loss"]}, whole)
+
+
 def bn_model(dropout: float = 0.0) -> tuple[torch.nn.Module, ObjectiveConfig]:
     cfg = ObjectiveConfig(name="infonce", temperature=0.2)
     model = build_model(ModelConfig(width=8, projector_hidden=32, projector_dim=16), cfg,
