@@ -71,13 +71,18 @@ def test_no_module_imports_from_a_layer_above(layer):
     assert not violations, "\n".join(violations)
 
 
+# what lives under torch.distributed but communicates with no one
+NOT_COMMUNICATION = ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper",)
+
+
 def test_models_and_losses_never_call_torch_distributed():
     paths = [p for target in NO_DISTRIBUTED for p in
              ((REPO / target).rglob("*.py") if (REPO / target).is_dir() else [REPO / target])]
     assert paths
     violations = [f"{p.relative_to(REPO)}:{line} imports {module}" for p in paths
                   for line, module in imported_modules(p)
-                  if module.startswith(("torch.distributed", "core.collectives"))]
+                  if module.startswith(("torch.distributed", "core.collectives"))
+                  and not module.startswith(NOT_COMMUNICATION)]
     assert not violations, "\n".join(violations)
 
 

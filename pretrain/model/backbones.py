@@ -77,15 +77,16 @@ class SmallCNN(nn.Sequential):
 
     def forward(self, images: Tensor) -> Tensor:
         layers, x = list(self), images
-        for block, start in enumerate(range(0, len(layers) - 2, self.BLOCK)):
-            segment = layers[start:start + self.BLOCK]
+        blocks = len(layers) // self.BLOCK  # then the pooling (none in a slice of blocks)
+        for block in range(blocks):
+            segment = layers[block * self.BLOCK:(block + 1) * self.BLOCK]
             run = functools.partial(run_layers, segment)
             if self.checkpoint_every and block % self.checkpoint_every == 0:
                 x = checkpoint(run, x, use_reentrant=False,
                                context_fn=recompute_contexts(segment))
             else:
                 x = run(x)
-        return layers[-1](layers[-2](x))
+        return run_layers(layers[blocks * self.BLOCK:], x)
 
 
 def run_layers(layers: list[nn.Module], x: Tensor) -> Tensor:

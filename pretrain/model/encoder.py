@@ -44,9 +44,8 @@ class ModelConfig:
     sync_batchnorm: bool = True  # batch norm over the global batch on multi-GPU runs
     split_views: bool = False  # batch-norm statistics per view set (first views, second views)
     channels_last: bool = True  # channels-last memory format on GPU
-    # none, full, or k: recompute blocks 0, k, 2k, ... in the backward instead of holding
-    # their activations (pretrain/model/checkpointing.py)
-    activation_checkpointing: Literal["none", "full"] | int = "none"
+    # blocks recomputed in the backward instead of held (pretrain/model/checkpointing.py)
+    activation_checkpointing: Literal["none", "full"] | int = "none"  # none, full, or every k
     text: TextTowerConfig = field(default_factory=TextTowerConfig)  # clip's text tower
 
     def validate(self) -> None:
