@@ -68,8 +68,14 @@ def test_ctrl_c_while_a_checkpoint_is_written_is_an_interrupt_not_a_failed_write
             torch.save(obj, f)
 
     monkeypatch.setattr(checkpoint, "_save", save_with_sigint)
-    with pytest.raises(KeyboardInterrupt):
-        ckpt.save(4, *saved(4))
+    # Python's own Ctrl-C handler, whatever launched pytest: a shell's background job
+    # (``cmd &``) starts with SIGINT ignored, and then no KeyboardInterrupt would come
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(4, *saved(4))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert [p.name for p in ckpt.checkpoints()] == ["step_00000002"]
 
 
