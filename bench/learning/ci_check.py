@@ -9,7 +9,7 @@ canvases:
   augmentation) finds its second view among all 1,000 second views by cosine similarity,
   the instance discrimination InfoNCE trains for.
 
-    python -m bench.learning.ci_check --recipe infonce --epochs 6 --seeds 0 1 2 3 4
+    python -m bench.learning.ci_check --recipe infonce --epochs 8 --seeds 0 1 2 3 4
 
 Prints per seed untrained -> trained (gain) and, per measure, the gain's mean, standard
 deviation and mean - 3 sd (the highest threshold the test may assert); writes
@@ -136,8 +136,7 @@ def views_of_test(recipe: str, keys: list[str], test: Path) -> DataConfig:
     """The recipe's augmentation over the test shards, every canvas once, in one
     worker and a fixed order of draws."""
     data = load_config(RunConfig, recipe_path(recipe), keys).data
-    return dataclasses.replace(data, shards=str(test), workers=1,
-                               batch_size=250)
+    return dataclasses.replace(data, shards=str(test), workers=1, batch_size=250)
 
 
 def measure(recipe: str, epochs: int, seed: int, root: Path) -> dict[str, dict[str, float]]:

@@ -22,13 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from core.config import InvalidValue
 from core.errors import RunError, first_line
 from core.tables import table_entry
-from pretrain.model.checkpointing import (
-    Setting,
-    checkpoint_children,
-    checkpointed,
-    every_of,
-    recompute_contexts,
-)
+from pretrain.model.checkpointing import checkpoint_children, checkpointed, recompute_contexts
 
 
 class BackboneConfig(Protocol):
@@ -76,12 +70,14 @@ class SmallCNN(nn.Sequential):
     checkpoint_every = 0
 
     def forward(self, images: Tensor) -> Tensor:
+        if not self.checkpoint_every:
+            return super().forward(images)
         layers, x = list(self), images
         blocks = len(layers) // self.BLOCK  # then the pooling (none in a slice of blocks)
         for block in range(blocks):
             segment = layers[block * self.BLOCK:(block + 1) * self.BLOCK]
             run = functools.partial(run_layers, segment)
-            if self.checkpoint_every and block % self.checkpoint_every == 0:
+            if block % self.checkpoint_every == 0:
                 x = checkpoint(run, x, use_reentrant=False,
                                context_fn=recompute_contexts(segment))
             else:
@@ -291,9 +287,9 @@ def build_backbone(cfg: BackboneConfig) -> Backbone:
     return BACKBONES[key].build(member, cfg)
 
 
-def checkpoint_backbone(net: nn.Module, name: str, setting: Setting) -> None:
-    """Activation checkpointing of the blocks of backbone ``name`` (built as ``net``) as
-    ``model.activation_checkpointing`` asks."""
-    if every_of(setting):
+def checkpoint_backbone(net: nn.Module, name: str, every: int) -> None:
+    """Activation checkpointing of blocks 0, k, 2k, ... (k = ``every``; 0: none) of
+    backbone ``name``, built as ``net``."""
+    if every:
         key, member = split_name(name)
-        BACKBONES[key].checkpoint(net, every_of(setting), member)
+        BACKBONES[key].checkpoint(net, every, member)

@@ -163,9 +163,10 @@ def build_model(cfg: ModelConfig, objective: ObjectiveConfig, device: torch.devi
         parameters = objective.loss_parameters(ParameterShape(num_classes, cfg.projector_dim))
     model = ContrastiveModel(cfg, objective_spec(objective.name).text_tower, temperature,
                              parameters).to(device)
-    checkpoint_backbone(model.encoder.backbone, cfg.backbone, cfg.activation_checkpointing)
-    if model.text is not None and every_of(cfg.activation_checkpointing):
-        model.text.checkpoint(every_of(cfg.activation_checkpointing))
+    every = every_of(cfg.activation_checkpointing)
+    checkpoint_backbone(model.encoder.backbone, cfg.backbone, every)
+    if model.text is not None and every:
+        model.text.checkpoint(every)
     if device.type == "cuda":
         if cfg.channels_last:
             model.encoder = model.encoder.to(memory_format=torch.channels_last)
