@@ -1,8 +1,11 @@
-"""Activation checkpointing (``model.activation_checkpointing``): peak tensor memory and
-time of one training forward + backward of the encoder, none against full and every 2nd
-block, in one process (ratios against ``none``, timed interleaved).
+"""Activation checkpointing (``model.activation_checkpointing``): the activations a training
+forward keeps, the peak tensor memory and the time of one forward + backward of the encoder,
+none against full and every 2nd block, in one process (ratios against ``none``, timed
+interleaved).
 
     python -m bench.checkpointing                    # ResNet-50 and ViT-B/16, 224 px, batch 8
+    python -m bench.checkpointing --device cuda --dtype bfloat16 --batch 64 \\
+        --backbones resnet50 vit_base_patch16_224 vit_large_patch16_224
 
 Writes ``bench/results/checkpointing.json`` and prints a table.
 """
@@ -10,54 +13,88 @@ Writes ``bench/results/checkpointing.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from bench.common import machine, peak_memory_bytes, print_table, time_interleaved, write_json
+from bench.common import (
+    held_memory_bytes,
+    machine,
+    peak_memory_bytes,
+    print_table,
+    time_interleaved,
+    write_json,
+)
 from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 
 BACKBONES = {"resnet50": {"backbone": "resnet50", "small_stem": False},
              "vit_base_patch16_224": {"backbone": "timm:vit_base_patch16_224",
-                                      "image_size": 224}}
+                                      "image_size": 224},
+             "vit_large_patch16_224": {"backbone": "timm:vit_large_patch16_224",
+                                       "image_size": 224}}
 SETTINGS = ("none", "full", 2)
 
 
-def training_pass(keys: dict, setting, images: torch.Tensor):
-    cfg = ModelConfig(**keys, activation_checkpointing=setting)
-    torch.manual_seed(0)
-    model = build_model(cfg, ObjectiveConfig.of("infonce"), torch.device("cpu")).train()
+class Passes:
+    """One encoder under one checkpointing setting: its forward (graph kept) and its
+    training pass (forward + backward), on fixed images."""
 
-    def run() -> None:
-        features, projections = model.encoder(images)
-        (features.square().mean() + projections.square().mean()).backward()
-        model.zero_grad(set_to_none=True)
+    def __init__(self, keys: dict, setting, images: torch.Tensor, dtype: torch.dtype):
+        cfg = ModelConfig(**keys, activation_checkpointing=setting)
+        torch.manual_seed(0)
+        model = build_model(cfg, ObjectiveConfig.of("infonce"), images.device).train()
+        self.encoder = model.encoder.to(memory_format=torch.channels_last)
+        self.images = images
+        self.autocast: Callable[[], contextlib.AbstractContextManager] = (
+            (lambda: torch.autocast(images.device.type, dtype=dtype))
+            if dtype != torch.float32 else contextlib.nullcontext)
 
-    return run
+    def forward(self) -> torch.Tensor:
+        with self.autocast():
+            features, projections = self.encoder(self.images)
+            return features.float().square().mean() + projections.float().square().mean()
+
+    def train(self) -> None:
+        self.forward().backward()
+        self.encoder.zero_grad(set_to_none=True)
+
+
+def measure(name: str, keys: dict, images: torch.Tensor, dtype: torch.dtype,
+            rounds: int) -> list[dict]:
+    passes = {str(s): Passes(keys, s, images, dtype) for s in SETTINGS}
+    held = {s: held_memory_bytes(p.forward, images.device) for s, p in passes.items()}
+    peaks = {s: peak_memory_bytes(p.train, images.device) for s, p in passes.items()}
+    times = time_interleaved({s: p.train for s, p in passes.items()}, rounds)
+    return [{"backbone": name, "checkpointing": s,
+             "activations MiB": round(held[s] / 2**20),
+             "activations / none": round(held[s] / held["none"], 2),
+             "peak MiB": round(peaks[s] / 2**20),
+             "memory / none": round(peaks[s] / peaks["none"], 2),
+             "s": round(times[s], 4), "time / none": round(times[s] / times["none"], 2)}
+            for s in passes]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backbones", nargs="+", choices=sorted(BACKBONES),
+                        default=["resnet50", "vit_base_patch16_224"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", type=Path, default=Path("bench/results/checkpointing.json"))
     args = parser.parse_args()
-    images = torch.randn(args.batch, 3, args.size, args.size)
-    rows = []
-    for name, keys in BACKBONES.items():
-        passes = {str(s): training_pass(keys, s, images) for s in SETTINGS}
-        peaks = {s: peak_memory_bytes(run, torch.device("cpu")) for s, run in passes.items()}
-        times = time_interleaved(passes, args.rounds)
-        for setting in passes:
-            rows.append({"backbone": name, "checkpointing": setting,
-                         "peak MiB": round(peaks[setting] / 2**20),
-                         "memory / none": round(peaks[setting] / peaks["none"], 2),
-                         "s": round(times[setting], 3),
-                         "time / none": round(times[setting] / times["none"], 2)})
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    images = torch.randn(args.batch, 3, args.size, args.size, device=device).to(
+        memory_format=torch.channels_last)
+    rows = [row for name in args.backbones
+            for row in measure(name, BACKBONES[name], images, dtype, args.rounds)]
     write_json(args.out, {"machine": machine(), "batch": args.batch, "size": args.size,
-                          "rows": rows})
+                          "dtype": args.dtype, "rows": rows})
     print_table(rows, list(rows[0]))
 
 

@@ -10,7 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler quiet
 
@@ -64,17 +64,43 @@ def peak_memory_bytes(fn: Callable[[], Any], device: torch.device) -> int:
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
+    return _replayed_memory(fn).peak
+
+
+def held_memory_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """Bytes of tensor memory that ``fn`` leaves allocated while its result is held (for a
+    forward pass: the activations autograd keeps for the backward)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        del result
+        return held
+    return _replayed_memory(fn).end
+
+
+class _Replayed(NamedTuple):
+    peak: int
+    end: int
+
+
+def _replayed_memory(fn: Callable[[], Any]) -> _Replayed:
+    """CPU tensor memory while ``fn`` runs, from the profiler's allocation events replayed
+    in time order (its result held until the replay ends)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+        result = fn()
     live = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
         # "[memory]" events are frees outside any op; ops carry their own net allocation
         live += event.cpu_memory_usage if event.name == "[memory]" else \
             event.self_cpu_memory_usage
         peak = max(peak, live)
-    return peak
+    del result
+    return _Replayed(peak, live)
 
 
 def rss_bytes() -> int:
