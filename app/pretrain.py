@@ -129,8 +129,14 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
     model = build_model(config.model, objective, rt.device, len(shards.class_names))
     if config.train.compile:  # in place: parameter names, checkpoints and registry unchanged
         model.encoder.compile()
+    engine_spec(config.engine.name).prepare(model, config.engine, precision)
     optimizer = build_optimizer(model, config.optim, global_batch)
     engine = build_engine(model, optimizer, config.engine, rt.device, 2 * data.batch_size)
+    if engine.shards_parameters and config.train.knn_every:
+        raise RunError(f"train.knn_every={config.train.knn_every}: the kNN monitor runs the "
+                       f"encoder whole on each rank, and engine.name={config.engine.name} "
+                       "shards it; set train.knn_every=0 and evaluate the checkpoints "
+                       "(python -m app.evaluate)")
     per_epoch = shards.total // (data.samples_per_batch * rt.world)  # the loader's epoch
     total = config.train.max_steps or config.train.epochs * per_epoch
     return Trainer(
@@ -162,6 +168,21 @@ def model_card(config: RunConfig, trainer: Trainer, name: str) -> ModelCard:
         knn={k: round(v, 6) for k, v in trainer.last_knn.items()})
 
 
+def whole_model(config: RunConfig, trainer: Trainer) -> torch.nn.Module:
+    """The trained model, whole: the engine's own, or, when the engine shards it across
+    ranks, a copy built on this rank's CPU from the final checkpoint (which holds the full
+    state), so that only this rank materialises it."""
+    if not trainer.engine.shards_parameters:
+        return trainer.model
+    shards = ShardSet.open(config.data.shards, retry=config.data.retry)
+    model = build_model(config.model, config.objective, torch.device("cpu"),
+                        len(shards.class_names))
+    shared = torch.load(trainer.checkpointer.checkpoints()[0] / "shared.pt",
+                        map_location="cpu", weights_only=True)
+    model.load_state_dict(shared["model"])
+    return model
+
+
 def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
                     run_dir: Path) -> None:
     """The run's artifacts (config, final checkpoint) and, with ``tracking.log_model``, the
@@ -170,7 +191,7 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
     tracker.log_artifact(trainer.checkpointer.checkpoints()[0], "checkpoint")
     if config.tracking.log_model:
         name = config.tracking.registered_model or f"{config.name}-encoder"
-        model = trainer.model
+        model = whole_model(config, trainer)
         card = model_card(config, trainer, name)
         classes = model.loss_parameters.get("class_embeddings")  # projnce learned
         version = tracker.log_model(lambda uri, run_id: log_encoder(

@@ -36,7 +36,7 @@ PARTS: dict[str, Part] = {
                   ("tests", "failed", "skipped", "seconds", "cuda", "failures")),
     "sync": Part(steps.sync, 0.10, "Host synchronisations per training step",
                  ("objective", "variant", "steps", "synchronisations", "where")),
-    "objectives": Part(losses.objectives, 0.30, "Objectives: forward + backward",
+    "objectives": Part(losses.objectives, 0.25, "Objectives: forward + backward",
                        ("N", "tile", "loss", "fwd_bwd_ms", "peak_mib", "note")),
     "step": Part(steps.step, 0.10, "Training step, bf16, channels-last",
                  ("backbone", "precision", "views", "images_s", "plain_images_s",
@@ -46,7 +46,10 @@ PARTS: dict[str, Part] = {
     "demo": Part(pipeline.demo, 0.13, "Demo pipeline, one process, DDP, no MLflow",
                  ("ranks", "device", "precision", "backend", "steps", "train_s", "images_s",
                   "knn_top1")),
-    "compile": Part(steps.compiled, 0.13, "train.compile",
+    "fsdp2": Part(pipeline.fsdp2, 0.10, "engine.name=fsdp2, one process, then resumed under DDP",
+                  ("model", "precision", "backend", "steps", "train_s", "resumed",
+                   "first_loss", "last_loss", "knn_top1")),
+    "compile": Part(steps.compiled, 0.08, "train.compile",
                     ("backbone", "compiled", "first_step_s", "step_s", "vs_eager")),
 }
 

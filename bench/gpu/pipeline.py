@@ -4,7 +4,10 @@
 - ``data``: the CPU data path (JPEG decode + two SimCLR views, every core a worker), in
   images/s, beside the training step's rate from the ``step`` part;
 - ``demo``: the demo pipeline, one process under torchrun, DDP over NCCL in bf16 (on CPU:
-  gloo, fp32), without MLflow: make-shards, pretrain, evaluate from the checkpoint.
+  gloo, fp32), without MLflow: make-shards, pretrain, evaluate from the checkpoint;
+- ``fsdp2``: the same under ``engine.name=fsdp2`` (bf16 gathers, fp32 reductions), for the
+  small CNN and for a hybrid-stem ViT sharded per block with activation checkpointing,
+  each then resumed under DDP from its FSDP2 checkpoint and evaluated.
 """
 
 from __future__ import annotations
@@ -129,6 +132,55 @@ def demo(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
            "knn_top1": knn_top1(results)}
     return {"rows": [row], "ok": setup is not None,
             "summary": f"train {train_s:.0f} s on {row['backend']}, kNN top-1 {row['knn_top1']}"}
+
+
+FSDP2_MODELS = {"small_cnn": [],
+                "vit_hybrid": ["model.backbone=timm:vit_tiny_patch16_224", "model.image_size=32",
+                               "model.patch_size=4", "model.vit_stem=hybrid",
+                               "model.activation_checkpointing=2"]}
+
+
+def fsdp2(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
+    """``engine.name=fsdp2`` on one process under torchrun (NCCL, bf16 on a GPU), then the
+    run resumed under DDP for half as many steps again, and kNN from its checkpoint."""
+    root = work / "fsdp2"
+    root.mkdir(exist_ok=True)
+    log = root / "fsdp2.log"
+    config = ["--config", str(REPO / "launch/configs/demo.yaml")]
+    common = [*config, "tracking.enabled=false", "objective.name=supcon",
+              "objective.xclr.class_graph=", "train.progress=false", "engine.process_group=true",
+              f"train.log_every={max(1, sizes.demo_steps // 4)}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "1"]
+    stage([*config, f"shards.samples={sizes.demo_samples}"], log, "app.make_shards")
+    stage([*config, "shards.split=test", f"shards.samples={sizes.demo_samples // 4}",
+           "shards.output=data/shards/cluttered-test"], log, "app.make_shards")
+    rows = []
+    for name in sizes.fsdp2_models:
+        run = [*common, *FSDP2_MODELS[name], f"name={name}"]
+        start = time.perf_counter()
+        sharded = stage([*run, "engine.name=fsdp2", f"train.max_steps={sizes.demo_steps}"],
+                        log, "app.pretrain", torchrun)
+        train_s = time.perf_counter() - start
+        resumed = stage([*run, "engine.name=ddp",
+                         f"train.max_steps={sizes.demo_steps * 3 // 2}"], log,
+                        "app.pretrain", torchrun)
+        stage([*run, "eval.index=exact", "eval.probe_epochs=10",
+               "eval.compare_untrained=false", "eval.save_index=false",
+               f"eval.output=runs/{name}/eval"], log, "app.evaluate")
+        results = json.loads((root / "runs" / name / "eval" / "results.json").read_text())
+        setup = re.search(r"(\d+) ranks on (\S+), (\S+), (\d+) steps; backend (\S+)", sharded)
+        losses = [float(v) for v in re.findall(r" loss=([\d.e+-]+)", sharded + resumed)]
+        rows.append({"model": name, "precision": setup and setup[3],
+                     "backend": setup and setup[5], "steps": sizes.demo_steps,
+                     "train_s": train_s,
+                     "resumed": f"at step {sizes.demo_steps}" in resumed,
+                     "first_loss": losses[0] if losses else None,
+                     "last_loss": losses[-1] if losses else None,
+                     "knn_top1": knn_top1(results)})
+    ok = all(row["resumed"] and row["knn_top1"] is not None for row in rows)
+    return {"rows": rows, "ok": ok,
+            "summary": "; ".join(f"{r['model']}: kNN {r['knn_top1']}" for r in rows)}
 
 
 def knn_top1(results: dict[str, Any]) -> float | None:

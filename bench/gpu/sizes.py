@@ -22,16 +22,19 @@ class Sizes:
     compile_backbone: str
     demo_samples: int  # cluttered digits for the demo pipeline's training shards
     demo_steps: int
+    fsdp2_models: tuple[str, ...]  # the fsdp2 part's models (bench.gpu.pipeline.FSDP2_MODELS)
 
 
 GPU = Sizes(sync_images=64, sync_resolution=32, sync_steps=3,
             dense_n=(8192,), tiled_n=(65_536, 262_144, 1_048_576), tile_bytes=2**32,
             step_backbones=("resnet50", "timm:vit_base_patch16_224"), step_images=128,
             step_resolution=224, step_steps=10, data_images=1500,
-            compile_backbone="resnet50", demo_samples=2000, demo_steps=60)
+            compile_backbone="resnet50", demo_samples=2000, demo_steps=60,
+            fsdp2_models=("small_cnn", "vit_hybrid"))
 
 DRY_RUN = Sizes(sync_images=4, sync_resolution=16, sync_steps=1,
                 dense_n=(64,), tiled_n=(256,), tile_bytes=2**14,
                 step_backbones=("small_cnn", "timm:test_vit"), step_images=4,
                 step_resolution=32, step_steps=1, data_images=24,
-                compile_backbone="small_cnn", demo_samples=200, demo_steps=4)
+                compile_backbone="small_cnn", demo_samples=200, demo_steps=4,
+                fsdp2_models=("small_cnn",))

@@ -13,7 +13,6 @@ from core.tables import table_entry
 from data_pipeline.graph.class_graph import build_class_graph
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.job import run_captions
-from data_pipeline.graph.neighbours import build_neighbours, describe
 
 
 def needs(*keys: str) -> Callable[[GraphConfig], None]:
@@ -50,11 +49,21 @@ def captions(cfg: GraphConfig) -> str:
             f"skipped {meta['skipped'] or 'none'} -> {cfg.output}")
 
 
+# the neighbour graph's module needs faiss: imported by its tasks, not by every stage that
+# checks graph.* (a GPU node may have no faiss)
 def neighbours(cfg: GraphConfig) -> str:
+    from data_pipeline.graph.neighbours import build_neighbours
+
     graph = build_neighbours(cfg)
     return (f"graph-precompute: caption-neighbour graph ({graph.index}, recall "
             f"{graph.recall:.3f} against "
             f"exact search on a sample) -> {graph.path}")
+
+
+def show(cfg: GraphConfig) -> str:
+    from data_pipeline.graph.neighbours import describe
+
+    return describe(cfg)
 
 
 TASKS: dict[str, GraphTaskSpec] = {
@@ -63,7 +72,7 @@ TASKS: dict[str, GraphTaskSpec] = {
         lambda cfg: f"graph-precompute: class graph -> {build_class_graph(cfg)}",
         shards_or_class_names),
     "neighbours": GraphTaskSpec(neighbours),
-    "show": GraphTaskSpec(describe, needs("key")),
+    "show": GraphTaskSpec(show, needs("key")),
 }
 
 

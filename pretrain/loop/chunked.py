@@ -124,6 +124,9 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any],
             states.append(rng_state(device))
             if rows.stop > rows.start:
                 outputs.append(engine.module(*model_inputs(batch, rows)))
+            elif engine.shards_parameters:  # a forward is a collective: every rank joins
+                with batch_stats_frozen(engine.module):
+                    engine.module(*model_inputs(batch, slice(0, min(2, rows_here))))
     after = rng_state(device)
     leaves = ModelOutput(
         features=None if outputs[0].features is None else torch.cat(

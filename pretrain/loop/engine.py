@@ -1,14 +1,15 @@
 """The table of training engines, behind one small interface: DDP (gloo on CPU, NCCL on
-GPU) and DeepSpeed ZeRO-1/2. Each entry of :data:`ENGINES` declares what the engine needs
-from the run (a process group even on one rank, its own configuration check) and what the
-run must know of it (per-rank flat optimizer partitions); adding an engine is its class,
-its entry, its test and a line in ``docs/training.md``.
+GPU), DeepSpeed ZeRO-1/2 and FSDP2 (parameters sharded, ``fsdp2.py``). Each entry of
+:data:`ENGINES` declares what the engine needs from the run (a process group even on one
+rank, its own configuration check, a change to the model before the optimiser is built)
+and what the run must know of it (per-rank flat optimizer partitions); adding an engine is
+its class, its entry, its test and a line in ``docs/training.md``.
 
 An engine owns the wrapped model and the optimiser and offers ``forward`` (``engine(...)``),
 ``backward(loss)``, ``step()`` (clip, update, zero the gradients), ``skip(loss)`` (drop a
 step whose loss is not finite), ``set_lr(factor)``, and
 ``state_dict()``/``load_state_dict()`` in a form ``torch.load(weights_only=True)`` reads.
-Both average gradients over ranks, which with the gathering boundary's scaling gives the
+All average gradients over ranks, which with the gathering boundary's scaling gives the
 gradient of the global-batch loss; shared scalars such as a learnable temperature are
 averaged once, like every other parameter.
 """
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from core.config import InvalidValue
 from core.tables import table_entry
+from pretrain.loop.fsdp2 import full_state, load_full_state, shard_model
 from pretrain.loop.optim import step_unless
 from pretrain.run.reshard import zero_partition_for
 
@@ -42,10 +44,15 @@ class EngineConfig:
     gradient_clipping: float = 0.0  # ddp: max global gradient norm, 0 = off
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on GPU, gloo on CPU
     process_group: bool = False  # ddp: a group and the DDP wrapper for one process too
+    reshard_after_forward: bool = True  # fsdp2: free a block's gathered parameters after its
+    # forward (gathered again for the backward); false keeps them, trading memory for traffic
+    replicate: int = 1  # fsdp2: > 1 = HSDP, this many replica groups, each sharding
 
     def validate(self) -> None:
         if self.gradient_clipping < 0:
             raise InvalidValue("gradient_clipping", f"must be >= 0, got {self.gradient_clipping}")
+        if self.replicate < 1:
+            raise InvalidValue("replicate", f"must be >= 1, got {self.replicate}")
         engine_spec(self.name).check(self)
 
 
@@ -73,6 +80,9 @@ class Engine:
     """Shared parts; subclasses set ``wrapped`` and ``optimizer``."""
 
     optimizer_sharded = False  # True when each rank holds only its share of the state
+    # True when no rank holds the whole model (FSDP2): every forward gathers parameters,
+    # a collective every rank must join, and the whole model exists only in checkpoints
+    shards_parameters = False
     skips_on_device = False  # step(skip=...) decides on the device, no host synchronisation
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -100,6 +110,20 @@ class Engine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        match_parameter_layouts(self.optimizer)
+
+
+def match_parameter_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Give each loaded state tensor its parameter's memory layout: a checkpoint written
+    by FSDP2 holds contiguous tensors, a channels-last convolution weight wants its moments
+    channels-last too (torch's fused optimisers refuse mismatched strides)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.shape == p.shape and \
+                        value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
 class DDPEngine(Engine):
@@ -202,6 +226,39 @@ class DeepSpeedEngine(Engine):
                                        load_from_fp32_weights=True)
 
 
+class FSDP2Engine(DDPEngine):
+    """DDP's step (clipping, the update masked on the device) on a model that
+    ``engine.prepare`` sharded with FSDP2 (``fsdp2.py``): no wrapper (the sharded model is
+    the module), gradients reduced only after the last backward of a step, full-state
+    checkpoints in DDP's layout. Every forward is a collective (it gathers parameters)."""
+
+    shards_parameters = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 cfg: EngineConfig) -> None:
+        Engine.__init__(self, model, optimizer)
+        self.clip = cfg.gradient_clipping
+
+    @contextlib.contextmanager
+    def accumulating(self, last: bool) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(last)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def skip(self, loss: Tensor) -> None:
+        """Drop this step's update, after the backward FSDP2 expects of its forward."""
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return full_state(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_full_state(self.module, self.optimizer, state)
+
+
 class EngineInputs(NamedTuple):
     """What an engine is built from: the model, its optimiser, ``engine.*``, the device and
     the micro-batch (images per rank and step, every view counted)."""
@@ -217,6 +274,14 @@ def no_check(cfg: EngineConfig) -> None:
     """An engine with no keys of its own to check."""
 
 
+def no_prepare(model: nn.Module, cfg: EngineConfig, precision: str) -> None:
+    """An engine that takes the model as it is built."""
+
+
+def shard_for_fsdp2(model: nn.Module, cfg: EngineConfig, precision: str) -> None:
+    shard_model(model, cfg.reshard_after_forward, cfg.replicate, precision)
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """An engine and what it needs from the run."""
@@ -227,6 +292,9 @@ class EngineSpec:
     # partition, not a layer (the run warns)
     flat_partitions: bool = False
     check: Callable[[EngineConfig], None] = no_check  # its engine.* keys, before any work
+    # (model, engine.*, precision): changes the model in place before the optimiser is
+    # built over its parameters (FSDP2 shards them)
+    prepare: Callable[[nn.Module, EngineConfig, str], None] = no_prepare
 
 
 def deepspeed_check(cfg: EngineConfig) -> None:
@@ -238,6 +306,8 @@ ENGINES: dict[str, EngineSpec] = {
     "deepspeed": EngineSpec(
         lambda i: DeepSpeedEngine(i.model, i.optimizer, i.cfg, i.micro_batch),
         process_group=True, flat_partitions=True, check=deepspeed_check),
+    "fsdp2": EngineSpec(lambda i: FSDP2Engine(i.model, i.optimizer, i.cfg),
+                        process_group=True, prepare=shard_for_fsdp2),
 }
 
 

@@ -128,6 +128,26 @@ def checkpoint_resnet(net: nn.Module, every: int, name: str) -> None:
         setattr(net, stage, checkpointed(getattr(net, stage)))
 
 
+def resnet_blocks(net: nn.Module) -> list[nn.Module]:
+    """The four residual stages."""
+    return [getattr(net, stage) for stage in RESNET_STAGES]
+
+
+def timm_blocks(net: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (``net.blocks``) or, for a timm CNN, its ``stages``; none
+    when the model has neither."""
+    for attribute in ("blocks", "stages"):
+        blocks = getattr(net, attribute, None)
+        if isinstance(blocks, nn.Sequential | nn.ModuleList):
+            return list(blocks)
+    return []
+
+
+def no_blocks(net: nn.Module) -> list[nn.Module]:
+    """A network small enough to be one unit."""
+    return []
+
+
 def timm_backbone(name: str, cfg: BackboneConfig) -> Backbone:
     """timm's model ``name`` without its classifier (``num_classes=0``: pooled features),
     built for ``cfg.image_size`` where the model takes an image size (ViTs: the position
@@ -229,6 +249,8 @@ class BackboneSpec:
     build: Callable[[str, BackboneConfig], Backbone]  # (name, model config) -> network, F
     # (network, k, name): checkpoint blocks 0, k, 2k, ... (pretrain/model/checkpointing.py)
     checkpoint: Callable[[nn.Module, int, str], None]
+    # network -> its blocks in order, the units engine.name=fsdp2 shards one by one
+    blocks: Callable[[nn.Module], list[nn.Module]]
     # the backbone-specific model.* keys it reads; any other keeps its neutral value
     takes: tuple[str, ...] = ()
     layers: bool = False  # declares its layers to optim.layer_decay (timm's group_matcher)
@@ -243,11 +265,11 @@ def timm_name_problem(name: str) -> str | None:
 
 
 BACKBONES: dict[str, BackboneSpec] = {
-    "small_cnn": BackboneSpec(small_cnn, checkpoint_small_cnn, ("width",)),
-    "resnet18": BackboneSpec(resnet, checkpoint_resnet, ("small_stem",)),
-    "resnet50": BackboneSpec(resnet, checkpoint_resnet, ("small_stem",)),
+    "small_cnn": BackboneSpec(small_cnn, checkpoint_small_cnn, no_blocks, ("width",)),
+    "resnet18": BackboneSpec(resnet, checkpoint_resnet, resnet_blocks, ("small_stem",)),
+    "resnet50": BackboneSpec(resnet, checkpoint_resnet, resnet_blocks, ("small_stem",)),
     # a family: timm:<name> is any timm model, the entry's factory gets <name>
-    TIMM_FAMILY: BackboneSpec(timm_backbone, checkpoint_timm,
+    TIMM_FAMILY: BackboneSpec(timm_backbone, checkpoint_timm, timm_blocks,
                               ("patch_size", "timm_kwargs", "vit_stem", "width"),
                               layers=True, name_problem=timm_name_problem),
 }
@@ -293,3 +315,8 @@ def checkpoint_backbone(net: nn.Module, name: str, every: int) -> None:
     if every:
         key, member = split_name(name)
         BACKBONES[key].checkpoint(net, every, member)
+
+
+def backbone_blocks(net: nn.Module, name: str) -> list[nn.Module]:
+    """The blocks of backbone ``name``, built as ``net`` (checkpointed ones wrapped)."""
+    return BACKBONES[split_name(name)[0]].blocks(net)

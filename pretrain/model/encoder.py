@@ -18,7 +18,12 @@ from core.config import InvalidValue
 from pretrain.losses.config import ObjectiveConfig
 from pretrain.losses.objectives import objective_spec
 from pretrain.losses.parameters import ParameterShape
-from pretrain.model.backbones import build_backbone, check_backbone, checkpoint_backbone
+from pretrain.model.backbones import (
+    backbone_blocks,
+    build_backbone,
+    check_backbone,
+    checkpoint_backbone,
+)
 from pretrain.model.checkpointing import every_of
 from pretrain.model.text_tower import TextTower, TextTowerConfig
 
@@ -84,6 +89,7 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.backbone, features = build_backbone(cfg)
+        self.backbone_name = cfg.backbone
         self.feature_dim, self.embedding_dim = features, cfg.projector_dim
         self.projector = projector(features, cfg)
 
@@ -130,6 +136,12 @@ class ContrastiveModel(nn.Module):
             {name: nn.Parameter(value.detach().float().reshape(value.shape or (1,)).clone())
              for name, value in initial.items()})
         self._loss_parameter_shapes = {name: value.shape for name, value in initial.items()}
+
+    def blocks(self) -> list[nn.Module]:
+        """The backbone's blocks and the text tower's layers, in order: the units a
+        sharding engine wraps one by one (the rest is the root's)."""
+        text = [] if self.text is None else self.text.layers()
+        return backbone_blocks(self.encoder.backbone, self.encoder.backbone_name) + text
 
     def forward(self, images: Tensor, input_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None, text_repeats: int = 1) -> ModelOutput:

@@ -57,11 +57,20 @@ class TextTower(nn.Module):
     def checkpoint(self, every: int) -> None:
         """Activation checkpointing of the transformer's layers 0, k, 2k, ... (k =
         ``every``; ``pretrain/model/checkpointing.py``); only a trainable tower holds them."""
-        layers = getattr(getattr(self.transformer, "encoder", None), "layer", None)
-        if not isinstance(layers, nn.ModuleList):
+        layers = self._layer_list()
+        if layers is None:
             raise RunError(f"model.activation_checkpointing: {self.config.model} has no "
                            "encoder.layer list to checkpoint; set it to none")
         checkpoint_children(layers, every)
+
+    def layers(self) -> list[nn.Module]:
+        """The transformer's layers in order (none if it has no ``encoder.layer`` list)."""
+        layers = self._layer_list()
+        return [] if layers is None else list(layers)
+
+    def _layer_list(self) -> nn.ModuleList | None:
+        layers = getattr(getattr(self.transformer, "encoder", None), "layer", None)
+        return layers if isinstance(layers, nn.ModuleList) else None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -108,7 +108,7 @@ def test_two_deepspeed_ranks_reshard_the_class_embeddings_onto_one(digits_shards
     assert result.returncode == 0, result.stderr[-3000:]
     assert "written by 2 ranks, resumed on 1" in result.stderr
     weight = torch.load(source / "shared.pt", weights_only=True)["model"][KEY].clone()
-    velocity = velocities(source, "deepspeed")[KEY].clone()
+    velocity = velocities(source)[KEY].clone()
     assert velocity.abs().max() > 0  # the optimiser trains the matrix
     for _ in range(4):
         velocity.mul_(0.9)
@@ -116,3 +116,32 @@ def test_two_deepspeed_ranks_reshard_the_class_embeddings_onto_one(digits_shards
     end = final_model(tmp_path / "one" / "run")
     assert end["step"] == 8 and end["world"] == 1
     torch.testing.assert_close(end["model"][KEY], weight, rtol=0, atol=1e-9)
+
+
+def test_two_fsdp2_ranks_register_the_whole_encoder(digits_shards, tmp_path):
+    """FSDP2 shards the encoder and the class embeddings over 2 ranks; the registry still
+    receives them whole (rank 0 builds them from the final checkpoint's full state), equal
+    to that checkpoint, and the kNN monitor, which would run the encoder whole on every
+    rank, is refused in one line."""
+    fsdp2 = {"engine.name": "fsdp2", "train.max_steps": 8, "data.batch_size": 8,
+             "tracking.enabled": True, "tracking.system_metrics": False,
+             "tracking.registered_model": "digits-fsdp2"}
+    overrides = train_overrides(digits_shards, tmp_path, **LEARNED, **fsdp2)
+    result = run_pretrain(overrides, nproc=2, torchrun=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = final_model(tmp_path / "run")
+    assert final["step"] == 8 and final["world"] == 2
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    stored = mlflow.artifacts.download_artifacts("models:/digits-fsdp2/1",
+                                                 dst_path=str(tmp_path / "download"))
+    table = load_file(f"{stored}/artifacts/class_embeddings.safetensors")["class_embeddings"]
+    assert torch.equal(table, final["model"][KEY].float())
+    encoder = load_file(f"{stored}/artifacts/encoder.safetensors")
+    assert len(encoder) > 10
+    for key, value in encoder.items():
+        assert torch.equal(value, final["model"][f"encoder.{key}"].float()), key
+    knn = ["train.knn_every=4", f"eval.train_shards={digits_shards}",
+           f"eval.test_shards={digits_shards}", f"output_dir={tmp_path / 'knn'}"]
+    refused = run_pretrain([*overrides, *knn], nproc=2, torchrun=True)
+    assert refused.returncode != 0
+    assert "train.knn_every=4: the kNN monitor runs the encoder whole" in refused.stderr

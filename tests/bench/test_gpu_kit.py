@@ -36,6 +36,9 @@ def test_the_dry_run_measures_every_part(tmp_path):
     assert [row["compiled"] for row in parts["compile"]["rows"]] == [False, True]
     demo = parts["demo"]["rows"][0]
     assert demo["backend"] == "gloo" and demo["steps"] > 0 and 0 <= demo["knn_top1"] <= 1
+    sharded = parts["fsdp2"]["rows"]
+    assert [row["model"] for row in sharded] == ["small_cnn"]  # the ViT on the GPU only
+    assert all(row["resumed"] and row["backend"] == "gloo" for row in sharded)
     table = (tmp_path / "out" / "gpu.md").read_text()
     assert table.count("\n### ") + table.startswith("### ") == len(PARTS)
 
@@ -55,3 +58,15 @@ def test_a_synchronising_call_is_named_by_the_project_line_that_made_it(monkeypa
         collapse.backbone_measures(None, None)
         warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
     assert len(found) == 1 and found[0].startswith("tests/bench/test_gpu_kit.py:")
+
+
+def test_the_stages_import_without_what_a_gpu_node_lacks():
+    """A GPU node has no faiss, MLflow or DeepSpeed (the kit carries none): the stages
+    the kit runs import them only where a configuration asks for them."""
+    code = ("import sys\n"
+            "for name in ('faiss', 'mlflow', 'deepspeed'):\n"
+            "    sys.modules[name] = None  # import fails as if not installed\n"
+            "import app.make_shards, app.pretrain, app.evaluate\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from data_pipeline.text import load_tokenizer, tokenize
-from pretrain.loop.engine import DeepSpeedEngine, Engine, EngineConfig, build_engine
+from pretrain.loop.engine import DeepSpeedEngine, Engine, EngineConfig, build_engine, engine_spec
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import chunked_loss, forward_loss
@@ -54,9 +54,16 @@ def full_gradients(engine: Engine) -> dict[str, Tensor]:
         from deepspeed.utils import safe_get_full_grad
 
         grads = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
-    else:
-        grads = {name: p.grad for name, p in engine.module.named_parameters()}
+    else:  # FSDP2's are this rank's shards (DTensors): gathered, on every rank
+        grads = {name: full_tensor(p.grad) for name, p in engine.module.named_parameters()}
     return {name: g.detach().double().clone() for name, g in grads.items() if g is not None}
+
+
+def full_tensor(tensor: Tensor | None) -> Tensor | None:
+    """A DTensor's whole value (a collective); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
@@ -70,10 +77,10 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
     cfg = objective_config(name, hparams)
     model_cfg = dataclasses.replace(MODEL, activation_checkpointing=checkpointing)
     model = build_model(model_cfg, cfg, torch.device("cpu"), NUM_CLASSES).double()
+    engine_cfg = EngineConfig(name=engine_name, deepspeed_config=zero_config)
+    engine_spec(engine_name).prepare(model, engine_cfg, "fp32")
     optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.1), 19)
-    engine = build_engine(model, optimizer, EngineConfig(name=engine_name,
-                                                         deepspeed_config=zero_config),
-                          torch.device("cpu"), micro_batch=19)
+    engine = build_engine(model, optimizer, engine_cfg, torch.device("cpu"), micro_batch=19)
     batch = training_batch()
     if OBJECTIVES[name].text_tower:
         add_tokens(batch)

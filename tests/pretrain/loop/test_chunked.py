@@ -1,6 +1,7 @@
 """Cached-gradient chunks (``train.chunk_size``) give exactly the full-batch loss and
-gradient: one process and 2 gloo ranks under DDP, ZeRO-1 and ZeRO-2, against the unchunked
-step; batch norm and dropout replay their first pass; peak memory falls with the chunk."""
+gradient: one process and 2 gloo ranks under DDP, ZeRO-1, ZeRO-2 and FSDP2, against the
+unchunked step; batch norm and dropout replay their first pass; peak memory falls with the
+chunk."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_chunked_equals_unchunked(name, hparams, chunk_size):
     assert_same_step(chunked, whole)
 
 
-@pytest.mark.parametrize(("engine", "zero"), ENGINES, ids=["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize(("engine", "zero"), ENGINES, ids=["ddp", "zero1", "zero2", "fsdp2"])
 @pytest.mark.parametrize(("name", "hparams"), CASES[:4], ids=IDS[:4])
 def test_two_ranks_chunked_equal_one_process(gloo2, engine, zero, name, hparams):
     """Ranks of 6 and 13 rows in chunks of 4: the engines reduce the accumulated
@@ -136,11 +137,12 @@ def test_peak_memory_falls_with_the_chunk_size():
     assert peaks[8] < 0.4 * peaks[64], peaks
 
 
-def test_a_rank_with_fewer_rows_than_chunks_keeps_zero2_in_step(gloo2):
+@pytest.mark.parametrize(("engine", "zero"), ENGINES[2:], ids=["zero2", "fsdp2"])
+def test_a_rank_with_fewer_rows_than_chunks_keeps_the_engine_in_step(gloo2, engine, zero):
     """Chunks of 2: 7 per rank, so the 6-row rank has one empty chunk (it runs a
     zero-weighted copy of a real one) and both ranks reduce the same gradients in the same
-    order (without the copy, ZeRO-2 pairs up the wrong gradients)."""
-    engine, zero = ENGINES[2]
+    order (without the copy, ZeRO-2 pairs up the wrong gradients); under FSDP2, whose every
+    forward gathers parameters, it also runs the no-gradient pass of that chunk."""
     ranks = gloo2.run(engine_tasks.run_step, engine, zero, "infonce", {}, None, 2)
     whole = engine_tasks.run_step("ddp", "", "infonce", {}, rows=slice(None))
     for rank in ranks:

@@ -29,17 +29,17 @@ SETTINGS = {"siglip": [{"bias": -2.0}],
             "projnce": [{"projection": p} for p in ("centroid", "kernel", "median", "learned")]}
 CASES = [(name, hparams) for name in OBJECTIVES for hparams in SETTINGS.get(name, [{}])]
 ENGINES = [("ddp", ""), ("deepspeed", "launch/deepspeed/zero1.json"),
-           ("deepspeed", "launch/deepspeed/zero2.json")]
+           ("deepspeed", "launch/deepspeed/zero2.json"), ("fsdp2", "")]
 FLOAT32_GRADIENTS = 1e-6  # DeepSpeed: tolerance relative to the tensor's largest gradient
 
 
 def tolerance(engine: str, reference: torch.Tensor) -> float:
-    if engine == "ddp":
+    if engine in ("ddp", "fsdp2"):
         return 1e-10
     return FLOAT32_GRADIENTS * float(reference.abs().max())
 
 
-@pytest.mark.parametrize(("engine", "zero"), ENGINES, ids=["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize(("engine", "zero"), ENGINES, ids=["ddp", "zero1", "zero2", "fsdp2"])
 @pytest.mark.parametrize(("name", "hparams"), CASES,
                          ids=[f"{n}-{h.get('projection', '')}".rstrip("-") for n, h in CASES])
 def test_two_ranks_equal_one_process(gloo2, engine, zero, name, hparams):
@@ -88,7 +88,8 @@ def test_deepspeed_config_must_set_gradient_clipping(tmp_path):
 
 
 def test_an_unknown_engine_is_refused_naming_the_table():
-    with pytest.raises(ConfigError, match="unknown engine 'fsdp'; choose one of ddp or deepspeed"):
+    with pytest.raises(ConfigError,
+                       match="unknown engine 'fsdp'; choose one of ddp, deepspeed or fsdp2"):
         load_config(EngineConfig, overrides=["name=fsdp"])
 
 

@@ -1,7 +1,8 @@
 """Resuming on another number of ranks: a checkpoint of 1 rank continues on 2 and one of 2
-on 1, with replicated (DDP) and sharded (DeepSpeed ZeRO-2) optimizer state, against the
-uninterrupted run; a checkpoint of the other engine kind is refused and kept; a run never
-starts over checkpoints it cannot resume."""
+on 1, with replicated (DDP) and sharded (DeepSpeed ZeRO-2) optimizer state, and across
+engines (FSDP2 on 2 ranks -> DDP on 1, DDP on 1 -> FSDP2 on 2: FSDP2 checkpoints the full
+state in DDP's layout), against the uninterrupted run; a checkpoint of the other engine
+kind is refused and kept; a run never starts over checkpoints it cannot resume."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ from tests.pretrain.run.test_checkpoint import final_model
 STEPS = {"train.max_steps": 24, "checkpoint.every": 4, "checkpoint.keep": 10,
          "data.workers": 1}
 ENGINES = {"ddp": {}, "zero2": {"engine.name": "deepspeed",
-                                "engine.deepspeed_config": "launch/deepspeed/zero2.json"}}
-CASES = [(engine, old, new) for engine in ENGINES for old, new in ((1, 2), (2, 1))]
-IDS = [f"{engine}-{old}to{new}" for engine, old, new in CASES]
+                                "engine.deepspeed_config": "launch/deepspeed/zero2.json"},
+           "fsdp2": {"engine.name": "fsdp2"}}
+# (engine that wrote the checkpoint, its ranks, engine that resumes, its ranks)
+CASES = [(engine, old, engine, new) for engine in ("ddp", "zero2")
+         for old, new in ((1, 2), (2, 1))] + [("fsdp2", 2, "ddp", 1), ("ddp", 1, "fsdp2", 2)]
+IDS = [f"{a}-{old}to{new}" if a == b else f"{a}{old}-to-{b}{new}" for a, old, b, new in CASES]
 
 
 def train(shards: Path, out: Path, engine: str, world: int, **extra: object):
@@ -111,14 +115,14 @@ def references(digits_shards, tmp_path_factory):
     return reference
 
 
-@pytest.mark.parametrize(("engine", "old", "new"), CASES, ids=IDS)
+@pytest.mark.parametrize(("engine", "old", "resumer", "new"), CASES, ids=IDS)
 def test_a_checkpoint_resumes_on_another_number_of_ranks(references, digits_shards, tmp_path,
-                                                         engine, old, new):
+                                                         engine, old, resumer, new):
     source = references(engine, old)[0] / "checkpoints" / "step_00000012"
     target = tmp_path / "run" / "checkpoints" / "step_00000012"
     shutil.copytree(source, target)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
-    result = train(digits_shards, tmp_path, engine, new)
+    result = train(digits_shards, tmp_path, resumer, new)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"written by {old} ranks, resumed on {new}" in result.stderr
     assert "at step 12" in result.stderr
@@ -135,7 +139,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(references, digits_shar
     # logs ~0.5 more than 1 x 16 here from step 12 on), so the resumed run is compared with
     # the uninterrupted run on the new number of ranks: the mean of the 6 logged rows after
     # step 12 must agree within 3 standard errors of the difference, from the rows' spread.
-    resumed, reference = logged(result.stderr, "loss"), logged(references(engine, new)[1],
+    resumed, reference = logged(result.stderr, "loss"), logged(references(resumer, new)[1],
                                                                 "loss")
     after = [s for s in reference if s > 12]
     a, b = torch.tensor([resumed[s] for s in after]), torch.tensor([reference[s] for s in after])
@@ -150,14 +154,14 @@ def parameter_names(model: dict[str, torch.Tensor]) -> list[list[str]]:
     return [[k for k in names if model[k].ndim >= 2], [k for k in names if model[k].ndim < 2]]
 
 
-def velocities(checkpoint: Path, engine: str) -> dict[str, torch.Tensor]:
-    """Each parameter's LARS velocity in a checkpoint. DDP saves them per parameter; ZeRO
-    saves, per rank and group, the rank's slice of the group's parameters flattened in
-    order (the partition, padded at the end of the last rank), so the group is the ranks'
-    slices joined without their padding."""
+def velocities(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Each parameter's LARS velocity in a checkpoint. DDP and FSDP2 save them per
+    parameter; ZeRO saves, per rank and group, the rank's slice of the group's parameters
+    flattened in order (the partition, padded at the end of the last rank), so the group is
+    the ranks' slices joined without their padding."""
     shared = torch.load(checkpoint / "shared.pt", weights_only=True)
     groups = parameter_names(shared["model"])
-    if engine == "ddp":
+    if "optimizer" in shared:
         state = shared["optimizer"]["state"]
         return {name: state[i]["velocity"] for i, name in enumerate(sum(groups, []))}
     parts = [torch.load(checkpoint / f"rank_{r:03d}.pt", weights_only=True)["optimizer"]
@@ -173,9 +177,9 @@ def velocities(checkpoint: Path, engine: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize(("engine", "old", "new"), CASES, ids=IDS)
+@pytest.mark.parametrize(("engine", "old", "resumer", "new"), CASES, ids=IDS)
 def test_the_resumed_ranks_hold_the_checkpoint_weights(references, digits_shards, tmp_path,
-                                                       engine, old, new):
+                                                       engine, old, resumer, new):
     """The model and optimizer state carry over exactly. At a learning rate of 1e-30 new
     gradients move nothing (far below float32 resolution), so 12 resumed LARS steps only
     play out the checkpoint's momentum: v <- 0.9 v, w <- w - v. The final weights must
@@ -183,10 +187,10 @@ def test_the_resumed_ranks_hold_the_checkpoint_weights(references, digits_shards
     (to 1e-9 absolute: the 1e-30-scaled gradient terms are all that is left out)."""
     source = references(engine, old)[0] / "checkpoints" / "step_00000012"
     shutil.copytree(source, tmp_path / "run" / "checkpoints" / "step_00000012")
-    result = train(digits_shards, tmp_path, engine, new, **{"optim.lr": 1e-30})
+    result = train(digits_shards, tmp_path, resumer, new, **{"optim.lr": 1e-30})
     assert result.returncode == 0, result.stderr[-3000:]
     model = torch.load(source / "shared.pt", weights_only=True)["model"]
-    velocity = velocities(source, engine)
+    velocity = velocities(source)
     end = final_model(tmp_path / "run")
     assert end["step"] == 24 and end["world"] == new
     assert len(velocity) == len(sum(parameter_names(model), [])) > 10

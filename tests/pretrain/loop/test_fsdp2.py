@@ -1,0 +1,176 @@
+"""``engine.name=fsdp2`` on 2 real gloo ranks against DDP and one process, in float64.
+
+The one-step equality of every objective (and with cached-gradient chunks) is in
+``test_engine.py`` and ``test_chunked.py``. Here: the sharding itself (every declared
+block and the root hold 1/2 of each parameter), several optimiser steps of a
+checkpointed hybrid ViT under LARS with gradient clipping and a skipped step (LARS's
+per-layer norms and the clipping norm are reductions over shards), and checkpoints that
+move between DDP and FSDP2 and between 2 ranks and 1. Float64 throughout: the shards'
+partial sums change the summation order only, so 1e-9 bounds the difference with room
+(a wrong shard, an unreduced norm or a lost optimiser state is O(1e-2) or more).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from core.config import ConfigError, load_config
+from core.errors import RunError
+from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
+from pretrain.loop.optim import OptimConfig, build_optimizer
+from pretrain.loop.step import Objective
+from pretrain.loop.trainer import forward_loss
+from pretrain.model.encoder import ModelConfig, build_model
+from tests.pretrain.loop import engine_tasks
+
+VIT = ModelConfig(backbone="timm:vit_tiny_patch16_224", image_size=16, patch_size=8,
+                  vit_stem="hybrid", width=8, timm_kwargs={"depth": 3, "embed_dim": 32,
+                                                           "num_heads": 2},
+                  norm="group", projector_hidden=32, projector_dim=16,
+                  projector_bn_out=False, activation_checkpointing=2)
+CPU = torch.device("cpu")
+TOLERANCE = 1e-9
+
+
+def build(engine_name: str, state: dict[str, Any] | None = None, replicate: int = 1,
+          channels_last: bool = False):
+    torch.manual_seed(0)
+    cfg = engine_tasks.objective_config("infonce", {})
+    model = build_model(VIT, cfg, CPU, engine_tasks.NUM_CLASSES).double()
+    if channels_last:  # as build_model leaves the encoder on a GPU (model.channels_last)
+        model.encoder = model.encoder.to(memory_format=torch.channels_last)
+        assert not all(p.is_contiguous() for p in model.parameters())
+    engine_cfg = EngineConfig(name=engine_name, gradient_clipping=0.5, replicate=replicate)
+    engine_spec(engine_name).prepare(model, engine_cfg, "fp32")
+    optimizer = build_optimizer(model, OptimConfig(name="lars", lr=2.0, weight_decay=1e-3,
+                                                   warmup_steps=0), 19)
+    engine = build_engine(model, optimizer, engine_cfg, CPU, micro_batch=19)
+    if state is not None:
+        engine.load_state_dict(state)
+    return engine, Objective(cfg, rows_per_rank=engine_tasks.ROWS_PER_RANK)
+
+
+def train(engine_name: str, steps: range, state: dict[str, Any] | None = None,
+          skip_at: int = 1, replicate: int = 1) -> dict[str, Any]:
+    """``steps`` optimiser steps (the one at ``skip_at`` skipped on the device, as after a
+    non-finite loss) from ``state``; the engine's checkpoint state after them."""
+    engine, objective = build(engine_name, state, replicate)
+    batch = engine_tasks.training_batch()
+    if dist.is_initialized():
+        rows = slice(0, engine_tasks.SPLIT) if dist.get_rank() == 0 else slice(
+            engine_tasks.SPLIT, 19)
+        batch = {k: v[rows] for k, v in batch.items()}
+    for step in steps:
+        moved = {**batch, "images": batch["images"] + 0.3 * step}
+        out = forward_loss(engine, moved, objective, step)
+        engine.backward(out.loss)
+        engine.step(skip=torch.tensor(step == skip_at))
+    return engine.state_dict()
+
+
+def assert_same_state(state: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert state["model"].keys() == reference["model"].keys()
+    for key, value in reference["model"].items():
+        torch.testing.assert_close(state["model"][key], value, rtol=0, atol=TOLERANCE, msg=key)
+    ours, theirs = state["optimizer"], reference["optimizer"]
+    assert [g["params"] for g in ours["param_groups"]] == \
+        [g["params"] for g in theirs["param_groups"]]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for index, entry in theirs["state"].items():
+        for name, value in entry.items():
+            torch.testing.assert_close(ours["state"][index][name], value, rtol=0,
+                                       atol=TOLERANCE, msg=f"optimizer {index} {name}")
+
+
+def shard_sizes() -> dict[str, Any]:
+    """The sharded model of :func:`build`, its convolutions channels-last first (as
+    ``model.channels_last`` leaves them on a GPU; FSDP2 takes contiguous parameters only)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    engine, _ = build("fsdp2", channels_last=True)
+    model = engine.module
+    sharded = [isinstance(block, FSDPModule) for block in model.blocks()]
+    local = {name: (p.to_local().numel(), tuple(p.shape)) for name, p in
+             model.named_parameters() if isinstance(p, DTensor)}
+    every = {name for name, _ in model.named_parameters()}
+    return {"blocks": sharded, "root": isinstance(model, FSDPModule), "local": local,
+            "every": every}
+
+
+def test_every_declared_block_and_the_root_hold_half_of_each_parameter(gloo2):
+    ranks = gloo2.run(shard_sizes)
+    for rank in ranks:
+        assert rank["blocks"] == [True] * 3 and rank["root"]
+        assert set(rank["local"]) == rank["every"]  # every parameter is a DTensor
+    for name, (local, shape) in ranks[0]["local"].items():  # split on dim 0, rank 0 first
+        rest = torch.Size(shape[1:]).numel()
+        assert local + ranks[1]["local"][name][0] == shape[0] * rest, name
+        assert local == -(-shape[0] // 2) * rest, name
+
+
+def test_fsdp2_steps_equal_ddp_and_one_process(gloo2):
+    """3 LARS steps with clipping, the second skipped on the device."""
+    whole = train("ddp", range(3))
+    for engine in ("ddp", "fsdp2"):
+        assert_same_state(gloo2.run(train, engine, range(3))[0], whole)
+    moved = whole["model"]["encoder.projector.3.weight"] - build("ddp")[0].state_dict()[
+        "model"]["encoder.projector.3.weight"]
+    assert moved.abs().max() > 1e4 * TOLERANCE  # the steps trained, far beyond the tolerance
+
+
+def test_hsdp_replicas_equal_ddp(gloo2):
+    """engine.replicate=2 on 2 ranks: two replica groups of one shard each (HSDP's
+    all-reduce across groups, reduce-scatter within)."""
+    assert_same_state(gloo2.run(train, "fsdp2", range(3), None, 1, 2)[0],
+                      train("ddp", range(3)))
+
+
+def test_a_checkpoint_moves_between_ddp_and_fsdp2_and_world_sizes(gloo2):
+    """FSDP2 on 2 ranks -> DDP in one process, and one process -> FSDP2 on 2 ranks, each
+    equal to the uninterrupted run."""
+    whole = train("ddp", range(4))
+    fsdp2_half = gloo2.run(train, "fsdp2", range(2))[0]
+    assert_same_state(train("ddp", range(2, 4), fsdp2_half), whole)
+    ddp_half = train("ddp", range(2))
+    assert_same_state(gloo2.run(train, "fsdp2", range(2, 4), ddp_half)[0], whole)
+
+
+def test_replicate_must_divide_the_ranks_and_be_positive(gloo2):
+    assert gloo2.run(refusal_of_replicate, 3) == ["engine.replicate=3 must divide the 2 ranks"] * 2
+    with pytest.raises(ConfigError, match="replicate.*must be >= 1, got 0"):
+        load_config(EngineConfig, overrides=["replicate=0"])
+
+
+def refusal_of_replicate(replicate: int) -> str:
+    model = build_model(VIT, engine_tasks.objective_config("infonce", {}), CPU, 6)
+    try:
+        engine_spec("fsdp2").prepare(model, EngineConfig(name="fsdp2", replicate=replicate),
+                                     "fp32")
+    except RunError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_loaded_moments_take_their_parameters_channels_last_layout():
+    """FSDP2 writes contiguous moments; a DDP run with channels-last convolutions (on a GPU)
+    loads them in its parameters' layout, as torch's fused CUDA optimisers require."""
+    from pretrain.loop.engine import match_parameter_layouts
+
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(conv.parameters(), lr=0.1)
+    conv(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    state = optimizer.state_dict()
+    for entry in state["state"].values():
+        entry.update({k: v.contiguous() for k, v in entry.items() if v.ndim == 4})
+    optimizer.load_state_dict(state)
+    assert optimizer.state[conv.weight]["exp_avg"].stride() != conv.weight.stride()
+    before = optimizer.state[conv.weight]["exp_avg"].clone()
+    match_parameter_layouts(optimizer)
+    moment = optimizer.state[conv.weight]["exp_avg"]
+    assert moment.stride() == conv.weight.stride() and torch.equal(moment, before)
