@@ -39,7 +39,7 @@ class EngineConfig:
     """``engine.*``. DeepSpeed reads its JSON (``deepspeed_config``, under launch/deepspeed/),
     which must set ``gradient_clipping`` explicitly; DDP clips at ``gradient_clipping``."""
 
-    name: str = "ddp"  # the training engine: an entry of ENGINES (ddp, deepspeed)
+    name: str = "ddp"  # the training engine: an entry of ENGINES (ddp, deepspeed, fsdp2)
     deepspeed_config: str = "launch/deepspeed/zero1.json"  # deepspeed: its JSON config
     gradient_clipping: float = 0.0  # ddp: max global gradient norm, 0 = off
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on GPU, gloo on CPU

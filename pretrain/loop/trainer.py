@@ -1,8 +1,8 @@
 """The training loop and its step, top to bottom (``docs/training.md``).
 
 A :class:`Trainer` owns named parts, built from the run configuration by
-:func:`app.pretrain.build_trainer`: the ``engine`` (the model and its optimiser, DDP or
-DeepSpeed), the ``objective``, the ``loader``, the ``checkpointer``, the ``tracker``
+:func:`app.pretrain.build_trainer`: the ``engine`` (the model and its optimiser, DDP,
+DeepSpeed or FSDP2), the ``objective``, the ``loader``, the ``checkpointer``, the ``tracker``
 (MLflow on rank 0) and the ``monitors``. One step (:meth:`Trainer.train_step`):
 
 1. the learning rate from the schedule;
