@@ -1,0 +1,244 @@
+"""Per-rank memory of one training step under each engine: parameters, gradients,
+optimiser state and activations of a timm ViT, measured on 2 CPU ranks (gloo) under DDP,
+DeepSpeed ZeRO-2, FSDP2 and FSDP2 with full activation checkpointing; beside it the
+figure each engine's layout gives at 8, 64 and 512 ranks for ViT-B/16, ViT-L/16 and a
+1B and a 2.5B ViT (counted on the meta device: no weights).
+
+    python -m bench.memory                                      # ViT-B/16 and ViT-L/16
+    python -m bench.memory --models vit_base_patch16_224 --batch 1
+
+Each setting is a fresh ``torchrun --nproc_per_node 2`` of this module (``worker``): three
+steps (InfoNCE, AdamW, fp32, ``--batch`` images x 2 views per rank, 224 px), the third
+measured on rank 0 from its resident memory, with glibc mapping every allocation above
+64 KiB on its own so that a freed tensor leaves the resident set (torch's CPU allocator
+keeps no cache). The first two steps build the optimiser state and DDP's rebuilt gradient
+buckets. Measured: the state (resident after the backward: weights, gradients, the
+engine's buffers, optimiser state), the activations (what the forward adds) and the peak,
+each above the resident memory before the model was built; the weights' and the
+optimiser's own bytes (moments, ZeRO's fp32 master partition) counted from their tensors,
+the rest of the state is gradients and the engines' buffers. Writes
+``bench/results/memory.json`` and prints two tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import machine, peak_rss_bytes, print_table, rss_bytes, write_json
+
+MODELS = ("vit_base_patch16_224", "vit_large_patch16_224")
+# engine setting -> (engine.*, model.activation_checkpointing)
+SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
+    "ddp": ({"name": "ddp"}, "none"),
+    "zero2": ({"name": "deepspeed", "deepspeed_config": "launch/deepspeed/zero2.json"},
+              "none"),
+    "fsdp2": ({"name": "fsdp2"}, "none"),
+    "fsdp2+checkpointing": ({"name": "fsdp2"}, "full"),
+}
+# the ViTs counted on the meta device: timm's own, and two sized as the issue's examples
+COUNTED = {"vit_base_patch16_224": {}, "vit_large_patch16_224": {},
+           "vit_1b (giant/14)": {"model": "vit_giant_patch14_224"},
+           "vit_2.5b (2560 wide, 32 deep)": {"model": "vit_base_patch16_224",
+                                              "embed_dim": 2560, "depth": 32,
+                                              "num_heads": 32}}
+WORLDS = (2, 8, 64, 512)
+MiB = 2**20
+MMAP_THRESHOLD = 65536  # glibc: larger allocations are mappings of their own
+
+
+# --- one rank's measurement (run under torchrun) -------------------------------------------
+
+def resident_now() -> int:
+    """This process's resident memory after a garbage collection. The worker runs with
+    ``MALLOC_MMAP_THRESHOLD_`` at 64 KiB, so every tensor above it is its own mapping,
+    returned to the system when freed: the resident memory follows the live tensors."""
+    gc.collect()
+    return rss_bytes()
+
+
+def one_step(model_name: str, setting: str, batch: int) -> dict[str, int]:
+    """Build the model and engine of ``setting``, run one step; this rank's live tensor
+    bytes after each phase (and the peak)."""
+    from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
+    from pretrain.loop.optim import OptimConfig, build_optimizer
+    from pretrain.loop.step import Objective
+    from pretrain.loop.trainer import forward_loss
+    from pretrain.losses import ObjectiveConfig
+    from pretrain.model.encoder import ModelConfig, build_model
+
+    engine_keys, checkpointing = SETTINGS[setting]
+    rows = 2 * batch
+    data = {"images": torch.randn(rows, 3, 224, 224),
+            "ids": torch.arange(batch).repeat(2), "labels": torch.arange(batch).repeat(2)}
+    objective_cfg = ObjectiveConfig.of("infonce")
+    start = resident_now()
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(backbone=f"timm:{model_name}", image_size=224,
+                                    activation_checkpointing=checkpointing),
+                        objective_cfg, torch.device("cpu")).train()
+    engine_cfg = EngineConfig(**engine_keys)
+    engine_spec(engine_cfg.name).prepare(model, engine_cfg, "fp32")
+    optimizer = build_optimizer(model, OptimConfig(name="adamw", lr=1e-4), rows)
+    engine = build_engine(model, optimizer, engine_cfg, torch.device("cpu"), rows)
+    objective = Objective(objective_cfg, rows_per_rank=rows)
+    for step in range(3):  # the first two build the optimiser state and DDP's buckets
+        if step == 2:
+            after_step = resident_now()
+            Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts here
+        out = forward_loss(engine, data, objective, step, measure_rank=False)
+        forward = resident_now()
+        engine.backward(out.loss)
+        del out
+        backward = resident_now()
+        engine.step()
+    return {"state": backward - start, "activations": forward - after_step,
+            "peak": peak_rss_bytes() - start,
+            "parameters": sum(local_bytes(p) for p in model.parameters()),
+            "parameter_count": sum(p.numel() for p in model.parameters()),
+            "optimizer": optimizer_bytes(engine.optimizer)}
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """The bytes this rank stores of ``tensor`` (its shard, for an FSDP2 DTensor)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The optimiser's state on this rank: its moments, and under ZeRO the fp32 master
+    weights of this rank's partition."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's wraps the torch one
+    moments = [v for state in inner.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", [])
+    return sum(local_bytes(t) for t in [*moments, *masters])
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != str(MMAP_THRESHOLD):
+        raise SystemExit("bench.memory worker: run by bench.memory (MALLOC_MMAP_THRESHOLD_)")
+    dist.init_process_group("gloo")
+    live = one_step(args.model, args.setting, args.batch)
+    if dist.get_rank() == 0:
+        args.out.write_text(json.dumps(live))
+    dist.destroy_process_group()
+
+
+# --- the measured table --------------------------------------------------------------------
+
+def measure(model_name: str, setting: str, batch: int) -> dict[str, Any]:
+    """One setting on 2 fresh CPU ranks: rank 0's memory by phase, MiB."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "live.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", "2", "-m", "bench.memory", "worker", "--model",
+                   model_name, "--setting", setting, "--batch", str(batch), "--out", str(out)]
+        env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+                            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
+                            "HF_HUB_OFFLINE": "1"}
+        subprocess.run(command, check=True, env=env)
+        live = json.loads(out.read_text())
+    other = live["state"] - live["parameters"] - live["optimizer"]
+    return {"model": model_name, "engine": setting,
+            "parameters MiB": live["parameters"] / MiB, "optimizer MiB": live["optimizer"] / MiB,
+            "gradients+buffers MiB": other / MiB, "state MiB": live["state"] / MiB,
+            "activations MiB": live["activations"] / MiB, "peak MiB": live["peak"] / MiB,
+            "layout at 2 MiB": LAYOUTS[setting.split("+")[0]].per_rank(
+                live["parameter_count"], 2) / MiB}
+
+
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's state and activations against DDP's for the same model."""
+    ddp = {r["model"]: r for r in rows if r["engine"] == "ddp"}
+    for row in rows:
+        base = ddp[row["model"]]
+        row["state / ddp"] = row["state MiB"] / base["state MiB"]
+        row["activations / ddp"] = row["activations MiB"] / base["activations MiB"]
+    return rows
+
+
+# --- the computed table --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """Bytes per parameter of fp32 AdamW training on each rank of ``world``: a replicated
+    part and a part divided among the ranks."""
+
+    replicated: float
+    sharded: float
+
+    def per_rank(self, parameters: int, world: int) -> float:
+        return parameters * (self.replicated + self.sharded / world)
+
+
+# DDP: weights, gradients, the reducer's gradient buckets (a copy of every gradient),
+# AdamW's two moments. ZeRO-2: weights on every rank; the fp32 master weights, the reduced
+# gradients and the moments sharded (plus its reduction buckets, bounded by
+# reduce_bucket_size, not counted). FSDP2: weights, gradients and moments all sharded.
+# The measured table sets each beside its 2-rank figure.
+LAYOUTS = {"ddp": Layout(4 + 4 + 4 + 8, 0), "zero2": Layout(4, 4 + 4 + 8),
+           "fsdp2": Layout(0, 4 + 4 + 8)}
+
+
+def parameter_count(keys: dict[str, Any], name: str) -> int:
+    import timm
+
+    keys = dict(keys)
+    model_name = keys.pop("model", name)
+    with torch.device("meta"):
+        model = timm.create_model(model_name, pretrained=False, num_classes=0, **keys)
+    return sum(p.numel() for p in model.parameters())
+
+
+def computed_rows() -> list[dict[str, Any]]:
+    rows = []
+    for name, keys in COUNTED.items():
+        count = parameter_count(keys, name)
+        for engine, layout in LAYOUTS.items():
+            rows.append({"model": name, "parameters M": count / 1e6, "engine": engine,
+                         **{f"{w} ranks GiB": layout.per_rank(count, w) / 2**30
+                            for w in WORLDS}})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    one = sub.add_parser("worker", help="one rank of one setting (run by torchrun)")
+    one.add_argument("--model", required=True)
+    one.add_argument("--setting", choices=list(SETTINGS), required=True)
+    one.add_argument("--batch", type=int, required=True)
+    one.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--batch", type=int, default=2, help="images per rank (2 views each)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/memory.json"))
+    args = parser.parse_args()
+    if args.command == "worker":
+        worker(args)
+        return
+    measured = with_ratios([measure(m, s, args.batch) for m in args.models
+                            for s in args.settings])
+    computed = computed_rows()
+    write_json(args.out, {"machine": machine(), "batch": args.batch, "ranks": 2,
+                          "measured": measured, "computed": computed})
+    print_table(measured, list(measured[0]))
+    print()
+    print_table(computed, list(computed[0]))
+
+
+if __name__ == "__main__":
+    main()
