@@ -52,8 +52,10 @@ def as_float(x: Tensor) -> Tensor:
 
 def scalar(value: Temperature) -> Temperature:
     """tau for the monitors: a float, or a 0-dim tensor detached from the graph (read on the
-    host only when the metrics are reported, so a step never waits on the device)."""
-    return value.detach() if isinstance(value, Tensor) else float(value)
+    host only when the metrics are reported, so a step never waits on the device), copied:
+    a learnable parameter's storage changes with the update, or is freed after the
+    backward under FSDP2, before the report reads it."""
+    return value.detach().clone() if isinstance(value, Tensor) else float(value)
 
 
 def as_metric(value: Temperature, like: Tensor) -> Tensor:

@@ -57,3 +57,15 @@ def test_siglip_equals_open_clip(tile_size, tau, bias):
 def test_siglip_needs_text(batch):
     with pytest.raises(ValueError, match="siglip: needs the second modality"):
         batch_loss("siglip", batch.z, batch.ids, temperature=0.1)
+
+
+def test_the_reported_bias_and_temperature_are_this_steps_values(batch):
+    """The metrics hold copies: the optimiser's update of the learnable parameters (or
+    FSDP2 freeing their gathered storage after the backward) leaves them as they were."""
+    tau, bias = leaves()
+    _, metrics = batch_loss("siglip", batch.z, batch.ids, text=batch.text.clone(),
+                            temperature=tau, bias=bias)
+    with torch.no_grad():
+        tau.add_(1.0)
+        bias.add_(1.0)
+    assert float(metrics["bias"]) == -1.5 and float(metrics["temperature"]) == 0.2
