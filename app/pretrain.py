@@ -35,6 +35,7 @@ from pretrain.loop.optim import build_optimizer, optimizer_spec, warmup_cosine
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import Trainer
 from pretrain.losses import objective_spec
+from pretrain.model.checkpointing import check_compilable
 from pretrain.model.encoder import build_model
 from pretrain.run.checkpoint import Checkpointer
 from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
@@ -91,13 +92,15 @@ def class_graph_for(config: RunConfig, device: torch.device) -> torch.Tensor | N
     return torch.from_numpy(load_class_graph(path)[0]).to(device)
 
 
-def knn_monitor_for(config: RunConfig, rt: Runtime):
+def knn_monitor_for(config: RunConfig, rt: Runtime, sharded: bool):
+    """The kNN monitor (``train.knn_every``); ``sharded``: the engine shards the encoder, so
+    every rank runs as many forwards."""
     if not config.train.knn_every:
         return None
     from evaluation.monitor import KnnMonitor
 
     return KnnMonitor(config.data, config.eval, config.train.knn_samples, rt.device, rt.rank,
-                      rt.world)
+                      rt.world, lockstep=sharded)
 
 
 def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str) -> Trainer:
@@ -128,15 +131,12 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
     torch.manual_seed(config.seed)
     model = build_model(config.model, objective, rt.device, len(shards.class_names))
     if config.train.compile:  # in place: parameter names, checkpoints and registry unchanged
+        check_compilable(model.encoder.backbone, config.model.backbone,
+                         config.model.activation_checkpointing)
         model.encoder.compile()
     engine_spec(config.engine.name).prepare(model, config.engine, precision)
     optimizer = build_optimizer(model, config.optim, global_batch)
     engine = build_engine(model, optimizer, config.engine, rt.device, 2 * data.batch_size)
-    if engine.shards_parameters and config.train.knn_every:
-        raise RunError(f"train.knn_every={config.train.knn_every}: the kNN monitor runs the "
-                       f"encoder whole on each rank, and engine.name={config.engine.name} "
-                       "shards it; set train.knn_every=0 and evaluate the checkpoints "
-                       "(python -m app.evaluate)")
     per_epoch = shards.total // (data.samples_per_batch * rt.world)  # the loader's epoch
     total = config.train.max_steps or config.train.epochs * per_epoch
     return Trainer(
@@ -147,7 +147,8 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
         checkpointer=Checkpointer(run_dir, config.checkpoint, rt.rank, rt.world, rt.device,
                                   global_batch, engine.optimizer_sharded),
         schedule=warmup_cosine(total, config.optim.warmup_steps), total_steps=total,
-        runtime=rt, precision=precision, knn=knn_monitor_for(config, rt),
+        runtime=rt, precision=precision,
+        knn=knn_monitor_for(config, rt, engine.shards_parameters),
         preemption=PreemptionWatch(config.preemption, rt.device), config_yaml=to_yaml(config))
 
 

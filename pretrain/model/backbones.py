@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from core.config import InvalidValue
 from core.errors import RunError, first_line
 from core.tables import table_entry
-from pretrain.model.checkpointing import checkpoint_children, checkpointed, recompute_contexts
+from pretrain.model.checkpointing import checkpoint_children, checkpointed, recompute_options
 
 
 class BackboneConfig(Protocol):
@@ -78,8 +78,7 @@ class SmallCNN(nn.Sequential):
             segment = layers[block * self.BLOCK:(block + 1) * self.BLOCK]
             run = functools.partial(run_layers, segment)
             if block % self.checkpoint_every == 0:
-                x = checkpoint(run, x, use_reentrant=False,
-                               context_fn=recompute_contexts(segment))
+                x = checkpoint(run, x, use_reentrant=False, **recompute_options(segment))
             else:
                 x = run(x)
         return run_layers(layers[blocks * self.BLOCK:], x)

@@ -26,8 +26,11 @@ from typing import Literal
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
+    CheckpointWrapper,
     checkpoint_wrapper,
 )
+
+from core.errors import RunError
 
 Setting = Literal["none", "full"] | int  # model.activation_checkpointing
 
@@ -61,10 +64,41 @@ def recompute_contexts(modules: list[nn.Module]) -> Callable[[], Contexts]:
     return lambda: (contextlib.nullcontext(), held_norm_statistics(modules))
 
 
+def recompute_options(modules: list[nn.Module]) -> dict[str, Callable[[], Contexts]]:
+    """``torch.utils.checkpoint``'s keywords for a block of ``modules``: the context that
+    holds batch-norm statistics where it has batch norm, none otherwise, which keeps the
+    block compilable (``train.compile``: torch.compile takes only dispatch modes there)."""
+    if not any(has_batch_norm(m) for m in modules):
+        return {}
+    return {"context_fn": recompute_contexts(modules)}
+
+
 def checkpointed(block: nn.Module) -> nn.Module:
     """``block`` wrapped: its activations recomputed in the backward, its keys unchanged."""
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                              context_fn=recompute_contexts([block]))
+                              **recompute_options([block]))
+
+
+def has_batch_norm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def check_compilable(backbone: nn.Module, name: str, setting: Setting) -> None:
+    """``train.compile`` with checkpointed blocks: refused in one line when a checkpointed
+    block holds batch norm, whose statistics the recomputation puts back through a context
+    that torch.compile cannot trace (it fails in the first step)."""
+    if every_of(setting) and recomputes_batch_norm(backbone):
+        raise RunError(f"train.compile=true with model.activation_checkpointing={setting}: "
+                       f"model.backbone={name} checkpoints blocks with batch norm, which "
+                       "torch.compile cannot trace; set one of them off")
+
+
+def recomputes_batch_norm(backbone: nn.Module) -> bool:
+    """Whether a checkpointed block of ``backbone`` holds batch norm: a wrapped block, or
+    the small CNN's segments (it checkpoints its own, ``checkpoint_every``)."""
+    wrapped = [m for m in backbone.modules() if isinstance(m, CheckpointWrapper)]
+    return any(has_batch_norm(m) for m in wrapped) or (
+        getattr(backbone, "checkpoint_every", 0) > 0 and has_batch_norm(backbone))
 
 
 def checkpoint_children(container: nn.Module, every: int) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 from core.config import ConfigError, load_config
 from core.errors import RunError
 from pretrain.losses import ObjectiveConfig
+from pretrain.model.checkpointing import check_compilable
 from pretrain.model.encoder import ContrastiveModel, ModelConfig, build_model
 
 CASES = {  # name -> model keys: every kind of block the table declares
@@ -146,3 +147,20 @@ def test_a_timm_model_without_a_block_list_takes_full_only():
     with pytest.raises(RunError, match="activation_checkpointing=2: timm:resnet10t has no "
                                        "list of blocks.*=full"):
         model_of(keys, 2)
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "resnet18", "vit_hybrid"])
+def test_compiling_checkpointed_batch_norm_is_refused_in_one_line(name):
+    """``train.compile`` cannot trace the context that puts batch-norm statistics back (it
+    fails in the first step): refused before training, naming both keys; blocks without
+    batch norm (the ViT's, beside its batch-norm stem) and unchecked models pass."""
+    cfg = ModelConfig(**CASES[name], activation_checkpointing="full")
+    backbone = build_model(cfg, ObjectiveConfig(), torch.device("cpu")).encoder.backbone
+    if name != "vit_hybrid":
+        with pytest.raises(RunError, match="train.compile=true with "
+                                           "model.activation_checkpointing=full"):
+            check_compilable(backbone, cfg.backbone, "full")
+    else:
+        check_compilable(backbone, cfg.backbone, "full")
+    check_compilable(backbone, cfg.backbone, "none")
+    assert any(isinstance(m, nn.BatchNorm2d) for m in backbone.modules())
