@@ -58,6 +58,8 @@ def shard_model(model: nn.Module, reshard_after_forward: bool, replicate: int,
     the root, in place (before the optimiser is built: it must see the sharded
     parameters)."""
     device = next(model.parameters()).device
+    if device.type == "meta":  # not yet allocated (a shape check): the group's device
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     bf16 = precision == "bf16" and device.type == "cuda"  # run on one H100 (bench/gpu fsdp2)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 else MixedPrecisionPolicy())

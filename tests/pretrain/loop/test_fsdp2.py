@@ -174,3 +174,58 @@ def test_loaded_moments_take_their_parameters_channels_last_layout():
     match_parameter_layouts(optimizer)
     moment = optimizer.state[conv.weight]["exp_avg"]
     assert moment.stride() == conv.weight.stride() and torch.equal(moment, before)
+
+
+VIT_L_RECIPES = ("cc12m_clip_vitl", "imagenet_xclr_vitl")
+
+
+class ConfigOnlyWeights:
+    """``AutoModel`` for a model built on the meta device: the text tower from its
+    checkpoint's config, no weights (``from_pretrained`` refuses the meta device)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def from_pretrained(self, path: str) -> torch.nn.Module:
+        from transformers import AutoConfig
+
+        return self.real.from_config(AutoConfig.from_pretrained(path))
+
+
+def recipe_units(recipe: str) -> dict[str, Any]:
+    """The recipe's model built on the meta device (its 304M weights never allocated) and
+    sharded as its engine would: each block's unit, checkpointing and shard."""
+    import transformers
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    from app.run_config import RunConfig
+
+    cfg = load_config(RunConfig, f"launch/configs/{recipe}.yaml")
+    real = transformers.AutoModel
+    transformers.AutoModel = ConfigOnlyWeights(real)
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, cfg.objective, torch.device("meta"))
+    finally:
+        transformers.AutoModel = real
+    engine_spec(cfg.engine.name).prepare(model, cfg.engine, cfg.train.precision)
+    blocks = model.encoder.backbone.blocks
+    return {"image blocks": len(blocks),
+            "units": [isinstance(b, FSDPModule) for b in model.blocks()],
+            "checkpointed": all(isinstance(b, CheckpointWrapper) for b in blocks),
+            "text layers": len(model.text.layers()) if model.text is not None else 0,
+            "qkv": next(tuple(p.to_local().shape) for name, p in blocks[0].named_parameters()
+                        if name.endswith("attn.qkv.weight"))}
+
+
+@pytest.mark.parametrize("recipe", VIT_L_RECIPES)
+def test_the_vit_l_recipes_shard_every_block_under_fsdp2(gloo2, recipe):
+    """Both ViT-L recipes build their model for FSDP2 with activation checkpointing: each
+    of ViT-L's 24 blocks (and CLIP's text layers) a unit, each rank holding half of it."""
+    ranks = gloo2.run(recipe_units, recipe)
+    for rank in ranks:
+        assert rank["image blocks"] == 24 and rank["checkpointed"]
+        assert rank["units"] == [True] * (24 + rank["text layers"])
+        assert rank["qkv"] == (3 * 1024 // 2, 1024)  # ViT-L's 3072 x 1024 split in two
+    assert ranks[0]["text layers"] == (6 if recipe.startswith("cc12m_clip") else 0)
