@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu import losses, pipeline, steps
+from bench.gpu import losses, pipeline, sharded, steps
 from bench.gpu.sizes import DRY_RUN, GPU
 
 
@@ -49,6 +49,10 @@ PARTS: dict[str, Part] = {
     "fsdp2": Part(pipeline.fsdp2, 0.10, "engine.name=fsdp2, one process, then resumed under DDP",
                   ("model", "precision", "backend", "steps", "train_s", "resumed",
                    "first_loss", "last_loss", "knn_top1")),
+    "sharded": Part(sharded.sharded, 0.10, "engine.name=fsdp2 steps: host synchronisations, "
+                    "ViT-L recipes", ("case", "checkpointing", "synchronisations", "where",
+                                      "views", "images_s", "step_s", "first_step_s",
+                                      "peak_gib")),
     "compile": Part(steps.compiled, 0.08, "train.compile",
                     ("backbone", "compiled", "first_step_s", "step_s", "vs_eager")),
 }

@@ -23,6 +23,10 @@ class Sizes:
     demo_samples: int  # cluttered digits for the demo pipeline's training shards
     demo_steps: int
     fsdp2_models: tuple[str, ...]  # the fsdp2 part's models (bench.gpu.pipeline.FSDP2_MODELS)
+    sharded_recipes: tuple[str, ...]  # the sharded part's recipes (launch/configs/<name>.yaml)
+    sharded_images: int  # their images per step (two views each); 0: the recipe's batch
+    sharded_model: dict  # model.* keys over the recipe's
+    sharded_compile: bool  # the first recipe compiled too (train.compile)
 
 
 GPU = Sizes(sync_images=64, sync_resolution=32, sync_steps=3,
@@ -30,11 +34,16 @@ GPU = Sizes(sync_images=64, sync_resolution=32, sync_steps=3,
             step_backbones=("resnet50", "timm:vit_base_patch16_224"), step_images=128,
             step_resolution=224, step_steps=10, data_images=1500,
             compile_backbone="resnet50", demo_samples=2000, demo_steps=60,
-            fsdp2_models=("small_cnn", "vit_hybrid"))
+            fsdp2_models=("small_cnn", "vit_hybrid"),
+            sharded_recipes=("imagenet_xclr_vitl", "cc12m_clip_vitl"), sharded_images=0,
+            sharded_model={}, sharded_compile=True)
 
 DRY_RUN = Sizes(sync_images=4, sync_resolution=16, sync_steps=1,
                 dense_n=(64,), tiled_n=(256,), tile_bytes=2**14,
                 step_backbones=("small_cnn", "timm:test_vit"), step_images=4,
                 step_resolution=32, step_steps=1, data_images=24,
                 compile_backbone="small_cnn", demo_samples=200, demo_steps=4,
-                fsdp2_models=("small_cnn",))
+                fsdp2_models=("small_cnn",), sharded_recipes=("imagenet_xclr_vitl",),
+                sharded_images=2, sharded_model={"backbone": "timm:test_vit", "image_size": 32,
+                                                 "projector_hidden": 32, "projector_dim": 16},
+                sharded_compile=False)

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from bench.gpu.sizes import Sizes
 from core.runtime import Runtime, resolve_precision
-from pretrain.loop.engine import EngineConfig, build_engine
+from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
 from pretrain.loop.optim import OptimConfig, build_optimizer, warmup_cosine
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import TrainConfig, Trainer
@@ -79,21 +79,28 @@ def synthetic_batch(images: int, resolution: int, device: torch.device, captions
 
 def project_trainer(model_cfg: ModelConfig, objective: ObjectiveConfig, images: int,
                     device: torch.device, run_dir: Path, graph: torch.Tensor | None = None,
-                    chunk_size: int = 0) -> Trainer:
+                    chunk_size: int = 0, engine_cfg: EngineConfig | None = None,
+                    optim_cfg: OptimConfig | None = None, precision: str = "auto",
+                    compile_encoder: bool = False) -> Trainer:
     """The trainer a one-process run builds (``app.pretrain.build_trainer``), with no
-    loader, checkpoints, tracking or periodic report inside the steps it is handed."""
+    loader, checkpoints, tracking or periodic report inside the steps it is handed (an
+    engine that shards, FSDP2, needs the process group its caller made)."""
     torch.manual_seed(0)
+    engine_cfg = engine_cfg or EngineConfig()
+    precision = resolve_precision(precision, device)
     model = build_model(model_cfg, objective, device, CLASSES)
-    optimizer = build_optimizer(model, OptimConfig(), images)
-    engine = build_engine(model, optimizer, EngineConfig(), device, 2 * images)
+    if compile_encoder:  # as app.pretrain does (train.compile): before the engine's changes
+        model.encoder.compile()
+    engine_spec(engine_cfg.name).prepare(model, engine_cfg, precision)
+    optimizer = build_optimizer(model, optim_cfg or OptimConfig(), images)
+    engine = build_engine(model, optimizer, engine_cfg, device, 2 * images)
     train = TrainConfig(log_every=10**6, progress=False, chunk_size=chunk_size)
     return Trainer(train, engine=engine,
                    objective=Objective(objective, graph, CLASSES, 2 * images), loader=None,
                    checkpointer=Checkpointer(run_dir, CheckpointConfig(every=0), 0, 1, device,
                                              images),
                    schedule=warmup_cosine(10**6, 10), total_steps=10**6,
-                   runtime=Runtime(0, 1, 0, device),
-                   precision=resolve_precision("auto", device))
+                   runtime=Runtime(0, 1, 0, device), precision=precision)
 
 
 def synchronize(device: torch.device) -> None:
@@ -139,6 +146,22 @@ def synchronisations(device: torch.device) -> Iterator[list[str]]:
             warnings.showwarning = shown
 
 
+def counted_synchronisations(trainer: Trainer, sizes: Sizes, spec: Any, with_graph: bool,
+                             device: torch.device) -> list[str]:
+    """The synchronising calls of ``sizes.sync_steps`` steps of ``trainer`` on a batch the
+    objective ``spec`` takes, after two uncounted ones."""
+    batch = synthetic_batch(sizes.sync_images, sizes.sync_resolution, device,
+                            captions=spec.soft_targets and not with_graph, text=spec.text_tower)
+    for _ in range(2):
+        trainer.train_step(batch)
+    synchronize(device)
+    with synchronisations(device) as found:
+        for _ in range(sizes.sync_steps):
+            trainer.train_step(batch)
+        synchronize(device)  # outside the steps: not one of theirs
+    return found
+
+
 def sync_variants(sizes: Sizes) -> dict[str, dict[str, Any]]:
     rows = 2 * sizes.sync_images
     return {"dense": {}, "tiled": {"tile_size": max(2, rows // 4)},
@@ -162,16 +185,7 @@ def sync(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
                 trainer = project_trainer(model_cfg, objective, sizes.sync_images, device,
                                           Path(run_dir), graph if with_graph else None,
                                           options.get("chunk_size", 0))
-                batch = synthetic_batch(sizes.sync_images, sizes.sync_resolution, device,
-                                        captions=spec.soft_targets and not with_graph,
-                                        text=spec.text_tower)
-                for _ in range(2):
-                    trainer.train_step(batch)
-                synchronize(device)
-                with synchronisations(device) as found:
-                    for _ in range(sizes.sync_steps):
-                        trainer.train_step(batch)
-                    synchronize(device)  # outside the steps: not one of theirs
+                found = counted_synchronisations(trainer, sizes, spec, with_graph, device)
             rows.append({"objective": case_name(name, keys, with_graph), "variant": variant,
                          "steps": sizes.sync_steps, "synchronisations": len(found),
                          "where": "; ".join(sorted(set(found)))})
