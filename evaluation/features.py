@@ -9,13 +9,16 @@ so the result does not depend on the number of ranks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from core.collectives import gather_objects_to_main, gather_rows_to_main
+from core.collectives import all_ranks_agree, gather_objects_to_main, gather_rows_to_main
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import eval_batches
 from data_pipeline.shards import ShardSet
@@ -32,14 +35,42 @@ class Features:
     captions: list[str | None]  # [n] each sample's caption (None: the shard has none)
 
 
+def up_to(batches: Iterator[dict[str, Any]], samples: int) -> Iterator[dict[str, Any]]:
+    """``batches`` until they have held at least ``samples`` samples."""
+    seen = 0
+    for batch in batches:
+        if seen >= samples:
+            return
+        seen += len(batch["keys"])
+        yield batch
+
+
+def in_lockstep(batches: Iterator[dict[str, Any]], empty: dict[str, Any],
+                device: torch.device) -> Iterator[dict[str, Any]]:
+    """This rank's ``batches``, then ``empty`` ones while any other rank still has a batch:
+    every rank takes as many (one all-reduce per batch, on ``device``)."""
+    for batch in itertools.chain(batches, itertools.repeat(None)):
+        if all_ranks_agree(batch is None, device):
+            return
+        yield empty if batch is None else batch
+
+
+def empty_batch(resolution: int) -> dict[str, Any]:
+    """An evaluation batch of no images (a forward that only joins the collectives)."""
+    return {"images": torch.empty(0, 3, resolution, resolution), "keys": [], "captions": [],
+            "labels": torch.empty(0, dtype=torch.long)}
+
+
 @torch.no_grad()
 def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.device,
             rank: int = 0, world: int = 1, progress: bool = True, limit: int = 0,
-            transfer_mib: int = 64) -> Features | None:
+            transfer_mib: int = 64, lockstep: bool = False) -> Features | None:
     """Backbone and projector features of every sample of ``shards`` (with ``limit``: of
     the first ``limit // world`` samples each rank reads, a fixed subset for monitors), on
     rank 0; None on the other ranks. Each rank keeps its own rows on the CPU and sends them
-    to rank 0 through ``device`` in chunks of about ``transfer_mib`` MiB received."""
+    to rank 0 through ``device`` in chunks of about ``transfer_mib`` MiB received.
+    ``lockstep``: the encoder's forward is a collective (FSDP2 gathers its parameters), so
+    every rank runs as many forwards as the rank with the most batches (:func:`in_lockstep`)."""
     cfg = dataclasses.replace(data, shards=shards)
     shard_set = ShardSet.open(shards)
     model = model.to(device).eval()
@@ -47,7 +78,10 @@ def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.
     per_rank = limit // world if limit else shard_set.total
     bar = tqdm(total=min(per_rank, shard_set.total // world), desc=f"features {shards}",
                unit="img", disable=not (progress and rank == 0), dynamic_ncols=True)
-    for batch in eval_batches(cfg, rank, world):
+    batches = up_to(eval_batches(cfg, rank, world), per_rank)
+    if lockstep:
+        batches = in_lockstep(batches, empty_batch(cfg.resolution), device)
+    for batch in batches:
         features, projections = model.encoder(batch["images"].to(device))
         keys += batch["keys"]
         captions += batch["captions"]
@@ -55,8 +89,6 @@ def extract(model: EmbeddingModel, data: DataConfig, shards: str, device: torch.
         backbone.append(features.float().cpu())
         projector.append(projections.float().cpu())
         bar.update(len(batch["keys"]))
-        if limit and len(keys) >= per_rank:
-            break
     bar.close()
     widths = {"backbone": model.encoder.feature_dim,
               "projector": model.encoder.embedding_dim}

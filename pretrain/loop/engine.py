@@ -99,6 +99,11 @@ class Engine:
         ranks only after the ``last`` one."""
         return contextlib.nullcontext()
 
+    def whole_root(self) -> contextlib.AbstractContextManager:
+        """Around a forward of a part of the model outside its own forward (the kNN
+        monitor runs the encoder): the root's parameters whole on every rank."""
+        return contextlib.nullcontext()
+
     def set_lr(self, factor: float) -> float:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * factor
@@ -246,6 +251,16 @@ class FSDP2Engine(DDPEngine):
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
+
+    @contextlib.contextmanager
+    def whole_root(self) -> Iterator[None]:
+        """The root's parameters (stem, projector) gathered: the blocks gather their own
+        in their forwards, the root's only in the whole model's forward."""
+        self.module.unshard()
+        try:
+            yield
+        finally:
+            self.module.reshard()
 
     def skip(self, loss: Tensor) -> None:
         """Drop this step's update, after the backward FSDP2 expects of its forward."""

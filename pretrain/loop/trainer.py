@@ -285,7 +285,8 @@ class Trainer:
         self.monitors.collapse.stop_if_spent()
 
     def run_knn_monitor(self) -> None:
-        result = self.monitors.knn(self.model.encoder)
+        with self.engine.whole_root():
+            result = self.monitors.knn(self.model.encoder)
         self.last_knn = {"step": self.step, **result}
         if self.runtime.is_main:
             log.info("step %d knn monitor: top-1 %.4f", self.step, result["knn_top1"])

@@ -25,3 +25,45 @@ def features_on_rank(shards: str, rank: int | None = None, world: int | None = N
         return None
     return {"keys": feats.keys, "labels": feats.labels, "backbone": feats.backbone,
             "projector": feats.projector}
+
+
+def sharded_features_on_rank(shards: str) -> dict | None:
+    """``features_on_rank`` with the encoder sharded by FSDP2 over the group, after one
+    training forward and backward (no update: the weights stay those of one process), as
+    the kNN monitor runs it mid-run: within ``whole_root``, every rank in lockstep."""
+    import torch.distributed as dist
+
+    from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
+    from pretrain.loop.optim import OptimConfig, build_optimizer
+    from pretrain.losses import ObjectiveConfig
+    from pretrain.model.encoder import build_model
+
+    torch.manual_seed(0)
+    encoder = Encoder(ModelConfig(projector_hidden=32, projector_dim=8))
+    model = build_model(ModelConfig(projector_hidden=32, projector_dim=8),
+                        ObjectiveConfig(), torch.device("cpu"))
+    model.encoder.load_state_dict(encoder.state_dict())
+    cfg = EngineConfig(name="fsdp2")
+    engine_spec("fsdp2").prepare(model, cfg, "fp32")
+    engine = build_engine(model, build_optimizer(model, OptimConfig(), 8), cfg,
+                          torch.device("cpu"), 8)
+    model.eval()  # batch-norm statistics untouched: the weights stay those of one process
+    out = engine(torch.randn(4, 3, 16, 16))
+    engine.backward(out.projections.square().mean())
+    model.train()
+    data = DataConfig(batch_size=7, workers=0, resolution=16)
+    with engine.whole_root():
+        feats = extract(EmbeddingModel(model.encoder), data, shards, torch.device("cpu"),
+                        dist.get_rank(), dist.get_world_size(), progress=False, lockstep=True)
+    if feats is None:
+        return None
+    return {"keys": feats.keys, "labels": feats.labels, "backbone": feats.backbone,
+            "projector": feats.projector}
+
+
+def lockstep_counts(batches: int) -> list[int]:
+    """The sizes of the batches this rank runs in lockstep when it holds ``batches``."""
+    from evaluation.features import in_lockstep
+
+    mine = ({"keys": ["k"] * 3} for _ in range(batches))
+    return [len(b["keys"]) for b in in_lockstep(mine, {"keys": []}, torch.device("cpu"))]

@@ -25,3 +25,27 @@ def test_two_ranks_extract_what_one_process_does(gloo2, tmp_path, transfer_mib):
         assert torch.equal(got["labels"], single["labels"])
         torch.testing.assert_close(got["backbone"], single["backbone"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got["projector"], single["projector"], rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp2_ranks_extract_what_one_process_does(gloo2, tmp_path):
+    """The kNN monitor's path under FSDP2: the encoder sharded over 2 ranks, its root
+    gathered (``whole_root``), ranks with fewer batches running empty ones in lockstep."""
+    uneven_set(tmp_path / "shards", [23, 9, 31, 5, 17])
+    ranks = gloo2.run(rank_tasks.sharded_features_on_rank, str(tmp_path / "shards"))
+    single = rank_tasks.features_on_rank(str(tmp_path / "shards"), 0, 1)
+    assert ranks[1] is None
+    assert ranks[0]["keys"] == single["keys"] and len(single["keys"]) == 85
+    torch.testing.assert_close(ranks[0]["backbone"], single["backbone"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ranks[0]["projector"], single["projector"], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_ranks_in_lockstep_run_as_many_batches_as_the_longest(gloo2):
+    """Rank 0 holds 3 batches, rank 1 one: both run 3, rank 1's last two empty."""
+    assert gloo2.run(lockstep_on_rank) == [[3, 3, 3], [3, 0, 0]]
+
+
+def lockstep_on_rank() -> list[int]:
+    import torch.distributed as dist
+
+    return rank_tasks.lockstep_counts(3 if dist.get_rank() == 0 else 1)
