@@ -37,7 +37,7 @@ from pretrain.loop.trainer import Trainer
 from pretrain.losses import objective_spec
 from pretrain.model.checkpointing import check_compilable
 from pretrain.model.encoder import build_model
-from pretrain.run.checkpoint import Checkpointer
+from pretrain.run.checkpoint import Checkpointer, model_state_of
 from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
 from pretrain.run.run_lock import RunLock
 from pretrain.run.tracking import Tracker
@@ -122,6 +122,11 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
         log.warning("objective.num_negatives=%d is at least the %d candidates per anchor at "
                     "global batch %d: every candidate is used, as with null",
                     objective.num_negatives, candidates, global_batch)
+    if config.checkpoint.format == "sharded" and \
+            not engine_spec(config.engine.name).sharded_checkpoints:
+        raise RunError(f"checkpoint.format=sharded: engine.name={config.engine.name} keeps "
+                       "its own optimizer partitions; use checkpoint.format=full, or "
+                       "engine.name=ddp or fsdp2")
     if engine_spec(config.engine.name).flat_partitions and \
             optimizer_spec(config.optim.name).per_layer:
         log.warning("optim.name=%s inside DeepSpeed ZeRO takes its per-layer rule over each "
@@ -171,16 +176,14 @@ def model_card(config: RunConfig, trainer: Trainer, name: str) -> ModelCard:
 
 def whole_model(config: RunConfig, trainer: Trainer) -> torch.nn.Module:
     """The trained model, whole: the engine's own, or, when the engine shards it across
-    ranks, a copy built on this rank's CPU from the final checkpoint (which holds the full
-    state), so that only this rank materialises it."""
+    ranks, a copy built on this rank's CPU from the final checkpoint (its full state, or
+    its sharded state read whole here), so that only this rank materialises it."""
     if not trainer.engine.shards_parameters:
         return trainer.model
     shards = ShardSet.open(config.data.shards, retry=config.data.retry)
     model = build_model(config.model, config.objective, torch.device("cpu"),
                         len(shards.class_names))
-    shared = torch.load(trainer.checkpointer.checkpoints()[0] / "shared.pt",
-                        map_location="cpu", weights_only=True)
-    model.load_state_dict(shared["model"])
+    model.load_state_dict(model_state_of(trainer.checkpointer.checkpoints()[0])[1])
     return model
 
 

@@ -21,7 +21,7 @@ from pretrain.model.encoder import (
     encoder_from_state,
     text_tower_from_state,
 )
-from pretrain.run.checkpoint import list_checkpoints
+from pretrain.run.checkpoint import list_checkpoints, model_state_of
 from pretrain.run.tracking import run_id_of
 from serving.model_registry import EmbeddingModel, ModelRef, download_verified, resolve
 
@@ -30,17 +30,18 @@ def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
     """A checkpoint directory (or its ``shared.pt``) -> the encoder (with CLIP's text tower
     and ProjNCE's class embeddings when the run trained them), the run's config dict.
 
-    Only the checkpoint's ``model`` section is needed to rebuild them.
+    Only the checkpoint's model state is needed to rebuild them (in ``shared.pt``, or the
+    sharded state of ``checkpoint.format=sharded``, read whole in this process).
     """
     file = path / "shared.pt" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"eval.model={path}: no checkpoint (shared.pt) there")
-    state = torch.load(file, map_location="cpu", weights_only=True)
-    tree = yaml.safe_load(state["config"])
+    shared, state = model_state_of(file.parent)
+    tree = yaml.safe_load(shared["config"])
     model_cfg = from_dict(ModelConfig, tree.get("model", {}), prefix="model.")
-    return EmbeddingModel(encoder_from_state(model_cfg, state["model"]),
-                          text_tower_from_state(model_cfg, state["model"]),
-                          class_embeddings_from_state(state["model"])), tree
+    return EmbeddingModel(encoder_from_state(model_cfg, state),
+                          text_tower_from_state(model_cfg, state),
+                          class_embeddings_from_state(state)), tree
 
 
 def untrained_copy(model: EmbeddingModel, seed: int) -> EmbeddingModel:

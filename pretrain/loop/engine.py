@@ -32,6 +32,7 @@ from core.tables import table_entry
 from pretrain.loop.fsdp2 import full_state, load_full_state, shard_model
 from pretrain.loop.optim import step_unless
 from pretrain.run.reshard import zero_partition_for
+from pretrain.run.sharded import load_sharded, save_sharded
 
 
 @dataclass
@@ -115,6 +116,17 @@ class Engine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        match_parameter_layouts(self.optimizer)
+
+    def save_sharded(self, directory: Path) -> None:
+        """``checkpoint.format=sharded``: the model and optimiser state written by every
+        rank into ``directory`` (``pretrain/run/sharded.py``; a collective)."""
+        save_sharded(self.module, self.optimizer, directory)
+
+    def load_sharded(self, directory: Path) -> None:
+        """Read what :meth:`save_sharded` wrote, by any engine that has it, on any number of
+        ranks."""
+        load_sharded(self.module, self.optimizer, directory)
         match_parameter_layouts(self.optimizer)
 
 
@@ -310,6 +322,8 @@ class EngineSpec:
     # (model, engine.*, precision): changes the model in place before the optimiser is
     # built over its parameters (FSDP2 shards them)
     prepare: Callable[[nn.Module, EngineConfig, str], None] = no_prepare
+    # writes and reads checkpoint.format=sharded (a torch optimiser's state; not ZeRO's)
+    sharded_checkpoints: bool = True
 
 
 def deepspeed_check(cfg: EngineConfig) -> None:
@@ -320,7 +334,8 @@ ENGINES: dict[str, EngineSpec] = {
     "ddp": EngineSpec(lambda i: DDPEngine(i.model, i.optimizer, i.cfg, i.device)),
     "deepspeed": EngineSpec(
         lambda i: DeepSpeedEngine(i.model, i.optimizer, i.cfg, i.micro_batch),
-        process_group=True, flat_partitions=True, check=deepspeed_check),
+        process_group=True, flat_partitions=True, check=deepspeed_check,
+        sharded_checkpoints=False),
     "fsdp2": EngineSpec(lambda i: FSDP2Engine(i.model, i.optimizer, i.cfg),
                         process_group=True, prepare=shard_for_fsdp2),
 }

@@ -14,7 +14,9 @@ On a GPU with bf16 the parameters are gathered in bf16 and gradients reduced in 
 everything stays in the parameters' dtype.
 
 Checkpoints hold the full state in the DDP layout (``state_dict``: every shard gathered
-to rank 0's CPU memory), so a run resumes under DDP or FSDP2 on any number of ranks.
+to rank 0's CPU memory), or with ``checkpoint.format=sharded`` each rank's shards
+(``pretrain/run/sharded.py``); either way a run resumes under DDP or FSDP2 on any number
+of ranks.
 """
 
 from __future__ import annotations

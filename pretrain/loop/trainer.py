@@ -60,6 +60,9 @@ from pretrain.model.encoder import ModelOutput
 from pretrain.run.checkpoint import Checkpointer, rng_state, set_rng_state
 from pretrain.run.config_drift import check_drift, unfit_checkpoint
 from pretrain.run.preemption import Preempted, PreemptionWatch
+from pretrain.run.reshard import per_parameter_state
+from pretrain.run.sharded import FORMAT as SHARDED_FORMAT
+from pretrain.run.sharded import STATE_DIR as SHARDED_STATE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -326,9 +329,8 @@ class Trainer:
         """A checkpoint of this step: what every rank shares (written once, by rank 0) and
         what is this rank's own (its RNG streams, its loader position, and its optimiser
         partition under ZeRO)."""
-        engine = self.engine.state_dict()
         controller = self.objective.controller
-        replicated = {"step": self.step, "world": self.runtime.world, "model": engine["model"],
+        replicated = {"step": self.step, "world": self.runtime.world,
                       "global_batch": self.checkpointer.global_batch,
                       "nonfinite_total": self.monitors.guard.check(self.step),
                       "config": self.config_yaml,
@@ -336,12 +338,39 @@ class Trainer:
                       "collapse": self.monitors.collapse.state_dict()}
         per_rank = {"rng": rng_state(),
                     "loader": self.loader.state_dict() if self.loader else {}}
-        (per_rank if self.engine.optimizer_sharded else replicated)["optimizer"] = \
-            engine["optimizer"]
-        path = self.checkpointer.save(self.step, replicated, per_rank)
+        write_state = None
+        if self.checkpointer.cfg.format == "sharded":  # model and optimiser: every rank, DCP
+            replicated["state"] = SHARDED_FORMAT
+            write_state = self.engine.save_sharded
+        else:
+            engine = self.engine.state_dict()
+            replicated["model"] = engine["model"]
+            (per_rank if self.engine.optimizer_sharded else replicated)["optimizer"] = \
+                engine["optimizer"]
+        path = self.checkpointer.save(self.step, replicated, per_rank, write_state)
         self.last_saved = self.step
         log.info("checkpoint: %s", path)
         return path
+
+    def load_engine_state(self, replicated: dict[str, Any], per_rank: dict[str, Any],
+                          path: Path) -> None:
+        """The model and optimiser state of checkpoint ``path``: sharded (DCP, read by every
+        rank), or in ``shared.pt`` and, for ZeRO, the ranks' partitions (cut for this
+        rank's, or joined per parameter for a run that keeps a torch optimiser)."""
+        if replicated.get("state") == SHARDED_FORMAT:
+            self.engine.load_sharded(path / SHARDED_STATE_DIR)
+            return
+        state = {"model": replicated["model"]}
+        if "optimizer_partitions" in per_rank and not self.engine.optimizer_sharded:
+            shapes = [[p.shape for p in group["params"]]  # ZeRO's -> this run's torch one
+                      for group in self.engine.optimizer.param_groups]
+            state["optimizer"] = per_parameter_state(per_rank["optimizer_partitions"], shapes)
+        elif "optimizer_partitions" in per_rank:  # ZeRO partitions of another number of ranks
+            state["optimizer_partitions"] = per_rank["optimizer_partitions"]
+        else:
+            state["optimizer"] = (per_rank if self.engine.optimizer_sharded
+                                  else replicated)["optimizer"]
+        self.engine.load_state_dict(state)
 
     def resume(self) -> bool:
         """Continue from the newest readable checkpoint, if there is one."""
@@ -351,14 +380,8 @@ class Trainer:
         replicated, per_rank, path = loaded
         check_drift(path, replicated.get("config", ""), self.config_yaml,
                     self.checkpointer.cfg.allow_changes)
-        state = {"model": replicated["model"]}
-        if "optimizer_partitions" in per_rank:  # ZeRO partitions of another number of ranks
-            state["optimizer_partitions"] = per_rank["optimizer_partitions"]
-        else:
-            state["optimizer"] = (per_rank if self.engine.optimizer_sharded
-                                  else replicated)["optimizer"]
         try:
-            self.engine.load_state_dict(state)
+            self.load_engine_state(replicated, per_rank, path)
         except RuntimeError as err:  # tensors of another model: name what changed
             raise unfit_checkpoint(path, replicated.get("config", ""), self.config_yaml,
                                    err) from None

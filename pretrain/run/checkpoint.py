@@ -5,6 +5,8 @@ Layout under ``<run_dir>/checkpoints/``::
     step_00000100/shared.pt     rank 0: model, optimizer (unless sharded), step,
                                 temperature controller, non-finite count, resolved config
     step_00000100/rank_000.pt   each rank: RNG states, loader state, sharded optimizer state
+    step_00000100/state/        checkpoint.format=sharded: the model and optimizer state,
+                                written by every rank (``sharded.py``), not in shared.pt
 
 A checkpoint is written into ``.step_00000100.tmp/`` and renamed into place by rank 0
 once every rank has written (rename is atomic), so a crash mid-write never leaves a
@@ -17,9 +19,10 @@ trained again) and the previous one tried.
 A checkpoint written by another number of ranks resumes: each new rank gets its loader
 position (:func:`pretrain.run.reshard.loader_state_for`, where the semantics are defined),
 RNG streams seeded from (step, rank), and with sharded optimizer state (DeepSpeed ZeRO)
-every old rank's partition, from which the engine cuts its own. A checkpoint of the other
-engine kind (replicated against sharded optimizer state) is refused with a message and
-kept. A run never starts from scratch over checkpoints it could not resume.
+every old rank's partition, from which the engine cuts its own, or which a run under DDP
+or FSDP2 joins into per-parameter state (``reshard.per_parameter_state``). A checkpoint
+with replicated optimizer state is refused by a ZeRO run with a message and kept. A run
+never starts from scratch over checkpoints it could not resume.
 """
 
 from __future__ import annotations
@@ -28,18 +31,21 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from core.collectives import all_ranks_agree, barrier
 from core.config import InvalidValue
 from core.errors import RunError, disk_full, error_chain, first_line, no_space
 from data_pipeline.samples import stable_int
 from pretrain.run.reshard import batches_done, loader_state_for
+from pretrain.run.sharded import FORMAT, STATE_DIR, model_state
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,9 @@ class CheckpointConfig:
     keep: int = 3  # newest checkpoints kept
     resume: str = "auto"  # auto (newest readable in the run dir), never, or a checkpoint dir
     allow_changes: list[str] = field(default_factory=list)  # trained keys a resume may change
+    format: Literal["full", "sharded"] = "full"  # full: in shared.pt; sharded: DCP, per rank
+    # full gathers the model and optimizer state on rank 0; sharded: each rank writes its
+    # shards with torch.distributed.checkpoint into state/ (engine ddp or fsdp2)
 
     def validate(self) -> None:
         if self.every < 0:
@@ -133,9 +142,11 @@ class Checkpointer:
         """Complete checkpoints, newest first."""
         return list_checkpoints(self.run_dir)
 
-    def save(self, step: int, shared: dict[str, Any], own: dict[str, Any]) -> Path:
-        """Write this step's checkpoint (a collective: every rank calls it). When any rank
-        cannot write its file (a full disk, a lost mount), every rank raises
+    def save(self, step: int, shared: dict[str, Any], own: dict[str, Any],
+             write_state: Callable[[Path], None] | None = None) -> Path:
+        """Write this step's checkpoint (a collective: every rank calls it), with
+        ``write_state(directory)`` writing the sharded state (every rank). When any rank
+        cannot write its part (a full disk, a lost mount), every rank raises
         :class:`RunError` and the partial checkpoint is removed; the complete ones are
         kept."""
         final = self.root / f"step_{step:08d}"
@@ -143,7 +154,7 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()
-        failure = self._write(tmp, shared, own)
+        failure = self._write(tmp, shared, own, write_state)
         if not all_ranks_agree(failure is None, self.device):
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -156,14 +167,18 @@ class Checkpointer:
         barrier()
         return final
 
-    def _write(self, tmp: Path, shared: dict[str, Any], own: dict[str, Any]) -> Exception | None:
+    def _write(self, tmp: Path, shared: dict[str, Any], own: dict[str, Any],
+               write_state: Callable[[Path], None] | None) -> BaseException | None:
         """This rank's files of a checkpoint; the error that stopped them, if any."""
         try:
             tmp.mkdir(parents=True, exist_ok=True)
+            if write_state is not None:  # DCP: every rank, before any can fail alone
+                write_state(tmp / STATE_DIR)
             _save(own, tmp / f"rank_{self.rank:03d}.pt")
             if self.rank == 0:
                 _save(shared, tmp / "shared.pt")
-        except (OSError, RuntimeError) as err:  # torch.save wraps the OSError
+        except (OSError, RuntimeError, CheckpointException) as err:  # torch.save and DCP
+            # wrap the OSError; DCP raises on every rank when any rank's write failed
             interrupt = interrupt_within(err)
             if interrupt is not None:  # Ctrl-C mid-write: a stop, not a failed disk
                 raise interrupt from None
@@ -184,15 +199,19 @@ class Checkpointer:
     def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]] | str:
         try:
             shared = torch.load(path / "shared.pt", map_location="cpu", weights_only=True)
-            if ("optimizer" not in shared) != self.sharded:
-                kinds = ("replicated optimizer state (DDP)",
-                         "sharded optimizer state (DeepSpeed ZeRO)")
-                raise Unresumable(f"{path} holds {kinds['optimizer' not in shared]} and this "
-                                  f"run has {kinds[self.sharded]}: resume it with the engine "
-                                  "that wrote it (the checkpoint is kept)")
+            dcp_state = shared.get("state") == FORMAT
+            if dcp_state and self.sharded:
+                raise Unresumable(f"{path} holds a sharded (DCP) state, which DeepSpeed ZeRO "
+                                  "does not read: resume it with engine.name=ddp or fsdp2 "
+                                  "(the checkpoint is kept)")
+            zero_state = not dcp_state and "optimizer" not in shared
+            if self.sharded and not zero_state and not dcp_state:
+                raise Unresumable(f"{path} holds replicated optimizer state (DDP) and this "
+                                  "run has sharded optimizer state (DeepSpeed ZeRO): resume "
+                                  "it with the engine that wrote it (the checkpoint is kept)")
             old_global = int(shared.get("global_batch", 0))
             new_global = self.global_batch or old_global
-            if shared.get("world") == self.world:
+            if shared.get("world") == self.world and (self.sharded or not zero_state):
                 own = torch.load(path / f"rank_{self.rank:03d}.pt", map_location="cpu",
                                  weights_only=True)
                 if old_global and new_global != old_global and not own["loader"].get("layout"):
@@ -208,9 +227,10 @@ class Checkpointer:
                 loaders = [old["loader"] for old in olds]
                 own = {"loader": loader_state_for(loaders, self.rank, old_global, new_global),
                        "rng": seeded_rng_state(stable_int("resume", shared["step"], self.rank))}
-                if "optimizer" not in shared:  # sharded: every partition, to cut this rank's
+                if zero_state:  # every partition: to cut this rank's, or to join them
                     own["optimizer_partitions"] = [old["optimizer"] for old in olds]
-                log.info("%s: written by %s ranks, resumed on %d", path, shared["world"],
+                log.info("%s: written by %s ranks%s, resumed on %d", path, shared["world"],
+                         "" if self.sharded or not zero_state else " under DeepSpeed ZeRO",
                          self.world)
         except Unresumable:
             raise
@@ -246,6 +266,15 @@ class Checkpointer:
                               "above; unreadable ones are kept as step_..._unreadable): set "
                               "checkpoint.resume to one, or start another run name")
         return None
+
+
+def model_state_of(checkpoint: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A checkpoint directory's ``shared.pt`` and its model state, whole, read in this
+    process: from ``shared.pt``, or from the sharded state of ``checkpoint.format=sharded``."""
+    shared = torch.load(checkpoint / "shared.pt", map_location="cpu", weights_only=True)
+    if shared.get("state") == FORMAT:
+        return shared, model_state(checkpoint / STATE_DIR)
+    return shared, shared["model"]
 
 
 class Unresumable(RunError):

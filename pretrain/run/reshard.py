@@ -3,7 +3,8 @@
 The model, step, schedules and ESS controller are in ``shared.pt`` and load unchanged on
 any number of ranks, and so does DDP's replicated optimizer state. DeepSpeed ZeRO-1/2
 state is sharded: each old rank saved its partition, and :func:`zero_partition_for`
-cuts the new rank's partition out of their concatenation. What else is per rank is
+cuts the new rank's partition out of their concatenation, or :func:`per_parameter_state`
+turns them into a torch optimizer's state for a run under DDP or FSDP2. What else is per rank is
 rebuilt for the new world:
 
 - Data: the loader state (epoch, batches delivered, the layout that delivered them and
@@ -20,6 +21,7 @@ rebuilt for the new world:
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -116,3 +118,61 @@ def _repartition(values: list[Any], lean: list[Tensor], padded: list[int], rank:
     group = torch.cat([v[:part.numel()] for v, part in zip(values, lean, strict=True)])
     mine = group[rank * size:(rank + 1) * size]
     return torch.cat([mine, mine.new_zeros(size - mine.numel())])
+
+
+def per_parameter_state(parts: list[dict[str, Any]], shapes: list[list[torch.Size]]
+                        ) -> dict[str, Any]:
+    """The ZeRO-1/2 optimizer state of a checkpoint (``parts[r]``: old rank ``r``'s) as a
+    torch optimizer's state dict, for an engine that keeps one (DDP, FSDP2): each
+    parameter's state numbered in group order, as ``Optimizer.state_dict`` numbers it.
+
+    ``shapes[i]``: the shapes of param group ``i``'s parameters, in order. The layout is
+    :func:`zero_partition_for`'s: group ``i``'s values are the old ranks' unpadded
+    partitions joined, parameter after parameter; each per-element state tensor is cut the
+    same way and viewed to its parameter's shape; other state (Adam's step) is every
+    parameter's. Shapes: ``parts[r][FP32_PARTITIONS][i]`` [P - padding_r]; returned
+    ``state[k][key]`` of parameter ``k``'s shape."""
+    if any(any(group) for part in parts for group in part.get(ALIGNMENT_PADDINGS, [])):
+        raise RunError("the checkpoint was written with zero_optimization.parameter_alignment"
+                       ": resume it with DeepSpeed")
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    for i, group_shapes in enumerate(shapes):
+        lean = [part[FP32_PARTITIONS][i].reshape(-1) for part in parts]
+        sizes = [shape.numel() for shape in group_shapes]
+        if sum(t.numel() for t in lean) != sum(sizes):
+            raise RunError(f"parameter group {i} holds {sum(t.numel() for t in lean)} values "
+                           f"in the checkpoint and {sum(sizes)} in this model: resume it with "
+                           "the model that wrote it")
+        padded = [part[FP32_PARTITIONS][i].numel() + part[PADDINGS][i] for part in parts]
+        old = [part[BASE_STATE]["state"][i] for part in parts]
+        joined = {key: _joined([s[key] for s in old], lean, padded) for key in old[0]}
+        first = len(state)
+        for k, (shape, size, offset) in enumerate(zip(group_shapes, sizes,
+                                                      _offsets(sizes), strict=True)):
+            state[first + k] = {key: value[offset:offset + size].view(shape).clone()
+                                if key in per_element(joined, sizes) else value
+                                for key, value in joined.items()}
+        groups.append({**parts[0][BASE_STATE]["param_groups"][i],
+                       "params": list(range(first, first + len(group_shapes)))})
+    return {"state": state, "param_groups": groups}
+
+
+def _joined(values: list[Any], lean: list[Tensor], padded: list[int]) -> Any:
+    """A per-element state tensor joined over the old ranks without their padding; any
+    other entry as old rank 0 has it."""
+    if not all(torch.is_tensor(v) and v.shape == (n,) for v, n in zip(values, padded,
+                                                                       strict=True)):
+        return values[0]
+    return torch.cat([v[:part.numel()] for v, part in zip(values, lean, strict=True)])
+
+
+def per_element(joined: dict[str, Any], sizes: list[int]) -> set[str]:
+    """The entries of ``joined`` that hold one value per element of the group."""
+    return {key for key, value in joined.items()
+            if torch.is_tensor(value) and value.shape == (sum(sizes),)}
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each parameter starts in its flat group."""
+    return [0, *itertools.accumulate(sizes)][:-1]

@@ -120,10 +120,12 @@ def test_two_deepspeed_ranks_reshard_the_class_embeddings_onto_one(digits_shards
 
 
 def test_two_fsdp2_ranks_register_the_whole_encoder(digits_shards, tmp_path):
-    """FSDP2 shards the encoder and the class embeddings over 2 ranks; the registry still
-    receives them whole (rank 0 builds them from the final checkpoint's full state), equal
-    to that checkpoint; the kNN monitor runs the sharded encoder mid-run."""
-    fsdp2 = {"engine.name": "fsdp2", "train.max_steps": 8, "data.batch_size": 8,
+    """FSDP2 shards the encoder and the class embeddings over 2 ranks and writes sharded
+    checkpoints (each rank its shards); the registry still receives them whole (rank 0
+    reads them from the final checkpoint), equal to that checkpoint; the kNN monitor runs
+    the sharded encoder mid-run."""
+    fsdp2 = {"engine.name": "fsdp2", "checkpoint.format": "sharded", "train.max_steps": 8,
+             "data.batch_size": 8,
              "tracking.enabled": True, "tracking.system_metrics": False,
              "tracking.registered_model": "digits-fsdp2", "train.knn_every": 4,
              "train.knn_samples": 64, "eval.train_shards": str(digits_shards),
@@ -133,7 +135,7 @@ def test_two_fsdp2_ranks_register_the_whole_encoder(digits_shards, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall(r"step [48] knn monitor: top-1 0\.\d+", result.stderr)) == 2
     final = final_model(tmp_path / "run")
-    assert final["step"] == 8 and final["world"] == 2
+    assert final["step"] == 8 and final["world"] == 2 and final["state"] == "dcp"
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
     stored = mlflow.artifacts.download_artifacts("models:/digits-fsdp2/1",
                                                  dst_path=str(tmp_path / "download"))

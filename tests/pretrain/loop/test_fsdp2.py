@@ -12,6 +12,7 @@ partial sums change the summation order only, so 1e-9 bounds the difference with
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,10 +56,15 @@ def build(engine_name: str, state: dict[str, Any] | None = None, replicate: int 
 
 
 def train(engine_name: str, steps: range, state: dict[str, Any] | None = None,
-          skip_at: int = 1, replicate: int = 1) -> dict[str, Any]:
+          skip_at: int = 1, replicate: int = 1, sharded_from: str = "",
+          sharded_to: str = "") -> dict[str, Any]:
     """``steps`` optimiser steps (the one at ``skip_at`` skipped on the device, as after a
-    non-finite loss) from ``state``; the engine's checkpoint state after them."""
+    non-finite loss) from ``state`` or from the sharded checkpoint state in directory
+    ``sharded_from``; the engine's full state after them (``sharded_to``: also written
+    there as a sharded checkpoint state)."""
     engine, objective = build(engine_name, state, replicate)
+    if sharded_from:
+        engine.load_sharded(Path(sharded_from))
     batch = engine_tasks.training_batch()
     if dist.is_initialized():
         rows = slice(0, engine_tasks.SPLIT) if dist.get_rank() == 0 else slice(
@@ -69,6 +75,8 @@ def train(engine_name: str, steps: range, state: dict[str, Any] | None = None,
         out = forward_loss(engine, moved, objective, step)
         engine.backward(out.loss)
         engine.step(skip=torch.tensor(step == skip_at))
+    if sharded_to:
+        engine.save_sharded(Path(sharded_to))
     return engine.state_dict()
 
 
@@ -138,6 +146,20 @@ def test_a_checkpoint_moves_between_ddp_and_fsdp2_and_world_sizes(gloo2):
     assert_same_state(train("ddp", range(2, 4), fsdp2_half), whole)
     ddp_half = train("ddp", range(2))
     assert_same_state(gloo2.run(train, "fsdp2", range(2, 4), ddp_half)[0], whole)
+
+
+def test_a_sharded_checkpoint_moves_between_ddp_and_fsdp2_and_world_sizes(gloo2, tmp_path):
+    """checkpoint.format=sharded (DCP): FSDP2 on 2 ranks writes its shards, one DDP
+    process reads them whole; one DDP process writes, FSDP2 on 2 ranks reads each its
+    shard. Both equal the uninterrupted run."""
+    whole = train("ddp", range(4))
+    fsdp2_state = str(tmp_path / "fsdp2")
+    gloo2.run(train, "fsdp2", range(2), None, 1, 1, "", fsdp2_state)
+    assert len(list(Path(fsdp2_state).glob("*.distcp"))) == 2  # a file per rank
+    assert_same_state(train("ddp", range(2, 4), sharded_from=fsdp2_state), whole)
+    ddp_state = str(tmp_path / "ddp")
+    train("ddp", range(2), sharded_to=ddp_state)
+    assert_same_state(gloo2.run(train, "fsdp2", range(2, 4), None, 1, 1, ddp_state)[0], whole)
 
 
 def test_replicate_must_divide_the_ranks_and_be_positive(gloo2):

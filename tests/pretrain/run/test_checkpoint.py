@@ -21,6 +21,7 @@ from pretrain.run.checkpoint import (
     CheckpointConfig,
     Checkpointer,
     list_checkpoints,
+    model_state_of,
     rng_state,
     set_rng_state,
 )
@@ -141,8 +142,10 @@ def test_rng_state_round_trip():
 
 
 def final_model(run_dir) -> dict:
+    """The newest checkpoint's shared.pt, its model state read whole when sharded."""
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    return torch.load(last / "shared.pt", weights_only=True)
+    shared, model = model_state_of(last)
+    return {**shared, "model": model}
 
 
 def test_sigkill_and_resume_equals_uninterrupted_run(digits_shards, tmp_path):

@@ -1,7 +1,8 @@
 """Resuming on another number of ranks: a checkpoint of 1 rank continues on 2 and one of 2
 on 1, with replicated (DDP) and sharded (DeepSpeed ZeRO-2) optimizer state, and across
 engines (FSDP2 on 2 ranks -> DDP on 1, DDP on 1 -> FSDP2 on 2: FSDP2 checkpoints the full
-state in DDP's layout), against the uninterrupted run; a checkpoint of the other engine
+state in DDP's layout, or with checkpoint.format=sharded each rank its shards), against the
+uninterrupted run; a checkpoint of the other engine
 kind is refused and kept; a run never starts over checkpoints it cannot resume."""
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import pytest
 import torch
 
 from core.errors import RunError
-from pretrain.run.reshard import zero_partition_for
+from pretrain.run.checkpoint import model_state_of
+from pretrain.run.reshard import per_parameter_state, zero_partition_for
+from pretrain.run.sharded import read_whole
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.pretrain.run.test_checkpoint import final_model
 
@@ -23,11 +26,16 @@ STEPS = {"train.max_steps": 24, "checkpoint.every": 4, "checkpoint.keep": 10,
          "data.workers": 1}
 ENGINES = {"ddp": {}, "zero2": {"engine.name": "deepspeed",
                                 "engine.deepspeed_config": "launch/deepspeed/zero2.json"},
-           "fsdp2": {"engine.name": "fsdp2"}}
+           "fsdp2": {"engine.name": "fsdp2"},
+           "fsdp2-sharded": {"engine.name": "fsdp2", "checkpoint.format": "sharded"}}
 # (engine that wrote the checkpoint, its ranks, engine that resumes, its ranks)
 CASES = [(engine, old, engine, new) for engine in ("ddp", "zero2")
          for old, new in ((1, 2), (2, 1))] + [("fsdp2", 2, "ddp", 1), ("ddp", 1, "fsdp2", 2)]
 IDS = [f"{a}-{old}to{new}" if a == b else f"{a}{old}-to-{b}{new}" for a, old, b, new in CASES]
+# and a sharded (DCP) checkpoint of FSDP2 on 2 ranks, read whole by DDP on 1; ZeRO-2's
+# partitions on 2 ranks joined per parameter for FSDP2 on 2
+WEIGHT_CASES = [*CASES, ("fsdp2-sharded", 2, "ddp", 1), ("zero2", 2, "fsdp2", 2)]
+WEIGHT_IDS = [*IDS, "fsdp2-sharded2-to-ddp1", "zero2-2-to-fsdp2-2"]
 
 
 def train(shards: Path, out: Path, engine: str, world: int, **extra: object):
@@ -42,7 +50,8 @@ def zero_layout(groups: list[torch.Tensor], world: int, rank: int) -> dict:
     ``groups`` (each also its own "velocity" and a shared "step"), built by slicing the
     padded groups directly: DeepSpeed pads a group to a multiple of 2 x world and gives
     every rank an equal slice, storing the slice of the fp32 weights without padding."""
-    state: dict = {"base_optimizer_state": {"state": {}, "param_groups": [{"lr": 0.1}]},
+    state: dict = {"base_optimizer_state": {"state": {},
+                                            "param_groups": [{"lr": 0.1} for _ in groups]},
                    "single_partition_of_fp32_groups": [], "group_paddings": [],
                    "param_alignment_paddings": [[0] for _ in groups], "clip_grad": 0.0}
     for i, flat in enumerate(groups):
@@ -77,7 +86,26 @@ def test_zero_partitions_are_cut_as_the_new_world_would_have_written_them(old, n
                            expected["base_optimizer_state"]["state"][i])
             assert torch.equal(state["velocity"], want["velocity"]), (i, rank)
             assert torch.equal(state["step"], torch.tensor(7.0))
-        assert got["base_optimizer_state"]["param_groups"] == [{"lr": 0.1}]
+        assert got["base_optimizer_state"]["param_groups"] == [{"lr": 0.1}] * 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_zero_partitions_join_into_each_parameters_state(world):
+    """Parameters of shapes [2, 3], [5] (group 0) and [3] (group 1) flattened into ZeRO's
+    groups and partitioned over ``world`` ranks come back per parameter, numbered in
+    group order, each velocity the negated parameter (as ``zero_layout`` stores it)."""
+    params = [torch.arange(6.0).view(2, 3), torch.arange(10.0, 15.0), torch.arange(20.0, 23.0)]
+    groups = [torch.cat([params[0].reshape(-1), params[1]]), params[2]]
+    parts = [zero_layout(groups, world, r) for r in range(world)]
+    state = per_parameter_state(parts, [[p.shape for p in params[:2]], [params[2].shape]])
+    assert [g["params"] for g in state["param_groups"]] == [[0, 1], [2]]
+    assert state["param_groups"][0]["lr"] == 0.1
+    for k, param in enumerate(params):
+        assert torch.equal(state["state"][k]["velocity"], -param), k
+        assert torch.equal(state["state"][k]["step"], torch.tensor(7.0))
+    with pytest.raises(RunError, match="parameter group 1 holds 3 values in the checkpoint "
+                                       "and 4 in this model"):
+        per_parameter_state(parts, [[p.shape for p in params[:2]], [torch.Size([4])]])
 
 
 def test_zero_layouts_that_depend_on_the_world_are_refused():
@@ -159,8 +187,11 @@ def velocities(checkpoint: Path) -> dict[str, torch.Tensor]:
     parameter; ZeRO saves, per rank and group, the rank's slice of the group's parameters
     flattened in order (the partition, padded at the end of the last rank), so the group is
     the ranks' slices joined without their padding."""
-    shared = torch.load(checkpoint / "shared.pt", weights_only=True)
-    groups = parameter_names(shared["model"])
+    shared, model = model_state_of(checkpoint)
+    groups = parameter_names(model)
+    if shared.get("state") == "dcp":  # sharded: each parameter's, by name
+        state = read_whole(checkpoint / "state", "optimizer.state.")
+        return {name: state[f"{name}.velocity"] for name in sum(groups, [])}
     if "optimizer" in shared:
         state = shared["optimizer"]["state"]
         return {name: state[i]["velocity"] for i, name in enumerate(sum(groups, []))}
@@ -177,7 +208,7 @@ def velocities(checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize(("engine", "old", "resumer", "new"), CASES, ids=IDS)
+@pytest.mark.parametrize(("engine", "old", "resumer", "new"), WEIGHT_CASES, ids=WEIGHT_IDS)
 def test_the_resumed_ranks_hold_the_checkpoint_weights(references, digits_shards, tmp_path,
                                                        engine, old, resumer, new):
     """The model and optimizer state carry over exactly. At a learning rate of 1e-30 new
@@ -189,7 +220,7 @@ def test_the_resumed_ranks_hold_the_checkpoint_weights(references, digits_shards
     shutil.copytree(source, tmp_path / "run" / "checkpoints" / "step_00000012")
     result = train(digits_shards, tmp_path, resumer, new, **{"optim.lr": 1e-30})
     assert result.returncode == 0, result.stderr[-3000:]
-    model = torch.load(source / "shared.pt", weights_only=True)["model"]
+    model = model_state_of(source)[1]
     velocity = velocities(source)
     end = final_model(tmp_path / "run")
     assert end["step"] == 24 and end["world"] == new
@@ -242,3 +273,12 @@ def test_never_starts_over_checkpoints_it_cannot_use(digits_shards, tmp_path):
                                                       "step_00000004_unreadable"]
     assert all((root / name / "shared.pt").read_bytes() == b"not a checkpoint"
                for name in ("step_00000002_unreadable", "step_00000004_unreadable"))
+
+
+def test_deepspeed_refuses_sharded_checkpoints_before_training(digits_shards, tmp_path):
+    refused = train(digits_shards, tmp_path, "zero2", 1, **{"checkpoint.format": "sharded"})
+    assert refused.returncode == 1
+    assert ("pretrain: error: checkpoint.format=sharded: engine.name=deepspeed keeps its own "
+            "optimizer partitions; use checkpoint.format=full, or engine.name=ddp or fsdp2"
+            ) in refused.stderr.splitlines()
+    assert not (tmp_path / "run" / "checkpoints").exists()
