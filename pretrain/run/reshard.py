@@ -83,9 +83,7 @@ def zero_partition_for(parts: list[dict[str, Any]], live: dict[str, Any], rank: 
     if round_robin:
         raise RunError("zero_optimization.round_robin_gradients orders the partitions by the "
                        "number of ranks: resume on the number that wrote the checkpoint")
-    if any(any(group) for part in parts for group in part.get(ALIGNMENT_PADDINGS, [])):
-        raise RunError("the checkpoint was written with zero_optimization.parameter_alignment"
-                       ": resume it on the number of ranks that wrote it")
+    refuse_alignment(parts, "resume it on the number of ranks that wrote it")
     states, partitions = {}, []
     for i, own in enumerate(live[FP32_PARTITIONS]):
         size = own.numel() + live[PADDINGS][i]  # P', this rank's padded partition
@@ -111,11 +109,10 @@ def _repartition(values: list[Any], lean: list[Tensor], padded: list[int], rank:
                  size: int) -> Any:
     """One optimizer state entry of the new partition: a per-element tensor (one value
     per element of the old rank's padded partition) is joined over the old ranks without
-    their padding and cut; anything else is the same on every rank."""
-    if not all(torch.is_tensor(v) and v.shape == (n,) for v, n in zip(values, padded,
-                                                                       strict=True)):
-        return values[0]
-    group = torch.cat([v[:part.numel()] for v, part in zip(values, lean, strict=True)])
+    their padding (:func:`_joined`) and cut; anything else is the same on every rank."""
+    group = _joined(values, lean, padded)
+    if group is values[0]:
+        return group
     mine = group[rank * size:(rank + 1) * size]
     return torch.cat([mine, mine.new_zeros(size - mine.numel())])
 
@@ -132,9 +129,7 @@ def per_parameter_state(parts: list[dict[str, Any]], shapes: list[list[torch.Siz
     same way and viewed to its parameter's shape; other state (Adam's step) is every
     parameter's. Shapes: ``parts[r][FP32_PARTITIONS][i]`` [P - padding_r]; returned
     ``state[k][key]`` of parameter ``k``'s shape."""
-    if any(any(group) for part in parts for group in part.get(ALIGNMENT_PADDINGS, [])):
-        raise RunError("the checkpoint was written with zero_optimization.parameter_alignment"
-                       ": resume it with DeepSpeed")
+    refuse_alignment(parts, "resume it with DeepSpeed")
     state: dict[int, dict[str, Any]] = {}
     groups = []
     for i, group_shapes in enumerate(shapes):
@@ -147,20 +142,27 @@ def per_parameter_state(parts: list[dict[str, Any]], shapes: list[list[torch.Siz
         padded = [part[FP32_PARTITIONS][i].numel() + part[PADDINGS][i] for part in parts]
         old = [part[BASE_STATE]["state"][i] for part in parts]
         joined = {key: _joined([s[key] for s in old], lean, padded) for key in old[0]}
+        cut = per_element(joined, sizes)
         first = len(state)
         for k, (shape, size, offset) in enumerate(zip(group_shapes, sizes,
                                                       _offsets(sizes), strict=True)):
             state[first + k] = {key: value[offset:offset + size].view(shape).clone()
-                                if key in per_element(joined, sizes) else value
-                                for key, value in joined.items()}
+                                if key in cut else value for key, value in joined.items()}
         groups.append({**parts[0][BASE_STATE]["param_groups"][i],
                        "params": list(range(first, first + len(group_shapes)))})
     return {"state": state, "param_groups": groups}
 
 
+def refuse_alignment(parts: list[dict[str, Any]], advice: str) -> None:
+    """Parameter alignment makes ZeRO's layout depend on the number of ranks: refused."""
+    if any(any(group) for part in parts for group in part.get(ALIGNMENT_PADDINGS, [])):
+        raise RunError("the checkpoint was written with zero_optimization.parameter_alignment"
+                       f": {advice}")
+
+
 def _joined(values: list[Any], lean: list[Tensor], padded: list[int]) -> Any:
     """A per-element state tensor joined over the old ranks without their padding; any
-    other entry as old rank 0 has it."""
+    other entry as old rank 0 has it (``values[0]`` itself)."""
     if not all(torch.is_tensor(v) and v.shape == (n,) for v, n in zip(values, padded,
                                                                        strict=True)):
         return values[0]
