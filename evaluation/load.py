@@ -2,7 +2,9 @@
 
 Every source is rebuilt with the project's code from tensors and YAML: checkpoints load
 ``weights_only``, registered models are verified file by file against their registered
-digests and read from safetensors (:mod:`serving.model_registry`); nothing is unpickled.
+digests and read from safetensors (:mod:`serving.model_registry`); nothing is unpickled
+but a sharded checkpoint's DCP metadata, through an unpickler that rebuilds DCP's own
+records only (:class:`pretrain.run.sharded.MetadataUnpickler`).
 """
 
 from __future__ import annotations

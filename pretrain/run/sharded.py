@@ -10,6 +10,7 @@ reads the model's tensors whole in one process, for the registry and evaluation.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -61,9 +62,44 @@ def read_whole(directory: Path, prefix: str) -> dict[str, Tensor]:
     """The tensors of a sharded checkpoint state whose names start with ``prefix``
     (``model.``; ``optimizer.state.``), whole, keyed by the rest of their names, read by
     this process alone (their sizes and dtypes from the checkpoint's metadata)."""
-    metadata = FileSystemReader(str(directory)).read_metadata()
+    reader = CheckedReader(str(directory))
+    metadata = reader.read_metadata()
     whole = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
              for key, entry in metadata.state_dict_metadata.items()
              if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
-    dcp.load(whole, checkpoint_id=str(directory), no_dist=True)
+    dcp.load(whole, storage_reader=reader, no_dist=True)
     return {key[len(prefix):]: value for key, value in whole.items()}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: only its own record classes, paths, sizes and
+    dtypes are rebuilt; any other global (a callable that would run) is refused."""
+
+    ALLOWED = {("pathlib", "PosixPath"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        value = getattr(torch, name, None) if module == "torch" else None
+        record = module == "torch.distributed.checkpoint.metadata" and \
+            name.lstrip("_")[:1].isupper()  # its record classes and enums
+        if (module, name) in self.ALLOWED or record or \
+                isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which a "
+                                     "DCP checkpoint does not hold: refused")
+
+
+class CheckedReader(FileSystemReader):
+    """DCP's file reader whose metadata goes through :class:`MetadataUnpickler` (a
+    checkpoint handed to evaluation may come from anywhere)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as file:
+            metadata = MetadataUnpickler(file).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{self.path}/.metadata: not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
