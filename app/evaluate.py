@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(config: RunConfig, promote_alias: str | None = None) -> dict | None:
-    rt = init_runtime(config.train.device, config.engine.backend)
+    rt = init_runtime(config.train.device, config.engine.backend,
+                      collective_timeout_s=config.engine.collective_timeout)
     context = EvalContext(Path(config.output_dir) / config.name, config.name, config.tracking,
                           target_graph(config), config.seed)
     try:

@@ -14,6 +14,7 @@ import logging
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,12 +23,13 @@ import torch.distributed as dist
 
 from app.run_config import RunConfig, parse_run
 from core.cli import reported_faults
-from core.collectives import all_ranks_agree, barrier
+from core.collectives import all_ranks_agree, barrier, sum_over_ranks
 from core.config import flatten, to_yaml
 from core.errors import RunError
 from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
 from data_pipeline.graph.class_graph import load_class_graph
 from data_pipeline.loader import TrainLoader
+from data_pipeline.loader.ledger import LedgerWriter, attempt_name, restart_count
 from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
 from pretrain.loop.engine import build_engine, engine_spec
@@ -154,7 +156,17 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
         schedule=warmup_cosine(total, config.optim.warmup_steps), total_steps=total,
         runtime=rt, precision=precision,
         knn=knn_monitor_for(config, rt, engine.shards_parameters),
-        preemption=PreemptionWatch(config.preemption, rt.device), config_yaml=to_yaml(config))
+        preemption=PreemptionWatch(config.preemption, rt.device), config_yaml=to_yaml(config),
+        ledger=ledger_for(config, rt, run_dir))
+
+
+def ledger_for(config: RunConfig, rt: Runtime, run_dir: Path) -> LedgerWriter | None:
+    """``data.ledger``: this rank's ledger, named by rank 0's start time (a collective)."""
+    if not config.data.ledger:
+        return None
+    start_ms, restart = (int(sum_over_ranks(value if rt.is_main else 0, rt.device))
+                         for value in (time.time_ns() // 1_000_000, restart_count()))
+    return LedgerWriter(run_dir, attempt_name(start_ms, restart), rt.rank, rt.world)
 
 
 def model_card(config: RunConfig, trainer: Trainer, name: str) -> ModelCard:
@@ -209,7 +221,8 @@ def train(config: RunConfig) -> Path:
     """Run (or resume) the configured training; returns the run directory."""
     rt = init_runtime(config.train.device, config.engine.backend,
                       need_group=(engine_spec(config.engine.name).process_group
-                                  or config.engine.process_group))
+                                  or config.engine.process_group),
+                      collective_timeout_s=config.engine.collective_timeout)
     run_dir = Path(config.output_dir) / config.name
     created = not run_dir.exists()
     lock = lock_run_dir(run_dir, rt)

@@ -24,12 +24,19 @@ CNN and of timm's ``test_vit`` at patch 4, eager against the encoder compiled by
 ``torch.compile`` (``train.compile``): the first step's seconds (the compilation) and the
 median steady-state step, each model built afresh from the same seed.
 
+Part ``ledger``: the cost of ``data.ledger=true``: one training step of the small CNN
+(SimCLR, the ``step`` part's batch) timed interleaved against the same step that also
+records its batch's sample keys in an epoch ledger and appends them to its file at once
+(the ledger buffers lines to every report; a flush per step is its most expensive setting).
+Target: at most 1.02x.
+
 Writes bench/results/training.json and prints tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -146,6 +153,30 @@ def step_times(batch_images: int, rounds: int) -> list[dict]:
     return rows
 
 
+def ledger_times(batch_images: int, rounds: int) -> list[dict]:
+    from data_pipeline.loader.ledger import LedgerWriter
+
+    step = step_cases(batch_images, "small_cnn")["simclr"]
+    keys = [f"cc12m_train_{i:08d}" for i in range(batch_images)]  # CC12M-sized names
+    applied = torch.tensor(True)
+    with tempfile.TemporaryDirectory() as run_dir:
+        ledger = LedgerWriter(Path(run_dir), "bench", 0, 1)
+        ledger.start(0)
+
+        steps = itertools.count(1)
+
+        def with_ledger() -> None:
+            step()
+            ledger.record(0, next(steps), {"keys": keys}, applied)
+            ledger.flush()
+
+        times = time_interleaved({"step": step, "step_with_ledger": with_ledger}, rounds)
+        ledger.close()
+    return [{"batch": batch_images, "step_s": times["step"],
+             "with_ledger_s": times["step_with_ledger"],
+             "ratio": times["step_with_ledger"] / times["step"]}]
+
+
 def text_tower_times(batch_images: int, rounds: int) -> list[dict]:
     from data_pipeline.text import load_tokenizer, tokenize
     from pretrain.model.text_tower import TextTower, TextTowerConfig
@@ -208,7 +239,8 @@ def compile_times(batch_images: int, rounds: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "throughput", "step", "text", "compile"],
+    parser.add_argument("--part", choices=["all", "throughput", "step", "text", "compile",
+                                           "ledger"],
                         default="all")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=256, help="images per step (x2 views)")
@@ -232,6 +264,9 @@ def main() -> None:
         payload["compile"] = compile_times(args.batch, args.rounds)
         print_table(payload["compile"], ["backbone", "compiled", "first_step_s", "step_s",
                                          "vs_eager"])
+    if args.part in ("all", "ledger"):
+        payload["ledger"] = ledger_times(args.batch, args.rounds)
+        print_table(payload["ledger"], ["batch", "step_s", "with_ledger_s", "ratio"])
     write_json(RESULTS, payload)
 
 

@@ -39,20 +39,27 @@ def free_port() -> int:
 
 
 def _store(rank: int, world: int) -> dist.Store:
-    """The rendezvous store, with keys private to this torchrun restart: after a restart the
-    previous attempt's keys (e.g. gloo's peer addresses) would otherwise be read as current
-    and the new group could not connect."""
+    """The rendezvous store. torchrun's agents share one store across their restarts
+    (``TORCHELASTIC_USE_AGENT_STORE``): there the keys are private to this restart, as the
+    previous attempt's (e.g. gloo's peer addresses) would otherwise be read as current.
+    Otherwise rank 0 serves a new store at every attempt (torchrun publishes a new port for
+    each rendezvous round under ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the elastic
+    launch), and no prefix is needed: nor could one be agreed, since an agent that joins a
+    running job counts its restarts from 0."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent_store,
                           timeout=timedelta(minutes=10))
+    if not agent_store:
+        return store
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
                             store)
 
 
-def init_runtime(device: str = "auto", backend: str = "auto",
-                 need_group: bool = False) -> Runtime:
-    """Join torchrun's process group (or make a 1-process one when ``need_group``)."""
+def init_runtime(device: str = "auto", backend: str = "auto", need_group: bool = False,
+                 collective_timeout_s: float = 600.0) -> Runtime:
+    """Join torchrun's process group (or make a 1-process one when ``need_group``), whose
+    collectives fail after ``collective_timeout_s`` seconds without a peer."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -67,7 +74,8 @@ def init_runtime(device: str = "auto", backend: str = "auto",
         if "MASTER_ADDR" not in os.environ:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group(backend, rank=rank, world_size=world, store=_store(rank, world),
-                                device_id=dev if dev.type == "cuda" else None)
+                                device_id=dev if dev.type == "cuda" else None,
+                                timeout=timedelta(seconds=collective_timeout_s))
     return Runtime(rank, world, local_rank, dev)
 
 

@@ -95,6 +95,7 @@ class DataConfig:
     pin_memory: bool = True  # page-locked batches for faster host-to-GPU copies (CUDA only)
     retries: int = 5  # remote shards: read attempts before failing (resumes mid-shard)
     retry_wait: float = 1.0  # remote shards: seconds before the first retry, doubling after
+    ledger: bool = False  # training: each rank logs every step's sample keys (loader/ledger.py)
 
     @property
     def samples_per_batch(self) -> int:

@@ -49,29 +49,34 @@ class Skip(NamedTuple):
 @dataclass
 class SkipLog:
     """Skips met while one batch was assembled: counts per reason, per "reason shard", a
-    few named samples ("reason shard detail")."""
+    few named samples ("reason shard detail"), and every cause with its count
+    (``(reason, shard, detail)``, for the epoch ledger)."""
 
     counts: Counter = field(default_factory=Counter)
     places: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
+    causes: Counter = field(default_factory=Counter)
 
     def add(self, skip: Skip) -> None:
         self.counts[skip.reason] += skip.count
         self.places[f"{skip.reason} {skip.shard}"] += skip.count
+        self.causes[skip.reason, skip.shard, skip.detail] += skip.count
         example = f"{skip.reason} {skip.shard} {skip.detail}".strip()
         if len(self.examples) < MAX_EXAMPLES and example not in self.examples:
             self.examples.append(example)
 
     def take(self) -> SkipLog:
         """What was logged so far, leaving this log empty for the next batch."""
-        taken = SkipLog(self.counts, self.places, self.examples)
-        self.counts, self.places, self.examples = Counter(), Counter(), []
+        taken = SkipLog(self.counts, self.places, self.examples, self.causes)
+        self.counts, self.places, self.examples, self.causes = (Counter(), Counter(), [],
+                                                                Counter())
         return taken
 
     def as_batch(self) -> dict:
         """The batch entries that carry these skips to the training loop."""
         return {"skipped": dict(self.counts),
-                "skipped_places": dict(self.places), "skipped_examples": list(self.examples)}
+                "skipped_places": dict(self.places), "skipped_examples": list(self.examples),
+                "skipped_samples": list(self.causes.items())}
 
 
 class SampleChecker:

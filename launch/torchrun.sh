@@ -5,11 +5,26 @@
 # NPROC defaults to the GPU count (2 processes on a CPU-only machine). A failed worker makes
 # torchrun restart the group (MAX_RESTARTS times); the restarted run resumes from its newest
 # readable checkpoint (checkpoint.resume=auto).
+#
+# Elastic, on every node of the job (docs/training.md, "Elastic membership"):
+#   NNODES=1:4 RDZV_ENDPOINT=head-node:29500 launch/torchrun.sh CONFIG.yaml [key=value ...]
+# joins a c10d rendezvous of between MIN and MAX nodes (RDZV_ID names the job: the same on
+# every node). A lost node stops the others' workers, which restart at the smaller world
+# and resume from the newest checkpoint; a node that starts (again) makes the group grow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="$1"; shift
 gpus=$(.venv/bin/python -c 'import torch; print(torch.cuda.device_count())')
 nproc="${NPROC:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}"
 [ "$gpus" -eq 0 ] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/torchrun --standalone --nproc_per_node "$nproc" \
+if [ -n "${NNODES:-}" ]; then
+    # each rendezvous round publishes its own store address: the agents' shared store
+    # (torch's default) is not published again to a node that joins a later round
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    nodes=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
+           --rdzv-id "${RDZV_ID:-contrastive-pretrain}")
+else
+    nodes=(--standalone)
+fi
+exec .venv/bin/torchrun "${nodes[@]}" --nproc_per_node "$nproc" \
     --max-restarts "${MAX_RESTARTS:-3}" -m app.pretrain --config "$config" "$@"

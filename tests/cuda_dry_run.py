@@ -101,6 +101,37 @@ def fake_cuda(value_dependent_shapes: bool = True,
         yield collectives
 
 
+@contextmanager
+def driverless_streams() -> Iterator[None]:
+    """FSDP2 on fake CUDA tensors without a driver: its streams and events (and the current
+    device it asks for) become the CPU's no-op ones. Only the ordering between its
+    gather, reduce and compute streams is lost, which moves no value to the host; the
+    stream logic itself runs on a GPU only (``bench/gpu/sharded.py``)."""
+    if torch.cuda.device_count() > 0:
+        yield
+        return
+    stand_ins = {name: getattr(torch.cpu, name)
+                 for name in ("Stream", "Event", "current_stream", "stream")}
+    with contextlib.ExitStack() as stack:
+        for name, value in stand_ins.items():
+            stack.enter_context(mock.patch.object(torch.cuda, name, value))
+        stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
+        yield
+
+
+@contextmanager
+def fake_mesh(world: int, device_type: str) -> Iterator[Any]:
+    """A 1-D device mesh over the fake group, made outside fake tensors (its rank table is
+    read on the host), handed to ``fsdp2.shard_model`` in place of the one it makes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pretrain.loop.fsdp2 as fsdp2
+
+    mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    with mock.patch.object(fsdp2, "device_mesh", lambda replicate, device: mesh):
+        yield mesh
+
+
 def no_gpu_context() -> contextlib.AbstractContextManager:
     """Without a GPU, keep fake CUDA tensors from making a real CUDA context: torch 2.11
     makes one for the first fake CUDA tensor whenever ``torch.cuda.is_available()`` says

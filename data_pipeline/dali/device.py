@@ -119,11 +119,14 @@ def drop_instances(batch: dict[str, Any], encoded: list[bytes],
     out["skipped"] = dict(batch["skipped"])
     out["skipped_places"] = dict(batch["skipped_places"])
     out["skipped_examples"] = list(batch["skipped_examples"])
+    out["skipped_samples"] = list(batch.get("skipped_samples", []))
     for i in bad:
         shard, key = batch["encoded_from"][i]
         for entry, name in ((out["skipped"], "corrupt_image"),
                             (out["skipped_places"], f"corrupt_image {shard}")):
             entry[name] = entry.get(name, 0) + 1
         out["skipped_examples"].append(f"corrupt_image {shard} {key}: DALI cannot decode it")
+        out["skipped_samples"].append((("corrupt_image", shard, f"{key}: DALI cannot decode it"),
+                                       1))
     return (out, [e for e, k in zip(encoded, keep, strict=True) if k],
             {name: value[views] for name, value in params.items()})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -32,7 +33,7 @@ from core.tables import table_entry
 from pretrain.loop.fsdp2 import full_state, load_full_state, shard_model
 from pretrain.loop.optim import step_unless
 from pretrain.run.reshard import zero_partition_for
-from pretrain.run.sharded import load_sharded, save_sharded
+from pretrain.run.sharded import AsyncWriter, load_sharded, save_sharded
 
 
 @dataclass
@@ -48,12 +49,18 @@ class EngineConfig:
     reshard_after_forward: bool = True  # fsdp2: free a block's gathered parameters after its
     # forward (gathered again for the backward); false keeps them, trading memory for traffic
     replicate: int = 1  # fsdp2: > 1 = HSDP, this many replica groups, each sharding
+    # a collective's wait for a rank that stopped answering (a lost node) before the run
+    # fails and torchrun restarts it on the ranks that are left
+    collective_timeout: float = 600.0  # seconds
 
     def validate(self) -> None:
         if self.gradient_clipping < 0:
             raise InvalidValue("gradient_clipping", f"must be >= 0, got {self.gradient_clipping}")
         if self.replicate < 1:
             raise InvalidValue("replicate", f"must be >= 1, got {self.replicate}")
+        if self.collective_timeout <= 0:
+            raise InvalidValue("collective_timeout",
+                               f"must be > 0 seconds, got {self.collective_timeout}")
         engine_spec(self.name).check(self)
 
 
@@ -91,6 +98,7 @@ class Engine:
         self.optimizer = optimizer
         self.wrapped: nn.Module = model
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.async_writer: AsyncWriter | None = None  # made on the first async save
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.wrapped(*args, **kwargs)
@@ -122,6 +130,13 @@ class Engine:
         """``checkpoint.format=sharded``: the model and optimiser state written by every
         rank into ``directory`` (``pretrain/run/sharded.py``; a collective)."""
         save_sharded(self.module, self.optimizer, directory)
+
+    def save_sharded_async(self, directory: Path) -> Future:
+        """:meth:`save_sharded` in the background (``checkpoint.async_save``): returns once
+        the state is copied; the future completes when every rank's files are written."""
+        if self.async_writer is None:
+            self.async_writer = AsyncWriter()
+        return self.async_writer(self.module, self.optimizer, directory)
 
     def load_sharded(self, directory: Path) -> None:
         """Read what :meth:`save_sharded` wrote, by any engine that has it, on any number of

@@ -3,7 +3,8 @@
 A :class:`Trainer` owns named parts, built from the run configuration by
 :func:`app.pretrain.build_trainer`: the ``engine`` (the model and its optimiser, DDP,
 DeepSpeed or FSDP2), the ``objective``, the ``loader``, the ``checkpointer``, the ``tracker``
-(MLflow on rank 0) and the ``monitors``. One step (:meth:`Trainer.train_step`):
+(MLflow on rank 0), the ``monitors`` and, with ``data.ledger``, the epoch ``ledger``. One
+step (:meth:`Trainer.train_step`):
 
 1. the learning rate from the schedule;
 2. forward under autocast: this rank's embeddings (:func:`forward_loss`);
@@ -37,6 +38,7 @@ from core.collectives import mean_over_ranks_on_device, sum_over_ranks, totals_o
 from core.config import InvalidValue
 from core.runtime import Runtime, autocast, peak_memory_mib
 from data_pipeline.loader import TrainLoader
+from data_pipeline.loader.ledger import LedgerWriter
 from data_pipeline.samples import SKIP_REASONS
 from pretrain.distributed import build_global_batch
 from pretrain.loop.chunked import chunked_forward_loss
@@ -153,8 +155,10 @@ class Trainer:
                  schedule: Callable[[int], float], total_steps: int, runtime: Runtime,
                  precision: str, tracker: Any = None,
                  knn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
-                 preemption: PreemptionWatch | None = None, config_yaml: str = "") -> None:
+                 preemption: PreemptionWatch | None = None, config_yaml: str = "",
+                 ledger: LedgerWriter | None = None) -> None:
         self.cfg, self.runtime, self.precision = cfg, runtime, precision
+        self.ledger = ledger  # data.ledger: the samples of every step, per rank
         self.engine, self.objective, self.loader = engine, objective, loader
         self.checkpointer, self.tracker, self.preemption = checkpointer, tracker, preemption
         self.schedule, self.total_steps, self.config_yaml = schedule, total_steps, config_yaml
@@ -182,6 +186,20 @@ class Trainer:
         if self.cfg.chunk_size and self.runtime.is_main:
             log.info("encoder runs in chunks of at most %d rows per rank, with the cached "
                      "embedding gradient (train.chunk_size)", self.cfg.chunk_size)
+        if self.ledger is not None:
+            self.ledger.start(self.step)
+        try:
+            self.run_steps()
+            if self.last_saved != self.step:
+                self.save()
+            self.finish_checkpoint()
+        finally:
+            if self.ledger is not None:
+                self.ledger.close()
+        self.report_skips()
+
+    def run_steps(self) -> None:
+        """Steps to ``total_steps``, epoch after epoch."""
         try:
             with self.preemption or contextlib.nullcontext():
                 while self.step < self.total_steps:
@@ -192,9 +210,6 @@ class Trainer:
         finally:
             self.loader.close()
             self.bar.close()
-        if self.last_saved != self.step:
-            self.save()
-        self.report_skips()
 
     def train_step(self, batch: dict[str, Any]) -> None:
         placeholder = bool(batch.get("placeholder", False))  # the loader's, on the host
@@ -215,6 +230,8 @@ class Trainer:
             self.objective.controller.update(mean_over_ranks_on_device(out.metrics["ess"]),
                                              self.step / max(1, self.total_steps))
         self.step += 1
+        if self.ledger is not None:
+            self.ledger.record(self.loader.state.epoch, self.step, batch, flags.update)
         self.monitors.window.add(out.metrics, flags.real)  # 6
         self.views += 0 if placeholder else len(batch["images"])
         self.bar.update(1)
@@ -285,6 +302,8 @@ class Trainer:
                      " ".join(f"{k}={v:.4g}" for k, v in sorted(row.items())))
         self.views = 0
         self.window_start = time.perf_counter()
+        if self.ledger is not None:  # the host has synchronised: the update flags are in
+            self.ledger.flush()
         self.monitors.collapse.stop_if_spent()
 
     def run_knn_monitor(self) -> None:
@@ -319,6 +338,7 @@ class Trainer:
             return
         if self.last_saved != self.step:
             self.save()
+        self.finish_checkpoint()
         path = self.checkpointer.checkpoints()[0]
         log.warning("preempted by %s: stopped at step %d with checkpoint %s", watch.received,
                     self.step, path)
@@ -341,16 +361,32 @@ class Trainer:
         write_state = None
         if self.checkpointer.cfg.format == "sharded":  # model and optimiser: every rank, DCP
             replicated["state"] = SHARDED_FORMAT
-            write_state = self.engine.save_sharded
+            write_state = (self.engine.save_sharded_async if self.checkpointer.cfg.async_save
+                           else self.engine.save_sharded)
         else:
             engine = self.engine.state_dict()
             replicated["model"] = engine["model"]
             (per_rank if self.engine.optimizer_sharded else replicated)["optimizer"] = \
                 engine["optimizer"]
+        if self.ledger is not None:  # the lines of this checkpoint's steps, on disk first
+            self.ledger.flush()
         path = self.checkpointer.save(self.step, replicated, per_rank, write_state)
+        self.note_commit()
         self.last_saved = self.step
-        log.info("checkpoint: %s", path)
+        log.info("checkpoint: %s%s", path, " (its state being written in the background)"
+                 if self.checkpointer.pending else "")
         return path
+
+    def finish_checkpoint(self) -> None:
+        """Wait for a checkpoint being written in the background (``checkpoint.async_save``)
+        and complete it."""
+        self.checkpointer.finish()
+        self.note_commit()
+
+    def note_commit(self) -> None:
+        """The newest complete checkpoint into the ledger."""
+        if self.ledger is not None and self.checkpointer.completed >= 0:
+            self.ledger.commit(self.checkpointer.completed)
 
     def load_engine_state(self, replicated: dict[str, Any], per_rank: dict[str, Any],
                           path: Path) -> None:

@@ -159,10 +159,17 @@ class ContrastiveModel(nn.Module):
         if text is not None and text_repeats > 1:
             text = text.repeat(text_repeats, 1)
         temperature = (None if self.log_temperature is None
-                       else self.log_temperature.exp().squeeze(0))
-        loss_parameters = {name: p.reshape(self._loss_parameter_shapes[name])
+                       else self.log_temperature.squeeze(0).exp())
+        loss_parameters = {name: owned(p.reshape(self._loss_parameter_shapes[name]))
                            for name, p in self.loss_parameters.items()}
-        return ModelOutput(features, projections, text, temperature, loss_parameters)
+        return ModelOutput(owned(features), projections, text, temperature, loss_parameters)
+
+
+def owned(tensor: Tensor) -> Tensor:
+    """``tensor``, copied if it is a view (a ViT's class token, a reshaped parameter): an
+    in-place op on a view that FSDP2's root returns would bypass its backward hooks, and
+    FSDP2 warns of every such output."""
+    return tensor.clone() if tensor._is_view() else tensor
 
 
 def build_model(cfg: ModelConfig, objective: ObjectiveConfig, device: torch.device,

@@ -32,9 +32,10 @@ import os
 import random
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -61,6 +62,9 @@ class CheckpointConfig:
     format: Literal["full", "sharded"] = "full"  # full: in shared.pt; sharded: DCP, per rank
     # full gathers the model and optimizer state on rank 0; sharded: each rank writes its
     # shards with torch.distributed.checkpoint into state/ (engine ddp or fsdp2)
+    # the checkpoint counts (is renamed into place) once every rank's write has finished,
+    # checked at the next save and at the end of the run
+    async_save: bool = False  # sharded only: written in the background while training goes on
 
     def validate(self) -> None:
         if self.every < 0:
@@ -69,6 +73,9 @@ class CheckpointConfig:
             raise InvalidValue("keep", f"must be >= 1, got {self.keep}")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise InvalidValue("resume", f"{self.resume}: not auto, never or a checkpoint dir")
+        if self.async_save and self.format != "sharded":
+            raise InvalidValue("async_save", "needs checkpoint.format=sharded (a full "
+                                             "checkpoint is gathered and written by rank 0)")
 
 
 def rng_state() -> dict[str, Any]:
@@ -124,6 +131,14 @@ def interrupt_within(err: BaseException) -> KeyboardInterrupt | None:
     return next((e for e in error_chain(err) if isinstance(e, KeyboardInterrupt)), None)
 
 
+class PendingSave(NamedTuple):
+    """A checkpoint whose sharded state a background thread is writing into ``tmp``."""
+
+    tmp: Path
+    final: Path
+    writing: Future
+
+
 class Checkpointer:
     """Saves and finds the checkpoints of one run for ``rank`` of ``world`` ranks training
     at ``global_batch`` images per step (0: as the checkpoint was written), with sharded
@@ -134,6 +149,8 @@ class Checkpointer:
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.global_batch, self.sharded = global_batch, sharded
+        self.pending: PendingSave | None = None  # a checkpoint whose state is being written
+        self.completed = -1  # the step of the newest checkpoint this process completed
 
     def due(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0
@@ -143,18 +160,41 @@ class Checkpointer:
         return list_checkpoints(self.run_dir)
 
     def save(self, step: int, shared: dict[str, Any], own: dict[str, Any],
-             write_state: Callable[[Path], None] | None = None) -> Path:
+             write_state: Callable[[Path], Future | None] | None = None) -> Path:
         """Write this step's checkpoint (a collective: every rank calls it), with
         ``write_state(directory)`` writing the sharded state (every rank). When any rank
         cannot write its part (a full disk, a lost mount), every rank raises
         :class:`RunError` and the partial checkpoint is removed; the complete ones are
-        kept."""
+        kept. A ``write_state`` that returns a future (``checkpoint.async_save``) leaves the
+        checkpoint pending: :meth:`finish` completes it, as the next save does first."""
+        self.finish()
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".step_{step:08d}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()
-        failure = self._write(tmp, shared, own, write_state)
+        writing: list[Future] = []
+        failure = self._write(lambda: self._files(tmp, shared, own, write_state, writing))
+        # in the background on every rank (checkpoint.async_save) only if every rank's
+        # files are written so far; else every rank goes on to remove it and raise
+        if writing and all_ranks_agree(failure is None, self.device):
+            self.pending = PendingSave(tmp, final, writing[0])
+            return final
+        self._complete(tmp, final, failure)
+        return final
+
+    def finish(self) -> None:
+        """Wait for the pending background write, if any, and complete its checkpoint (a
+        collective: every rank calls it)."""
+        if self.pending is None:
+            return
+        tmp, final, writing = self.pending
+        self.pending = None
+        self._complete(tmp, final, self._write(writing.result))
+
+    def _complete(self, tmp: Path, final: Path, failure: BaseException | None) -> None:
+        """Every rank's files written: the checkpoint renamed into place and the oldest
+        pruned; else removed, and every rank raises."""
         if not all_ranks_agree(failure is None, self.device):
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -165,18 +205,26 @@ class Checkpointer:
             for old in self.checkpoints()[self.cfg.keep:]:
                 shutil.rmtree(old, ignore_errors=True)
         barrier()
-        return final
+        self.completed = int(final.name.removeprefix("step_"))
 
-    def _write(self, tmp: Path, shared: dict[str, Any], own: dict[str, Any],
-               write_state: Callable[[Path], None] | None) -> BaseException | None:
-        """This rank's files of a checkpoint; the error that stopped them, if any."""
+    def _files(self, tmp: Path, shared: dict[str, Any], own: dict[str, Any],
+               write_state: Callable[[Path], Future | None] | None,
+               writing: list[Future]) -> None:
+        """This rank's files of a checkpoint; a background write's future into
+        ``writing``."""
+        tmp.mkdir(parents=True, exist_ok=True)
+        if write_state is not None:  # DCP: every rank, before any can fail alone
+            future = write_state(tmp / STATE_DIR)
+            writing.extend([future] if future is not None else [])
+        _save(own, tmp / f"rank_{self.rank:03d}.pt")
+        if self.rank == 0:
+            _save(shared, tmp / "shared.pt")
+
+    @staticmethod
+    def _write(write: Callable[[], Any]) -> BaseException | None:
+        """Run ``write``; the error that stopped it, if any."""
         try:
-            tmp.mkdir(parents=True, exist_ok=True)
-            if write_state is not None:  # DCP: every rank, before any can fail alone
-                write_state(tmp / STATE_DIR)
-            _save(own, tmp / f"rank_{self.rank:03d}.pt")
-            if self.rank == 0:
-                _save(shared, tmp / "shared.pt")
+            write()
         except (OSError, RuntimeError, CheckpointException) as err:  # torch.save and DCP
             # wrap the OSError; DCP raises on every rank when any rank's write failed
             interrupt = interrupt_within(err)

@@ -3,6 +3,10 @@ by every rank with PyTorch's distributed checkpoint (DCP, ``torch.distributed.ch
 into ``step_N/state/``: under FSDP2 each rank writes its own shards and no rank gathers the
 whole model; under DDP the replicated tensors are written once (DCP deduplicates them).
 
+With ``checkpoint.async_save`` DCP copies the state to CPU memory and writes it from a
+background thread over a gloo group of its own (the training's collectives keep theirs), so
+training goes on during the write; the checkpointer completes the checkpoint later.
+
 Loading reads into the layout the resuming run has, whatever wrote it: FSDP2 or DDP, any
 number of ranks (DCP cuts each rank's shards out of the saved ones). :func:`model_state`
 reads the model's tensors whole in one process, for the registry and evaluation.
@@ -11,6 +15,7 @@ reads the model's tensors whole in one process, for the registry and evaluation.
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,24 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     """Write the state into ``directory`` (a collective: every rank calls it)."""
     dcp.save(state_dicts(model, optimizer), checkpoint_id=str(directory),
              no_dist=not dist.is_initialized())
+
+
+class AsyncWriter:
+    """``checkpoint.async_save``: each call copies the state to CPU memory (a snapshot: the
+    next optimiser step cannot change what is written) and returns while a background
+    thread writes it. Its collectives run over a gloo group made for it (every rank makes
+    it in the same order, on the first save), so they never interleave with the
+    training's."""
+
+    def __init__(self) -> None:
+        self.group: dist.ProcessGroup | None = None
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 directory: Path) -> Future:
+        if dist.is_initialized() and self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        return dcp.async_save(state_dicts(model, optimizer), checkpoint_id=str(directory),
+                              process_group=self.group, no_dist=not dist.is_initialized())
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:

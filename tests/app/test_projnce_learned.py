@@ -123,13 +123,15 @@ def test_two_fsdp2_ranks_register_the_whole_encoder(digits_shards, tmp_path):
     """FSDP2 shards the encoder and the class embeddings over 2 ranks and writes sharded
     checkpoints (each rank its shards); the registry still receives them whole (rank 0
     reads them from the final checkpoint), equal to that checkpoint; the kNN monitor runs
-    the sharded encoder mid-run."""
+    the sharded encoder mid-run; ``evaluate`` reads the sharded checkpoint whole and reports
+    what it reports from the registry."""
     fsdp2 = {"engine.name": "fsdp2", "checkpoint.format": "sharded", "train.max_steps": 8,
              "data.batch_size": 8,
              "tracking.enabled": True, "tracking.system_metrics": False,
              "tracking.registered_model": "digits-fsdp2", "train.knn_every": 4,
              "train.knn_samples": 64, "eval.train_shards": str(digits_shards),
-             "eval.test_shards": str(digits_shards)}
+             "eval.test_shards": str(digits_shards), "eval.probe_epochs": 5,
+             "eval.save_index": False}
     overrides = train_overrides(digits_shards, tmp_path, **LEARNED, **fsdp2)
     result = run_pretrain(overrides, nproc=2, torchrun=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -145,3 +147,11 @@ def test_two_fsdp2_ranks_register_the_whole_encoder(digits_shards, tmp_path):
     assert len(encoder) > 10
     for key, value in encoder.items():
         assert torch.equal(value, final["model"][f"encoder.{key}"].float()), key
+    found = {}
+    for name, source in (("checkpoint", ""), ("registry", "models:/digits-fsdp2/1")):
+        result = evaluate(overrides, f"eval.model={source}", f"eval.output={tmp_path / name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[name] = json.loads((tmp_path / name / "results.json").read_text())
+    assert found["checkpoint"]["class_embedding_classifier"]["classes"] == 10
+    for key in ("class_embedding_classifier", "knn", "linear_probe"):
+        assert found["checkpoint"][key] == found["registry"][key], key

@@ -1,14 +1,18 @@
 """More than one node, as ``launch/slurm.sbatch`` runs it: one torchrun agent per node with
 c10d rendezvous (here two agents on 127.0.0.1 sharing the run directory, as nodes share a
 file system). They train, checkpoint, are killed together and resume; the weights equal a
-1-node 2-process run's bit for bit (same ranks, same streams, same reductions)."""
+1-node 2-process run's bit for bit (same ranks, same streams, same reductions). And the
+elastic launch (``launch/torchrun.sh`` with ``NNODES=1:2``): a node lost and regained
+while the job runs, with the epoch ledger showing every sample trained on once."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -64,3 +68,64 @@ def test_two_agents_train_are_killed_resume_and_equal_one_node(digits_shards, tm
     assert a["step"] == b["step"] == 24 and b["world"] == 2
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
+
+
+def elastic_agent(job: Path, overrides: list[str], port: int, log) -> subprocess.Popen:
+    """One node of an elastic job: ``launch/torchrun.sh`` in its elastic mode, 1 process."""
+    env = {**os.environ, "NNODES": "1:2", "RDZV_ENDPOINT": f"127.0.0.1:{port}",
+           "RDZV_ID": "elastic-test", "NPROC": "1", "MAX_RESTARTS": "6",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(["bash", "launch/torchrun.sh", str(job), *overrides], cwd=REPO,
+                            env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_for(condition, seconds: float, agents: list[subprocess.Popen], log: Path) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), \
+            log.read_text()[-4000:]
+        time.sleep(0.1)
+
+
+def test_a_node_lost_and_regained_trains_every_sample_once(digits_shards, tmp_path):
+    """Two elastic agents (``NNODES=1:2``), a ledger kept. Mid-epoch the second node and
+    every process under it are SIGKILLed, as a lost node loses them: the first continues
+    at world 1 from the newest checkpoint. The second is started again: the group grows
+    back to 2 and finishes. The ledger shows every full epoch trained on with no sample
+    twice and fewer unread than one global batch (32), through both changes."""
+    job = tmp_path / "job.yaml"
+    job.write_text("name: run\n")
+    overrides = train_overrides(digits_shards, tmp_path, **{
+        "checkpoint.every": 4, "data.workers": 1, "train.max_steps": 120,
+        "data.ledger": True, "train.log_every": 4})
+    port, log_path = free_port(), tmp_path / "agents.log"
+    log = open(log_path, "w")
+    text = log_path.read_text
+    first = elastic_agent(job, overrides, port, log)  # hosts the rendezvous store
+    time.sleep(2)  # both join the first round (torchrun waits 30 s for more nodes)
+    second = elastic_agent(job, overrides, port, log)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    wait_for(lambda: (checkpoints / "step_00000008").exists(), 300, [first, second], log_path)
+    assert "2 ranks on cpu" in text()
+    lost = psutil.Process(second.pid)
+    sigkill([lost, *lost.children(recursive=True)])
+    second.wait()
+    wait_for(lambda: "written by 2 ranks, resumed on 1" in text(), 300, [first], log_path)
+    second = elastic_agent(job, overrides, port, log)
+    assert [a.wait(timeout=300) for a in (first, second)] == [0, 0], text()[-4000:]
+    assert "written by 1 ranks, resumed on 2" in text()
+    final = final_model(tmp_path / "run")
+    assert final["step"] == 120 and final["world"] == 2
+
+    counted = subprocess.run([sys.executable, "-m", "data_pipeline.loader.ledger",
+                              str(tmp_path / "run"), "--json"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert counted.returncode == 0, counted.stderr
+    epochs = json.loads(counted.stdout)["epochs"]
+    *full, last = epochs.values()
+    assert len(full) >= 2, epochs
+    for epoch in full:
+        assert epoch["more_than_once"] == 0 and epoch["skipped"] == 0, epochs
+        assert epoch["unread"] < 32 and epoch["once"] + epoch["unread"] == 360, epochs
+    assert last["more_than_once"] == 0, epochs

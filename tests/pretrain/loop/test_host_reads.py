@@ -7,11 +7,17 @@ while the host prepared the next step; here each raises.
 
 Variants: dense, tiled, with a negatives subset, both, and encoded in chunks (cached
 gradients); X-CLR from the class graph and from captions; ProjNCE with each projection.
+Under ``engine.name=fsdp2`` the same step on a hybrid ViT sharded per block with
+activation checkpointing: the sharding, the parameter gathers and (on the CPU) the
+gradient reduce-scatter, clipping and the masked update; FSDP2's CUDA streams become
+no-op stand-ins (``driverless_streams``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -19,16 +25,19 @@ from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
 )
+from torch.distributed.tensor import DTensor
 
 import pretrain.loop.chunked as chunked
 from core.runtime import autocast
 from pretrain.loop.device_metrics import MetricWindow, agreed_flags
+from pretrain.loop.engine import EngineConfig, FSDP2Engine, build_engine, engine_spec
+from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import chunked_loss, forward_loss
 from pretrain.losses import OBJECTIVES, ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.model.text_tower import TextTowerConfig
-from tests.cuda_dry_run import cuda_world, fake_cuda
+from tests.cuda_dry_run import cuda_world, driverless_streams, fake_cuda, fake_mesh
 
 CUDA = torch.device("cuda")
 IMAGES = 3  # this rank's images (two views each): 6 rows, padded to ROWS_PER_RANK
@@ -36,6 +45,12 @@ ROWS_PER_RANK = 8
 CLASSES = 3
 VARIANTS = {"dense": {}, "tiled": {"tile_size": 4}, "negatives": {"num_negatives": 3},
             "tiled-negatives": {"tile_size": 4, "num_negatives": 3}, "chunked": {}}
+SMALL_CNN = ModelConfig(width=8, projector_hidden=32, projector_dim=16, sync_batchnorm=False)
+SHARDED_VIT = ModelConfig(backbone="timm:vit_tiny_patch16_224", image_size=16, patch_size=8,
+                          vit_stem="hybrid", width=8, norm="group", projector_hidden=32,
+                          projector_dim=16, projector_bn_out=False, sync_batchnorm=False,
+                          activation_checkpointing=2,
+                          timm_kwargs={"depth": 3, "embed_dim": 32, "num_heads": 2})
 OBJECTIVE_CASES = [(name, {}) for name in OBJECTIVES if name not in ("xclr", "projnce")] + [
     ("xclr", {"graph": True}), ("xclr", {})] + [
     ("projnce", {"projection": projection})
@@ -85,37 +100,60 @@ class PlainEngine(torch.nn.Module):
         return contextlib.nullcontext()
 
 
-def train_step(name: str, extra: dict, variant: str, monkeypatch: pytest.MonkeyPatch,
-               device: torch.device, random_text: TextTowerConfig) -> list[str]:
-    """One step of ``name`` on rank 0 of 2 on fake ``device`` tensors: forward, finite flag
-    and metric window; on the CPU the backward too (the autograd engine wants a CUDA driver
-    for CUDA tensors, fake or not). Returns the collectives that ran."""
+class Step(NamedTuple):
+    """One step's setting: the objective case, the variant, the engine and the device."""
+
+    case: tuple[str, dict]
+    variant: str
+    engine: str  # "ddp" (the model as it is: DDP cannot wrap fake parameters) or "fsdp2"
+    device: torch.device
+
+
+def build_fsdp2(model: torch.nn.Module) -> FSDP2Engine:
+    """The model sharded and trained as ``engine.name=fsdp2`` does, AdamW with clipping."""
+    cfg = EngineConfig(name="fsdp2", gradient_clipping=0.5)
+    engine_spec("fsdp2").prepare(model, cfg, "bf16")
+    optimizer = build_optimizer(model, OptimConfig(name="adamw", lr=1e-3), 2 * IMAGES)
+    return build_engine(model, optimizer, cfg, next(model.parameters()).device, 2 * IMAGES)
+
+
+def train_step(setting: Step, monkeypatch: pytest.MonkeyPatch,
+               random_text: TextTowerConfig) -> list[str]:
+    """One step on rank 0 of 2 on fake tensors of the setting's device: forward, finite
+    flag and metric window; on the CPU the backward too (the autograd engine wants a CUDA
+    driver for CUDA tensors, fake or not), and under FSDP2 the update. Returns the
+    collectives that ran."""
+    (name, extra), device = setting.case, setting.device
     cfg = ObjectiveConfig.of(name, learnable_temperature=OBJECTIVES[name].text_tower,
-                             **VARIANTS[variant], **{k: v for k, v in extra.items()
-                                                     if k != "graph"})
-    model_cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16,
-                            sync_batchnorm=False, text=random_text)
+                             **VARIANTS[setting.variant], **{k: v for k, v in extra.items()
+                                                             if k != "graph"})
+    model_cfg = dataclasses.replace(SHARDED_VIT if setting.engine == "fsdp2" else SMALL_CNN,
+                                    text=random_text)
     model = build_model(model_cfg, cfg, torch.device("cpu"), num_classes=CLASSES).train()
     no_cuda_rng(monkeypatch)
     with cuda_world(world=2, rank=0, backend=f"{device.type}:fake"), \
+            fake_mesh(2, device.type), driverless_streams(), \
             fake_cuda(value_dependent_shapes=False, device_type=device.type) as ran:
         model = model.to(device, copy=True)
         if device.type == "cuda":  # autocast turns itself off without a driver; it asks these
             monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
             monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+        engine = build_fsdp2(model) if setting.engine == "fsdp2" else PlainEngine(model)
         graph = torch.rand(CLASSES, CLASSES, device=device) if extra.get("graph") else None
         objective = Objective(cfg, graph, CLASSES, ROWS_PER_RANK)
         batch = device_batch(name, captions=graph is None, device=device)
         with autocast("bf16", device):
-            if variant == "chunked":
-                out, backward = chunked_loss(PlainEngine(model), batch, objective, 3,
-                                             chunk_size=4)
+            if setting.variant == "chunked":
+                out, backward = chunked_loss(engine, batch, objective, 3, chunk_size=4)
             else:
-                out = forward_loss(model, batch, objective, 3)
+                out = forward_loss(engine, batch, objective, 3)
                 backward = out.loss.backward
         flags = agreed_flags(out.loss)
         if device.type == "cpu":
             backward()
+            if setting.engine == "fsdp2":
+                engine.step(skip=~flags.update)
+                assert all(isinstance(p, DTensor) for p in model.parameters())
         window = MetricWindow()
         window.add(out.metrics, flags.real)
         assert out.loss.device.type == device.type
@@ -127,9 +165,21 @@ def train_step(name: str, extra: dict, variant: str, monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=case_id)
 def test_a_training_step_reads_no_value_back_from_the_device(case, variant, device,
                                                              monkeypatch, random_text):
-    name, extra = case
-    ran = train_step(name, extra, variant, monkeypatch, torch.device(device), random_text)
+    ran = train_step(Step(case, variant, "ddp", torch.device(device)), monkeypatch,
+                     random_text)
     assert "c10d.allgather_.default" in ran  # the global batch went through the group
+
+
+@pytest.mark.parametrize("variant,device", [("dense", "cuda"), ("dense", "cpu"),
+                                            ("chunked", "cpu")])
+@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=case_id)
+def test_an_fsdp2_step_reads_no_value_back_from_the_device(case, variant, device,
+                                                           monkeypatch, random_text):
+    ran = train_step(Step(case, variant, "fsdp2", torch.device(device)), monkeypatch,
+                     random_text)
+    assert "c10d._allgather_base_.default" in ran  # FSDP2 gathered the parameters
+    if device == "cpu":
+        assert "c10d._reduce_scatter_base_.default" in ran  # and reduced the gradients
 
 
 def test_a_read_of_a_value_fails_the_check():

@@ -1,9 +1,10 @@
 """Resuming on another number of ranks: a checkpoint of 1 rank continues on 2 and one of 2
 on 1, with replicated (DDP) and sharded (DeepSpeed ZeRO-2) optimizer state, and across
 engines (FSDP2 on 2 ranks -> DDP on 1, DDP on 1 -> FSDP2 on 2: FSDP2 checkpoints the full
-state in DDP's layout, or with checkpoint.format=sharded each rank its shards), against the
-uninterrupted run; a checkpoint of the other engine
-kind is refused and kept; a run never starts over checkpoints it cannot resume."""
+state in DDP's layout, or with checkpoint.format=sharded each rank its shards), and
+2 -> 1 -> 3 ranks through sharded checkpoints, against the uninterrupted run; a checkpoint
+of the other engine kind is refused and kept; a run never starts over checkpoints it cannot
+resume."""
 
 from __future__ import annotations
 
@@ -220,18 +221,84 @@ def test_the_resumed_ranks_hold_the_checkpoint_weights(references, digits_shards
     shutil.copytree(source, tmp_path / "run" / "checkpoints" / "step_00000012")
     result = train(digits_shards, tmp_path, resumer, new, **{"optim.lr": 1e-30})
     assert result.returncode == 0, result.stderr[-3000:]
-    model = model_state_of(source)[1]
-    velocity = velocities(source)
     end = final_model(tmp_path / "run")
     assert end["step"] == 24 and end["world"] == new
-    assert len(velocity) == len(sum(parameter_names(model), [])) > 10
-    for key, v in velocity.items():
+    expected = replayed(source, 12)
+    assert len(expected) == len(sum(parameter_names(model_state_of(source)[1]), [])) > 10
+    for key, weight in expected.items():
+        torch.testing.assert_close(end["model"][key], weight, rtol=0, atol=1e-9, msg=key)
+
+
+def replayed(checkpoint: Path, steps: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights after ``steps`` LARS steps of momentum alone (v <- 0.9 v,
+    w <- w - v), in float32: what a run resumed from it at a learning rate of 1e-30 ends
+    with."""
+    model = model_state_of(checkpoint)[1]
+    out = {}
+    for key, v in velocities(checkpoint).items():
         weight, v = model[key].clone(), v.clone()
-        for _ in range(12):
+        for _ in range(steps):
             v.mul_(0.9)
             weight.sub_(v)
         assert not torch.equal(weight, model[key]), key  # the momentum did move it
+        out[key] = weight
+    return out
+
+
+def test_a_run_moves_from_two_ranks_to_one_to_three(references, digits_shards, tmp_path):
+    """2 FSDP2 ranks -> 1 DDP rank -> 3 FSDP2 ranks (each parameter's first dimension now
+    cut unevenly), through sharded checkpoints: the weights and LARS momentum carry over
+    both moves exactly (:func:`replayed` over all 12 resumed steps)."""
+    source = references("fsdp2-sharded", 2)[0] / "checkpoints" / "step_00000012"
+    shutil.copytree(source, tmp_path / "run" / "checkpoints" / "step_00000012")
+    slow = {"optim.lr": 1e-30, "checkpoint.format": "sharded"}
+    one = train(digits_shards, tmp_path, "ddp", 1, **slow, **{"train.max_steps": 16})
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "written by 2 ranks, resumed on 1" in one.stderr
+    three = train(digits_shards, tmp_path, "fsdp2-sharded", 3, **slow)
+    assert three.returncode == 0, three.stderr[-3000:]
+    assert "step_00000016: written by 1 ranks, resumed on 3" in three.stderr
+    end = final_model(tmp_path / "run")
+    assert end["step"] == 24 and end["world"] == 3
+    expected = replayed(source, 12)
+    assert len(expected) > 10
+    for key, weight in expected.items():
         torch.testing.assert_close(end["model"][key], weight, rtol=0, atol=1e-9, msg=key)
+
+
+def test_async_checkpoints_hold_what_synchronous_ones_hold(references, digits_shards,
+                                                          tmp_path):
+    """``checkpoint.async_save``: 2 FSDP2 ranks write their shards in the background while
+    training goes on. Every checkpoint holds exactly the synchronous run's weights and
+    momentum (the state was copied before the next step changed it), and a run resumed
+    from one ends where the uninterrupted run ends."""
+    result = train(digits_shards, tmp_path / "async", "fsdp2-sharded", 2,
+                   **{"checkpoint.async_save": True})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step_00000004 (its state being written in the background)" in result.stderr
+    written = tmp_path / "async" / "run" / "checkpoints"
+    reference = references("fsdp2-sharded", 2)[0] / "checkpoints"
+    steps = sorted(p.name for p in written.iterdir())
+    assert steps == [f"step_{s:08d}" for s in (4, 8, 12, 16, 20, 24)]
+    for name in steps:
+        assert_same_tensors(model_state_of(written / name)[1],
+                            model_state_of(reference / name)[1], name)
+        assert_same_tensors(velocities(written / name), velocities(reference / name), name)
+    shutil.copytree(written / "step_00000012",
+                    tmp_path / "resumed" / "run" / "checkpoints" / "step_00000012")
+    resumed = train(digits_shards, tmp_path / "resumed", "fsdp2-sharded", 2,
+                    **{"checkpoint.async_save": True})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 12" in resumed.stderr
+    assert_same_tensors(final_model(tmp_path / "resumed" / "run")["model"],
+                        model_state_of(reference / "step_00000024")[1], "resumed")
+
+
+def assert_same_tensors(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                        where: str) -> None:
+    assert set(found) == set(expected), where
+    for key, value in expected.items():
+        assert torch.equal(found[key], value), f"{where}: {key}"
 
 
 def test_a_checkpoint_of_the_other_engine_kind_is_refused_and_kept(digits_shards, tmp_path):

@@ -1,0 +1,255 @@
+"""The epoch ledger (``data.ledger=true``): the samples every step of a run trained on, so
+that "each sample once per epoch" can be audited on a real job, not only argued from the
+loader's plan.
+
+Each rank of each attempt (a launch, or a restart by torchrun) appends JSON lines to
+``<run_dir>/ledger/<attempt>-rank<r>.jsonl``; ``attempt`` is the attempt's start time in
+milliseconds and torchrun's restart count, both rank 0's and shared by every rank, so the
+file names sort in the order the attempts ran:
+
+    {"resumed_from": s, "world": w, "rank": r}        first: the step it starts from (0: new)
+    {"epoch": e, "step": s, "world": w, "rank": r, "keys": [...], "skipped": [...]}
+    {"checkpoint": s}                                   a checkpoint of step s is complete
+
+One step line per step (``step`` counts from 1): ``keys`` are the ``__key__`` of every
+sample this rank's batch trained on (a ``pairing=same_label`` instance as ``head+partner``),
+``skipped`` the samples the loader skipped while making it (``reason``, ``shard``,
+``detail``, ``count``). A step whose update was dropped (a non-finite loss, or a rank with
+nothing but skipped samples) lists its keys under ``dropped`` instead. Lines are buffered
+and appended at every report and before every checkpoint (the update flags stay on the
+device until then: no host read per step), never fsynced: a killed process loses only
+lines after its last checkpoint, which the next attempt trains again.
+
+Reading (:func:`epoch_counts`, ``python -m data_pipeline.loader.ledger RUN_DIR [--json]``):
+the attempts in order, each one's ``resumed_from`` superseding the earlier attempts' lines
+of later steps; the steps after the last attempt's newest checkpoint are not committed and
+not counted. Per epoch: ``total`` samples in the shards, ``once``, ``more_than_once``,
+``skipped`` (counted) and ``unread`` (the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import yaml
+
+LEDGER_DIR = "ledger"
+
+
+def attempt_name(start_ms: int, restart: int) -> str:
+    """``<start ms>-r<torchrun's restart count>``, both rank 0's (an agent that joins a
+    running job counts its restarts from 0): sorts in the order attempts ran."""
+    return f"{start_ms:014d}-r{restart:03d}"
+
+
+def restart_count() -> int:
+    """This agent's torchrun restart count (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+@dataclass
+class PendingStep:
+    """A step line waiting for its update flag (on the device until the next flush)."""
+
+    line: dict[str, Any]
+    applied: torch.Tensor
+
+
+class LedgerWriter:
+    """This rank's ledger of one attempt (see the module's docstring)."""
+
+    def __init__(self, run_dir: Path, attempt: str, rank: int, world: int) -> None:
+        self.path = run_dir / LEDGER_DIR / f"{attempt}-rank{rank}.jsonl"
+        self.rank, self.world = rank, world
+        self.file: TextIO | None = None
+        self.pending: list[PendingStep] = []
+        self.committed = -1  # the newest checkpoint step written
+
+    def start(self, resumed_from: int) -> None:
+        """Open the file and write the attempt's first line."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+        self.committed = resumed_from
+        self._append([{"resumed_from": resumed_from, "world": self.world, "rank": self.rank}])
+
+    def record(self, epoch: int, step: int, batch: dict[str, Any],
+               applied: torch.Tensor) -> None:
+        """Step ``step`` (counted from 1) of ``epoch`` trained on ``batch`` if ``applied``
+        ([] bool, on the device) is true."""
+        skipped = [{"reason": reason, "shard": shard, "detail": detail, "count": count}
+                   for (reason, shard, detail), count in batch.get("skipped_samples", [])]
+        line = {"epoch": epoch, "step": step, "world": self.world, "rank": self.rank,
+                "keys": list(batch["keys"]), "skipped": skipped}
+        self.pending.append(PendingStep(line, applied.detach().reshape(())))
+
+    def flush(self) -> None:
+        """Append the buffered step lines (one host read of their update flags)."""
+        if not self.pending:
+            return
+        flags = torch.stack([p.applied for p in self.pending]).cpu().tolist()
+        lines = []
+        for pending, applied in zip(self.pending, flags, strict=True):
+            line = pending.line
+            if not applied:
+                line["dropped"] = line.pop("keys")
+                line["keys"] = []
+            lines.append(line)
+        self.pending = []
+        self._append(lines)
+
+    def commit(self, step: int) -> None:
+        """The checkpoint of ``step`` is complete: the steps up to it are committed."""
+        if step <= self.committed:
+            return
+        self.flush()
+        self._append([{"checkpoint": step}])
+        self.committed = step
+
+    def close(self) -> None:
+        """Append what is buffered and close. After a failed step the device may not
+        answer: those lines are dropped (they follow the last checkpoint, so they are not
+        committed in any case)."""
+        if self.file is None:
+            return
+        try:
+            self.flush()
+        except RuntimeError:
+            self.pending = []
+        self.file.close()
+        self.file = None
+
+    def _append(self, lines: list[dict[str, Any]]) -> None:
+        assert self.file is not None, "LedgerWriter.start first"
+        self.file.write("".join(json.dumps(line, separators=(",", ":")) + "\n"
+                                for line in lines))
+        self.file.flush()
+
+
+# -- reading ------------------------------------------------------------------------------
+
+@dataclass
+class EpochCount:
+    """One epoch's samples: how often each was trained on, and how many were skipped."""
+
+    total: int
+    once: int = 0
+    more_than_once: int = 0
+    unread: int = 0
+    skipped: int = 0
+
+
+@dataclass
+class Attempt:
+    """The lines of one attempt, all ranks together."""
+
+    resumed_from: int = 0
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)
+
+
+def read_attempts(run_dir: Path) -> list[Attempt]:
+    """Every attempt's lines, in the order the attempts ran (a line cut short by a killed
+    process, the last of its file, is left out)."""
+    files = sorted((run_dir / LEDGER_DIR).glob("*-rank*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{run_dir / LEDGER_DIR}: no ledger (train with data.ledger=true)")
+    attempts: dict[str, Attempt] = defaultdict(Attempt)
+    for path in files:
+        attempt = attempts[path.name.rsplit("-rank", 1)[0]]
+        for number, text in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError:
+                continue  # the torn last line of a killed process
+            if "resumed_from" in line:
+                if number == 0:
+                    attempt.resumed_from = int(line["resumed_from"])
+            elif "checkpoint" in line:
+                attempt.checkpoints.append(int(line["checkpoint"]))
+            else:
+                attempt.steps.append(line)
+    return [attempts[name] for name in sorted(attempts)]
+
+
+def committed_steps(attempts: list[Attempt]) -> list[dict[str, Any]]:
+    """The step lines that stand: each attempt supersedes the earlier ones' steps after the
+    one it resumed from; the last attempt's steps after its newest checkpoint (or the step
+    it resumed from) are not committed."""
+    standing: list[dict[str, Any]] = []
+    for attempt in attempts:
+        standing = [line for line in standing if line["step"] <= attempt.resumed_from]
+        standing += attempt.steps
+    if attempts:
+        last = attempts[-1]
+        limit = max([last.resumed_from, *last.checkpoints])
+        standing = [line for line in standing if line["step"] <= limit]
+    return standing
+
+
+def epoch_counts(run_dir: Path, total: int) -> dict[int, EpochCount]:
+    """Per epoch, how the ``total`` samples of the shards were trained on."""
+    return counts_of(read_attempts(run_dir), total)
+
+
+def counts_of(attempts: list[Attempt], total: int) -> dict[int, EpochCount]:
+    reads: dict[int, Counter] = defaultdict(Counter)
+    skipped: Counter = Counter()
+    for line in committed_steps(attempts):
+        epoch = int(line["epoch"])
+        reads[epoch].update(key.split("+")[0] for key in line["keys"])
+        skipped[epoch] += sum(int(s["count"]) for s in line.get("skipped", []))
+    counts = {}
+    for epoch in sorted(set(reads) | set(skipped)):
+        once = sum(1 for n in reads[epoch].values() if n == 1)
+        more = len(reads[epoch]) - once
+        counts[epoch] = EpochCount(total, once, more,
+                                   max(0, total - once - more - skipped[epoch]),
+                                   skipped[epoch])
+    return counts
+
+
+def shards_total(run_dir: Path, shards: str | None) -> int:
+    """The number of samples of ``shards``, or of the shards the run's resolved config
+    (``config.yaml``) names."""
+    from data_pipeline.shards import ShardSet
+
+    if shards is None:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+        shards = str(config["data"]["shards"])
+    return ShardSet.open(shards).total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m data_pipeline.loader.ledger",
+        description="How often each sample was trained on, per epoch, from a run's ledger.")
+    parser.add_argument("run_dir", type=Path, help="the run's directory (output_dir/name)")
+    parser.add_argument("--shards", help="the training shards (default: the run's config)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    try:
+        attempts = read_attempts(args.run_dir)
+        counts = counts_of(attempts, shards_total(args.run_dir, args.shards))
+    except (OSError, KeyError, ValueError) as err:
+        print(f"ledger: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"epochs": {str(e): asdict(c) for e, c in counts.items()}}))
+        return 0
+    print(f"{'epoch':>5} {'total':>9} {'once':>9} {'more':>6} {'unread':>9} {'skipped':>8}")
+    for epoch, c in counts.items():
+        print(f"{epoch:>5} {c.total:>9} {c.once:>9} {c.more_than_once:>6} {c.unread:>9} "
+              f"{c.skipped:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

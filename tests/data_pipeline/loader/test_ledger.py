@@ -1,0 +1,143 @@
+"""The epoch ledger (``data_pipeline/loader/ledger.py``) written and read back: attempts
+that supersede each other's steps after a resume, a tail after the last checkpoint that is
+not committed, dropped updates, skipped samples, a torn last line, and the command's JSON
+and table. A whole run under torchrun with a killed worker is in
+``tests/pretrain/run/test_checkpoint.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from data_pipeline.loader.ledger import (
+    LEDGER_DIR,
+    EpochCount,
+    LedgerWriter,
+    epoch_counts,
+    main,
+)
+from tests.app.helpers import REPO
+
+TOTAL = 12  # samples of the toy data set: s00..s11, 4 per step of 2 ranks x 2
+
+
+def keys(step: int, rank: int) -> list[str]:
+    """The toy loader: epoch e's step k (k = 1, 2, 3 within it) reads samples 4(k-1) on."""
+    first = 4 * ((step - 1) % 3) + 2 * rank
+    return [f"s{first:02d}", f"s{first + 1:02d}"]
+
+
+def epoch_of(step: int) -> int:
+    return (step - 1) // 3
+
+
+def write_attempt(run_dir: Path, name: str, world: int, resumed_from: int,
+                  steps: range, checkpoints: set[int], applied: bool = True) -> None:
+    """Every rank of one attempt: its steps, a commit at each step in ``checkpoints``."""
+    for rank in range(world):
+        ledger = LedgerWriter(run_dir, name, rank, world)
+        ledger.start(resumed_from)
+        for step in steps:
+            batch = {"keys": keys(step, rank) if world == 2 else keys(step, 0) + keys(step, 1)}
+            ledger.record(epoch_of(step), step, batch, torch.tensor(applied))
+            if step in checkpoints:
+                ledger.commit(step)
+        ledger.close()
+
+
+def test_a_resume_supersedes_the_steps_after_its_checkpoint(tmp_path):
+    """Attempt 1 (2 ranks) trains steps 1-5, checkpoints at 2 and 4 and is killed after 5;
+    attempt 2 (1 rank) resumes from 4 and trains to 6. Step 5 of attempt 1 is superseded:
+    every sample of both epochs is counted once."""
+    write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 6), {2, 4})
+    write_attempt(tmp_path, "00000000000002-r001", 1, 4, range(5, 7), {6})
+    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=12),
+                                             1: EpochCount(TOTAL, once=12)}
+
+
+def test_steps_after_the_newest_checkpoint_are_not_committed(tmp_path):
+    write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 6), {2, 4})
+    # step 5 (epoch 1's second) follows the last checkpoint: 4 of epoch 1's samples stand
+    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=12),
+                                             1: EpochCount(TOTAL, once=4, unread=8)}
+
+
+def test_a_resume_from_an_older_checkpoint_reads_its_steps_again_once(tmp_path):
+    """Attempt 2 resumes from step 2 although attempt 1 wrote a checkpoint at 4 (a
+    ``checkpoint.resume`` path): steps 3-4 of attempt 1 are superseded, not doubled."""
+    write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 5), {2, 4})
+    write_attempt(tmp_path, "00000000000002-r000", 2, 2, range(3, 7), {6})
+    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=12),
+                                             1: EpochCount(TOTAL, once=12)}
+
+
+def test_a_sample_read_twice_in_an_epoch_is_counted(tmp_path):
+    """A loader that deals step 1's samples again at step 2 (what the ledger is for)."""
+    ledger = LedgerWriter(tmp_path, "00000000000001-r000", 0, 1)
+    ledger.start(0)
+    for step in (1, 2):
+        ledger.record(0, step, {"keys": keys(1, 0)}, torch.tensor(True))
+    ledger.commit(2)
+    ledger.close()
+    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, more_than_once=2,
+                                                           unread=10)}
+
+
+def test_dropped_updates_and_skipped_samples(tmp_path):
+    """A step whose update was dropped lists its keys under ``dropped`` (not trained on);
+    the loader's skips are counted whatever the update did."""
+    ledger = LedgerWriter(tmp_path, "00000000000001-r000", 0, 1)
+    ledger.start(0)
+    skipped = [(("corrupt_image", "shard-000000.tar", "s05: cannot decode"), 1)]
+    ledger.record(0, 1, {"keys": ["s00", "s01"], "skipped_samples": skipped},
+                  torch.tensor(True))
+    ledger.record(0, 2, {"keys": ["s02", "s03"]}, torch.tensor(False))
+    ledger.commit(2)
+    ledger.close()
+    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=2, unread=9,
+                                                           skipped=1)}
+    lines = [json.loads(t) for t in ledger.path.read_text().splitlines()]
+    assert lines[0] == {"resumed_from": 0, "world": 1, "rank": 0}
+    assert lines[1] == {"epoch": 0, "step": 1, "world": 1, "rank": 0, "keys": ["s00", "s01"],
+                        "skipped": [{"reason": "corrupt_image", "shard": "shard-000000.tar",
+                                     "detail": "s05: cannot decode", "count": 1}]}
+    assert lines[2]["keys"] == [] and lines[2]["dropped"] == ["s02", "s03"]
+    assert lines[3] == {"checkpoint": 2}
+
+
+def test_lines_wait_for_a_flush_and_a_torn_last_line_is_left_out(tmp_path):
+    ledger = LedgerWriter(tmp_path, "00000000000001-r000", 0, 1)
+    ledger.start(0)
+    ledger.record(0, 1, {"keys": ["s00"]}, torch.tensor(True))
+    assert len(ledger.path.read_text().splitlines()) == 1  # buffered: no host read yet
+    ledger.commit(1)
+    ledger.close()
+    with ledger.path.open("a") as file:
+        file.write('{"epoch": 0, "step": 2, "wor')  # a process killed mid-write
+    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=1, unread=11)}
+
+
+def ledger_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "data_pipeline.loader.ledger", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_prints_json_and_a_table(tmp_path, digits_shards):
+    write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 4), {3})
+    (tmp_path / "config.yaml").write_text(f"data:\n  shards: {digits_shards}\n")
+    found = ledger_command(str(tmp_path), "--json")
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout) == {"epochs": {"0": {
+        "total": 360, "once": 12, "more_than_once": 0, "unread": 348, "skipped": 0}}}
+    table = ledger_command(str(tmp_path), "--shards", str(digits_shards))
+    assert table.stdout.splitlines()[1].split() == ["0", "360", "12", "0", "348", "0"]
+
+
+def test_a_run_without_a_ledger_is_told_in_one_line(tmp_path, capsys):
+    assert main([str(tmp_path), "--shards", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"ledger: {tmp_path / LEDGER_DIR}: no ledger (train with data.ledger=true)")
