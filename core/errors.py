@@ -56,12 +56,15 @@ def free_space(path: os.PathLike | str) -> str:
     if "://" in text:
         return ""
     probe = os.path.abspath(text)
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    try:
-        return f"{shutil.disk_usage(probe).free / 2**20:.1f} MiB free"
-    except OSError:
-        return ""
+    while True:  # asked, not checked first: another rank may remove a partial write meanwhile
+        try:
+            return f"{shutil.disk_usage(probe).free / 2**20:.1f} MiB free"
+        except FileNotFoundError:
+            if os.path.dirname(probe) == probe:
+                return ""
+            probe = os.path.dirname(probe)
+        except OSError:
+            return ""
 
 
 def no_space(what: str, path: os.PathLike | str, key: str, then: str) -> RunError:

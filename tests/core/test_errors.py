@@ -77,3 +77,23 @@ def test_the_error_chain_follows_causes_and_contexts_once_each():
     outer.__context__ = inner
     inner.__context__ = outer  # a cycle ends the walk instead of looping
     assert list(error_chain(outer)) == [outer, inner]
+
+
+def test_free_space_of_a_path_removed_while_asked_reads_its_parent(tmp_path, monkeypatch):
+    """Another rank may remove a partial checkpoint between a check and the question: the
+    figure comes from the nearest parent still there (it was lost, and the checkpoint
+    fault's message with it, on a 2-rank full-disk test)."""
+    import shutil
+
+    from core import errors
+
+    partial, real = tmp_path / "partial", shutil.disk_usage
+    partial.mkdir()
+
+    def removed_meanwhile(path):
+        if str(path) == str(partial):
+            raise FileNotFoundError(path)
+        return real(path)
+
+    monkeypatch.setattr(errors.shutil, "disk_usage", removed_meanwhile)
+    assert free_space(partial).endswith(" MiB free")

@@ -128,7 +128,8 @@ def test_a_rank_that_cannot_write_stops_every_rank_and_keeps_the_last(gloo2, tmp
             "command resumes from the newest")
     assert told[0] == (f"another rank could not write its part of checkpoint {partial} (its "
                        f"log line names why); {kept}")
-    assert told[1].startswith(f"no space left on device writing checkpoint {partial} ("), told
+    assert told[1].startswith(f"no space left on device writing checkpoint {partial} ("), \
+        "\n".join(told)
     assert told[1].endswith(f": free space there or set output_dir to another disk; {kept}")
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
     assert not partial.exists()
