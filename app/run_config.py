@@ -32,6 +32,7 @@ from pretrain.model.encoder import ModelConfig
 from pretrain.run.checkpoint import CheckpointConfig
 from pretrain.run.preemption import PreemptionConfig
 from pretrain.run.tracking import TrackingConfig
+from serving.export import ExportConfig
 
 
 @dataclass
@@ -53,6 +54,7 @@ class RunConfig:
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)  # stop on a signal
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # MLflow
     eval: EvalConfig = field(default_factory=EvalConfig)  # evaluate
+    export: ExportConfig = field(default_factory=ExportConfig)  # export
 
     def validate(self) -> None:
         if "/" in self.name:
@@ -72,6 +74,7 @@ REQUIRED = {
     "graph-precompute": ("graph.output",),
     "pretrain": ("name", "data.shards"),
     "evaluate": ("name", "eval.train_shards", "eval.test_shards"),
+    "export": ("export.model", "export.format", "export.output"),
 }
 
 

@@ -26,7 +26,7 @@ Parts:
 - ``graph``: ``graph-precompute`` of a caption set in parts of 10,000 (one shard each):
   collect and encode of part 0 and the merge through the real command, beside the memory
   of every caption held as Python strings (how encode and merge held them before they
-  streamed). Part 0's chunks are encoded by the real model; the others' are random unit
+  streamed). Part 0's chunks are encoded by the real model; the others' are stand-in unit
   vectors (the real model embeds ~75 captions/s on 2 cores: 1M captions would take ~3.7 h).
 - ``evaluation``: kNN, SINCERE's margin, one epoch of the linear probe and the diagnostics
   over a bank of synthetic 512-d features of 1,000 classes (up to ImageNet's 1,281,167
@@ -79,15 +79,18 @@ SHARD = 10_000
 IMAGES = 256  # distinct image files the table's rows point at
 
 
-def tiny_jpegs(folder: Path) -> list[str]:
+def tiny_jpegs(folder: Path, classes: int = 0) -> list[str]:
+    """``IMAGES`` 16 px JPEGs of random pixels; with ``classes``, image i is tinted by its
+    class i % classes (a kNN can tell them apart)."""
     folder.mkdir(parents=True, exist_ok=True)
     gen = np.random.default_rng(0)
     names = []
     for i in range(IMAGES):
         path = folder / f"{i:04d}.jpg"
         if not path.is_file():
-            pixels = gen.integers(0, 256, (16, 16, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(path, quality=90)
+            pixels = (gen.integers(0, 256, (16, 16, 3), dtype=np.uint8) if not classes else
+                      gen.integers(0, 40, (16, 16, 3), dtype=np.uint8) + 25 * (i % classes))
+            Image.fromarray(pixels.astype(np.uint8)).save(path, quality=90)
         names.append(f"images/{path.name}")
     return names
 

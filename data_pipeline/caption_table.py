@@ -25,6 +25,7 @@ import numpy as np
 from core.errors import RunError
 from data_pipeline.config import ShardsConfig
 from data_pipeline.formats import IMAGE_SUFFIXES, Sample, SkipSample
+from data_pipeline.image_tree import read_class_names
 from data_pipeline.images import check_image
 
 URL_PREFIXES = ("http://", "https://")
@@ -77,7 +78,11 @@ class CaptionTableSource:
         table = Path(cfg.input)
         if not table.is_file():
             raise FileNotFoundError(f"caption table {table}: not found")
-        self.table, self.class_names = table, []
+        if cfg.label_column and not cfg.class_names:
+            raise ValueError(f"caption table {table}: shards.label_column needs "
+                             "shards.class_names (a file of one name per line, or imagenet1k)")
+        self.table = table
+        self.class_names = read_class_names(cfg.class_names) if cfg.label_column else []
         self.delimiter = cfg.delimiter or ("\t" if table.suffix.lower() == ".tsv" else ",")
         self.root = Path(cfg.image_root) if cfg.image_root else table.parent
         self.max_pixels = cfg.max_image_pixels
@@ -90,6 +95,8 @@ class CaptionTableSource:
             header = next(stream, (0, []))[1] if cfg.has_header else []
             self.caption_col = _column(cfg.caption_column, header, table)
             self.image_col = _column(cfg.image_column, header, table)
+            self.label_col = (_column(cfg.label_column, header, table) if cfg.label_column
+                              else None)
             for offset, fields in stream:
                 if self.count < URL_PROBE_ROWS:
                     self._refuse_urls(fields, cfg.image_column)
@@ -126,8 +133,10 @@ class CaptionTableSource:
     def load(self, i: int) -> Sample:
         row = self._row(i)
         where = f"row {i + 1}"
-        if len(row) <= max(self.caption_col, self.image_col):
+        if len(row) <= max(self.caption_col, self.image_col, self.label_col or 0):
             raise SkipSample("bad_row", f"{where}: {len(row)} columns")
+        label = (None if self.label_col is None
+                 else _label(row[self.label_col], len(self.class_names), where))
         caption = row[self.caption_col].strip()
         if not caption:
             raise SkipSample("bad_caption", f"{where}: empty caption")
@@ -140,7 +149,14 @@ class CaptionTableSource:
         data = path.read_bytes()
         check_image(data, str(path), self.max_pixels)
         return Sample(key=f"row_{i:09d}", image=data, ext=IMAGE_SUFFIXES[path.suffix.lower()],
-                      caption=caption)
+                      label=label, caption=caption)
+
+
+def _label(field: str, classes: int, where: str) -> int:
+    text = field.strip()
+    if not text.isdigit() or int(text) >= classes:  # a class index: 0 .. classes - 1
+        raise SkipSample("bad_label", f"{where}: label {text[:20]!r} of {classes} classes")
+    return int(text)
 
 
 def _remove(path: str) -> None:

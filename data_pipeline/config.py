@@ -27,6 +27,7 @@ class ShardsConfig:
     class_names: str = ""  # file with one name per line, or "imagenet1k" (torchvision's list)
     caption_column: str = "caption"  # a header name, or a 0-based column number as text
     image_column: str = "image"  # a header name, or a 0-based column number as text
+    label_column: str = ""  # captions: integer class labels (kNN, probe); "" = none
     delimiter: str | None = None  # caption table delimiter; null: tab for .tsv, else comma
     has_header: bool = True  # the caption table's first row names the columns
     image_root: str = ""  # relative image paths in a table are resolved against this

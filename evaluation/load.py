@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import tempfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -28,7 +29,7 @@ from pretrain.run.tracking import run_id_of
 from serving.model_registry import EmbeddingModel, ModelRef, download_verified, resolve
 
 
-def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
+def from_checkpoint(path: Path, key: str = "eval.model") -> tuple[EmbeddingModel, dict]:
     """A checkpoint directory (or its ``shared.pt``) -> the encoder (with CLIP's text tower
     and ProjNCE's class embeddings when the run trained them), the run's config dict.
 
@@ -37,7 +38,7 @@ def from_checkpoint(path: Path) -> tuple[EmbeddingModel, dict]:
     """
     file = path / "shared.pt" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"eval.model={path}: no checkpoint (shared.pt) there")
+        raise FileNotFoundError(f"{key}={path}: no checkpoint (shared.pt) there")
     shared, state = model_state_of(file.parent)
     tree = yaml.safe_load(shared["config"])
     model_cfg = from_dict(ModelConfig, tree.get("model", {}), prefix="model.")
@@ -58,21 +59,38 @@ def untrained_copy(model: EmbeddingModel, seed: int) -> EmbeddingModel:
     return fresh
 
 
+class Loaded(NamedTuple):
+    """An encoder to evaluate or export: the model, its run's configuration tree and the
+    reference it was loaded by."""
+
+    model: EmbeddingModel
+    tree: dict[str, Any]
+    ref: ModelRef
+
+
 def load_model(source: str, run_dir: Path, uri: str) -> tuple[EmbeddingModel, ModelRef]:
     """``eval.model`` -> (model, reference); "" means the run's newest checkpoint."""
+    loaded = load_encoder(source, run_dir, uri)
+    return loaded.model, loaded.ref
+
+
+def load_encoder(source: str, run_dir: Path, uri: str, key: str = "eval.model") -> Loaded:
+    """A checkpoint directory ("": ``run_dir``'s newest), ``runs:/`` or ``models:/`` URI
+    (registry files checked against their digests first) -> :class:`Loaded`."""
     if source.startswith(("runs:/", "models:/")):
         import mlflow
 
-        ref, record = resolve(source, uri)
+        ref, record = resolve(source, uri, key=key)
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
         with tempfile.TemporaryDirectory() as tmp:  # exactly the version resolved
-            model = download_verified(ref.storage or source, uri, record, Path(tmp),
-                                      label=ref.version and f"models:/{ref.name}/{ref.version}")
-        return model, ref
+            model, tree = download_verified(
+                ref.storage or source, uri, record, Path(tmp),
+                label=ref.version and f"models:/{ref.name}/{ref.version}")
+        return Loaded(model, tree, ref)
     path = Path(source) if source else _newest(run_dir)
-    model, _ = from_checkpoint(path)
-    return model, ModelRef(str(path), run_id=run_id_of(run_dir))
+    model, tree = from_checkpoint(path, key)
+    return Loaded(model, tree, ModelRef(str(path), run_id=run_id_of(run_dir)))
 
 
 def _newest(run_dir: Path) -> Path:

@@ -8,9 +8,17 @@ nothing of a refused request. :class:`RequestGuard` sits in front of it:
   body is read; a chunked body is read only up to the cap, then answered 413;
 - a content type other than JSON is answered 415 (the signature's binary column travels
   as base64 in JSON; MLflow's CSV and Parquet parsers are not exposed);
+- a body is parsed once here, within bounds, before MLflow parses it: JSON that is not
+  valid, nests deeper than ``max_json_depth``, holds a number longer than
+  ``max_number_chars`` or a ``NaN``/``Infinity`` token, or lists more than ``max_rows``
+  rows is answered 400 in one line (MLflow's own parser would fail with a 500 on the first
+  two and accept the third);
+- an exception from MLflow's app is answered with a fixed one-line 500, the detail in the
+  server log only;
 - every error answer is replaced by one line, ``{"error_code", "message"}``: our own
   refusals (marked ``encoder: ``, naming the row) as they are, anything else by a fixed
-  line for its status, so no trace, heap address or echo of the request leaves the server;
+  line for its status, so no trace or echo of the request leaves the server; heap
+  addresses are scrubbed from every message;
 - each refused request is logged in one line: client address, status, reason.
 
 Other paths (``/ping``, ``/health``, ``/version``) pass through untouched.
@@ -40,6 +48,8 @@ GENERIC = {
     504: "request: took longer than the server's timeout; send fewer or smaller images",
 }
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+ADDRESS = re.compile(r"\s*\bat 0x[0-9a-fA-F]+|\b0x[0-9a-fA-F]{6,}")  # "<X object at 0x7f...>"
+INTERNAL = "internal error; the server's log has the detail"
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -69,7 +79,15 @@ class RequestGuard:
             await answer(send, client, 413, f"request: body over the server's limit of "
                                             f"{self.limits.max_body_bytes} bytes")
             return
-        await self._forward(scope, body, send, client)
+        unparsable = json_refusal(body, self.limits)
+        if unparsable is not None:
+            await answer(send, client, 400, unparsable)
+            return
+        try:
+            await self._forward(scope, body, send, client)
+        except Exception:  # noqa: BLE001 (whatever MLflow's app raised: logged, not sent)
+            log.exception("internal error on a request from %s", client)
+            await answer(send, client, 500, INTERNAL)
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str] | None:
         """(status, message) for a request refused from its line and headers alone."""
@@ -131,6 +149,65 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
             return b"".join(parts)
 
 
+class Unbounded(ValueError):
+    """A JSON value past the guard's bounds."""
+
+
+def json_refusal(body: bytes, limits: ServeLimits) -> str | None:
+    """Why ``body`` is refused before MLflow parses it, or None. The C parser's recursion
+    stops at Python's limit (a RecursionError, caught); depth and rows are then counted on
+    the parsed value without recursion."""
+    def number(text: str) -> float | int:
+        if len(text) > limits.max_number_chars:
+            raise Unbounded(f"request: a number of {len(text)} characters, over the limit "
+                            f"of {limits.max_number_chars}")
+        return float(text) if any(c in text for c in ".eE") else int(text)
+
+    def constant(text: str) -> None:
+        raise Unbounded(f"request: {text} is not JSON; send finite numbers")
+
+    try:
+        value = json.loads(body, parse_int=number, parse_float=number,
+                           parse_constant=constant)
+    except Unbounded as err:
+        return str(err)
+    except RecursionError:
+        return f"request: JSON nested deeper than {limits.max_json_depth} levels"
+    except ValueError:  # not UTF-8, or not JSON
+        return "request: the body is not valid JSON"
+    if nesting(value) > limits.max_json_depth:
+        return f"request: JSON nested deeper than {limits.max_json_depth} levels"
+    rows = row_count(value)
+    if rows > limits.max_rows:
+        return (f"request: {rows} rows, over the limit of {limits.max_rows} per request; "
+                "send fewer rows")
+    return None
+
+
+def row_count(value: Any) -> int:
+    """The rows a scoring request lists (``dataframe_records``, ``dataframe_split.data``,
+    ``instances``); 0 for any other shape, which MLflow then refuses."""
+    if not isinstance(value, dict):
+        return 0
+    split = value.get("dataframe_split")
+    lists = [value.get("dataframe_records"), value.get("instances"),
+             split.get("data") if isinstance(split, dict) else None]
+    return max((len(rows) for rows in lists if isinstance(rows, list)), default=0)
+
+
+def nesting(value: Any) -> int:
+    """How deep lists and objects nest in ``value`` (a scalar: 0)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = (item.values() if isinstance(item, dict)
+                    else item if isinstance(item, list) else None)
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def one_line(status: int, body: bytes) -> tuple[int, str]:
     """(status, message) for MLflow's error answer: our refusal's line, else the fixed line
     of the status; never MLflow's text, which holds the request and a trace."""
@@ -150,6 +227,7 @@ async def answer(send: Send, client: str, status: int, message: str) -> None:
     """Send ``{"error_code", "message"}`` with ``status`` and log the refusal."""
     code = {413: "REQUEST_LIMIT_EXCEEDED", 503: "TEMPORARILY_UNAVAILABLE"}.get(
         status, "BAD_REQUEST" if status < 500 else "INTERNAL_ERROR")
+    message = ADDRESS.sub("", message)
     log.warning("refused %s: %d %s", client, status, message)
     payload = json.dumps({"error_code": code, "message": message}).encode()
     await send({"type": "http.response.start", "status": status,

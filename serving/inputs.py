@@ -3,7 +3,8 @@
 A request is a table with one row per image; each row sets one of two columns:
 
 - ``image`` (binary): the bytes of an encoded JPEG, PNG or WebP file, or of a float32
-  ``.npy`` array [3, R, R] already normalised as in training. Over HTTP, base64 in JSON:
+  ``.npy`` array [3, R, R] already normalised as in training (values within +-1,000: NaN,
+  infinities and larger values are refused). Over HTTP, base64 in JSON:
   ``{"dataframe_records": [{"image": "<base64>"}]}`` (MLflow's scoring server decodes
   binary columns).
 - ``path`` (string): a file on the serving machine, read only under the root the operator
@@ -49,6 +50,7 @@ from serving.paths import PathRefused, PathRoot
 SPACES = ("projector", "backbone")
 NPY_MAGIC = b"\x93NUMPY"
 ROWS_PER_FORWARD = 64  # decoded images held at once
+MAX_NORMALISED = 1e3  # |value| of a normalised .npy image (mean/std normalised: within +-3)
 
 
 class BadRequest(ValueError):
@@ -194,7 +196,11 @@ class ServedImages:
             array = np.load(io.BytesIO(row.data), allow_pickle=False)
         except ValueError as err:
             raise BadRequest(f"{row.where}: not a readable .npy array ({err})") from None
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        image = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        if not (image.abs() <= MAX_NORMALISED).all():  # NaN fails the comparison too
+            raise BadRequest(f"{row.where}: the array holds NaN, infinite values or values "
+                             f"beyond +-{MAX_NORMALISED:g}; send it normalised as in training")
+        return image
 
 
 def embed(model: Any, images: ServedImages, frame: Any, params: dict[str, Any] | None,
@@ -216,10 +222,15 @@ def embed(model: Any, images: ServedImages, frame: Any, params: dict[str, Any] |
         with torch.no_grad():
             for batch in images.batches(frame, deadline):
                 parts.append(F.normalize(forward(batch), dim=1))
-        return torch.cat(parts).numpy()
+        embeddings = torch.cat(parts)
     finally:
         if gate is not None:
             gate.release()
+    unfit = (~torch.isfinite(embeddings).all(dim=1)).nonzero().flatten()
+    if len(unfit):  # a value too large for the encoder's arithmetic, e.g. 3e38
+        raise BadRequest(f"row {int(unfit[0])}: its features are not finite; the encoder "
+                         "takes images normalised as in training")
+    return embeddings.numpy()
 
 
 def _present(value: Any) -> Any:

@@ -274,12 +274,12 @@ def fetch_verified(source: str, uri: str, record: str | None, directory: Path,
 
 
 def download_verified(source: str, uri: str, record: str | None, directory: Path,
-                      label: str | None = None) -> EmbeddingModel:
-    """:func:`fetch_verified`, then rebuild the encoder with our code; nothing is
-    unpickled and none of the artifact's code runs."""
+                      label: str | None = None) -> tuple[EmbeddingModel, dict[str, Any]]:
+    """:func:`fetch_verified`, then rebuild the encoder with our code: (model, the run's
+    configuration tree); nothing is unpickled and none of the artifact's code runs."""
     local = fetch_verified(source, uri, record, directory, label)
     try:
-        return load_package(local)[0]
+        return load_package(local)
     except Exception as err:  # a verified file we cannot read: say which version
         raise RegistryError(f"{label or source}: its files verify but do not load as an "
                             f"encoder ({first_line(err)})") from None

@@ -61,9 +61,11 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ServeLimits]:
                         help="requests decoding at once")
     args = parser.parse_args(argv)
     try:
-        limits = ServeLimits(int(args.max_body_mib * MIB), args.max_rows, args.max_pixels,
-                             int(args.max_file_mib * MIB), args.deadline_s, args.concurrent,
-                             check_root(args.path_root) if args.path_root else "")
+        limits = ServeLimits(
+            max_body_bytes=int(args.max_body_mib * MIB), max_rows=args.max_rows,
+            max_pixels=args.max_pixels, max_file_bytes=int(args.max_file_mib * MIB),
+            deadline_s=args.deadline_s, concurrent=args.concurrent,
+            path_root=check_root(args.path_root) if args.path_root else "")
     except (ValueError, RunError) as err:
         parser.exit(2, f"serve: configuration error: {err}\n")
     return args, limits

@@ -17,9 +17,11 @@ import logging
 import multiprocessing
 import multiprocessing.util  # registers its exit handler before ours (atexit runs LIFO)
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -75,6 +77,46 @@ def end_workers_at_exit(grace_s: float = 2.0) -> None:
 atexit.register(end_workers_at_exit)  # after multiprocessing.util's: runs before it
 
 
+@contextmanager
+def ctrl_c_after_arrival() -> Iterator[None]:
+    """A Ctrl-C that lands inside the block is raised when the block ends; a second one is
+    raised at once. A batch's tensors cross from a loader worker as file descriptors the
+    worker hands over on a connection of its own: an interrupt in the middle breaks that
+    handshake and the worker prints its side as a traceback. Only where Ctrl-C raises
+    (the default handler, main thread); elsewhere the block runs as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed = False
+
+    def defer(signum: int, frame: object) -> None:
+        nonlocal pressed
+        if pressed:
+            raise KeyboardInterrupt
+        pressed = True
+
+    signal.signal(signal.SIGINT, defer)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def arriving_whole(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``batches``, each received whole before a Ctrl-C is raised
+    (:func:`ctrl_c_after_arrival`)."""
+    end = object()
+    while True:
+        with ctrl_c_after_arrival():
+            batch = next(batches, end)
+        if batch is end:
+            return
+        yield batch
+
+
 def loader_options(cfg: DataConfig) -> dict[str, Any]:
     """Worker count, prefetch depth, pinned host memory (when a GPU will copy it) and the
     workers' signal disposition."""
@@ -113,7 +155,7 @@ class TrainLoader:
             self.loader = DataLoader(self.stream, batch_size=None,
                                      persistent_workers=self.persistent,
                                      **loader_options(self.cfg))
-        return iter(self.loader)
+        return arriving_whole(iter(self.loader))
 
     def epoch(self) -> Iterator[dict[str, Any]]:
         """The batches of the current epoch; the state moves to the next epoch after the

@@ -33,7 +33,10 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+import zlib
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,6 +45,7 @@ import torch
 import yaml
 
 LEDGER_DIR = "ledger"
+KEYS_IN_MEMORY = 1 << 20  # the reader tallies at most about this many keys at a time
 
 
 def attempt_name(start_ms: int, restart: int) -> str:
@@ -148,50 +152,63 @@ class EpochCount:
 
 @dataclass
 class Attempt:
-    """The lines of one attempt, all ranks together."""
+    """One attempt's files (all its ranks) and what bounds its steps: the step it resumed
+    from, the checkpoints it completed, and how many keys its step lines hold."""
 
+    files: list[Path] = field(default_factory=list)
     resumed_from: int = 0
-    steps: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    keys: int = 0
+
+    def step_lines(self) -> Iterator[dict[str, Any]]:
+        """The step lines of every rank, one at a time (a line cut short by a killed
+        process, the last of its file, is left out)."""
+        for path in self.files:
+            with path.open(encoding="utf-8") as lines:
+                for text in lines:
+                    try:
+                        line = json.loads(text)
+                    except json.JSONDecodeError:
+                        continue  # the torn last line of a killed process
+                    if "step" in line:
+                        yield line
 
 
 def read_attempts(run_dir: Path) -> list[Attempt]:
-    """Every attempt's lines, in the order the attempts ran (a line cut short by a killed
-    process, the last of its file, is left out)."""
+    """Every attempt, in the order the attempts ran, without its keys."""
     files = sorted((run_dir / LEDGER_DIR).glob("*-rank*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{run_dir / LEDGER_DIR}: no ledger (train with data.ledger=true)")
     attempts: dict[str, Attempt] = defaultdict(Attempt)
     for path in files:
         attempt = attempts[path.name.rsplit("-rank", 1)[0]]
-        for number, text in enumerate(path.read_text(encoding="utf-8").splitlines()):
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError:
-                continue  # the torn last line of a killed process
-            if "resumed_from" in line:
-                if number == 0:
-                    attempt.resumed_from = int(line["resumed_from"])
-            elif "checkpoint" in line:
-                attempt.checkpoints.append(int(line["checkpoint"]))
-            else:
-                attempt.steps.append(line)
+        attempt.files.append(path)
+        with path.open(encoding="utf-8") as lines:
+            for number, text in enumerate(lines):
+                try:
+                    line = json.loads(text)
+                except json.JSONDecodeError:
+                    continue
+                if "resumed_from" in line:
+                    if number == 0:
+                        attempt.resumed_from = int(line["resumed_from"])
+                elif "checkpoint" in line:
+                    attempt.checkpoints.append(int(line["checkpoint"]))
+                else:
+                    attempt.keys += len(line.get("keys", []))
     return [attempts[name] for name in sorted(attempts)]
 
 
-def committed_steps(attempts: list[Attempt]) -> list[dict[str, Any]]:
+def committed_steps(attempts: list[Attempt]) -> Iterator[dict[str, Any]]:
     """The step lines that stand: each attempt supersedes the earlier ones' steps after the
     one it resumed from; the last attempt's steps after its newest checkpoint (or the step
     it resumed from) are not committed."""
-    standing: list[dict[str, Any]] = []
-    for attempt in attempts:
-        standing = [line for line in standing if line["step"] <= attempt.resumed_from]
-        standing += attempt.steps
-    if attempts:
-        last = attempts[-1]
-        limit = max([last.resumed_from, *last.checkpoints])
-        standing = [line for line in standing if line["step"] <= limit]
-    return standing
+    if not attempts:
+        return
+    limit = max([attempts[-1].resumed_from, *attempts[-1].checkpoints])
+    for i, attempt in enumerate(attempts):
+        last = min([later.resumed_from for later in attempts[i + 1:]] + [limit])
+        yield from (line for line in attempt.step_lines() if line["step"] <= last)
 
 
 def epoch_counts(run_dir: Path, total: int) -> dict[int, EpochCount]:
@@ -200,20 +217,33 @@ def epoch_counts(run_dir: Path, total: int) -> dict[int, EpochCount]:
 
 
 def counts_of(attempts: list[Attempt], total: int) -> dict[int, EpochCount]:
-    reads: dict[int, Counter] = defaultdict(Counter)
+    """Each (epoch, key) read is spilled to one of enough bucket files (by the key's hash)
+    that a bucket's tally holds at most about :data:`KEYS_IN_MEMORY` keys; the buckets are
+    then tallied one at a time. Memory stays flat in samples x epochs."""
+    buckets = max(1, -(-sum(a.keys for a in attempts) // KEYS_IN_MEMORY))
     skipped: Counter = Counter()
-    for line in committed_steps(attempts):
-        epoch = int(line["epoch"])
-        reads[epoch].update(key.split("+")[0] for key in line["keys"])
-        skipped[epoch] += sum(int(s["count"]) for s in line.get("skipped", []))
-    counts = {}
-    for epoch in sorted(set(reads) | set(skipped)):
-        once = sum(1 for n in reads[epoch].values() if n == 1)
-        more = len(reads[epoch]) - once
-        counts[epoch] = EpochCount(total, once, more,
-                                   max(0, total - once - more - skipped[epoch]),
-                                   skipped[epoch])
-    return counts
+    once: Counter = Counter()
+    more: Counter = Counter()
+    with tempfile.TemporaryDirectory(prefix="ledger-") as spill:
+        paths = [Path(spill) / f"{b}.txt" for b in range(buckets)]
+        files = [path.open("w", encoding="utf-8") for path in paths]
+        for line in committed_steps(attempts):
+            epoch = int(line["epoch"])
+            skipped[epoch] += sum(int(s["count"]) for s in line.get("skipped", []))
+            for key in line["keys"]:
+                head = key.split("+")[0]
+                files[zlib.crc32(head.encode()) % buckets].write(f"{epoch}\t{head}\n")
+        for file in files:
+            file.close()
+        for path in paths:
+            with path.open(encoding="utf-8") as reads:
+                tally = Counter(reads)
+            for read, n in tally.items():
+                (once if n == 1 else more)[int(read.split("\t", 1)[0])] += 1
+    return {epoch: EpochCount(total, once[epoch], more[epoch],
+                              max(0, total - once[epoch] - more[epoch] - skipped[epoch]),
+                              skipped[epoch])
+            for epoch in sorted(set(once) | set(more) | set(skipped))}
 
 
 def shards_total(run_dir: Path, shards: str | None) -> int:

@@ -255,6 +255,22 @@ class BackboneSpec:
     layers: bool = False  # declares its layers to optim.layer_decay (timm's group_matcher)
     # a family's check of a member's name: why it is refused, or None
     name_problem: Callable[[str], str | None] = lambda name: None
+    # (name, model config) -> why timm cannot build this backbone with the same parameters
+    # under the same name (export.format=timm), or None
+    timm_problem: Callable[[str, BackboneConfig], str | None] = (
+        lambda name, cfg: f"{name} is not a timm architecture")
+
+
+def resnet_timm_problem(name: str, cfg: BackboneConfig) -> str | None:
+    """timm's ResNets share torchvision's parameter names, with the standard stem."""
+    if cfg.small_stem:
+        return "its 32 px stem (model.small_stem=true) is not a timm architecture"
+    return None if cfg.norm == "batch" else "timm's ResNets take batch norm only"
+
+
+def timm_stem_problem(name: str, cfg: BackboneConfig) -> str | None:
+    return None if cfg.vit_stem == "patch" else (f"model.vit_stem={cfg.vit_stem} is not a "
+                                                 "timm architecture")
 
 
 def timm_name_problem(name: str) -> str | None:
@@ -265,12 +281,15 @@ def timm_name_problem(name: str) -> str | None:
 
 BACKBONES: dict[str, BackboneSpec] = {
     "small_cnn": BackboneSpec(small_cnn, checkpoint_small_cnn, no_blocks, ("width",)),
-    "resnet18": BackboneSpec(resnet, checkpoint_resnet, resnet_blocks, ("small_stem",)),
-    "resnet50": BackboneSpec(resnet, checkpoint_resnet, resnet_blocks, ("small_stem",)),
+    "resnet18": BackboneSpec(resnet, checkpoint_resnet, resnet_blocks, ("small_stem",),
+                             timm_problem=resnet_timm_problem),
+    "resnet50": BackboneSpec(resnet, checkpoint_resnet, resnet_blocks, ("small_stem",),
+                             timm_problem=resnet_timm_problem),
     # a family: timm:<name> is any timm model, the entry's factory gets <name>
     TIMM_FAMILY: BackboneSpec(timm_backbone, checkpoint_timm, timm_blocks,
                               ("patch_size", "timm_kwargs", "vit_stem", "width"),
-                              layers=True, name_problem=timm_name_problem),
+                              layers=True, name_problem=timm_name_problem,
+                              timm_problem=timm_stem_problem),
 }
 NEUTRAL = {"patch_size": 0, "timm_kwargs": {}, "vit_stem": "patch"}  # the keys' "not in use"
 

@@ -1,10 +1,12 @@
 """Persistent loader workers: the same batches as a loader made per epoch, exact resume,
-workers that outlive an epoch, and a process that exits while they still run."""
+workers that outlive an epoch, a process that exits while they still run, and a Ctrl-C
+that waits for the batch on its way."""
 
 from __future__ import annotations
 
 import copy
 import os
+import signal
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from data_pipeline.loader import LoaderState, TrainLoader, train_batches
+from data_pipeline.loader.epochs import arriving_whole
 from tests.app.helpers import REPO
 from tests.data_pipeline.test_loader import config, planted_set
 
@@ -125,3 +128,50 @@ def test_a_process_exits_with_its_loader_workers_still_alive(tmp_path, context):
     assert done.stdout.strip() == "exiting"
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, \
         done.stderr[-3000:]
+
+
+def interrupting(presses: int, delivered: list[int]):
+    """Batches whose arrival is interrupted by ``presses`` Ctrl-Cs, as a terminal sends
+    them while the main process receives a batch from a worker."""
+    for index in range(3):
+        for _ in range(presses if index == 1 else 0):
+            signal.raise_signal(signal.SIGINT)
+        delivered.append(index)  # the whole batch has arrived
+        yield {"index": index}
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_while_a_batch_arrives_is_raised_once_it_has_arrived(ctrl_c_raises):
+    delivered: list[int] = []
+    batches = arriving_whole(interrupting(1, delivered))
+    assert next(batches) == {"index": 0}
+    with pytest.raises(KeyboardInterrupt):
+        next(batches)
+    assert delivered == [0, 1]  # received whole, then raised
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_is_raised_at_once(ctrl_c_raises):
+    delivered: list[int] = []
+    batches = arriving_whole(interrupting(2, delivered))
+    next(batches)
+    with pytest.raises(KeyboardInterrupt):
+        next(batches)
+    assert delivered == [0]  # the arrival itself was interrupted
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_where_ctrl_c_is_ignored_it_stays_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        delivered: list[int] = []
+        assert [b["index"] for b in arriving_whole(interrupting(1, delivered))] == [0, 1, 2]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

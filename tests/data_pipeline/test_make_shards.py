@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import tarfile
 
@@ -119,6 +120,33 @@ def test_caption_tables(tmp_path, layout):
     for row, sample in zip(rows_of, samples, strict=True):
         assert sample["txt"].decode() == f"caption number {row}"
         assert sample["jpg"] == (images / f"{row}.jpg").read_bytes()
+
+
+def test_a_caption_table_with_a_label_column_writes_labels(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    lines = []
+    for i in range(5):
+        save_image(images / f"{i}.jpg", i)
+        lines.append(f"caption {i}\timages/{i}.jpg\t{i % 3}\n")
+    lines.append("a caption\timages/0.jpg\tcat\n")  # a label that is not a class index
+    lines.append("a caption\timages/0.jpg\t3\n")  # a class index past the names
+    lines.append("a short row\timages/0.jpg\n")  # no label column
+    table = tmp_path / "labelled.tsv"
+    table.write_text("".join(lines))
+    (tmp_path / "names.txt").write_text("zero\none\ntwo\n")
+    cfg = ShardsConfig(source="captions", input=str(table), output=str(tmp_path / "s"),
+                       caption_column="0", image_column="1", label_column="2",
+                       has_header=False, shard_size=2)
+    with pytest.raises(ValueError, match="label_column needs shards.class_names"):
+        make_shards(cfg)
+    manifest = make_shards(dataclasses.replace(cfg, class_names=str(tmp_path / "names.txt")))
+    _, samples = read_all(tmp_path / "s")
+    assert manifest.total_samples == 5 and manifest.skipped == {"bad_label": 2, "bad_row": 1}
+    assert manifest.class_names == ["zero", "one", "two"]
+    for sample in samples:
+        row = int(sample["__key__"].split("_")[1])
+        assert int(sample["cls"]) == row % 3 and sample["txt"].decode() == f"caption {row}"
 
 
 def test_a_caption_table_of_image_urls_is_refused_with_what_to_do(tmp_path, capsys):

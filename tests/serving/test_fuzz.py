@@ -2,7 +2,8 @@
 .npy: bit flips, cuts, spliced bytes, rewritten header fields) and 200 mutated JSON bodies
 (wrong types, missing and extra keys, nested values, odd parameters, path rows). No answer
 is a 5xx or carries a trace, an address or the request; ``/ping`` stays up; the server's
-memory stays bounded."""
+memory stays bounded. And the requests an earlier fuzz pass found answered 500, 200 with
+``NaN`` tokens or an address: each is answered 400 in one line."""
 
 from __future__ import annotations
 
@@ -107,3 +108,54 @@ def test_mutated_files_and_bodies_never_break_the_server(server):
     assert server.alive()
     assert server.rss_mib() - idle < 300, (idle, server.rss_mib())
     assert statuses.get(200, 0) > 20 and statuses.get(400, 0) > 200, statuses
+
+
+def npy(array: np.ndarray) -> str:
+    out = io.BytesIO()
+    np.save(out, array)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def code_in_shape() -> str:
+    """A .npy whose header's shape field is a call: read as data, never run."""
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (__import__('os').getpid(),), }"
+    header += b" " * (63 - (len(header) + 10) % 64) + b"\n"
+    return base64.b64encode(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header
+                            + b"\x00" * 64).decode()
+
+
+def finding_bodies() -> dict[str, bytes]:
+    """The hostile requests of the fuzz pass that got a 500, a 200 holding ``NaN`` or an
+    address: each must be answered 400 in one line."""
+    good = base64.b64encode(corpus()[0]).decode()
+    normal = np.random.default_rng(SEED).standard_normal((3, 16, 16)).astype(np.float32)
+    bodies = {"nested 10,000 deep": ("[" * 10_000 + "]" * 10_000).encode(),
+              "nested in a row": ('{"dataframe_records": [{"image": ' + "[" * 10_000
+                                  + "]" * 10_000 + "}]}").encode(),
+              "5,000-digit image": b'{"dataframe_records": [{"image": ' + b"9" * 5000 + b"}]}",
+              "5,000-digit space": ('{"dataframe_records": [{"image": "' + good
+                                    + '"}], "params": {"space": ' + "9" * 5000 + "}}").encode(),
+              "NaN token": ('{"dataframe_records": [{"image": "' + good
+                            + '"}], "params": {"space": NaN}}').encode(),
+              "code in a .npy shape": json.dumps(
+                  {"dataframe_records": [{"image": code_in_shape()}]}).encode()}
+    for name, value in (("NaN", np.nan), ("+inf", np.inf), ("-inf", -np.inf), ("3e38", 3e38)):
+        for at in ((0, 0, 0), (2, 15, 15)):
+            planted = normal.copy()
+            planted[at] = value
+            bodies[f".npy {name} at {at}"] = json.dumps(
+                {"dataframe_records": [{"image": good}, {"image": npy(planted)}]}).encode()
+    bodies[".npy float64 1e300"] = json.dumps({"dataframe_records": [
+        {"image": npy(np.full((3, 16, 16), 1e300))}]}).encode()
+    return bodies
+
+
+def test_the_fuzzer_findings_are_answered_400_in_one_line(server):
+    for name, payload in finding_bodies().items():
+        status, body, raw = send(server.port, payload, timeout=60)
+        assert status == 400, (name, status, raw[:300])
+        message = assert_clean(status, body, raw, payload)
+        assert "0x" not in message, (name, message)
+        if name.startswith(".npy") and "1e300" not in name:
+            assert message.startswith("row 1: "), (name, message)
+    assert server.alive()

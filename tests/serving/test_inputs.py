@@ -97,6 +97,17 @@ def test_answers_are_unit_rows_of_the_chosen_space():
         embed(model, ServedImages(R), frame, {"space": "pixels"})
 
 
+def test_a_row_whose_features_are_not_finite_is_refused_naming_it():
+    def overflowing(images: torch.Tensor) -> torch.Tensor:  # an encoder's overflow in row 1
+        out = torch.ones(len(images), 4)
+        out[1, 2] = float("inf")
+        return out
+
+    frame = pd.DataFrame({"image": [encoded("JPEG", seed=s) for s in range(3)]})
+    with pytest.raises(BadRequest, match="row 1: its features are not finite"):
+        embed(overflowing, ServedImages(R), frame, None)
+
+
 class Boom:
     def __reduce__(self):
         return (exec, ("raise SystemExit('pickle executed')",))
@@ -113,6 +124,10 @@ class Boom:
     ({"image": npy(np.array([Boom()], dtype=object))},
      r"row 0: image: an array must be float.*got object \[1\]"),
     ({"image": pickle.dumps(Boom())}, "row 0: image: not a readable JPEG, PNG or WebP"),
+    ({"image": npy(np.full((3, 16, 16), np.nan, np.float32))},
+     r"row 0: image: the array holds NaN, infinite values or values beyond \+-1000"),
+    ({"image": npy(np.full((3, 16, 16), 1001.0, np.float32))}, r"beyond \+-1000"),
+    ({"image": npy(np.full((3, 16, 16), 1e300))}, r"beyond \+-1000"),  # float64: inf in float32
 ])
 def test_a_bad_row_is_refused_in_one_line_naming_it(row, message):
     with pytest.raises(BadRequest, match=message) as err:

@@ -175,7 +175,7 @@ def npy_header(shape: tuple[int, ...]) -> bytes:
     ({"dataframe_records": [{"image": "%%%"}]}, "application/json", 400, "row 0: "),
     ({"dataframe_records": [{"image": b64(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)}]},
      "application/json", 400, "row 0: image: "),
-    (b"{not json", "application/json", 400, "request: not a table this model takes"),
+    (b"{not json", "application/json", 400, "request: the body is not valid JSON"),
     (b"image\nAAAA\n", "text/csv", 415, "request: send Content-Type: application/json"),
     ({"dataframe_records": [{"image": b64(encoded("JPEG"))}], "params": {"space": "x" * 500}},
      "application/json", 400, "params.space: 'xxxx"),

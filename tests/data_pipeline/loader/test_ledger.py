@@ -141,3 +141,23 @@ def test_a_run_without_a_ledger_is_told_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--shards", str(tmp_path)]) == 1
     assert capsys.readouterr().err.strip() == (
         f"ledger: {tmp_path / LEDGER_DIR}: no ledger (train with data.ledger=true)")
+
+
+def test_counts_spilled_over_many_buckets_equal_counts_in_one(tmp_path, monkeypatch):
+    """The reader's tally in buckets (a few keys each, as a CC12M ledger's would be) counts
+    what one tally of every key counts: superseded steps, a tail, a sample read twice."""
+    import data_pipeline.loader.ledger as ledger
+
+    write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 5), {2, 4})
+    write_attempt(tmp_path, "00000000000002-r000", 2, 2, range(3, 9), {7})
+    doubled = LedgerWriter(tmp_path, "00000000000003-r000", 0, 1)
+    doubled.start(7)
+    for step in (8, 9):
+        doubled.record(epoch_of(step), step, {"keys": keys(1, 0)}, torch.tensor(True))
+    doubled.commit(9)
+    doubled.close()
+    whole = epoch_counts(tmp_path, TOTAL)
+    monkeypatch.setattr(ledger, "KEYS_IN_MEMORY", 3)
+    assert epoch_counts(tmp_path, TOTAL) == whole
+    assert whole == {0: EpochCount(TOTAL, once=12), 1: EpochCount(TOTAL, once=12),
+                     2: EpochCount(TOTAL, once=2, more_than_once=2, unread=8)}

@@ -1,0 +1,261 @@
+"""One data set through the four stages at rising size: ``make-shards``, ``graph-precompute``,
+``pretrain`` and ``evaluate``, each through its real command, so that a cost growing faster
+than the data set shows where the stages meet, not only in each stage measured alone
+(``bench/scale.py``).
+
+    python -m bench.rehearsal                                 # 125k, 250k, 500k, 1M
+    python -m bench.rehearsal --sizes 20000 40000 --workdir /tmp/r
+
+The data set: a CC-style caption table of ``size`` rows (captions of ~100 characters, 80%
+distinct, a class label 0-9), pointing at a pool of 256 tiny 16 px JPEGs whose class is
+their label; a fixed 10,000-row test table beside it. Per size:
+
+- ``make_shards``: the caption table to shards of 10,000 (2 workers).
+- ``graph``: ``graph-precompute`` of the shards in parts of 2,500 rows: every part
+  collected, the distinct captions streamed into the encoder's chunks and merged into the
+  caption store, then the caption-neighbour graph (``graph.task=neighbours``, the inverted
+  file at every size: ``auto`` searches exactly, in quadratic time, up to 200,000). Part 0's
+  chunks are embedded by the real all-MiniLM-L6-v2 and timed; the other parts' chunks are
+  stand-ins clustered as caption embeddings are (the real model embeds ~75 captions/s on
+  2 cores: 800,000 distinct captions would take hours). ``real_encode_s`` carries part 0's
+  measured rate to every distinct caption.
+- ``pretrain``: one epoch of X-CLR on the caption store's targets, a 16-wide small CNN at
+  16 px, 2 ranks (torchrun, gloo), 1,024 images per rank, views without augmentation (the
+  evaluation view: the rehearsal measures the path, not the recipe), ``data.ledger=true``.
+- ``ledger``: ``python -m data_pipeline.loader.ledger RUN --json`` over the run: every
+  sample once, fewer unread than one global batch (the epoch's last, partial batch).
+- ``evaluate``: kNN (and one probe epoch) over the whole bank on 2 ranks.
+
+Each stage records wall seconds, the peak resident memory of its command and of its
+largest child (rank or worker), and the bytes it wrote. Exponents are fitted per stage
+over the sizes (``bench.scale.exponent``). Writes ``bench/results/rehearsal.json``,
+``rehearsal.png`` beside it, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import machine, print_table, write_json
+from bench.processes import run_command
+from bench.scale import IMAGES, exponent, tiny_jpegs
+from bench.scale_ingest import WORDS, stand_in_chunks
+from data_pipeline.graph.config import GraphConfig
+
+SIZES = [125_000, 250_000, 500_000, 1_000_000]
+TEST_ROWS = 10_000
+SHARD = 10_000
+PART = 2_500  # graph-precompute rows per part
+CLASSES = 10
+DISTINCT = 0.8  # share of distinct captions
+PER_RANK = 1024
+RESULTS = Path(__file__).parent / "results"
+
+
+def caption_table(root: Path, rows: int, seed: int) -> Path:
+    """``rows`` rows of caption, image path, label; row i's caption is caption
+    i % distinct (DISTINCT of them distinct)."""
+    table = root / f"table-{rows}-{seed}.tsv"
+    if table.is_file():
+        return table
+    images = tiny_jpegs(root / "images", CLASSES)
+    distinct = int(rows * DISTINCT)
+    words = np.random.default_rng(seed).integers(0, len(WORDS), (distinct, 18))
+    gen = np.random.default_rng(seed + 1)
+    pool = gen.integers(0, IMAGES, rows)
+    with open(table.with_suffix(".part"), "w", newline="") as handle:
+        writer = csv.writer(handle, delimiter="\t")
+        for i in range(rows):
+            j = i % distinct
+            caption = " ".join(WORDS[w] for w in words[j]) + f" {seed}-{j}"
+            writer.writerow([caption, images[pool[i]], int(pool[i]) % CLASSES])
+    table.with_suffix(".part").rename(table)
+    return table
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def measured(module: str, args: list[str], nproc: int = 1) -> dict[str, Any]:
+    result = run_command(module, args, nproc)
+    return {"seconds": round(result["seconds"], 1),
+            "rss_mib": round(result["command_rss_mib"]),
+            "child_rss_mib": round(result["worker_rss_mib"]), "printed": result["printed"]}
+
+
+def make_shards(table: Path, out: Path) -> dict[str, Any]:
+    shutil.rmtree(out, ignore_errors=True)
+    names = table.parent / "classes.txt"
+    names.write_text("".join(f"class {c}\n" for c in range(CLASSES)))
+    result = measured("app.make_shards", [f"shards.class_names={names}",
+        "shards.source=captions", f"shards.input={table}", "shards.caption_column=0",
+        "shards.image_column=1", "shards.label_column=2", "shards.has_header=false",
+        f"shards.output={out}", f"shards.shard_size={SHARD}", "shards.workers=2"])
+    return {**result, "disk_mib": round(folder_bytes(out) / 2**20, 1)}
+
+
+def graph_child(rows: int, workdir: Path) -> dict[str, Any]:
+    """Child process: collect every part, stand-in chunks beside part 0's real ones (timed),
+    merge."""
+    from data_pipeline.graph.job import collect, encode_part, merge
+
+    cfg = graph_config(rows, workdir)
+    parts = rows // PART
+    start = time.perf_counter()
+    for part in range(parts):
+        collect(cfg, part, parts)
+    collected = time.perf_counter()
+    stand_in_chunks(cfg, int(rows * DISTINCT), skip_part=0)
+    written = time.perf_counter()
+    encode_part(cfg, 0, parts)
+    encoded = time.perf_counter()
+    merge(cfg, parts)
+    return {"collect_s": collected - start, "stand_in_s": written - collected,
+            "part0_encode_s": encoded - written, "merge_s": time.perf_counter() - encoded}
+
+
+def graph_config(rows: int, workdir: Path) -> GraphConfig:
+    return GraphConfig(shards=str(workdir / f"shards-{rows}"),
+                       output=str(workdir / f"store-{rows}"), num_parts=rows // PART)
+
+
+def graph(rows: int, workdir: Path) -> dict[str, Any]:
+    store = workdir / f"store-{rows}"
+    shutil.rmtree(store, ignore_errors=True)
+    captions = measured("bench.rehearsal", ["--child", str(rows), "--workdir", str(workdir)])
+    phases = json.loads(captions.pop("printed").splitlines()[-1])
+    neighbours = measured("app.graph_precompute", ["graph.task=neighbours", "graph.index=ivf",
+                                                   f"graph.output={store}"])
+    distinct = int(rows * DISTINCT)
+    part0 = -(-distinct // (rows // PART))  # about: chunk c goes to part c % parts
+    rate = part0 / phases["part0_encode_s"]
+    return {"seconds": round(captions["seconds"] + neighbours["seconds"], 1),
+            "rss_mib": max(captions["rss_mib"], neighbours["rss_mib"]),
+            "child_rss_mib": 0, "disk_mib": round(folder_bytes(store) / 2**20, 1),
+            "neighbours_s": neighbours["seconds"], "encoder_captions_per_s": round(rate, 1),
+            "real_encode_s": round(distinct / rate), **{k: round(v, 1) for k, v in phases.items()}}
+
+
+def pretrain(rows: int, workdir: Path) -> dict[str, Any]:
+    runs = workdir / f"runs-{rows}"
+    shutil.rmtree(runs, ignore_errors=True)
+    result = measured("app.pretrain", [
+        f"output_dir={runs}", "name=rehearsal", f"data.shards={workdir / f'shards-{rows}'}",
+        f"data.caption_store={workdir / f'store-{rows}'}", "objective.name=xclr",
+        "model.backbone=small_cnn", "model.width=16", "model.projector_hidden=64",
+        "model.projector_dim=32", "data.resolution=16", f"data.batch_size={PER_RANK}",
+        "data.augment=none", "data.workers=1", "data.ledger=true", "train.epochs=1",
+        "train.progress=false", "train.log_every=50", "checkpoint.every=100000",
+        "tracking.enabled=false"], nproc=2)
+    result.pop("printed")
+    return {**result, "disk_mib": round(folder_bytes(runs) / 2**20, 1)}
+
+
+def ledger(rows: int, workdir: Path) -> dict[str, Any]:
+    run = workdir / f"runs-{rows}" / "rehearsal"
+    result = measured("data_pipeline.loader.ledger", [str(run), "--json"])
+    (epoch,) = json.loads(result.pop("printed"))["epochs"].values()
+    exact = (epoch["more_than_once"] == 0 and epoch["skipped"] == 0
+             and epoch["once"] + epoch["unread"] == rows and epoch["unread"] < 2 * PER_RANK)
+    return {**result, "disk_mib": round(folder_bytes(run / "ledger") / 2**20, 1),
+            "once": epoch["once"], "more_than_once": epoch["more_than_once"],
+            "unread": epoch["unread"], "exact": exact}
+
+
+def evaluate(rows: int, workdir: Path) -> dict[str, Any]:
+    runs = workdir / f"runs-{rows}"
+    before = folder_bytes(runs)
+    result = measured("app.evaluate", [
+        f"output_dir={runs}", "name=rehearsal", "model.backbone=small_cnn", "model.width=16",
+        "model.projector_hidden=64", "model.projector_dim=32", "data.resolution=16",
+        "data.workers=1", f"data.shards={workdir / f'shards-{rows}'}",
+        f"eval.train_shards={workdir / f'shards-{rows}'}",
+        f"eval.test_shards={workdir / 'test-shards'}", "eval.probe_epochs=1",
+        "tracking.enabled=false"], nproc=2)
+    knn = [line for line in result.pop("printed").splitlines() if "knn" in line.lower()]
+    return {**result, "disk_mib": round((folder_bytes(runs) - before) / 2**20, 1),
+            "knn": knn[-1][:120] if knn else ""}
+
+
+STAGES = {"make_shards": None, "graph": graph, "pretrain": pretrain, "ledger": ledger,
+          "evaluate": evaluate}
+
+
+def rehearse(rows: int, workdir: Path) -> dict[str, dict[str, Any]]:
+    table = caption_table(workdir, rows, seed=1)
+    found = {"make_shards": make_shards(table, workdir / f"shards-{rows}")}
+    for name in ("graph", "pretrain", "ledger", "evaluate"):
+        found[name] = STAGES[name](rows, workdir)
+        print(f"rehearsal {rows:,}: {name} {found[name]['seconds']} s", flush=True)
+    return found
+
+
+def fitted(results: dict[int, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    sizes = sorted(results)
+    return {stage: {measure: round(exponent(sizes, [max(results[s][stage][measure], 1e-3)
+                                                    for s in sizes]), 3)
+                    for measure in ("seconds", "rss_mib", "child_rss_mib", "disk_mib")}
+            for stage in results[sizes[0]]}
+
+
+def plot(results: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(results)
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for stage in results[sizes[0]]:
+        axes[0].plot(sizes, [results[s][stage]["seconds"] for s in sizes], "o-", label=stage)
+        axes[1].plot(sizes, [max(results[s][stage]["rss_mib"], results[s][stage]["child_rss_mib"])
+                             for s in sizes], "o-", label=stage)
+    for axis, title in zip(axes, ("wall seconds", "peak RSS of a process, MiB"), strict=True):
+        axis.set(xscale="log", yscale="log", xlabel="samples", title=title)
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/rehearsal"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "rehearsal.json")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        print(json.dumps(graph_child(args.child, args.workdir)))
+        return
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    test = args.workdir / "test-shards"
+    if not (test / "manifest.json").is_file():
+        make_shards(caption_table(args.workdir, TEST_ROWS, seed=2), test)
+    results = {rows: rehearse(rows, args.workdir) for rows in args.sizes}
+    exponents = fitted(results) if len(results) > 1 else {}
+    rows = [{"samples": size, "stage": stage, **{k: v for k, v in measures.items()
+                                                 if not isinstance(v, str)}}
+            for size, stages in results.items() for stage, measures in stages.items()]
+    print_table(rows, ["samples", "stage", "seconds", "rss_mib", "child_rss_mib", "disk_mib"])
+    print("exponents:", json.dumps(exponents))
+    write_json(args.out, {"machine": machine(), "sizes": args.sizes, "results": results,
+                          "exponents": exponents})
+    plot(results, args.out.with_suffix(".png"))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
