@@ -80,8 +80,7 @@ IMAGES = 256  # distinct image files the table's rows point at
 
 
 def tiny_jpegs(folder: Path, classes: int = 0) -> list[str]:
-    """``IMAGES`` 16 px JPEGs of random pixels; with ``classes``, image i is tinted by its
-    class i % classes (a kNN can tell them apart)."""
+    """``IMAGES`` 16 px JPEGs of random pixels; with ``classes``, tinted by class i % classes."""
     folder.mkdir(parents=True, exist_ok=True)
     gen = np.random.default_rng(0)
     names = []

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from core.errors import RunError
 from core.tables import table_entry
 from data_pipeline.transforms import MEAN, STD
-from pretrain.model.backbones import TIMM, backbone_spec, split_name
+from pretrain.model.backbones import backbone_spec, split_name
 from pretrain.model.encoder import ModelConfig
 from serving.model_registry import EmbeddingModel, ModelRef
 
@@ -121,7 +121,7 @@ def write_timm(item: Exported, out: Path, cfg: ExportConfig) -> None:
     name, kwargs = timm_architecture(item.cfg)
     backbone = item.model.encoder.backbone
     sized = dict(kwargs)
-    if "img_size" in _arguments(backbone) and item.cfg.backbone.startswith(TIMM):
+    if hasattr(backbone, "patch_embed"):  # a ViT is built for its image size
         sized["img_size"] = item.cfg.image_size or item.resolution
     state = {k: v.detach().contiguous() for k, v in backbone.state_dict().items()
              if not k.startswith("fc.")}
@@ -131,11 +131,6 @@ def write_timm(item: Exported, out: Path, cfg: ExportConfig) -> None:
               "pretrained_cfg": {**view(item), "num_classes": 0}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "README.md").write_text(model_card(item, name, cfg.repo_id))
-
-
-def _arguments(backbone: nn.Module) -> set[str]:
-    """The timm model's configurable sizes: ViTs keep their image size."""
-    return {"img_size"} if hasattr(backbone, "patch_embed") else set()
 
 
 def model_card(item: Exported, architecture: str, repo_id: str) -> str:
