@@ -18,7 +18,7 @@ from core.config import from_dict
 from evaluation.load import load_encoder
 from pretrain.model.encoder import ModelConfig
 from pretrain.run.tracking import tracking_uri
-from serving.export import Exported, export, log_export
+from serving.export import Exported, chosen_space, export, log_export
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         out = export(Exported(loaded.model.eval(), model_cfg, loaded.tree, cfg.model), cfg)
         logged = log_export(out, loaded.ref, uri, cfg.format) if args.log_artifact else None
     files = ", ".join(sorted(p.name for p in out.iterdir()))
-    print(f"export: {cfg.model} as {cfg.format} ({cfg.space}) in {out}: {files}"
+    print(f"export: {cfg.model} as {cfg.format} ({chosen_space(cfg)}) in {out}: {files}"
           + (f"; attached as {logged}" if logged else ""))
 
 

@@ -11,6 +11,9 @@
   torchvision's keys). ``timm.create_model("local-dir:DIR", pretrained=True)`` gives our
   backbone features; ``timm.data.resolve_data_config`` gives the run's view. The backbone
   only (timm has no projector).
+- ``open_clip``: CLIP and SigLIP runs whose heads open_clip expresses
+  (``serving/open_clip_folder.py``): ``open_clip.create_model_and_transforms("local-dir:DIR")``
+  gives our image and text embeddings.
 
 Each format is an entry of :data:`FORMATS`: what it writes, and why a backbone cannot take
 it (one line naming the formats it can).
@@ -19,22 +22,28 @@ it (one line naming the formats it can).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+from core.config import from_dict
 from core.errors import RunError
 from core.tables import table_entry
 from data_pipeline.transforms import MEAN, STD
+from pretrain.losses.config import ObjectiveConfig
+from pretrain.losses.parameters import ParameterShape
 from pretrain.model.backbones import backbone_spec, split_name
 from pretrain.model.encoder import ModelConfig
+from serving import open_clip_folder
 from serving.model_registry import EmbeddingModel, ModelRef
 
+BUNDLED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # the bundled sentence model
 CROP_PCT = 7 / 8  # the evaluation view: short side to 8/7 R, centre crop R
 
 
@@ -43,10 +52,11 @@ class ExportConfig:
     """``export.*``: which encoder leaves, in which format, to where."""
 
     model: str = ""  # a checkpoint directory, runs:/<id>/encoder or models:/<name>/<version>
-    format: str = ""  # an entry of FORMATS: onnx, timm
+    format: str = ""  # an entry of FORMATS: onnx, timm, open_clip
     output: str = ""  # a directory that is new or empty (or export.overwrite=true)
     overwrite: bool = False  # replace what export.output holds
-    space: Literal["backbone", "projector"] = "backbone"  # onnx: the features exported
+    # the features exported; "": the format's first space (FORMATS)
+    space: Literal["", "backbone", "projector"] = ""
     repo_id: str = ""  # timm: the Hugging Face repository its card names (nothing is pushed)
 
     def validate(self) -> None:
@@ -66,6 +76,11 @@ class Exported(NamedTuple):
     @property
     def resolution(self) -> int:
         return int(self.tree.get("data", {}).get("resolution", self.cfg.image_size or 32))
+
+    @property
+    def image_size(self) -> int:
+        """The size the backbone is built for (a ViT's patch grid)."""
+        return self.cfg.image_size or self.resolution
 
 
 class Space(nn.Module):
@@ -122,7 +137,7 @@ def write_timm(item: Exported, out: Path, cfg: ExportConfig) -> None:
     backbone = item.model.encoder.backbone
     sized = dict(kwargs)
     if hasattr(backbone, "patch_embed"):  # a ViT is built for its image size
-        sized["img_size"] = item.cfg.image_size or item.resolution
+        sized["img_size"] = item.image_size
     state = {k: v.detach().contiguous() for k, v in backbone.state_dict().items()
              if not k.startswith("fc.")}
     save_file(state, str(out / "model.safetensors"))
@@ -131,6 +146,46 @@ def write_timm(item: Exported, out: Path, cfg: ExportConfig) -> None:
               "pretrained_cfg": {**view(item), "num_classes": 0}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "README.md").write_text(model_card(item, name, cfg.repo_id))
+
+
+def open_clip_problem(item: Exported) -> str | None:
+    """Why open_clip cannot load this encoder as ours (None: it can)."""
+    if item.model.text is None:
+        return "an open_clip folder holds an image and a text tower, and this run has no " \
+               "text tower (clip and siglip runs train one)"
+    problem = timm_problem(item.cfg) or open_clip_folder.head_problem(item.cfg)
+    if problem is None and hasattr(item.model.encoder.backbone, "patch_embed"):
+        import timm
+
+        default = timm.get_pretrained_cfg(timm_architecture(item.cfg)[0]).input_size[-1]
+        if item.image_size != default:
+            problem = (f"open_clip builds a ViT at its default size ({default} px), this one "
+                       f"has {item.image_size} px")
+    return problem
+
+
+def write_open_clip(item: Exported, out: Path, cfg: ExportConfig) -> None:
+    from safetensors.torch import save_file
+
+    from data_pipeline.text import BUNDLED, model_path
+
+    encoder, text = item.model.encoder, item.model.text
+    objective = from_dict(ObjectiveConfig, item.tree.get("objective", {}), prefix="objective.")
+    initial = objective.loss_parameters(ParameterShape(0, item.cfg.projector_dim))
+    bias = float(initial["bias"]) if "bias" in initial else None  # SigLIP's logit bias
+    pool = getattr(encoder.backbone, "global_pool", "avg")
+    text_model = item.cfg.text.model
+    name = BUNDLED_HUB_ID if text_model == BUNDLED else str(Path(text_model).resolve())
+    save_file(open_clip_folder.state_dict(encoder.backbone, encoder.projector, text,
+                                          math.log(1 / objective.temperature), bias),
+              str(out / "open_clip_model.safetensors"))
+    config = {"model_cfg": open_clip_folder.model_config(
+                  timm_architecture(item.cfg)[0], pool if isinstance(pool, str) else "avg",
+                  item.image_size, item.cfg, name, bias),
+              "preprocess_cfg": {"size": item.resolution, "mean": list(MEAN), "std": list(STD),
+                                 "interpolation": "bilinear", "resize_mode": "shortest"}}
+    (out / "open_clip_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    open_clip_folder.copy_tokenizer(Path(model_path(text_model)), out)
 
 
 def model_card(item: Exported, architecture: str, repo_id: str) -> str:
@@ -161,16 +216,19 @@ def model_card(item: Exported, architecture: str, repo_id: str) -> str:
 
 @dataclass(frozen=True)
 class FormatSpec:
-    """An export format: what it writes into the output folder, and why a backbone cannot
-    take it (None: it can)."""
+    """An export format: what it writes into the output folder, why an encoder cannot take
+    it (None: it can), and the spaces it holds (the first is the default)."""
 
     write: Callable[[Exported, Path, ExportConfig], None]
-    problem: Callable[[ModelConfig], str | None]
+    problem: Callable[[Exported], str | None]
+    spaces: tuple[str, ...]
 
 
 FORMATS: dict[str, FormatSpec] = {
-    "onnx": FormatSpec(write_onnx, lambda cfg: None),
-    "timm": FormatSpec(write_timm, timm_problem),
+    "onnx": FormatSpec(write_onnx, lambda item: None, ("backbone", "projector")),
+    "timm": FormatSpec(write_timm, lambda item: timm_problem(item.cfg), ("backbone",)),
+    # the image tower's projector output and the text tower's, as the model was trained
+    "open_clip": FormatSpec(write_open_clip, open_clip_problem, ("projector",)),
 }
 
 
@@ -179,8 +237,13 @@ def format_spec(name: str) -> FormatSpec:
     return table_entry(FORMATS, name, "format", "export format")
 
 
-def formats_for(cfg: ModelConfig) -> list[str]:
-    return [name for name, spec in FORMATS.items() if spec.problem(cfg) is None]
+def formats_for(item: Exported) -> list[str]:
+    return [name for name, spec in FORMATS.items() if spec.problem(item) is None]
+
+
+def chosen_space(cfg: ExportConfig) -> str:
+    """``export.space``, or the format's default space."""
+    return cfg.space or format_spec(cfg.format).spaces[0]
 
 
 def check_output(cfg: ExportConfig) -> Path:
@@ -221,13 +284,14 @@ def log_export(folder: Path, ref: ModelRef, uri: str, fmt: str) -> str:
 def export(item: Exported, cfg: ExportConfig) -> Path:
     """Write ``item`` in ``cfg.format`` to ``cfg.output``."""
     spec = format_spec(cfg.format)
-    problem = spec.problem(item.cfg)
+    problem = spec.problem(item)
     if problem is not None:
         raise RunError(f"export.format={cfg.format}: {problem}; this encoder exports as "
-                       f"{', '.join(formats_for(item.cfg))}")
-    if cfg.format == "timm" and cfg.space != "backbone":
-        raise RunError("export.space=projector: a timm folder holds the backbone only; "
-                       "export the projector as onnx")
+                       f"{', '.join(formats_for(item))}")
+    cfg = replace(cfg, space=chosen_space(cfg))
+    if cfg.space not in spec.spaces:
+        raise RunError(f"export.space={cfg.space}: a {cfg.format} export holds the "
+                       f"{' or '.join(spec.spaces)} space; export the {cfg.space} as onnx")
     out = check_output(cfg)
     spec.write(item, out, cfg)
     return out

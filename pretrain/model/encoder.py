@@ -45,6 +45,7 @@ class ModelConfig:
     projector_hidden: int = 512  # hidden width of the 2-layer projector
     projector_dim: int = 128  # output width of the projector (the contrastive embedding)
     projector_bn_out: bool = True  # batch-normalise the output (SimCLR's head): no collapse
+    projector_activation: Literal["relu", "gelu"] = "relu"  # gelu: open_clip's timm head
     norm: Literal["batch", "group"] = "batch"  # group: independent of the batch split
     sync_batchnorm: bool = True  # batch norm over the global batch on multi-GPU runs
     split_views: bool = False  # batch-norm statistics per view set (first views, second views)
@@ -71,15 +72,15 @@ class ModelConfig:
 
 
 def projector(features: int, cfg: ModelConfig) -> nn.Sequential:
-    """Linear - norm - ReLU - linear to ``projector_dim``, then (``projector_bn_out``) a
-    batch norm without affine parameters and the last linear without bias, as SimCLR's
-    head: every output dimension is centred over the batch, so the embeddings cannot all
-    move to one point (``docs/learning.md``, "Why SupCon collapsed")."""
+    """Linear - norm - ReLU (or GELU) - linear to ``projector_dim``, then
+    (``projector_bn_out``) a batch norm without affine parameters and the last linear without
+    bias, as SimCLR's head: every output dimension is centred over the batch, so the
+    embeddings cannot all move to one point (``docs/learning.md``, "Why SupCon collapsed")."""
     hidden = cfg.projector_hidden
+    activation = nn.ReLU(inplace=True) if cfg.projector_activation == "relu" else nn.GELU()
     layers = [nn.Linear(features, hidden, bias=False),
               nn.BatchNorm1d(hidden) if cfg.norm == "batch" else nn.GroupNorm(8, hidden),
-              nn.ReLU(inplace=True), nn.Linear(hidden, cfg.projector_dim,
-                                               bias=not cfg.projector_bn_out)]
+              activation, nn.Linear(hidden, cfg.projector_dim, bias=not cfg.projector_bn_out)]
     if cfg.projector_bn_out:
         layers.append(nn.BatchNorm1d(cfg.projector_dim, affine=False))
     return nn.Sequential(*layers)

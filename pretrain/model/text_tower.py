@@ -2,8 +2,9 @@
 
 The transformer (the bundled all-MiniLM-L6-v2 by default) is initialised from disk,
 mean-pooled over the attention mask as sentence-transformers pools it, and projected to
-the image projector's width. ``trainable=False`` freezes the transformer (only the
-projection learns), the usual choice on CPU. Its tokenizer runs in the loader's workers
+the image projector's width (with a bias unless ``projection_bias=false``).
+``trainable=False`` freezes the transformer (only the projection learns), the usual choice
+on CPU. Its tokenizer runs in the loader's workers
 (``data_pipeline/text.py``), configured by the same section.
 """
 
@@ -26,6 +27,7 @@ class TextTowerConfig(TextConfig):
     """``model.text.*``: used by ``clip`` only."""
 
     trainable: bool = False  # fine-tune the transformer (False: only the projection learns)
+    projection_bias: bool = True  # false: a projection without bias, as open_clip's
 
 
 class TextTower(nn.Module):
@@ -40,7 +42,8 @@ class TextTower(nn.Module):
         self.transformer = AutoModel.from_pretrained(model_path(cfg.model))
         self.trainable = cfg.trainable
         self.transformer.requires_grad_(cfg.trainable)
-        self.projection = nn.Linear(self.transformer.config.hidden_size, out_dim)
+        self.projection = nn.Linear(self.transformer.config.hidden_size, out_dim,
+                                    bias=cfg.projection_bias)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Every row runs through the transformer (a training step hands it each caption

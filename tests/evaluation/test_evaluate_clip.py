@@ -25,6 +25,9 @@ def clip_run(digits_shards, tmp_path_factory, request):
               DIGIT_NAMES)
     overrides = train_overrides(digits_shards, root, **{
         "objective.name": objective, "train.max_steps": 2, "tracking.enabled": True,
+        # heads open_clip expresses (projector_hidden = 2 x projector_dim already)
+        "model.backbone": "resnet18", "model.small_stem": False,
+        "model.projector_activation": "gelu", "model.text.projection_bias": False,
         "tracking.system_metrics": False, "tracking.registered_model": f"digits-{objective}",
         "objective.learnable_temperature": True,
         "eval.train_shards": digits_shards, "eval.test_shards": root / "test",
@@ -85,3 +88,23 @@ def test_retrieval_shards_without_captions_fail_in_one_line(clip_run):
     assert f"eval.retrieval_shards={root / 'no-captions'}: no sample has a caption" in (
         result.stderr.strip().splitlines()[-1])
     assert not (root / "none" / "results.json").exists()
+
+
+def test_the_registered_version_exports_as_an_open_clip_folder(clip_run, tmp_path):
+    """``export`` from the registry (digests checked) to an open_clip folder: open_clip
+    gives the embeddings of the encoder ``evaluate`` loads (images at the run's 16 px)."""
+    import torch
+
+    from app.export import main
+    from evaluation.load import load_encoder
+    from tests.serving.test_open_clip_folder import assert_same_embeddings, open_clip_embeddings
+
+    root, overrides, objective = clip_run
+    source = f"models:/digits-{objective}/1"
+    main([*overrides, f"export.model={source}", "export.format=open_clip",
+          f"export.output={tmp_path / 'folder'}"])
+    uri = f"sqlite:///{root / 'run' / 'mlflow.db'}"
+    model = load_encoder(source, root / "run", uri).model.eval()
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    loaded = open_clip_embeddings(tmp_path / "folder", images, tmp_path)
+    assert_same_embeddings(loaded, model, images, max_length=32)

@@ -145,7 +145,7 @@ def test_the_command_exports_a_registered_version_or_a_checkpoint(store, tmp_pat
 @pytest.mark.parametrize(("keys", "line"), [
     (["export.model=models:/served/1", "export.format=keras"],
      "export: configuration error: key 'export.format' (command-line override): unknown "
-     "export format 'keras'; choose one of onnx or timm"),
+     "export format 'keras'; choose one of onnx, timm or open_clip"),
     (["export.model=models:/served/1", "export.format=timm"],
      "export: error: export.format=timm: small_cnn is not a timm architecture; this encoder "
      "exports as onnx"),
