@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -118,6 +119,36 @@ def peak_rss_bytes() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+class PeakAnonymous:
+    """The peak of this process's anonymous resident memory (Linux RssAnon, sampled every
+    ``every`` seconds by a thread while the block runs): what the process holds itself,
+    without the file-backed pages of memory maps that VmHWM also counts and the kernel
+    may drop."""
+
+    def __init__(self, every: float = 0.02) -> None:
+        self.every, self.peak = every, 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakAnonymous:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            self._read()
+
+    def _read(self) -> None:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                self.peak = max(self.peak, int(line.split()[1]) * 1024)
 
 
 def machine() -> dict[str, Any]:

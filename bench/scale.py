@@ -38,7 +38,9 @@ Parts:
 - ``neighbours``: the caption-neighbour graph (inverted file of lists of <= 256 rows, 16
   probed, k = 10) over a memory-mapped store of
   clustered float16 384-d embeddings (all-MiniLM-L6-v2's width): time, peak resident
-  memory beside the store's size, and the recall against exact search.
+  memory (VmHWM, and the anonymous memory the process holds itself) beside the store's
+  size, and the recall against exact search; with the probes and the result in memory and
+  memory-mapped in a scratch folder (as graph-precompute runs it).
 
 Each size runs in a fresh process so that peak memory is its own. Writes JSON and prints a
 table; ``docs/benchmarks.md`` records the numbers.
@@ -59,7 +61,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from bench.common import machine, peak_rss_bytes, print_table, write_json
+from bench.common import PeakAnonymous, machine, peak_rss_bytes, print_table, write_json
 from bench.processes import run_command
 from bench.scale_eval import STAGES, run_evaluate, run_stage
 from bench.scale_ingest import (
@@ -185,9 +187,10 @@ def run_counts(shards: int, workdir: Path) -> dict[str, Any]:
             "later_open_s": asked[1][1]}
 
 
-def run_neighbours(rows: int, workdir: Path) -> dict[str, Any]:
+def run_neighbours(rows: int, workdir: Path, where: str) -> dict[str, Any]:
     """Child process: the neighbour graph (inverted file of constant-size lists) of
-    ``rows`` float16 embeddings."""
+    ``rows`` float16 embeddings, its probes and result in memory or (``where=scratch``)
+    memory-mapped files, as graph-precompute runs it."""
     from data_pipeline.graph.inverted import inverted_topk
     from data_pipeline.graph.neighbours import recall
 
@@ -205,12 +208,17 @@ def run_neighbours(rows: int, workdir: Path) -> dict[str, Any]:
         store.flush()
         del store
     vectors = np.load(path, mmap_mode="r")
+    scratch = workdir / f"scratch-{rows}" if where == "scratch" else None
+    if scratch is not None:
+        scratch.mkdir(exist_ok=True)
     start = time.perf_counter()
-    _, ids, lists = inverted_topk(vectors, 10)
-    seconds = time.perf_counter() - start
-    measured = recall(vectors, ids)
-    return {"rows": rows, "seconds": seconds, "recall": measured, "lists": lists,
-            "rss_mib": peak_rss_bytes() / 2**20, "store_mib": path.stat().st_size / 2**20}
+    with PeakAnonymous() as anonymous:
+        _, ids, lists = inverted_topk(vectors, 10, scratch=scratch)
+        seconds = time.perf_counter() - start
+        measured = recall(vectors, ids)
+    return {"rows": rows, "where": where, "seconds": seconds, "recall": measured,
+            "lists": lists, "rss_mib": peak_rss_bytes() / 2**20,
+            "anon_mib": anonymous.peak / 2**20, "store_mib": path.stat().st_size / 2**20}
 
 
 def loader_epochs(worlds: list[Layout]) -> dict[str, Any]:
@@ -294,7 +302,7 @@ def main() -> None:
     if args.child:
         run = {"whole_table": lambda: run_whole_table(args.size, args.workdir),
                "counts": lambda: run_counts(args.size, args.workdir),
-               "neighbours": lambda: run_neighbours(args.size, args.workdir),
+               "neighbours": lambda: run_neighbours(args.size, args.workdir, args.stage),
                "tree_listing": lambda: run_tree_listing(args.size, args.workdir),
                "collect_rest": lambda: collect_rest(args.size, args.workdir),
                "other_chunks": lambda: other_chunks(args.size, args.workdir),
@@ -365,14 +373,17 @@ def main() -> None:
               ["rows", "parts", "collect_s", "collect_rss_mib", "encode_s", "encode_rss_mib",
                "merge_s", "merge_rss_mib", "all_captions_rss_mib", "store_mib"])
     if args.part in ("all", "neighbours"):
-        rows = [child("neighbours", n, 1, args.workdir) for n in args.captions]
+        both = [child("neighbours", n, 1, args.workdir, where)
+                for n in args.captions for where in ("memory", "scratch")]
+        rows = [r for r in both if r["where"] == "scratch"]  # what graph-precompute runs
         fit = {key: exponent(args.captions, [r[key] for r in rows])
-               for key in ("seconds", "rss_mib")}
-        results["neighbours"] = {"rows": rows, "exponent": fit, "cc12m": {
+               for key in ("seconds", "rss_mib", "anon_mib")}
+        results["neighbours"] = {"rows": both, "exponent": fit, "cc12m": {
             key: extrapolate(rows[-1]["rows"], rows[-1][key], fit[key], CC12M_ROWS,
                              key == "seconds") for key in fit}}
         print("caption-neighbour graph (inverted file, lists <= 256, 16 probed, k = 10, 384-d):")
-        print_table(rows, ["rows", "lists", "seconds", "recall", "rss_mib", "store_mib"])
+        print_table(both, ["rows", "where", "lists", "seconds", "recall", "rss_mib", "anon_mib",
+                           "store_mib"])
         print("exponent:", {k: round(v, 2) for k, v in fit.items()})
         print("at CC12M:", {k: round(v, 1) for k, v in results["neighbours"]["cc12m"].items()})
     if args.part in ("all", "evaluation"):

@@ -29,6 +29,7 @@ U^2 / LIST_SIZE). Without one, everything runs on the CPU as above.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import NamedTuple
 
 import faiss
@@ -41,7 +42,7 @@ BRANCHING = 16  # children of a split
 SAMPLE_PER_CENTROID = 64  # rows a split's k-means trains on, per centroid
 PROBE = 16  # lists a row's neighbours are searched in
 EF_SEARCH = 32  # HNSW beam width of the centroid search (>= PROBE)
-QUERY_BLOCK = 262_144  # rows whose running top-k is held at a time
+QUERY_BLOCK = 65_536  # rows whose queries and running top-k are held at a time
 CHUNK = 65_536  # rows read and converted at a time
 
 
@@ -62,6 +63,17 @@ def nearest(queries: Tensor, base: Tensor, k: int,
 def float_rows(vectors: np.ndarray, rows: np.ndarray | slice) -> np.ndarray:
     """``vectors[rows]`` as contiguous float32 (torch converts float16 ~7x faster)."""
     return torch.from_numpy(np.array(vectors[rows])).float().numpy()
+
+
+def scratch_array(scratch: Path | None, name: str, shape: tuple[int, ...],
+                  dtype: type) -> np.ndarray:
+    """An empty array: a memory-mapped ``scratch/<name>.npy`` (pages the kernel writes back
+    and drops, so a store's per-row arrays need not stay resident), or in memory without a
+    ``scratch`` folder."""
+    if scratch is None:
+        return np.empty(shape, dtype)
+    return np.lib.format.open_memmap(scratch / f"{name}.npy", mode="w+", dtype=dtype,
+                                     shape=shape)
 
 
 def split_tree(vectors: np.ndarray, list_size: int, seed: int = 0,
@@ -108,9 +120,11 @@ def centroids_of(vectors: np.ndarray, leaves: list[np.ndarray]) -> np.ndarray:
     return torch.nn.functional.normalize(sums, dim=1).float().numpy()
 
 
-def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int) -> np.ndarray:
+def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int,
+                scratch: Path | None = None) -> np.ndarray:
     """[U, min(probe, lists)] int32: every row's nearest centroids, nearest first, through
-    an HNSW graph over the centroids (built on one thread, so it is reproducible)."""
+    an HNSW graph over the centroids (built on one thread, so it is reproducible); in
+    ``scratch`` when given."""
     probe = min(probe, len(centroids))
     graph = faiss.IndexHNSWFlat(centroids.shape[1], 32, faiss.METRIC_INNER_PRODUCT)
     graph.hnsw.efSearch = max(EF_SEARCH, probe)
@@ -120,7 +134,7 @@ def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int) -> np.nd
         graph.add(centroids)
     finally:
         faiss.omp_set_num_threads(threads)
-    probes = np.empty((len(vectors), probe), np.int32)
+    probes = scratch_array(scratch, "probes", (len(vectors), probe), np.int32)
     for start in range(0, len(vectors), CHUNK):
         probes[start:start + CHUNK] = graph.search(
             float_rows(vectors, slice(start, start + CHUNK)), probe)[1]
@@ -177,15 +191,16 @@ class ListSearch(NamedTuple):
     lists: int  # lists the rows were cut into
 
 
-def scan(vectors: np.ndarray, probes: np.ndarray, k: int,
-         device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray]:
+def scan(vectors: np.ndarray, probes: np.ndarray, k: int, device: torch.device | None = None,
+         scratch: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Top-``k`` [U, k] of every row over the lists ``probes`` [U, p] names (a row's list
-    is its first probe), a block of rows at a time; a row is never its own neighbour."""
+    is its first probe), a block of rows at a time; a row is never its own neighbour. The
+    result is in ``scratch`` when given."""
     in_order = np.argsort(probes[:, 0], kind="stable")  # rows grouped by their own list
     bounds = np.searchsorted(probes[in_order, 0], np.arange(int(probes.max()) + 2))
     list_rows = [in_order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    sims = np.empty((len(vectors), k), np.float32)
-    ids = np.empty((len(vectors), k), np.int64)
+    sims = scratch_array(scratch, "similarities", (len(vectors), k), np.float32)
+    ids = scratch_array(scratch, "ids", (len(vectors), k), np.int64)
     for start in range(0, len(vectors), QUERY_BLOCK):
         rows = in_order[start:start + QUERY_BLOCK]
         best = scan_block(vectors, rows, probes[rows], list_rows, k + 1, device)
@@ -197,11 +212,14 @@ def scan(vectors: np.ndarray, probes: np.ndarray, k: int,
 
 
 def inverted_topk(vectors: np.ndarray, k: int, list_size: int = LIST_SIZE,
-                  probe: int = PROBE, device: torch.device | None = None) -> ListSearch:
+                  probe: int = PROBE, device: torch.device | None = None,
+                  scratch: Path | None = None) -> ListSearch:
     """Approximate top-``k`` neighbours [U, k] of every row of ``vectors`` [U, d] (unit
     rows, inner product), with the products on ``device`` if one is given; a row is never
-    its own neighbour."""
+    its own neighbour. With a ``scratch`` folder the [U, p] probes and the [U, k] result
+    are memory-mapped files there, so what stays resident is about a block's worth."""
     gpu = device is not None and device.type == "cuda" and faiss.get_num_gpus() > 0
     centroids = centroids_of(vectors, split_tree(vectors, list_size, gpu=gpu))
-    sims, ids = scan(vectors, probe_lists(vectors, centroids, probe), k, device)
+    probes = probe_lists(vectors, centroids, probe, scratch)
+    sims, ids = scan(vectors, probes, k, device, scratch)
     return ListSearch(sims, ids, len(centroids))

@@ -3,13 +3,15 @@ exact for small stores and an inverted file of constant-size lists for millions
 (``data_pipeline/graph/inverted.py``, time about linear in the store), its recall against
 exact search measured on a sample, and a command to inspect it.
 
-Memory stays near the store's own size: the store's float16 embeddings are read in chunks
-(never copied whole to float32); the search holds the centroids, every row's probed lists
-[U, 16] int32 and the [U, k] result.
+Memory stays near a block's worth whatever the store's size: the store's float16 embeddings
+are read in chunks (never copied whole to float32); the inverted file's probed lists
+[U, 16] and its [U, k] result are memory-mapped files in a scratch folder inside the store,
+removed when the graph is written; the search holds the centroids and a block of queries.
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,6 +24,7 @@ from data_pipeline.graph.inverted import (
     RunningTopK,
     float_rows,
     inverted_topk,
+    scratch_array,
     search_device,
 )
 from data_pipeline.graph.store import CaptionStore
@@ -83,13 +86,26 @@ def build_neighbours(cfg: GraphConfig) -> NeighbourGraph:
     vectors = store.embeddings
     device = search_device()
     exact = cfg.index == "exact" or (cfg.index == "auto" and len(vectors) <= EXACT_LIMIT)
-    sims, ids = (exact_topk(vectors, cfg.neighbours, device=device) if exact
-                 else inverted_topk(vectors, cfg.neighbours, device=device)[:2])
-    measured = 1.0 if exact else recall(vectors, ids, device=device)
     path = Path(cfg.output) / "neighbours.npz"
-    np.savez(path, ids=ids.astype(np.int32), similarities=sims.astype(np.float16),
-             index=np.array("exact" if exact else "ivf"), recall=np.array(measured))
+    with tempfile.TemporaryDirectory(dir=cfg.output, prefix=".search-") as tmp:
+        scratch = None if exact else Path(tmp)
+        sims, ids = (exact_topk(vectors, cfg.neighbours, device=device) if exact
+                     else inverted_topk(vectors, cfg.neighbours, device=device,
+                                        scratch=scratch)[:2])
+        measured = 1.0 if exact else recall(vectors, ids, device=device)
+        np.savez(path, ids=converted(ids, np.int32, scratch),
+                 similarities=converted(sims, np.float16, scratch),
+                 index=np.array("exact" if exact else "ivf"), recall=np.array(measured))
     return NeighbourGraph(path, "exact" if exact else "ivf", measured)
+
+
+def converted(array: np.ndarray, dtype: type, scratch: Path | None) -> np.ndarray:
+    """``array`` as ``dtype``, a chunk of rows at a time into a memory map in ``scratch``
+    (in memory without one), for ``np.savez`` to stream."""
+    out = scratch_array(scratch, f"{array.dtype}-as-{np.dtype(dtype)}", array.shape, dtype)
+    for start in range(0, len(array), CHUNK):
+        out[start:start + CHUNK] = array[start:start + CHUNK]
+    return out
 
 
 def describe(cfg: GraphConfig) -> str:

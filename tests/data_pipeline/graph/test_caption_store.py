@@ -257,15 +257,23 @@ def test_store_whose_index_and_rows_disagree_names_the_file(tmp_path):
                                            caption_store=str(tmp_path / "s")))))
 
 
-def test_neighbour_graph_and_inspection(tmp_path):
+@pytest.mark.parametrize("index", ["exact", "ivf"])
+def test_neighbour_graph_and_inspection(tmp_path, index):
+    """The inverted file's one list here holds every caption, so it is exact too; its
+    memory-mapped scratch folder is gone once the graph is written."""
     caption_set(tmp_path / "shards", distinct=30, repeats=1)
-    cfg = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "s"), neighbours=4)
+    cfg = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "s"), neighbours=4,
+                      index=index)
     store = run_captions(cfg)
+    before = sorted(p.name for p in (tmp_path / "s").iterdir())
     build_neighbours(cfg)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == sorted([*before,
+                                                                         "neighbours.npz"])
     vectors = np.asarray(store.embeddings, dtype=np.float32)
     with np.load(tmp_path / "s" / "neighbours.npz") as graph:
         ids, sims = graph["ids"], graph["similarities"]
-        assert str(graph["index"]) == "exact" and float(graph["recall"]) == 1.0
+        assert (ids.dtype, sims.dtype) == (np.int32, np.float16)
+        assert str(graph["index"]) == index and float(graph["recall"]) == 1.0
     brute = vectors @ vectors.T
     np.fill_diagonal(brute, -np.inf)
     assert (np.sort(ids, 1) == np.sort(np.argsort(-brute, 1)[:, :4], 1)).all()

@@ -100,6 +100,19 @@ def test_scan_in_blocks_equals_one_block(monkeypatch):
     assert np.mean(blocks[1] == whole[1]) > 0.99  # ids differ only where scores tie
 
 
+def test_a_scratch_folder_holds_probes_and_result_and_changes_nothing(tmp_path):
+    """The same search with its [U, p] probes and [U, k] result as memory-mapped files:
+    the same numbers, bit for bit (the same products in the same order)."""
+    data = clustered(3000)
+    in_memory = inverted_topk(data, 10, list_size=64)
+    mapped = inverted_topk(data, 10, list_size=64, scratch=tmp_path)
+    assert isinstance(mapped.ids, np.memmap) and isinstance(mapped.similarities, np.memmap)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.npy", "probes.npy",
+                                                          "similarities.npy"]
+    np.testing.assert_array_equal(mapped.ids, in_memory.ids)
+    np.testing.assert_array_equal(mapped.similarities, in_memory.similarities)
+
+
 def test_probe_lists_finds_the_nearest_centroids():
     data = clustered(4000)
     centroids = centroids_of(data, split_tree(data, 64))
