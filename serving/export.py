@@ -55,8 +55,7 @@ class ExportConfig:
     format: str = ""  # an entry of FORMATS: onnx, timm, open_clip
     output: str = ""  # a directory that is new or empty (or export.overwrite=true)
     overwrite: bool = False  # replace what export.output holds
-    # the features exported; "": the format's first space (FORMATS)
-    space: Literal["", "backbone", "projector"] = ""
+    space: Literal["", "backbone", "projector"] = ""  # "": the format's (onnx, timm: backbone)
     repo_id: str = ""  # timm: the Hugging Face repository its card names (nothing is pushed)
 
     def validate(self) -> None:
