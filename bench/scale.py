@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from bench.common import PeakAnonymous, machine, peak_rss_bytes, print_table, write_json
+from bench.common import machine, peak_rss_bytes, print_table, write_json
 from bench.processes import run_command
 from bench.scale_eval import STAGES, run_evaluate, run_stage
 from bench.scale_ingest import (
@@ -70,6 +70,7 @@ from bench.scale_ingest import (
     make_shards_measured,
     other_chunks,
     run_graph,
+    run_neighbours,
     run_tree,
     run_tree_listing,
 )
@@ -185,40 +186,6 @@ def run_counts(shards: int, workdir: Path) -> dict[str, Any]:
     return {"shards": shards, "first_open_requests": asked[0][0],
             "first_open_s": asked[0][1], "later_open_requests": asked[1][0],
             "later_open_s": asked[1][1]}
-
-
-def run_neighbours(rows: int, workdir: Path, where: str) -> dict[str, Any]:
-    """Child process: the neighbour graph (inverted file of constant-size lists) of
-    ``rows`` float16 embeddings, its probes and result in memory or (``where=scratch``)
-    memory-mapped files, as graph-precompute runs it."""
-    from data_pipeline.graph.inverted import inverted_topk
-    from data_pipeline.graph.neighbours import recall
-
-    path = workdir / f"embeddings-{rows}.npy"
-    if not path.is_file():
-        gen = np.random.default_rng(rows)
-        centres = gen.normal(size=(2_000, 384)).astype(np.float32)
-        store = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16,
-                                          shape=(rows, 384))
-        for start in range(0, rows, 100_000):
-            n = min(100_000, rows - start)
-            block = centres[gen.integers(0, len(centres), n)] + gen.normal(
-                scale=0.5, size=(n, 384)).astype(np.float32)
-            store[start:start + n] = block / np.linalg.norm(block, axis=1, keepdims=True)
-        store.flush()
-        del store
-    vectors = np.load(path, mmap_mode="r")
-    scratch = workdir / f"scratch-{rows}" if where == "scratch" else None
-    if scratch is not None:
-        scratch.mkdir(exist_ok=True)
-    start = time.perf_counter()
-    with PeakAnonymous() as anonymous:
-        _, ids, lists = inverted_topk(vectors, 10, scratch=scratch)
-        seconds = time.perf_counter() - start
-        measured = recall(vectors, ids)
-    return {"rows": rows, "where": where, "seconds": seconds, "recall": measured,
-            "lists": lists, "rss_mib": peak_rss_bytes() / 2**20,
-            "anon_mib": anonymous.peak / 2**20, "store_mib": path.stat().st_size / 2**20}
 
 
 def loader_epochs(worlds: list[Layout]) -> dict[str, Any]:

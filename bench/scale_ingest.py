@@ -1,7 +1,8 @@
 """Ingestion at data-set size for ``bench/scale.py``: ``make-shards`` of an ImageNet-style
 class-sorted tree and ``graph-precompute`` of a caption set, each through its real command
 in a subprocess (time and peak resident memory, ``PeakMemory``), beside what the whole
-data set costs held in one process (the baseline, in a child of its own).
+data set costs held in one process (the baseline, in a child of its own); and the
+caption-neighbour graph over a synthetic store (``run_neighbours``).
 
 Payloads are tiny: the tree's images are hard links to 256 tiny JPEGs (1.28M files cost
 inodes, not 1.28M image bodies), captions are ~100 characters like CC12M's.
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from bench.common import peak_rss_bytes
+from bench.common import PeakAnonymous, peak_rss_bytes
 from bench.processes import run_command
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.manifest import Manifest, ShardInfo, file_sha256
@@ -191,3 +192,37 @@ def run_graph(rows: int, workdir: Path, child) -> dict[str, Any]:
             "merge_s": merge["seconds"], "merge_rss_mib": merge["command_rss_mib"],
             "store_mib": sum(f.stat().st_size for f in (workdir / f"store-{rows}").glob("*.npy"))
             / 2**20}
+
+
+def run_neighbours(rows: int, workdir: Path, where: str) -> dict[str, Any]:
+    """Child process: the neighbour graph (inverted file of constant-size lists) of
+    ``rows`` float16 embeddings, its probes and result in memory or (``where=scratch``)
+    memory-mapped files, as graph-precompute runs it."""
+    from data_pipeline.graph.inverted import inverted_topk
+    from data_pipeline.graph.neighbours import recall
+
+    path = workdir / f"embeddings-{rows}.npy"
+    if not path.is_file():
+        gen = np.random.default_rng(rows)
+        centres = gen.normal(size=(2_000, 384)).astype(np.float32)
+        store = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16,
+                                          shape=(rows, 384))
+        for start in range(0, rows, 100_000):
+            n = min(100_000, rows - start)
+            block = centres[gen.integers(0, len(centres), n)] + gen.normal(
+                scale=0.5, size=(n, 384)).astype(np.float32)
+            store[start:start + n] = block / np.linalg.norm(block, axis=1, keepdims=True)
+        store.flush()
+        del store
+    vectors = np.load(path, mmap_mode="r")
+    scratch = workdir / f"scratch-{rows}" if where == "scratch" else None
+    if scratch is not None:
+        scratch.mkdir(exist_ok=True)
+    start = time.perf_counter()
+    with PeakAnonymous() as anonymous:
+        _, ids, lists = inverted_topk(vectors, 10, scratch=scratch)
+        seconds = time.perf_counter() - start
+        measured = recall(vectors, ids)
+    return {"rows": rows, "where": where, "seconds": seconds, "recall": measured,
+            "lists": lists, "rss_mib": peak_rss_bytes() / 2**20,
+            "anon_mib": anonymous.peak / 2**20, "store_mib": path.stat().st_size / 2**20}
