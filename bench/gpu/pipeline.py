@@ -101,6 +101,17 @@ def stage(args: list[str], log: Path, module: str, launcher: list[str] | None = 
     return result.stderr
 
 
+def demo_shards(root: Path, sizes: Sizes) -> None:
+    """The demo's training and test shards under ``root``, by the make-shards command's own
+    ``main`` in this process (an interpreter for each split only adds its start-up)."""
+    from app.make_shards import main as make_shards
+
+    for split, samples in (("train", sizes.demo_samples), ("test", sizes.demo_samples // 4)):
+        make_shards(["--config", str(REPO / "launch/configs/demo.yaml"), f"shards.split={split}",
+                     f"shards.samples={samples}",
+                     f"shards.output={root / 'data' / 'shards' / f'cluttered-{split}'}"])
+
+
 def demo(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
     """The demo recipe without the class graph (the sentence model that builds it is too
     large to carry): SupCon on the cluttered digits, NCCL on a GPU."""
@@ -110,9 +121,7 @@ def demo(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
     config = ["--config", str(REPO / "launch/configs/demo.yaml")]
     common = [*config, "tracking.enabled=false", "objective.name=supcon",
               "objective.xclr.class_graph="]
-    stage([*config, f"shards.samples={sizes.demo_samples}"], log, "app.make_shards")
-    stage([*config, "shards.split=test", f"shards.samples={sizes.demo_samples // 4}",
-           "shards.output=data/shards/cluttered-test"], log, "app.make_shards")
+    demo_shards(root, sizes)
     start = time.perf_counter()
     train_log = stage([*common, f"train.max_steps={sizes.demo_steps}", "train.progress=false",
                        "engine.process_group=true",
@@ -152,9 +161,7 @@ def fsdp2(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str,
               f"train.log_every={max(1, sizes.demo_steps // 4)}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", "1"]
-    stage([*config, f"shards.samples={sizes.demo_samples}"], log, "app.make_shards")
-    stage([*config, "shards.split=test", f"shards.samples={sizes.demo_samples // 4}",
-           "shards.output=data/shards/cluttered-test"], log, "app.make_shards")
+    demo_shards(root, sizes)
     rows = []
     for name in sizes.fsdp2_models:
         run = [*common, *FSDP2_MODELS[name], f"name={name}"]

@@ -172,8 +172,12 @@ class TrainLoader:
                 self.state.record(batch)
                 skips.update(batch["skipped"])
                 last = self.state.batches == self.stream.batches_per_epoch
+                if last:
+                    # the end of this epoch: every worker is done, and DataLoader ends them
+                    # now rather than when the iterator is collected (5 s a worker then,
+                    # when a reference cycle holds it)
+                    next(batches, None)
                 if last and self.persistent:
-                    next(batches, None)  # the end of this epoch: every worker is done
                     # workers begin the next epoch now (a persistent loader hands out the
                     # same iterator again, reset: hence the break below)
                     self.prepared = self._start()

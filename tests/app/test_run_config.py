@@ -4,8 +4,10 @@ is described, and a stage fails before any work on a bad or missing value, namin
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,19 +85,25 @@ def test_library_defaults_name_no_data():
     assert all(value in ("''", "runs") for value in paths), paths
 
 
+def exit_status(main: Callable[[list[str]], None], argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    return stop.value.code
+
+
 @pytest.mark.parametrize("module", sorted(STAGES))
-def test_stage_commands_validate_before_any_work(module):
-    ok = subprocess.run([sys.executable, "-m", module, "--config", "launch/configs/demo.yaml",
-                         "--print-config", "objective.temperature=0.3"],
-                        capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
-    assert "temperature: 0.3" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", module, "objective.temprature=0.3"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2
-    assert "objective.temprature" in bad.stderr and "command-line override" in bad.stderr
-    lacking = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True)
-    assert lacking.returncode == 2 and f"{STAGES[module]} needs a value" in lacking.stderr
+def test_stage_commands_validate_before_any_work(module, capsys):
+    """Each stage's ``main``, in this process, with the arguments ``python -m`` would pass
+    it (an interpreter of its own runs the command line in the test below)."""
+    main = importlib.import_module(module).main
+    assert exit_status(main, ["--config", "launch/configs/demo.yaml", "--print-config",
+                              "objective.temperature=0.3"]) == 0
+    assert "temperature: 0.3" in capsys.readouterr().out
+    assert exit_status(main, ["objective.temprature=0.3"]) == 2
+    bad = capsys.readouterr().err
+    assert "objective.temprature" in bad and "command-line override" in bad
+    assert exit_status(main, []) == 2
+    assert f"{STAGES[module]} needs a value" in capsys.readouterr().err
 
 
 def test_help_points_at_every_key_and_help_config_lists_them():

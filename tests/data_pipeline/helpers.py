@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import psutil
 from PIL import Image
 
 from data_pipeline.digits import DigitsSource
@@ -71,3 +72,15 @@ def cut_inside_header(path: Path, member: str) -> None:
     with tarfile.open(path) as tar:
         header = next(m.offset for m in tar.getmembers() if m.name == member)
     path.write_bytes(path.read_bytes()[: header + 100])
+
+
+def live_loader_workers() -> list[psutil.Process]:
+    """This process's DataLoader workers still running (a forkserver's children included)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() == "pt_data_worker" and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found

@@ -19,7 +19,13 @@ from data_pipeline.formats import Sample
 from data_pipeline.loader import LoaderState, TrainLoader, train_batches
 from data_pipeline.loader.backends import backend_spec
 from data_pipeline.transforms import decode
-from tests.data_pipeline.helpers import digit_jpeg, digit_sample, uneven_set, write_set
+from tests.data_pipeline.helpers import (
+    digit_jpeg,
+    digit_sample,
+    live_loader_workers,
+    uneven_set,
+    write_set,
+)
 
 LEVEL = 1 / 255 / 0.229  # one uint8 level after normalising (the largest of the channels)
 
@@ -100,6 +106,7 @@ def test_resume_continues_exactly_and_undecodable_images_are_dropped(tmp_path):
         assert any("bogus" in e for e in batch["skipped_examples"])
     assert state.skipped["corrupt_image"] == sum(b["skipped"].get("corrupt_image", 0)
                                                  for b in full)
+    assert not live_loader_workers()  # ended with the epoch, not left to the collector
     resumed = list(train_batches(cfg, state=snapshots[stop - 1]))
     assert len(resumed) == len(full) - stop
     for got, want in zip(resumed, full[stop:], strict=True):
