@@ -7,8 +7,11 @@ Each run lands where its seed and the CPU's kernels take it, so each threshold s
 standard deviations below the mean gain over seeds 0-4 (``docs/learning.md``, "What CI
 asserts", with the command that measured them); the run here is seed 0.
 
-- SupCon trains its whole recipe (10 epochs) and must gain in class structure: weighted
-  kNN top-1 (k = 20) and the linear probe's top-1.
+- SupCon trains 5 of its recipe's 10 epochs and must gain in class structure: weighted
+  kNN top-1 (k = 20) and the linear probe's top-1. What this still proves: the labels'
+  positives, through the real command and the gathering boundary, teach the encoder the
+  classes of canvases it never saw (gains 7 and 11 standard deviations from zero over
+  seeds). The whole recipe's margins are the learning benchmark's claims.
 - InfoNCE trains 8 of its recipe's 30 epochs (its whole recipe took 11-15 minutes here,
   three quarters of the suite's longest test). What this still proves: InfoNCE's gradient,
   through the real command and the gathering boundary, teaches the encoder the instance
@@ -52,7 +55,7 @@ class Check:
 # InfoNCE's kNN gain at 8 epochs (0.073 +- 0.045) leaves no such threshold above zero
 CHECKS = [Check("infonce", 8, knn_gain=None, probe_gain=0.08,  # 0.133 +- 0.017
                 views_gain=0.02),  # 0.052 +- 0.010
-          Check("supcon", 10, knn_gain=0.44, probe_gain=0.46,  # 0.556 +- 0.036, 0.548 +- 0.028
+          Check("supcon", 5, knn_gain=0.18, probe_gain=0.28,  # 0.319 +- 0.045, 0.390 +- 0.035
                 views_gain=None)]
 
 
