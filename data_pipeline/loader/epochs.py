@@ -177,10 +177,10 @@ class TrainLoader:
                     # now rather than when the iterator is collected (5 s a worker then,
                     # when a reference cycle holds it)
                     next(batches, None)
-                if last and self.persistent:
-                    # workers begin the next epoch now (a persistent loader hands out the
-                    # same iterator again, reset: hence the break below)
-                    self.prepared = self._start()
+                    if self.persistent:
+                        # workers begin the next epoch now (a persistent loader hands out
+                        # the same iterator again, reset: hence the break below)
+                        self.prepared = self._start()
                 yield batch
                 if last:
                     break
