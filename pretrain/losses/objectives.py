@@ -57,7 +57,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     "holder_flatnce": ObjectiveSpec(holder_flatnce, HolderFlatNCEConfig, ("gamma",)),
     "xclr": ObjectiveSpec(xclr, XclrConfig, ("target_temperature",), soft_targets=True),
     "projnce": ObjectiveSpec(
-        projnce, ProjNCEConfig, ("projection", "bandwidth", "kernel_metric"),
+        projnce, ProjNCEConfig, ("projection", "bandwidth", "kernel_metric", "neighbours"),
         parameters=(LossParameter("class_embeddings", class_embeddings_when_learned),),
         labels=True),
     "clip": ObjectiveSpec(clip, text_tower=True),

@@ -6,24 +6,30 @@ Each function returns [G, D] for the G label groups of ``ContrastiveBatch.group_
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 KernelMetric = Literal["l1", "l2", "cos"]
+# The most [rows, neighbours, D] elements one tile of the kernel weights gathers
+GATHER_BUDGET = 2**24
 
 
 def plain_kernel_class_means(z: Tensor, labels: Tensor, num_classes: int, bandwidth: float,
-                             metric: KernelMetric) -> Tensor:
+                             metric: KernelMetric, neighbours: int | None = None) -> Tensor:
     """The Nadaraya-Watson class means as written (eq. 16-17), K(t) = 1 - t^2 on [0, 1]:
-    ``z`` [N, D] unit rows, ``labels`` [N] in [0, C); returns [C, D] (every class present)."""
+    ``z`` [N, D] unit rows, ``labels`` [N] in [0, C); returns [C, D] (every class present).
+    With ``neighbours`` = k, each sample weighs only its k most similar others (z_j . z_m)."""
     distance = {"l1": lambda: torch.cdist(z, z, p=1.0), "l2": lambda: torch.cdist(z, z),
                 "cos": lambda: 0.5 - 0.5 * z @ z.T}[metric]()                # [N, N]
     self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)
     weight = torch.where(self_pair, 1.0, (1 - (distance / bandwidth) ** 2).clamp(min=0))
+    if neighbours is not None:  # the k nearest by cosine, and the sample itself
+        nearest = (z @ z.T).masked_fill(self_pair, float("-inf")).topk(neighbours).indices
+        weight = weight * self_pair.scatter(1, nearest, True)
     one_hot = F.one_hot(labels, num_classes).to(z.dtype)                    # [N, C]
     posterior = weight @ one_hot / weight.sum(1, keepdim=True)              # NW(c | z_j)
     return posterior.T @ z / posterior.sum(0)[:, None]                      # f_hat(c)
@@ -35,83 +41,139 @@ def plain_median_class_embeddings(z: Tensor, labels: Tensor, num_classes: int) -
                         for c in range(num_classes)])
 
 
-def _pair_distance(a: Tensor, b: Tensor, metric: KernelMetric) -> Tensor:
-    if metric == "l1":
-        return (a - b).abs().sum(1)
-    if metric == "l2":
-        return (a - b).norm(dim=1)
-    return 0.5 - 0.5 * (a * b).sum(1)
+class KernelMeans(NamedTuple):
+    """The class means [G, D] and the fraction of real rows whose neighbours may not hold
+    every sample within the bandwidth ([], 0 when the means are exact)."""
+
+    means: Tensor
+    truncated: Tensor
 
 
 def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
-                       bandwidth: float, metric: KernelMetric = "l1",
-                       tile_size: int | None = None, valid: Tensor | None = None) -> Tensor:
-    """Nadaraya-Watson class means f_hat(c) (eq. 16-17) with K(t) = 1 - t^2 on [0, 1].
+                       bandwidth: float, metric: KernelMetric, neighbours: int,
+                       tile_size: int | None = None,
+                       valid: Tensor | None = None) -> KernelMeans:
+    """Nadaraya-Watson class means f_hat(c) (eq. 16-17) with K(t) = 1 - t^2 on [0, 1],
+    each sample weighing its ``neighbours`` = k most similar others.
 
     ``candidates`` [N, D] unit vectors, ``groups`` [N] group of each. Weights
-    w_jm = K(d(z_j, z_m) / h); NW(c | z_j) = sum_m w_jm 1{g_m = c} / sum_m w_jm;
-    f_hat(c) = sum_j NW(c | z_j) z_j / sum_j NW(c | z_j) (0 for a group without members).
-    The weights are computed over [T, T] blocks of the pair distances (T = ``tile_size``,
-    all N without it), each block recomputed in the backward instead of saved, so memory
-    stays O(N (D + G) + T^2) and no shape depends on how many pairs lie within h. The 1/h
-    factor of K_h cancels in the ratio. ``valid`` [N] leaves padding rows out (they vote
-    for no class).
+    w_jm = K(d(z_j, z_m) / h) for the k columns m of largest z_j . z_m (0 for the rest);
+    NW(c | z_j) = sum_m w_jm 1{g_m = c} / sum_m w_jm, the sample itself counted with
+    K(0) = 1; f_hat(c) = sum_j NW(c | z_j) z_j / sum_j NW(c | z_j) (0 for an empty group).
+
+    Exact when no row has more than k others within the bandwidth: for unit vectors the
+    cosine ranks l2 and cos distances exactly, and l1 >= l2 puts an l1 ball inside the l2
+    ball of the same radius. ``truncated`` flags the rows whose (k+1)-th most similar
+    column still lies inside that ball (for l1 an upper bound). The neighbours come from a
+    matrix product and a fixed-size top-k over [R, C] tiles (R rows; C columns, all N
+    without ``tile_size`` T, else R C <= N T); the distances and weights are [R, k], their [R, k, D]
+    pairs gathered again in the backward: no shape depends on the values, and the l1
+    distance costs O(N k D) rather than O(N^2 D). ``valid`` [N] leaves padding out (it
+    votes for no class and is nobody's neighbour).
     """
-    n = candidates.shape[0]
-    size = tile_size or n
-    one_hot = F.one_hot(groups, num_groups).to(candidates.dtype)  # [N, G]
-    real = torch.ones(n, dtype=candidates.dtype, device=candidates.device)
-    if valid is not None:
-        real = valid.to(candidates.dtype)
-        one_hot = one_hot * real[:, None]
-    votes, row_sums = [], []
-    for row in range(0, n, size):
-        block_votes = one_hot[row:row + size]  # K(0) = 1: the sample itself
-        block_sum = torch.ones(block_votes.shape[0], dtype=candidates.dtype,
-                               device=candidates.device)
-        for col in range(0, n, size):
-            total, voted = checkpoint(_block_votes, candidates[row:row + size],
-                                      candidates[col:col + size], groups[col:col + size],
-                                      num_groups,
-                                      real[row:row + size, None] * real[None, col:col + size],
-                                      row - col, bandwidth, metric, use_reentrant=False)
-            block_sum, block_votes = block_sum + total, block_votes + voted
-        votes.append(block_votes)
-        row_sums.append(block_sum)
+    n, dim = candidates.shape
+    k = max(1, min(neighbours, n - 1))
+    real = (torch.ones(n, dtype=torch.bool, device=candidates.device) if valid is None
+            else valid)
+    rows_per_tile = max(1, min(tile_size or n, GATHER_BUDGET // (k * dim)))
+    # [R, C] products: at most the [N, T] of the other objectives' tiles
+    columns_per_tile = n if tile_size is None else min(n, tile_size * n // rows_per_tile)
+    ball = (1 - 2 * bandwidth) if metric == "cos" else (1 - bandwidth**2 / 2)  # cosine
+    votes, row_sums, flagged = [], [], []
+    for row in range(0, n, rows_per_tile):
+        rows = candidates[row:row + rows_per_tile]
+        nearest, chosen, outside = _nearest(rows.detach(), candidates.detach(), row, k,
+                                            real, columns_per_tile)
+        own = real[row:row + rows_per_tile]
+        total, voted = _neighbour_votes(rows, candidates, nearest, own[:, None] & chosen,
+                                        groups, num_groups, bandwidth, metric)
+        itself = F.one_hot(groups[row:row + rows_per_tile], num_groups) * own[:, None]
+        votes.append(voted + itself.to(voted.dtype))  # K(0) = 1: the sample itself
+        row_sums.append(total + 1)
+        flagged.append((outside > ball) & own)
     posterior = torch.cat(votes) / torch.cat(row_sums)[:, None]  # [N, G] NW(c | z_j)
     mass = posterior.sum(0)[:, None]
-    return (posterior.T @ candidates) / mass.clamp(min=torch.finfo(mass.dtype).tiny)
+    means = (posterior.T @ candidates) / mass.clamp(min=torch.finfo(mass.dtype).tiny)
+    truncated = torch.cat(flagged).sum() / real.sum().clamp(min=1)
+    return KernelMeans(means, truncated.to(candidates.dtype))
 
 
-def _block_votes(rows: Tensor, cols: Tensor, col_groups: Tensor, num_groups: int,
-                 real: Tensor, offset: int, bandwidth: float,
-                 metric: KernelMetric) -> tuple[Tensor, Tensor]:
-    """([R] sum of the kernel weights of each row over the block's other columns, [R, G]
-    those weights summed per group of the columns, ``col_groups`` [C]); ``real`` [R, C] is
-    0 where the row or the column is padding; ``offset`` = row start - column start places
-    the diagonal (the sample itself, counted apart)."""
-    weight = (1 - _scaled_square_distances(rows, cols, metric, bandwidth)).clamp(min=0) * real
-    r = torch.arange(rows.shape[0], device=rows.device)
-    c = torch.arange(cols.shape[0], device=rows.device)
-    weight = weight.masked_fill(r[:, None] + offset == c[None, :], 0.0)
-    voted = weight.new_zeros(weight.shape[0], num_groups).index_add(1, col_groups, weight)
+@torch.no_grad()
+def _nearest(rows: Tensor, candidates: Tensor, start: int, k: int, real: Tensor,
+             step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """([R, k] the columns of largest rows . column; [R, k] False where that is the row
+    itself or padding, which fill the places real columns leave; [R] the (k+1)-th largest
+    product, -inf if there is none): the top k + 1 of each tile of ``step`` columns merged
+    with the best so far."""
+    r = torch.arange(rows.shape[0], device=rows.device)[:, None] + start
+    best = best_index = None
+    for col in range(0, candidates.shape[0], step):
+        cols = torch.arange(col, min(col + step, candidates.shape[0]), device=rows.device)
+        products = (rows @ candidates[col:col + step].T).masked_fill_(
+            (cols[None, :] == r) | ~real[col:col + step][None, :], float("-inf"))
+        values, at = products.topk(min(k + 1, len(cols)), dim=1)
+        if best is not None:
+            values, at = torch.cat([best, values], 1), torch.cat([best_index, at + col], 1)
+            values, pick = values.topk(min(k + 1, values.shape[1]), dim=1)
+            at = at.gather(1, pick)
+        best, best_index = values, at
+    return best_index[:, :k], best[:, :k] > float("-inf"), best[:, k]
+
+
+def _neighbour_votes(rows: Tensor, candidates: Tensor, nearest: Tensor, keep: Tensor,
+                     groups: Tensor, num_groups: int, bandwidth: float,
+                     metric: KernelMetric) -> tuple[Tensor, Tensor]:
+    """([R] the kernel weights of each row over its ``nearest`` [R, k] columns, summed;
+    [R, G] those weights summed per group); ``keep`` [R, k] is False where the row is
+    padding or the column is the row itself or padding."""
+    if metric == "cos":
+        distance = 0.5 - 0.5 * NeighbourReduction.apply(rows, candidates, nearest, "dot")
+        square = (distance / bandwidth) ** 2
+    else:  # l2 squared directly: the root's gradient at 0 is infinite
+        reduced = NeighbourReduction.apply(rows, candidates, nearest, metric)
+        square = reduced / bandwidth**2 if metric == "l2" else (reduced / bandwidth) ** 2
+    weight = (1 - square).clamp(min=0) * keep  # [R, k]
+    voted = weight.new_zeros(weight.shape[0], num_groups).scatter_add(1, groups[nearest],
+                                                                      weight)
     return weight.sum(1), voted
 
 
-def _scaled_square_distances(rows: Tensor, cols: Tensor, metric: KernelMetric,
-                             bandwidth: float) -> Tensor:
-    """[R, C] (d / h)^2 between the rows of ``rows`` [R, D] and ``cols`` [C, D]. l2 and cos
-    are matrix products (l2 squared as |a|^2 + |b|^2 - 2 a.b: no square root, whose
-    gradient at a zero distance is infinite). l1 goes through torch.cdist, whose backward
-    holds an [R, C, D] buffer on a GPU (34 GB at R = C = 8,192, D = 128 on an H100), so
-    ``objective.tile_size`` (R = C = T) is what bounds it there."""
-    if metric == "l2":
-        square = (rows.square().sum(1)[:, None] + cols.square().sum(1)[None, :]
-                  - 2 * rows @ cols.T).clamp(min=0)
-        return square / bandwidth**2
-    distance = (0.5 - 0.5 * rows @ cols.T if metric == "cos"
-                else torch.cdist(rows, cols, p=1.0))
-    return (distance / bandwidth) ** 2
+class NeighbourReduction(torch.autograd.Function):
+    """[R, k] sum over d of f(rows[r, d], candidates[nearest[r, i], d]), f one of ``l1``
+    |x - y|, ``l2`` (x - y)^2 and ``dot`` x y. The [R, k, D] pairs are gathered again in
+    the backward rather than saved, so a tile holds [R, k] between the passes."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, candidates: Tensor, nearest: Tensor, kind: str) -> Tensor:
+        ctx.save_for_backward(rows, candidates, nearest)
+        ctx.kind = kind
+        pairs = _gathered(candidates, nearest)  # [R, k, D]
+        if kind == "dot":
+            return (pairs @ rows[:, :, None])[..., 0]
+        difference = torch.sub(rows[:, None, :], pairs, out=pairs)
+        return (difference.abs_() if kind == "l1" else difference.square_()).sum(2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        rows, candidates, nearest = ctx.saved_tensors
+        pairs = _gathered(candidates, nearest)
+        if ctx.kind == "dot":  # d/dx = y, d/dy = x
+            grad_rows = (grad[:, None, :] @ pairs)[:, 0]
+            towards = grad[:, :, None] * rows[:, None, :]
+        else:  # d/dx = -d/dy = sign(x - y) or 2 (x - y)
+            towards = torch.sub(rows[:, None, :], pairs, out=pairs)
+            towards = towards.sign_() if ctx.kind == "l1" else towards.mul_(2)
+            towards.mul_(grad[:, :, None])
+            grad_rows = towards.sum(1)
+            towards.neg_()
+        grad_candidates = torch.zeros_like(candidates).index_add_(
+            0, nearest.flatten(), towards.view(-1, candidates.shape[1]))
+        return grad_rows, grad_candidates, None, None
+
+
+def _gathered(candidates: Tensor, nearest: Tensor) -> Tensor:
+    return candidates.index_select(0, nearest.flatten()).view(*nearest.shape, -1)
 
 
 def median_class_embeddings(candidates: Tensor, groups: Tensor, counts: Tensor,

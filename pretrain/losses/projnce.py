@@ -78,10 +78,15 @@ class ProjNCEConfig:
     projection: Projection = "centroid"  # the class projection g(c)
     bandwidth: float = 0.5  # kernel: Nadaraya-Watson bandwidth h
     kernel_metric: KernelMetric = "l1"  # kernel: distance
+    # kernel: each sample weighs its k most similar others (exact while no sample has k
+    # within h; the metric kernel_truncated reports the share that has)
+    neighbours: int = 64
 
     def validate(self) -> None:
         if not self.bandwidth > 0:
             raise InvalidValue("bandwidth", f"must be > 0, got {self.bandwidth}")
+        if self.neighbours < 1:
+            raise InvalidValue("neighbours", f"must be >= 1, got {self.neighbours}")
 
 
 def _centroid_plus(batch: ContrastiveBatch) -> Tensor:
@@ -102,22 +107,27 @@ def _group_lse(batch: ContrastiveBatch, group_logits: Tensor) -> Tensor:
 
 
 def _group_projection(batch: ContrastiveBatch, projection: Projection, bandwidth: float,
-                      kernel_metric: KernelMetric, class_embeddings: Tensor | None) -> Tensor:
-    """[G, D] one projected vector per label group of the global batch."""
+                      kernel_metric: KernelMetric, neighbours: int,
+                      class_embeddings: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """[G, D] one projected vector per label group of the global batch, and the
+    projection's own metrics."""
     values, groups, counts = batch.group_index("label")
     cand = as_float(batch.candidates)
     if projection == "kernel":  # its class posterior is [N, G]: give num_classes for G = C
-        return kernel_class_means(cand, groups, counts.shape[0], bandwidth, kernel_metric,
-                                  tile_size=batch.tile_size, valid=batch.valid)
+        kernel = kernel_class_means(cand, groups, counts.shape[0], bandwidth, kernel_metric,
+                                    neighbours, tile_size=batch.tile_size, valid=batch.valid)
+        return kernel.means, {"kernel_truncated": kernel.truncated}
     if projection == "median":
-        return median_class_embeddings(cand, groups, counts, batch.valid)
-    return learned_class_embeddings(class_embeddings.to(cand.dtype), values)
+        return median_class_embeddings(cand, groups, counts, batch.valid), {}
+    return learned_class_embeddings(class_embeddings.to(cand.dtype), values), {}
 
 
 def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
             projection: Projection, bandwidth: float, kernel_metric: KernelMetric,
-            class_embeddings: Tensor | None = None) -> ObjectiveOutput:
-    """ProjNCE with the chosen projection; ``metrics["adjustment"]`` is the mean R."""
+            neighbours: int, class_embeddings: Tensor | None = None) -> ObjectiveOutput:
+    """ProjNCE with the chosen projection; ``metrics["adjustment"]`` is the mean R (and
+    ``metrics["kernel_truncated"]``, kernel only, the share of samples with more than
+    ``neighbours`` others inside the bandwidth)."""
     require_labels(batch, "projnce")
     if projection == "learned":
         if class_embeddings is None:
@@ -127,6 +137,7 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
         batch = dataclasses.replace(batch, num_classes=class_embeddings.shape[0])
     kind = "label"
     columns = ColumnSet(kind)
+    projection_metrics: dict[str, Tensor] = {}
     with full_precision(batch):
         anchors = scaled(batch.anchors, temperature)  # [n, D]
         if projection == "centroid":  # g- = z: minus logits are the similarity logits
@@ -136,8 +147,9 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
             lse_minus = minus.lse
             lse_plus = row_logsumexp(batch, anchors, plus, columns).lse
         else:  # g+ = g- per label group
-            projected = _group_projection(batch, projection, bandwidth, kernel_metric,
-                                          class_embeddings)  # [G, D]
+            projected, projection_metrics = _group_projection(
+                batch, projection, bandwidth, kernel_metric, neighbours,
+                class_embeddings)  # [G, D]
             _, groups, _ = batch.group_index(kind)
             plus_own = pair_logits(anchors, projected, (batch.self_pairs()[0],
                                                         groups[batch.anchor_index]))
@@ -155,7 +167,7 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
         adjustment = torch.exp(lse_plus - lse_minus)  # [n]; exactly 1 when g+ = g-
         loss = batch.anchor_mean(i_proj + adjustment, kind)
         extra = {"adjustment": batch.anchor_mean(adjustment, kind),
-                 "i_proj": batch.anchor_mean(i_proj, kind)}
+                 "i_proj": batch.anchor_mean(i_proj, kind), **projection_metrics}
         return finish(batch, loss, kind, temperature, extra=extra, **_monitors(
             batch, minus, temperature))
 

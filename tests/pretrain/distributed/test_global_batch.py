@@ -14,13 +14,16 @@ from tests.pretrain.losses.conftest import make_multiview_batch
 
 CASES = [(name, {}) for name in OBJECTIVES if name != "projnce"] + [
     ("projnce", {"projection": "centroid"}), ("projnce", {"projection": "median"}),
-    ("projnce", {"projection": "kernel", "bandwidth": 2.0})]
+    ("projnce", {"projection": "kernel", "bandwidth": 2.0}),
+    ("projnce", {"projection": "kernel", "bandwidth": 3.0, "neighbours": 3})]
 
 
 @pytest.mark.parametrize("tile_size", [None, 5], ids=["dense", "tiled"])
 @pytest.mark.parametrize("num_negatives", [None, 5])
 @pytest.mark.parametrize(("name", "hparams"), CASES,
-                         ids=[f"{n}-{h.get('projection', '')}".rstrip("-") for n, h in CASES])
+                         ids=[f"{n}-{h.get('projection', '')}".rstrip("-")
+                              + (f"-{h['neighbours']}-neighbours" if "neighbours" in h else "")
+                              for n, h in CASES])
 def test_two_ranks_equal_one_process(gloo2, name, hparams, num_negatives, tile_size):
     """Each rank's tiles (when on) against the dense single process."""
     ranks = gloo2.run(rank_tasks.objective_on_rank, name, hparams, num_negatives, tile_size)

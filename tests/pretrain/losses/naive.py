@@ -154,18 +154,27 @@ def centroid_projections(z: Tensor, labels: Tensor) -> tuple[list[Tensor], list[
     return plus, [z[k] for k in range(n)]
 
 
-def kernel_projections(z: Tensor, labels: Tensor, h: float, metric: str) -> list[Tensor]:
+def kernel_projections(z: Tensor, labels: Tensor, h: float, metric: str,
+                       neighbours: int | None = None) -> list[Tensor]:
+    """With ``neighbours`` = k, sample j weighs only the k others of largest z_j . z_m."""
     z, n = unit(z), len(z)
 
-    def weight(j: int, m: int) -> Tensor:
+    def nearest(j: int) -> set[int]:
+        similarity = z.detach() @ z[j].detach()
+        others = sorted((m for m in range(n) if m != j), key=lambda m: -float(similarity[m]))
+        return set(others[:neighbours or n])
+
+    def weight(j: int, m: int, kept: set[int]) -> Tensor:
         if j == m:
             return torch.ones((), dtype=z.dtype)
+        if m not in kept:
+            return torch.zeros((), dtype=z.dtype)
         diff = z[j] - z[m]
         d = {"l1": diff.abs().sum(), "l2": diff.norm(),
              "cos": 0.5 - 0.5 * (z[j] @ z[m])}[metric]
         return torch.clamp(1 - (d / h) ** 2, min=0)
 
-    w = [[weight(j, m) for m in range(n)] for j in range(n)]
+    w = [[weight(j, m, nearest(j)) for m in range(n)] for j in range(n)]
     means = {}
     for c in set(labels.tolist()):
         nw = [sum(w[j][m] for m in range(n) if labels[m] == c) / sum(w[j]) for j in range(n)]

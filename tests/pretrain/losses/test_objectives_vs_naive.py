@@ -139,6 +139,27 @@ def test_projnce_kernel(batch, metric, bandwidth):
     assert_same(batch, loss, naive.projnce(batch.z, batch.labels, TAU, g, g)[0])
 
 
+@pytest.mark.parametrize(("metric", "bandwidth"), [("l1", 3.5), ("l2", 1.6), ("cos", 0.9)])
+def test_projnce_kernel_weighs_the_nearest_neighbours(batch, metric, bandwidth):
+    """With k = 3 of 18 others, most samples have more than k within the bandwidth: each
+    weighs its 3 most similar, the loss moves, and kernel_truncated counts those samples
+    (whose 4th most similar other lies inside the cosine ball of the bandwidth)."""
+    kernel = {"projection": "kernel", "bandwidth": bandwidth, "kernel_metric": metric}
+    loss, metrics = batch_loss("projnce", batch.z, batch.ids, batch.labels, temperature=TAU,
+                               neighbours=3, **kernel)
+    g = naive.kernel_projections(batch.z, batch.labels, bandwidth, metric, neighbours=3)
+    assert_same(batch, loss, naive.projnce(batch.z, batch.labels, TAU, g, g)[0])
+    every, every_metrics = batch_loss("projnce", batch.z, batch.ids, batch.labels,
+                                      temperature=TAU, neighbours=18, **kernel)
+    assert abs(every.item() - loss.item()) > 1e-3
+    assert every_metrics["kernel_truncated"].item() == 0.0
+    z = naive.unit(batch.z.detach())
+    similarity = (z @ z.T).fill_diagonal_(float("-inf"))
+    ball = 1 - 2 * bandwidth if metric == "cos" else 1 - bandwidth**2 / 2
+    fourth = similarity.sort(dim=1, descending=True).values[:, 3]
+    assert 0.5 < metrics["kernel_truncated"].item() == (fourth > ball).double().mean().item()
+
+
 def test_projnce_kernel_support_is_neither_empty_nor_full(batch):
     """The bandwidths above give some, but not all, pairs kernel weight."""
     z = naive.unit(batch.z.detach())

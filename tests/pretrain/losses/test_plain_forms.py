@@ -68,6 +68,11 @@ CASES: dict[str, tuple[Callable[[Batch], dict], Callable[[Batch], torch.Tensor]]
                    "num_classes": CLASSES},
         lambda b: grouped(b, plain_kernel_class_means(unit(b.z), b.labels, CLASSES, 1.5,
                                                       "l1"))),
+    "projnce[kernel, 3 neighbours]": (
+        lambda b: {"labels": b.labels, "projection": "kernel", "bandwidth": 3.0,
+                   "neighbours": 3, "num_classes": CLASSES},
+        lambda b: grouped(b, plain_kernel_class_means(unit(b.z), b.labels, CLASSES, 3.0,
+                                                      "l1", neighbours=3))),
     "projnce[median]": (
         lambda b: {"labels": b.labels, "projection": "median", "num_classes": CLASSES},
         lambda b: grouped(b, plain_median_class_embeddings(unit(b.z), b.labels, CLASSES))),

@@ -21,8 +21,10 @@ CASES = [(name, {}) for name in OBJECTIVES if name not in ("projnce", "xclr")] +
     ("xclr", {"targets": "captions"}), ("xclr", {"targets": "class_graph"}),
     ("projnce", {"projection": "centroid"}), ("projnce", {"projection": "median"}),
     ("projnce", {"projection": "kernel", "bandwidth": 1.2}),
+    ("projnce", {"projection": "kernel", "bandwidth": 3.0, "neighbours": 3}),
     ("projnce", {"projection": "learned"})]
-IDS = [f"{n}-{h.get('projection', h.get('targets', ''))}".rstrip("-") for n, h in CASES]
+IDS = [f"{n}-{h.get('projection', h.get('targets', ''))}".rstrip("-")
+       + (f"-{h['neighbours']}-neighbours" if "neighbours" in h else "") for n, h in CASES]
 
 
 def inputs(b: Batch, name: str, hparams: dict) -> tuple[dict, list[torch.Tensor]]:
