@@ -17,7 +17,13 @@ from torch import Tensor
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import MASKED_LOGIT, ColumnSet, PositiveKind
 from pretrain.losses.common import as_float, row_softmax_
-from pretrain.losses.tiles import TargetLogits, TiledRows, TilePlan, tiled_rows
+from pretrain.losses.tiles import (
+    TargetLogits,
+    TiledRows,
+    TilePlan,
+    tiled_rows,
+    tiled_rows_and_pair_terms,
+)
 
 
 class RowTerms(NamedTuple):
@@ -83,6 +89,18 @@ def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
             neg_logits = batch.columns(column_set.negatives).apply(logits, 0.0).sum(1)
     return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits, pos_lse,
                     pos_logits)
+
+
+def row_logsumexp_and_pair_terms(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
+                                 column_set: ColumnSet, eps: float) -> tuple[RowTerms, Tensor]:
+    """Tiled only: :func:`row_logsumexp` of SINCERE's negatives ``column_set`` with its
+    monitors and the positives' log-sum-exp, and [n] the sum over each anchor's positives
+    of softplus(lse_i - l_ip + eps) - eps, in one pass whose backward recomputes each tile
+    once (``tiles.tiled_rows_and_pair_terms``)."""
+    plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
+    rows, pair_sum = tiled_rows_and_pair_terms(
+        anchors, as_float(columns), plan, batch.column_tiles(column_set.positives_only), eps)
+    return _terms(batch, column_set, rows, monitors=True), pair_sum
 
 
 def masked_logsumexp(values: Tensor, drop: Tensor) -> Tensor:

@@ -18,15 +18,13 @@ from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
     Temperature,
-    as_float,
     finish,
     full_precision,
     positive_logit_mean,
     require_labels,
     scaled,
 )
-from pretrain.losses.rows import row_logsumexp
-from pretrain.losses.tiles import pair_terms
+from pretrain.losses.rows import row_logsumexp, row_logsumexp_and_pair_terms
 
 
 def plain_sincere(z: Tensor, labels: Tensor, tau: float, eps: float = 0.0) -> Tensor:
@@ -52,17 +50,15 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
     columns = ColumnSet(kind, positives=False)
     with full_precision(batch):
         anchors = scaled(batch.anchors, temperature)  # [n, D]
-        dense = batch.tile_size is None
-        negatives = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True,
-                                  positive_lse=True, positive_logits=dense)
-        if dense:  # the positives' logits taken off the [n, N] logits, masked
+        if batch.tile_size is None:  # the positives' logits taken off the [n, N] logits
+            negatives = row_logsumexp(batch, anchors, batch.candidates, columns,
+                                      monitors=True, positive_lse=True, positive_logits=True)
             terms = F.softplus(negatives.lse[:, None] - negatives.positive_logits + eps) - eps
             drop = batch.columns(columns.positives_only).drop
             pair_sum = terms.masked_fill(drop, 0.0).sum(1)  # [n]
         else:  # per column tile, from masks: no [P] pair list
-            pair_sum = pair_terms(anchors, as_float(batch.candidates), negatives.lse, eps,
-                                  batch.column_tiles(columns.positives_only),
-                                  batch.tile_size)  # [n]
+            negatives, pair_sum = row_logsumexp_and_pair_terms(batch, anchors,
+                                                               batch.candidates, columns, eps)
         pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
         loss = batch.anchor_mean(pair_sum / num_pos.clamp(min=1), kind)
         all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)

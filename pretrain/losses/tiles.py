@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pretrain.losses.columns import MASKED_LOGIT, ColumnTiles
@@ -64,17 +65,24 @@ class _PassSums(NamedTuple):
 
 
 class _Running:
-    """Online log-sum-exp of one row set: max ``top`` [n] and sum of exp(x - top)."""
+    """Online log-sum-exp of one row set: max ``top`` [n] and sum of exp(x - top).
 
-    def __init__(self, n: int, like: Tensor) -> None:
+    ``sparse``: most entries are masked. Their x - top is then raised to -80 before the
+    exp: an exp whose result underflows takes a slow path on x86 CPUs (16x), and N e^-80
+    is far below the resolution of a sum that holds e^0 = 1 from its maximum.
+    """
+
+    def __init__(self, n: int, like: Tensor, sparse: bool = False) -> None:
         self.top = like.new_full((n,), MASKED_LOGIT)
         self.total = like.new_zeros(n)
+        self.sparse = sparse
 
     def update(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Fold in x [n, T]; returns (exp(x - new top), the old sums' rescale factor)."""
         top = torch.maximum(self.top, x.amax(dim=1))
         scale = torch.exp(self.top - top)
-        weights = torch.exp(x - top[:, None])
+        shifted = x - top[:, None]
+        weights = (shifted.clamp_(min=-80.0) if self.sparse else shifted).exp_()
         self.total = self.total * scale + weights.sum(1)
         self.top = top
         return weights, scale
@@ -97,7 +105,7 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
     n, num_columns = anchors.shape[0], columns.shape[0]
     rows = _Running(n, anchors)
     targets = _Running(n, anchors) if plan.targets is not None else None
-    positives = _Running(n, anchors) if plan.positives is not None else None
+    positives = _Running(n, anchors, sparse=True) if plan.positives is not None else None
     term = anchors.new_zeros(n)  # sum exp(target - top) * l, rescaled with the targets' top
     cross = anchors.new_zeros(n)  # sum exp(target - top) * target
     neg_sum, neg_sq = anchors.new_zeros(n), anchors.new_zeros(n)
@@ -187,7 +195,10 @@ class _TiledLogSumExp(torch.autograd.Function):
 
 def tiled_rows(anchors: Tensor, columns: Tensor, plan: TilePlan) -> TiledRows:
     """Row reductions of ``anchors`` [n, D] @ ``columns`` [N, D].T under ``plan``."""
-    sums = _PassSums(*_TiledLogSumExp.apply(anchors, columns, plan))
+    return _tiled_rows(plan, _PassSums(*_TiledLogSumExp.apply(anchors, columns, plan)))
+
+
+def _tiled_rows(plan: TilePlan, sums: _PassSums) -> TiledRows:
     has_targets = plan.targets is not None
     return TiledRows(
         lse=sums.lse,
@@ -199,40 +210,52 @@ def tiled_rows(anchors: Tensor, columns: Tensor, plan: TilePlan) -> TiledRows:
     )
 
 
-class _PairTerms(torch.autograd.Function):
-    """sum over the columns of ``positives`` of softplus(lse_neg_i - l_ij + eps) - eps, per
-    anchor [n] (SINCERE's pair terms), tile by tile from masks of fixed shape (no count of
-    pairs is read back); the backward recomputes each tile's logits."""
+class _RowsAndPairTerms(torch.autograd.Function):
+    """The tiled pass of ``plan`` (its log-sum-exp lse_i over the negatives, and its
+    monitors) and SINCERE's pair terms sum over the columns of ``positives`` of
+    softplus(lse_i - l_ij + eps) - eps, per anchor [n], in one node. Its backward
+    recomputes each tile's logits once for both: d terms / d lse_i = sum_p sigmoid(lse_i -
+    l_ip + eps), summed in the forward, joins the gradient of lse_i."""
 
     @staticmethod
-    def forward(ctx, anchors: Tensor, columns: Tensor, lse_neg: Tensor, eps: float,
-                positives: ColumnTiles, tile_size: int) -> Tensor:
+    def forward(ctx, anchors: Tensor, columns: Tensor, plan: TilePlan,
+                positives: ColumnTiles, eps: float) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
-        total = anchors.new_zeros(anchors.shape[0])
+        sums = _forward(anchors, columns, plan)
+        pair_sum = anchors.new_zeros(anchors.shape[0])
+        slope_sum = anchors.new_zeros(anchors.shape[0])
         for block, _, _, keep, logits in _pair_tiles(anchors, columns, positives,
-                                                      tile_size):
-            terms = torch.nn.functional.softplus(lse_neg[block, None] - logits + eps) - eps
-            total[block] += torch.where(keep, terms, terms.new_zeros(())).sum(1)
-        ctx.eps, ctx.positives, ctx.tile_size = eps, positives, tile_size
-        ctx.save_for_backward(anchors, columns, lse_neg)
-        return total
+                                                      plan.tile_size):
+            x = sums.lse[block, None] - logits + eps
+            pair_sum[block] += torch.where(keep, F.softplus(x) - eps, 0.0).sum(1)
+            slope_sum[block] += torch.where(keep, torch.sigmoid(x), 0.0).sum(1)
+        ctx.plan, ctx.positives, ctx.eps = plan, positives, eps
+        ctx.save_for_backward(anchors, columns, sums.lse, slope_sum)
+        ctx.mark_non_differentiable(*sums[1:])
+        return (*sums, pair_sum)
 
     @staticmethod
-    def backward(ctx, grad_total: Tensor | None) -> tuple[Tensor | None, ...]:
-        if grad_total is None:
-            return None, None, None, None, None, None
-        anchors, columns, lse_neg = ctx.saved_tensors
+    def backward(ctx, grad_lse: Tensor | None, *grads: Tensor | None,
+                 ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+        grad_pairs = grads[-1]
+        if grad_lse is None and grad_pairs is None:
+            return None, None, None, None, None
+        anchors, columns, lse, slope_sum = ctx.saved_tensors
+        zero = torch.zeros_like(lse)
+        grad_pairs = zero if grad_pairs is None else grad_pairs
+        row_weight = (zero if grad_lse is None else grad_lse) + grad_pairs * slope_sum
         grad_anchors, grad_columns = torch.zeros_like(anchors), torch.zeros_like(columns)
-        grad_lse = torch.zeros_like(lse_neg)
         for block, start, stop, keep, logits in _pair_tiles(anchors, columns, ctx.positives,
-                                                            ctx.tile_size):
-            # d term / d lse_neg = sigmoid(lse_neg - l + eps) = -d term / d l
-            slope = torch.sigmoid(lse_neg[block, None] - logits + ctx.eps)
-            slope = torch.where(keep, slope, slope.new_zeros(())) * grad_total[block, None]
-            grad_lse[block] += slope.sum(1)
-            grad_anchors[block] -= slope @ columns[start:stop]
-            grad_columns[start:stop] -= slope.T @ anchors[block]
-        return grad_anchors, grad_columns, grad_lse, None, None, None
+                                                            ctx.plan.tile_size):
+            # -d terms / d l_ip = sigmoid(lse_i - l_ip + eps), read before the mask
+            slope = torch.sigmoid(lse[block, None] - logits + ctx.eps)
+            slope = torch.where(keep, slope, 0.0).mul_(grad_pairs[block, None])
+            ctx.plan.columns.tile(start, stop, block).fill_(logits, MASKED_LOGIT)
+            grad_logits = torch.exp(logits - lse[block, None]).mul_(row_weight[block, None])
+            grad_logits -= slope
+            grad_anchors[block] += grad_logits @ columns[start:stop]
+            grad_columns[start:stop] += grad_logits.T @ anchors[block]
+        return grad_anchors, grad_columns, None, None, None
 
 
 def _pair_tiles(anchors: Tensor, columns: Tensor, positives: ColumnTiles, tile_size: int,
@@ -246,8 +269,9 @@ def _pair_tiles(anchors: Tensor, columns: Tensor, positives: ColumnTiles, tile_s
             yield block, start, stop, keep, anchors[block] @ columns[start:stop].T
 
 
-def pair_terms(anchors: Tensor, columns: Tensor, lse_neg: Tensor, eps: float,
-               positives: ColumnTiles, tile_size: int) -> Tensor:
-    """[n] sum over the positives of SINCERE's pair terms, with gradient; ``tile_size``
-    columns at a time (all of them for the dense path)."""
-    return _PairTerms.apply(anchors, columns, lse_neg, eps, positives, tile_size)
+def tiled_rows_and_pair_terms(anchors: Tensor, columns: Tensor, plan: TilePlan,
+                              positives: ColumnTiles, eps: float) -> tuple[TiledRows, Tensor]:
+    """:func:`tiled_rows` of ``plan`` (its columns SINCERE's negatives) and [n] the sum
+    over ``positives`` of SINCERE's pair terms with margin ``eps``, with gradient."""
+    *sums, pair_sum = _RowsAndPairTerms.apply(anchors, columns, plan, positives, eps)
+    return _tiled_rows(plan, _PassSums(*sums)), pair_sum
