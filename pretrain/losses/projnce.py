@@ -78,9 +78,8 @@ class ProjNCEConfig:
     projection: Projection = "centroid"  # the class projection g(c)
     bandwidth: float = 0.5  # kernel: Nadaraya-Watson bandwidth h
     kernel_metric: KernelMetric = "l1"  # kernel: distance
-    # kernel: each sample weighs its k most similar others (exact while no sample has k
-    # within h; the metric kernel_truncated reports the share that has)
-    neighbours: int = 64
+    # exact while no sample has more than k others within h (metric kernel_truncated)
+    neighbours: int = 64  # kernel: each sample weighs its k most similar others
 
     def validate(self) -> None:
         if not self.bandwidth > 0:
