@@ -15,7 +15,12 @@ import torch
 from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
-from pretrain.losses.columns import MASKED_LOGIT, ColumnSet, PositiveKind
+from pretrain.losses.columns import (
+    MASKED_LOGIT,
+    NEGLIGIBLE_LOG_WEIGHT,
+    ColumnSet,
+    PositiveKind,
+)
 from pretrain.losses.common import as_float, row_softmax_
 from pretrain.losses.tiles import (
     TargetLogits,
@@ -115,7 +120,7 @@ def masked_logsumexp(values: Tensor, drop: Tensor) -> Tensor:
     top = values.masked_fill(drop, float("-inf")).amax(1, keepdim=True)  # [n, 1]
     kept = top.isfinite()
     top = torch.where(kept, top, 0.0)
-    total = (values - top).masked_fill_(drop, -80.0).exp_().sum(1, keepdim=True)
+    total = (values - top).masked_fill_(drop, NEGLIGIBLE_LOG_WEIGHT).exp_().sum(1, keepdim=True)
     return torch.where(kept, total.log_() + top, MASKED_LOGIT)[:, 0]
 
 

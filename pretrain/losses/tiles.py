@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.columns import MASKED_LOGIT, ColumnTiles
+from pretrain.losses.columns import MASKED_LOGIT, NEGLIGIBLE_LOG_WEIGHT, ColumnTiles
 
 # (start, stop, rows) -> [rows, stop - start] target logits of a block of anchor rows, no grad
 TargetLogits = Callable[[int, int, slice], Tensor]
@@ -67,9 +67,8 @@ class _PassSums(NamedTuple):
 class _Running:
     """Online log-sum-exp of one row set: max ``top`` [n] and sum of exp(x - top).
 
-    ``sparse``: most entries are masked. Their x - top is then raised to -80 before the
-    exp: an exp whose result underflows takes a slow path on x86 CPUs (16x), and N e^-80
-    is far below the resolution of a sum that holds e^0 = 1 from its maximum.
+    ``sparse``: most entries are masked. Their x - top is then raised to
+    ``NEGLIGIBLE_LOG_WEIGHT`` before the exp (``columns.py``).
     """
 
     def __init__(self, n: int, like: Tensor, sparse: bool = False) -> None:
@@ -82,7 +81,7 @@ class _Running:
         top = torch.maximum(self.top, x.amax(dim=1))
         scale = torch.exp(self.top - top)
         shifted = x - top[:, None]
-        weights = (shifted.clamp_(min=-80.0) if self.sparse else shifted).exp_()
+        weights = (shifted.clamp_(min=NEGLIGIBLE_LOG_WEIGHT) if self.sparse else shifted).exp_()
         self.total = self.total * scale + weights.sum(1)
         self.top = top
         return weights, scale
