@@ -3,6 +3,7 @@ column tiles (``objective.tile_size``, docs/negatives.md).
 
     python -m bench.negatives                         # N = 8192 ... 131072, D = 128
     python -m bench.negatives --sizes 8192 16384      # a quick run
+    python -m bench.negatives --part peaks            # peak memory at N = 131072
 
 One process holds all N embeddings as anchors and candidates (N/2 images x 2 views, 100
 classes). Each (path, N) runs forward + backward of infonce in a fresh child process with
@@ -11,13 +12,18 @@ process before the loss; dense runs only while its
 [N, N] float32 logits and their softmax fit in ``--dense-limit-gib``. In this process,
 every objective's tiled time is timed against its dense time at N = 8192 (interleaved).
 
+Peaks: forward + backward of infonce and of xclr (caption targets, 384-dim captions) at
+N = 131,072, tiles of 256 and 4,096, each in a fresh child process: peak resident memory
+against the figure recorded in ``RECORDED_PEAK_GIB``.
+
 A training step with cached-gradient chunks (``train.chunk_size``): 4,096 views per
 process (2,048 images x 2), the small CNN at 32 px, infonce, at chunk sizes 4,096 (one
 chunk, plus the chunked path's extra no-gradient forward), 512 and 128 against the plain
 step, each in a fresh child process: time per step and peak resident memory.
 
 Targets: tiled peak memory grows linearly in N (doubling N at most 2.3x the memory above
-the idle process); tiled infonce time at N = 8192 within 1.3x of dense. Writes
+the idle process); tiled infonce time at N = 8192 within 1.3x of dense; every peak at
+most 1.2x its recorded figure. Writes
 bench/results/negatives.json and prints tables.
 """
 
@@ -47,9 +53,13 @@ from pretrain.losses.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
 
 NUM_CLASSES = 100
 RATIO_N = 8192
-# the tiled peak resident memory (GiB) docs/benchmarks.md records at N = 131,072, T = 256
-# (2026-11-25); a run more than 20% above it fails its check (the tiles' memory grew)
-RECORDED_PEAK_GIB = {131072: 1.44}
+CAPTION_DIM = 384  # all-MiniLM-L6-v2's embeddings
+PEAK_N = 131072
+# the tiled peak resident memory (GiB) of forward + backward at N = PEAK_N that
+# docs/benchmarks.md records per (objective, tile size); a run more than PEAK_TOLERANCE
+# times above it fails its check (the tiles' memory grew)
+RECORDED_PEAK_GIB = {("infonce", 256): 1.09, ("infonce", 4096): 1.22,
+                     ("xclr", 256): 1.47, ("xclr", 4096): 1.51}
 PEAK_TOLERANCE = 1.2
 
 
@@ -60,28 +70,37 @@ def embeddings(n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return z, ids, ids % NUM_CLASSES
 
 
-def child(n: int, dim: int, tile_size: int | None, repeats: int) -> dict:
-    """Forward + backward of infonce in this (fresh) process: seconds and peak RSS, with
-    the default allocator (keep_freed_memory would hold on to every freed tile)."""
+def child(n: int, dim: int, tile_size: int | None, repeats: int,
+          objective: str = "infonce") -> dict:
+    """Forward + backward of ``objective`` (infonce, or xclr on caption embeddings) in this
+    (fresh) process: seconds and peak RSS, with the default allocator (keep_freed_memory
+    would hold on to every freed tile)."""
     z, ids, labels = embeddings(n, dim)
+    captions = None
+    if objective == "xclr":
+        gen = torch.Generator().manual_seed(n + 1)
+        captions = torch.nn.functional.normalize(
+            torch.randn(n // 2, CAPTION_DIM, generator=gen), dim=1)[ids]
     idle = peak_rss_bytes()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         z.grad = None
-        batch = local_batch(BatchRows(z, ids, labels), BatchOptions(tile_size=tile_size))
+        batch = local_batch(BatchRows(z, ids, labels, captions=captions),
+                            BatchOptions(tile_size=tile_size))
         if tile_size is None:  # dense even above the automatic choice's limit
             batch = dataclasses.replace(batch, tile_size=None)
-        objective_function("infonce")(batch, 0.1).loss.backward()
+        objective_function(objective)(batch, 0.1).loss.backward()
         times.append(time.perf_counter() - start)
     peak = peak_rss_bytes()
     return {"seconds": min(times), "peak_gib": peak / 2**30, "idle_gib": idle / 2**30}
 
 
-def run_child(n: int, dim: int, tile_size: int | None, repeats: int) -> dict:
+def run_child(n: int, dim: int, tile_size: int | None, repeats: int,
+              objective: str = "infonce") -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "bench.negatives", "--child", str(n), str(tile_size or 0),
-         "--dim", str(dim), "--repeats", str(repeats)],
+         "--dim", str(dim), "--repeats", str(repeats), "--objective", objective],
         check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -199,7 +218,9 @@ def main() -> None:
     parser.add_argument("--tile-size", type=int, default=AUTO_TILE_SIZE)
     parser.add_argument("--dense-limit-gib", type=float, default=16.0)
     parser.add_argument("--repeats", type=int, default=5, help="timing rounds")
-    parser.add_argument("--part", choices=["tiles", "chunks", "all"], default="all")
+    parser.add_argument("--part", choices=["tiles", "peaks", "chunks", "all"], default="all")
+    parser.add_argument("--objective", choices=["infonce", "xclr"], default="infonce",
+                        help=argparse.SUPPRESS)
     parser.add_argument("--chunk-views", type=int, default=4096)
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[4096, 512, 128])
     parser.add_argument("--child", type=int, nargs=2, metavar=("N", "TILE"), help=argparse.SUPPRESS)
@@ -208,7 +229,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         n, tile = args.child
-        print(json.dumps(child(n, args.dim, tile or None, args.repeats)))
+        print(json.dumps(child(n, args.dim, tile or None, args.repeats, args.objective)))
         return
     if args.chunk_child:
         print(json.dumps(chunk_child(*args.chunk_child, args.repeats)))
@@ -216,6 +237,10 @@ def main() -> None:
     payload = {"machine": machine()}
     if args.part in ("tiles", "all"):
         payload.update(tiles_part(args))
+    if args.part in ("peaks", "all"):
+        peaks = peaks_part(args.dim)
+        payload["peaks"] = peaks["rows"]
+        payload.setdefault("targets", {}).update(peaks["targets"])
     if args.part in ("chunks", "all"):
         print(f"training step, {args.chunk_views} views, chunked:")
         chunks = chunk_rows(args.chunk_views, args.chunk_sizes, min(args.repeats, 2))
@@ -238,13 +263,6 @@ def tiles_part(args: argparse.Namespace) -> dict:
     checks = {"tiled memory grows linearly (<= 2.3x per doubling of N)":
               bool(growth) and all(g <= 2.3 for g in growth.values()),
               f"tiled infonce <= 1.3x dense at N = {RATIO_N}": infonce <= 1.3}
-    if args.tile_size == AUTO_TILE_SIZE:
-        for n, recorded in RECORDED_PEAK_GIB.items():
-            peak = next((r["peak_gib"] for r in scaling if r["N"] == n and r["path"] == "tiled"),
-                        None)
-            if peak is not None:
-                checks[f"tiled peak at N = {n} <= {PEAK_TOLERANCE} x the recorded "
-                       f"{recorded} GiB (got {peak:.2f})"] = peak <= PEAK_TOLERANCE * recorded
     print_table(scaling, ["N", "path", "fits", "seconds", "peak_gib", "above_idle_gib"])
     print_table(ratios, ["objective", "dense_ms", "tiled_ms", "tiled_vs_dense"])
     print("memory growth per doubling of N:", {k: round(v, 2) for k, v in growth.items()})
@@ -252,6 +270,28 @@ def tiles_part(args: argparse.Namespace) -> dict:
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
     return {"dim": args.dim, "tile_size": args.tile_size, "scaling": scaling,
             "memory_growth_per_doubling": growth, "objectives": ratios, "targets": checks}
+
+
+
+def peaks_part(dim: int) -> dict:
+    """Peak resident memory at N = PEAK_N of every recorded (objective, tile size), each in
+    a fresh child process, against the recorded figure."""
+    print(f"peak memory at N = {PEAK_N}, one process per row:")
+    rows, checks = [], {}
+    for (objective, tile_size), recorded in RECORDED_PEAK_GIB.items():
+        result = run_child(PEAK_N, dim, tile_size, 1, objective)
+        rows.append({"objective": objective, "tile_size": tile_size, **result,
+                     "recorded_gib": recorded})
+        print(f"  {objective} T={tile_size}: {result['seconds']:.0f} s, "
+              f"peak {result['peak_gib']:.2f} GiB", flush=True)
+        checks[f"{objective} peak at N = {PEAK_N}, T = {tile_size} <= {PEAK_TOLERANCE} x the "
+               f"recorded {recorded} GiB (got {result['peak_gib']:.2f})"] = \
+            result["peak_gib"] <= PEAK_TOLERANCE * recorded
+    print_table(rows, ["objective", "tile_size", "seconds", "peak_gib", "idle_gib",
+                       "recorded_gib"])
+    for name, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+    return {"rows": rows, "targets": checks}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The learning benchmark: does training learn, and do the papers' claims reproduce?
 
-    python -m bench.learning                      # everything: ~4 h on 2 CPU cores
+    python -m bench.learning                      # everything: ~6 h on 2 CPU cores
     python -m bench.learning --part main --seeds 0 --only infonce supcon
     python -m bench.learning --part sweep         # the sweeps behind the recipes
     python -m bench.learning --report-only        # the report from the finished runs

@@ -65,6 +65,7 @@ def build_global_batch(rows: BatchRows, options: BatchOptions | None = None,
     return ContrastiveBatch(
         candidates=gather(rows.z, normalize=True),
         anchor_index=torch.arange(rank * width, rank * width + n, device=device),
+        anchor_start=rank * width,
         ids=keys[:, 0],
         labels=None if rows.labels is None else keys[:, 1],
         captions=gather(rows.captions, normalize=True),

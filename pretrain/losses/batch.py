@@ -63,6 +63,9 @@ class ContrastiveBatch:
         valid: [N] bool, False at padding rows (a rank that held fewer rows than the
             others pads them so that every gather has one shape); None: every row is real.
             A padding row is no candidate, no anchor and no member of any group.
+        anchor_start: set when ``anchor_index`` is the range [anchor_start, anchor_start +
+            n), as every rank's is: ``anchors`` is then a view of those candidate rows, not
+            an [n, D] copy.
 
     Every shape here follows from N, n and C, never from the values the batch holds, so
     no objective reads a value back to the host (``docs/training.md``).
@@ -81,11 +84,14 @@ class ContrastiveBatch:
     world_size: int = 1
     num_classes: int | None = None
     valid: Tensor | None = None
+    anchor_start: int | None = None
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
     @cached_property
     def anchors(self) -> Tensor:
         """[n, D] this rank's anchor embeddings (rows of ``candidates``)."""
+        if self.anchor_start is not None:
+            return self.candidates[self.anchor_start:self.anchor_start + len(self.anchor_index)]
         return self.candidates[self.anchor_index]
 
     @property
@@ -149,7 +155,7 @@ class ContrastiveBatch:
             rows = self.candidates if of == "candidates" else self.text
             rows = rows if rows.dtype in (torch.float32, torch.float64) else rows.float()
             self._cache["sums", kind, of] = rows.new_zeros(
-                counts.shape[0], rows.shape[1]).index_add(0, groups, rows)
+                counts.shape[0], rows.shape[1]).index_add_(0, groups, rows)
         return self._cache["sums", kind, of]
 
     def positive_mask(self, kind: PositiveKind) -> Tensor:
@@ -292,6 +298,7 @@ def local_batch(rows: BatchRows, options: BatchOptions = BatchOptions()) -> Cont
     return ContrastiveBatch(
         candidates=normalize(rows.z, dim=1),
         anchor_index=torch.arange(rows.z.shape[0], device=rows.z.device),
+        anchor_start=0,
         ids=rows.ids,
         labels=rows.labels,
         captions=None if rows.captions is None else normalize(rows.captions, dim=1),

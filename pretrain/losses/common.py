@@ -71,6 +71,11 @@ def scaled(anchors: Tensor, temperature: Temperature) -> Tensor:
     return as_float(anchors) / temperature
 
 
+def row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """[n] a_i . b_i of [n, D] rows, as one batched matmul: no [n, D] product is made."""
+    return torch.einsum("nd,nd->n", a, b)
+
+
 def pair_logits(anchors: Tensor, columns: Tensor, pairs: tuple[Tensor, Tensor]) -> Tensor:
     """[P] logits a_r . c_c of the (rows, cols) ``pairs``, without the [n, N] matrix."""
     rows, cols = pairs
@@ -149,7 +154,7 @@ def positive_logit_mean(batch: ContrastiveBatch, kind: PositiveKind,
     anchors = as_float(batch.anchors)
     anchor_group = groups[batch.anchor_index]
     sums = batch.group_sums(kind)
-    total = (anchors * sums[anchor_group]).sum(1) - (anchors * anchors).sum(1)
+    total = row_dot(anchors, sums[anchor_group]) - row_dot(anchors, anchors)
     num_pos = (counts[anchor_group] - 1).to(total.dtype)
     return total / num_pos.clamp(min=1) / temperature, num_pos
 
@@ -186,7 +191,7 @@ def negative_cosine_sum(batch: ContrastiveBatch, kind: PositiveKind, tau: Temper
     _, groups, _ = batch.group_index(kind)
     anchors = as_float(batch.anchors)
     columns = as_float(batch.candidates if of == "candidates" else batch.text)
-    same_group = (anchors * batch.group_sums(kind, of)[groups[batch.anchor_index]]).sum(1)
+    same_group = row_dot(anchors, batch.group_sums(kind, of)[groups[batch.anchor_index]])
     return anchors @ columns.sum(0) - same_group
 
 

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import MASKED_LOGIT, ColumnSet, ColumnTiles
 from pretrain.losses.common import Temperature, as_float
-from pretrain.losses.tiles import row_blocks
+from pretrain.losses.tiles import TileBuffers, row_blocks
 
 
 class SigmoidRows(NamedTuple):
@@ -76,12 +76,15 @@ class _TiledSoftplus(torch.autograd.Function):
                 plan: _Plan) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         total, products = anchors.new_zeros(len(anchors)), anchors.new_zeros(len(anchors))
+        buffers = TileBuffers(row_blocks(len(anchors), plan.tile_size, anchors.device),
+                              plan.tile_size, anchors, 2)
         for block, start, stop in _tiles(plan, anchors, columns):
             kept = plan.columns.tile(start, stop, block)
-            raw = anchors[block] @ columns[start:stop].T
+            shape = (block.stop - block.start, stop - start)
+            raw = torch.mm(anchors[block], columns[start:stop].T, out=buffers[0](*shape))
             if plan.with_products:
-                products[block] += kept.apply(raw, 0.0).sum(1)
-            total[block] += F.softplus(kept.fill_(raw + bias, MASKED_LOGIT)).sum(1)
+                products[block] += kept.fill_(buffers[1](*shape).copy_(raw), 0.0).sum(1)
+            total[block] += F.softplus(kept.fill_(raw.add_(bias), MASKED_LOGIT)).sum(1)
         ctx.plan = plan
         ctx.save_for_backward(anchors, columns, bias)
         ctx.mark_non_differentiable(products)
@@ -96,14 +99,17 @@ class _TiledSoftplus(torch.autograd.Function):
         grad_anchors = torch.zeros_like(anchors)
         grad_columns = torch.zeros_like(columns) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias)
+        buffers = TileBuffers(row_blocks(len(anchors), plan.tile_size, anchors.device),
+                              plan.tile_size, anchors, 1)
         for block, start, stop in _tiles(plan, anchors, columns):
             part, rows = columns[start:stop], anchors[block]
-            logits = plan.columns.tile(start, stop, block).fill_(rows @ part.T + bias,
-                                                                 MASKED_LOGIT)
-            grad_logits = torch.sigmoid(logits).mul_(grad_total[block, None])  # softplus'
-            grad_anchors[block] += grad_logits @ part
+            logits = torch.addmm(bias, rows, part.T,
+                                 out=buffers[0](block.stop - block.start, stop - start))
+            grad_logits = plan.columns.tile(start, stop, block).fill_(logits, MASKED_LOGIT)
+            grad_logits.sigmoid_().mul_(grad_total[block, None])  # softplus'
+            grad_anchors[block].addmm_(grad_logits, part)
             if grad_columns is not None:
-                grad_columns[start:stop] += grad_logits.T @ rows
+                grad_columns[start:stop].addmm_(grad_logits.T, rows)
             grad_bias += grad_logits.sum()
         return (grad_anchors, grad_columns,
                 grad_bias if ctx.needs_input_grad[2] else None, None)

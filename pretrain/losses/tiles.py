@@ -22,8 +22,9 @@ from torch import Tensor
 
 from pretrain.losses.columns import MASKED_LOGIT, NEGLIGIBLE_LOG_WEIGHT, ColumnTiles
 
-# (start, stop, rows) -> [rows, stop - start] target logits of a block of anchor rows, no grad
-TargetLogits = Callable[[int, int, slice], Tensor]
+# (start, stop, rows, out) -> the [rows, stop - start] target logits of a block of anchor
+# rows, written into ``out`` (the same shape) and returned; no grad
+TargetLogits = Callable[[int, int, slice, Tensor], Tensor]
 CPU_BLOCK_ELEMENTS = 2**18  # a CPU [rows, T] tile: 1 MiB of float32, about a core's L2
 
 
@@ -64,6 +65,20 @@ class _PassSums(NamedTuple):
     positive_lse: Tensor
 
 
+class TileBuffers:
+    """Float buffers of [rows, T] tiles, allocated once per pass and reused by every tile
+    of every row block: per-tile temporaries, freed and allocated again hundreds of times,
+    leave blocks that glibc keeps resident (``docs/benchmarks.md``, tiled memory)."""
+
+    def __init__(self, blocks: list[slice], tile_size: int, like: Tensor, count: int) -> None:
+        rows = blocks[0].stop - blocks[0].start if blocks else 0  # the first is the largest
+        self._buffers = [like.new_empty(rows * tile_size) for _ in range(count)]
+
+    def __getitem__(self, index: int) -> Callable[[int, int], Tensor]:
+        """Buffer ``index`` as a contiguous [rows, width] tensor (width <= T)."""
+        return lambda rows, width: self._buffers[index][:rows * width].view(rows, width)
+
+
 class _Running:
     """Online log-sum-exp of one row set: max ``top`` [n] and sum of exp(x - top).
 
@@ -76,11 +91,12 @@ class _Running:
         self.total = like.new_zeros(n)
         self.sparse = sparse
 
-    def update(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Fold in x [n, T]; returns (exp(x - new top), the old sums' rescale factor)."""
+    def update(self, x: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+        """Fold in x [n, T]; returns (exp(x - new top) in ``out`` [n, T], the old sums'
+        rescale factor)."""
         top = torch.maximum(self.top, x.amax(dim=1))
         scale = torch.exp(self.top - top)
-        shifted = x - top[:, None]
+        shifted = torch.sub(x, top[:, None], out=out)
         weights = (shifted.clamp_(min=NEGLIGIBLE_LOG_WEIGHT) if self.sparse else shifted).exp_()
         self.total = self.total * scale + weights.sum(1)
         self.top = top
@@ -98,8 +114,8 @@ def row_blocks(n: int, tile_size: int, device: torch.device) -> list[slice]:
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
 
-def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
-                   block: slice) -> _PassSums:
+def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slice,
+                   scratch: TileBuffers) -> _PassSums:
     """The forward pass for one block of anchor rows (``anchors`` are that block's)."""
     n, num_columns = anchors.shape[0], columns.shape[0]
     rows = _Running(n, anchors)
@@ -111,25 +127,30 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
     neg_logits = anchors.new_zeros(n)
     for start in range(0, num_columns, plan.tile_size):
         stop = min(start + plan.tile_size, num_columns)
+        width = stop - start
         tile = plan.columns.tile(start, stop, block)
-        logits = anchors @ columns[start:stop].T
+        logits = torch.mm(anchors, columns[start:stop].T, out=scratch[0](n, width))
         if positives is not None:  # before the columns' mask leaves positives out
-            positives.update(plan.positives.tile(start, stop, block).apply(logits,
-                                                                           MASKED_LOGIT))
+            kept = plan.positives.tile(start, stop, block).fill_(
+                scratch[2](n, width).copy_(logits), MASKED_LOGIT)
+            positives.update(kept, out=kept)
         tile.fill_(logits, MASKED_LOGIT)
-        weights, scale = rows.update(logits)
+        weights, scale = rows.update(logits, out=scratch[1](n, width))
         if plan.negatives is not None:  # the negatives are a subset of the columns
             negatives = plan.negatives.tile(start, stop, block)
             neg_weights = negatives.fill_(weights, 0.0)
             neg_sum = neg_sum * scale + neg_weights.sum(1)
-            neg_sq = neg_sq * scale.square() + torch.linalg.vecdot(neg_weights, neg_weights)
+            neg_sq = neg_sq * scale.square() + _row_dot(neg_weights, neg_weights,
+                                                         scratch[2](n, width))
             if plan.negative_logit_sum:
-                neg_logits += negatives.apply(logits, 0.0).sum(1)
+                neg_logits += negatives.fill_(scratch[2](n, width).copy_(logits), 0.0).sum(1)
         if targets is not None:
-            target = tile.fill_(plan.targets(start, stop, block), MASKED_LOGIT)
-            target_weights, target_scale = targets.update(target)
-            term = term * target_scale + torch.linalg.vecdot(target_weights, logits)
-            cross = cross * target_scale + torch.linalg.vecdot(target_weights, target)
+            target = tile.fill_(plan.targets(start, stop, block, scratch[3](n, width)),
+                                MASKED_LOGIT)
+            target_weights, target_scale = targets.update(target, out=scratch[4](n, width))
+            term = term * target_scale + _row_dot(target_weights, logits, scratch[2](n, width))
+            cross = cross * target_scale + _row_dot(target_weights, target,
+                                                    scratch[2](n, width))
     lse = rows.lse()
     target_lse, entropy = lse.new_zeros(0), lse.new_zeros(0)
     if targets is not None:
@@ -140,9 +161,17 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan,
                      pos_lse)
 
 
+def _row_dot(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """[n] sum_j a_ij b_ij of [n, T] tiles, the products in ``out`` (``linalg.vecdot``
+    would allocate them)."""
+    return torch.mul(a, b, out=out).sum(1)
+
+
 def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> _PassSums:
-    blocks = [_forward_block(anchors[block], columns, plan, block)
-              for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device)]
+    blocks = row_blocks(anchors.shape[0], plan.tile_size, anchors.device)
+    scratch = TileBuffers(blocks, plan.tile_size, anchors, 5 if plan.targets is not None else 3)
+    blocks = [_forward_block(anchors[block], columns, plan, block, scratch)
+              for block in blocks]
     return _PassSums(*(torch.cat(parts) for parts in zip(*blocks, strict=True)))
 
 
@@ -171,24 +200,30 @@ class _TiledLogSumExp(torch.autograd.Function):
             return None, None, None
         grad_anchors = torch.zeros_like(anchors)
         grad_columns = torch.zeros_like(columns) if ctx.needs_input_grad[1] else None
-        for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device):
+        blocks = row_blocks(anchors.shape[0], plan.tile_size, anchors.device)
+        scratch = TileBuffers(blocks, plan.tile_size, anchors, 2)
+        for block in blocks:
             block_anchors = anchors[block]
+            n = block_anchors.shape[0]
             for start in range(0, columns.shape[0], plan.tile_size):
                 stop = min(start + plan.tile_size, columns.shape[0])
                 tile = plan.columns.tile(start, stop, block)
                 part = columns[start:stop]
-                grad_logits = block_anchors.new_zeros(block_anchors.shape[0], stop - start)
+                grad_logits = None
                 if grad_lse is not None:  # d lse / d l = softmax
-                    logits = tile.fill_(block_anchors @ part.T, MASKED_LOGIT)
-                    grad_logits += torch.exp(logits - lse[block, None]).mul_(
-                        grad_lse[block, None])
+                    grad_logits = tile.fill_(
+                        torch.mm(block_anchors, part.T, out=scratch[0](n, stop - start)),
+                        MASKED_LOGIT)
+                    grad_logits.sub_(lse[block, None]).exp_().mul_(grad_lse[block, None])
                 if grad_term is not None:  # d term / d l = targets
-                    target = tile.fill_(plan.targets(start, stop, block), MASKED_LOGIT)
-                    grad_logits += torch.exp(target - target_lse[block, None]).mul_(
-                        grad_term[block, None])
-                grad_anchors[block] += grad_logits @ part
+                    target = tile.fill_(plan.targets(start, stop, block,
+                                                     scratch[1](n, stop - start)),
+                                        MASKED_LOGIT)
+                    target.sub_(target_lse[block, None]).exp_().mul_(grad_term[block, None])
+                    grad_logits = target if grad_logits is None else grad_logits.add_(target)
+                grad_anchors[block].addmm_(grad_logits, part)
                 if grad_columns is not None:
-                    grad_columns[start:stop] += grad_logits.T @ block_anchors
+                    grad_columns[start:stop].addmm_(grad_logits.T, block_anchors)
         return grad_anchors, grad_columns, None
 
 

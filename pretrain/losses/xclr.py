@@ -144,11 +144,26 @@ def target_logits(batch: ContrastiveBatch, target_temperature: float) -> TargetL
     dtype = as_float(batch.candidates).dtype
     if batch.class_graph is not None:
         rows = batch.class_graph.to(dtype).index_select(0, batch.labels[batch.anchor_index])
-        rows = rows / target_temperature  # [n, C]
-        return lambda start, stop, block: rows[block][:, batch.labels[start:stop]]
-    captions = batch.captions.to(dtype)
-    anchors = captions[batch.anchor_index] / target_temperature  # [n, E]
-    return lambda start, stop, block: anchors[block] @ captions[start:stop].T
+        rows = rows.div_(target_temperature)  # [n, C]
+        return lambda start, stop, block, out: torch.index_select(
+            rows[block], 1, batch.labels[start:stop], out=out)
+    return _CaptionTargets(batch.captions.to(dtype), batch.anchor_index, target_temperature)
+
+
+class _CaptionTargets:
+    """c_i . c_j / tau_s from the caption embeddings [N, E], the anchors' captions gathered
+    once per block of rows (tiles come block by block), not all n at once: at E = 384 an
+    [n, E] copy outweighs the [n, D] embeddings three times."""
+
+    def __init__(self, captions: Tensor, anchor_index: Tensor, temperature: float) -> None:
+        self.captions, self.anchor_index, self.temperature = captions, anchor_index, temperature
+        self._block, self._anchors = slice(0), captions[:0]
+
+    def __call__(self, start: int, stop: int, block: slice, out: Tensor) -> Tensor:
+        if block != self._block:
+            self._block, self._anchors = block, self.captions[self.anchor_index[block]]
+        return torch.mm(self._anchors, self.captions[start:stop].T, out=out).div_(
+            self.temperature)
 
 
 @dataclass

@@ -3,10 +3,12 @@ errors for missing inputs, the named output."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from pretrain.losses import ObjectiveOutput, batch_loss
+from pretrain.losses import BatchRows, ObjectiveOutput, batch_loss, local_batch
 
 
 def test_temperature_cannot_be_passed_as_labels(batch):
@@ -30,3 +32,17 @@ def test_output_is_named_and_holder_flatnce_reports_its_temperature(batch):
     assert float(out.metrics["effective_temperature"]) == pytest.approx(0.05)
     flat = batch_loss("flatnce", batch.z, batch.ids, temperature=0.05)
     assert float(out.metrics["infonce"]) == pytest.approx(float(flat.metrics["infonce"]))
+
+
+def test_a_range_of_anchors_is_a_view_of_the_candidates(batch):
+    """``anchor_start`` makes ``anchors`` the candidate rows themselves (no [n, D] copy),
+    equal to the rows ``anchor_index`` names."""
+    whole = local_batch(BatchRows(batch.z, batch.ids))
+    ranged = dataclasses.replace(whole, anchor_index=torch.arange(3, 9), anchor_start=3)
+    gathered = dataclasses.replace(ranged, anchor_start=None)
+    assert ranged.anchors.untyped_storage().data_ptr() == \
+        ranged.candidates.untyped_storage().data_ptr()
+    assert gathered.anchors.untyped_storage().data_ptr() != \
+        gathered.candidates.untyped_storage().data_ptr()
+    torch.testing.assert_close(ranged.anchors, gathered.anchors, rtol=0, atol=0)
+    assert whole.anchors.shape == whole.candidates.shape and whole.anchor_start == 0
