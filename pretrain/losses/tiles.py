@@ -258,11 +258,14 @@ class _RowsAndPairTerms(torch.autograd.Function):
         sums = _forward(anchors, columns, plan)
         pair_sum = anchors.new_zeros(anchors.shape[0])
         slope_sum = anchors.new_zeros(anchors.shape[0])
+        buffers = _pair_buffers(anchors, plan.tile_size)
         for block, _, _, keep, logits in _pair_tiles(anchors, columns, positives,
-                                                      plan.tile_size):
-            x = sums.lse[block, None] - logits + eps
-            pair_sum[block] += torch.where(keep, F.softplus(x) - eps, 0.0).sum(1)
-            slope_sum[block] += torch.where(keep, torch.sigmoid(x), 0.0).sum(1)
+                                                      plan.tile_size, buffers):
+            drop = ~keep
+            x = torch.sub(sums.lse[block, None], logits, out=logits).add_(eps)
+            slope = torch.sigmoid(x, out=buffers[1](*x.shape))
+            slope_sum[block] += slope.masked_fill_(drop, 0.0).sum(1)
+            pair_sum[block] += F.softplus(x).sub_(eps).masked_fill_(drop, 0.0).sum(1)
         ctx.plan, ctx.positives, ctx.eps = plan, positives, eps
         ctx.save_for_backward(anchors, columns, sums.lse, slope_sum)
         ctx.mark_non_differentiable(*sums[1:])
@@ -279,28 +282,36 @@ class _RowsAndPairTerms(torch.autograd.Function):
         grad_pairs = zero if grad_pairs is None else grad_pairs
         row_weight = (zero if grad_lse is None else grad_lse) + grad_pairs * slope_sum
         grad_anchors, grad_columns = torch.zeros_like(anchors), torch.zeros_like(columns)
+        buffers = _pair_buffers(anchors, ctx.plan.tile_size)
         for block, start, stop, keep, logits in _pair_tiles(anchors, columns, ctx.positives,
-                                                            ctx.plan.tile_size):
+                                                            ctx.plan.tile_size, buffers):
             # -d terms / d l_ip = sigmoid(lse_i - l_ip + eps), read before the mask
-            slope = torch.sigmoid(lse[block, None] - logits + ctx.eps)
-            slope = torch.where(keep, slope, 0.0).mul_(grad_pairs[block, None])
-            ctx.plan.columns.tile(start, stop, block).fill_(logits, MASKED_LOGIT)
-            grad_logits = torch.exp(logits - lse[block, None]).mul_(row_weight[block, None])
-            grad_logits -= slope
-            grad_anchors[block] += grad_logits @ columns[start:stop]
-            grad_columns[start:stop] += grad_logits.T @ anchors[block]
+            slope = torch.sub(lse[block, None], logits, out=buffers[1](*logits.shape))
+            slope.add_(ctx.eps).sigmoid_().masked_fill_(~keep, 0.0).mul_(grad_pairs[block, None])
+            grad_logits = ctx.plan.columns.tile(start, stop, block).fill_(logits, MASKED_LOGIT)
+            grad_logits.sub_(lse[block, None]).exp_().mul_(row_weight[block, None]).sub_(slope)
+            grad_anchors[block].addmm_(grad_logits, columns[start:stop])
+            grad_columns[start:stop].addmm_(grad_logits.T, anchors[block])
         return grad_anchors, grad_columns, None, None, None
 
 
+def _pair_buffers(anchors: Tensor, tile_size: int) -> TileBuffers:
+    """The logits and one more [rows, T] buffer of a pass over SINCERE's pair tiles."""
+    return TileBuffers(row_blocks(anchors.shape[0], tile_size, anchors.device), tile_size,
+                       anchors, 2)
+
+
 def _pair_tiles(anchors: Tensor, columns: Tensor, positives: ColumnTiles, tile_size: int,
-                ) -> Iterator[tuple[slice, int, int, Tensor, Tensor]]:
-    """(block of anchor rows, start, stop, [rows, T] positives mask, [rows, T] logits) of
-    every tile."""
+                buffers: TileBuffers) -> Iterator[tuple[slice, int, int, Tensor, Tensor]]:
+    """(block of anchor rows, start, stop, [rows, T] positives mask, [rows, T] logits in
+    ``buffers[0]``) of every tile."""
     for block in row_blocks(anchors.shape[0], tile_size, anchors.device):
         for start in range(0, columns.shape[0], tile_size):
             stop = min(start + tile_size, columns.shape[0])
             keep = positives.tile(start, stop, block).keep
-            yield block, start, stop, keep, anchors[block] @ columns[start:stop].T
+            logits = buffers[0](block.stop - block.start, stop - start)
+            yield block, start, stop, keep, torch.mm(anchors[block], columns[start:stop].T,
+                                                     out=logits)
 
 
 def tiled_rows_and_pair_terms(anchors: Tensor, columns: Tensor, plan: TilePlan,
