@@ -76,8 +76,7 @@ class _TiledSoftplus(torch.autograd.Function):
                 plan: _Plan) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         total, products = anchors.new_zeros(len(anchors)), anchors.new_zeros(len(anchors))
-        buffers = TileBuffers(row_blocks(len(anchors), plan.tile_size, anchors.device),
-                              plan.tile_size, anchors, 2)
+        buffers = TileBuffers(anchors, plan.tile_size, 2)
         for block, start, stop in _tiles(plan, anchors, columns):
             kept = plan.columns.tile(start, stop, block)
             shape = (block.stop - block.start, stop - start)
@@ -99,8 +98,7 @@ class _TiledSoftplus(torch.autograd.Function):
         grad_anchors = torch.zeros_like(anchors)
         grad_columns = torch.zeros_like(columns) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias)
-        buffers = TileBuffers(row_blocks(len(anchors), plan.tile_size, anchors.device),
-                              plan.tile_size, anchors, 1)
+        buffers = TileBuffers(anchors, plan.tile_size, 1)
         for block, start, stop in _tiles(plan, anchors, columns):
             part, rows = columns[start:stop], anchors[block]
             logits = torch.addmm(bias, rows, part.T,

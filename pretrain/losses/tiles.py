@@ -70,9 +70,9 @@ class TileBuffers:
     of every row block: per-tile temporaries, freed and allocated again hundreds of times,
     leave blocks that glibc keeps resident (``docs/benchmarks.md``, tiled memory)."""
 
-    def __init__(self, blocks: list[slice], tile_size: int, like: Tensor, count: int) -> None:
-        rows = blocks[0].stop - blocks[0].start if blocks else 0  # the first is the largest
-        self._buffers = [like.new_empty(rows * tile_size) for _ in range(count)]
+    def __init__(self, anchors: Tensor, tile_size: int, count: int) -> None:
+        rows = min(len(anchors), _block_rows(len(anchors), tile_size, anchors.device))
+        self._buffers = [anchors.new_empty(rows * tile_size) for _ in range(count)]
 
     def __getitem__(self, index: int) -> Callable[[int, int], Tensor]:
         """Buffer ``index`` as a contiguous [rows, width] tensor (width <= T)."""
@@ -110,8 +110,12 @@ def row_blocks(n: int, tile_size: int, device: torch.device) -> list[slice]:
     """Anchor rows in blocks whose [rows, T] tiles stay small on a CPU (in cache, and under
     glibc's mmap threshold, so temporaries are reused instead of page-faulted in per tile);
     one block on a GPU, whose caching allocator reuses memory and wants large matmuls."""
-    size = n if device.type == "cuda" else max(1, CPU_BLOCK_ELEMENTS // tile_size)
+    size = _block_rows(n, tile_size, device)
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def _block_rows(n: int, tile_size: int, device: torch.device) -> int:
+    return n if device.type == "cuda" else max(1, CPU_BLOCK_ELEMENTS // tile_size)
 
 
 def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slice,
@@ -168,10 +172,9 @@ def _row_dot(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
 
 
 def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> _PassSums:
-    blocks = row_blocks(anchors.shape[0], plan.tile_size, anchors.device)
-    scratch = TileBuffers(blocks, plan.tile_size, anchors, 5 if plan.targets is not None else 3)
+    scratch = TileBuffers(anchors, plan.tile_size, 5 if plan.targets is not None else 3)
     blocks = [_forward_block(anchors[block], columns, plan, block, scratch)
-              for block in blocks]
+              for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device)]
     return _PassSums(*(torch.cat(parts) for parts in zip(*blocks, strict=True)))
 
 
@@ -200,9 +203,8 @@ class _TiledLogSumExp(torch.autograd.Function):
             return None, None, None
         grad_anchors = torch.zeros_like(anchors)
         grad_columns = torch.zeros_like(columns) if ctx.needs_input_grad[1] else None
-        blocks = row_blocks(anchors.shape[0], plan.tile_size, anchors.device)
-        scratch = TileBuffers(blocks, plan.tile_size, anchors, 2)
-        for block in blocks:
+        scratch = TileBuffers(anchors, plan.tile_size, 2)
+        for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device):
             block_anchors = anchors[block]
             n = block_anchors.shape[0]
             for start in range(0, columns.shape[0], plan.tile_size):
@@ -258,7 +260,7 @@ class _RowsAndPairTerms(torch.autograd.Function):
         sums = _forward(anchors, columns, plan)
         pair_sum = anchors.new_zeros(anchors.shape[0])
         slope_sum = anchors.new_zeros(anchors.shape[0])
-        buffers = _pair_buffers(anchors, plan.tile_size)
+        buffers = TileBuffers(anchors, plan.tile_size, 2)
         for block, _, _, keep, logits in _pair_tiles(anchors, columns, positives,
                                                       plan.tile_size, buffers):
             drop = ~keep
@@ -282,7 +284,7 @@ class _RowsAndPairTerms(torch.autograd.Function):
         grad_pairs = zero if grad_pairs is None else grad_pairs
         row_weight = (zero if grad_lse is None else grad_lse) + grad_pairs * slope_sum
         grad_anchors, grad_columns = torch.zeros_like(anchors), torch.zeros_like(columns)
-        buffers = _pair_buffers(anchors, ctx.plan.tile_size)
+        buffers = TileBuffers(anchors, ctx.plan.tile_size, 2)
         for block, start, stop, keep, logits in _pair_tiles(anchors, columns, ctx.positives,
                                                             ctx.plan.tile_size, buffers):
             # -d terms / d l_ip = sigmoid(lse_i - l_ip + eps), read before the mask
@@ -293,12 +295,6 @@ class _RowsAndPairTerms(torch.autograd.Function):
             grad_anchors[block].addmm_(grad_logits, columns[start:stop])
             grad_columns[start:stop].addmm_(grad_logits.T, anchors[block])
         return grad_anchors, grad_columns, None, None, None
-
-
-def _pair_buffers(anchors: Tensor, tile_size: int) -> TileBuffers:
-    """The logits and one more [rows, T] buffer of a pass over SINCERE's pair tiles."""
-    return TileBuffers(row_blocks(anchors.shape[0], tile_size, anchors.device), tile_size,
-                       anchors, 2)
 
 
 def _pair_tiles(anchors: Tensor, columns: Tensor, positives: ColumnTiles, tile_size: int,
