@@ -12,8 +12,7 @@ asserts", with the command that measured them); the run here is seed 0.
   positives, through the real command and the gathering boundary, teach the encoder the
   classes of canvases it never saw (gains 7 and 11 standard deviations from zero over
   seeds). The whole recipe's margins are the learning benchmark's claims.
-- InfoNCE trains 8 of its recipe's 30 epochs (its whole recipe took 11-15 minutes here,
-  three quarters of the suite's longest test). What this still proves: InfoNCE's gradient,
+- InfoNCE trains 5 of its recipe's 30 epochs (its whole recipe took 11-15 minutes here). What this still proves: InfoNCE's gradient,
   through the real command and the gathering boundary, teaches the encoder the instance
   discrimination it is written for, on canvases it never saw (view retrieval: a canvas's
   augmented view finds its other view among 1,000), and the linear probe's class
@@ -52,9 +51,9 @@ class Check:
 
 
 # mean - 3 sd of the gain over seeds 0-4, rounded down (docs/learning.md, "What CI asserts");
-# InfoNCE's kNN gain at 8 epochs (0.073 +- 0.045) leaves no such threshold above zero
-CHECKS = [Check("infonce", 8, knn_gain=None, probe_gain=0.08,  # 0.133 +- 0.017
-                views_gain=0.02),  # 0.052 +- 0.010
+# InfoNCE's kNN gain at 5 epochs (0.039 +- 0.025) leaves no such threshold above zero
+CHECKS = [Check("infonce", 5, knn_gain=None, probe_gain=0.06,  # 0.107 +- 0.015
+                views_gain=0.02),  # 0.038 +- 0.004
           Check("supcon", 5, knn_gain=0.18, probe_gain=0.28,  # 0.319 +- 0.045, 0.390 +- 0.035
                 views_gain=None)]
 
