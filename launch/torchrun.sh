@@ -11,6 +11,9 @@
 # joins a c10d rendezvous of between MIN and MAX nodes (RDZV_ID names the job: the same on
 # every node). A lost node stops the others' workers, which restart at the smaller world
 # and resume from the newest checkpoint; a node that starts (again) makes the group grow.
+# RDZV_CONF passes torchrun's --rdzv-conf, e.g. last_call_timeout=5,keep_alive_interval=2:
+# how long a round that has MIN nodes waits for more (torch: 30 s), and the heartbeat period
+# (torch: 5 s; a node is lost after 3 missed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="$1"; shift
@@ -22,7 +25,7 @@ if [ -n "${NNODES:-}" ]; then
     # (torch's default) is not published again to a node that joins a later round
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     nodes=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
-           --rdzv-id "${RDZV_ID:-contrastive-pretrain}")
+           --rdzv-id "${RDZV_ID:-contrastive-pretrain}" ${RDZV_CONF:+--rdzv-conf "$RDZV_CONF"})
 else
     nodes=(--standalone)
 fi

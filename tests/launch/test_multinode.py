@@ -74,7 +74,7 @@ def elastic_agent(job: Path, overrides: list[str], port: int, log) -> subprocess
     """One node of an elastic job: ``launch/torchrun.sh`` in its elastic mode, 1 process."""
     env = {**os.environ, "NNODES": "1:2", "RDZV_ENDPOINT": f"127.0.0.1:{port}",
            "RDZV_ID": "elastic-test", "NPROC": "1", "MAX_RESTARTS": "6",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "RDZV_CONF": "last_call_timeout=3,keep_alive_interval=1"}
     return subprocess.Popen(["bash", "launch/torchrun.sh", str(job), *overrides], cwd=REPO,
                             env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
