@@ -74,7 +74,7 @@ def elastic_agent(job: Path, overrides: list[str], port: int, log) -> subprocess
     """One node of an elastic job: ``launch/torchrun.sh`` in its elastic mode, 1 process."""
     env = {**os.environ, "NNODES": "1:2", "RDZV_ENDPOINT": f"127.0.0.1:{port}",
            "RDZV_ID": "elastic-test", "NPROC": "1", "MAX_RESTARTS": "6",
-           "OMP_NUM_THREADS": "1", "RDZV_CONF": "last_call_timeout=3,keep_alive_interval=1"}
+           "OMP_NUM_THREADS": "1", "RDZV_CONF": "last_call_timeout=10,keep_alive_interval=1"}
     return subprocess.Popen(["bash", "launch/torchrun.sh", str(job), *overrides], cwd=REPO,
                             env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -103,7 +103,7 @@ def test_a_node_lost_and_regained_trains_every_sample_once(digits_shards, tmp_pa
     log = open(log_path, "w")
     text = log_path.read_text
     first = elastic_agent(job, overrides, port, log)  # hosts the rendezvous store
-    time.sleep(2)  # both join the first round (torchrun waits 30 s for more nodes)
+    time.sleep(2)  # both join the first round (RDZV_CONF: it waits 10 s for more nodes)
     second = elastic_agent(job, overrides, port, log)
     checkpoints = tmp_path / "run" / "checkpoints"
     wait_for(lambda: (checkpoints / "step_00000008").exists(), 300, [first, second], log_path)
