@@ -12,11 +12,11 @@ asserts", with the command that measured them); the run here is seed 0.
   positives, through the real command and the gathering boundary, teach the encoder the
   classes of canvases it never saw (gains 7 and 11 standard deviations from zero over
   seeds). The whole recipe's margins are the learning benchmark's claims.
-- InfoNCE trains 5 of its recipe's 30 epochs (its whole recipe took 11-15 minutes here). What this still proves: InfoNCE's gradient,
-  through the real command and the gathering boundary, teaches the encoder the instance
-  discrimination it is written for, on canvases it never saw (view retrieval: a canvas's
-  augmented view finds its other view among 1,000), and the linear probe's class
-  structure rises with it. That the whole recipe reaches the benchmark's class-level
+- InfoNCE trains 5 of its recipe's 30 epochs (its whole recipe took 11-15 minutes here).
+  What this still proves: InfoNCE's gradient, through the real command and the gathering
+  boundary, teaches the encoder the instance discrimination it is written for, on
+  canvases it never saw (view retrieval: a canvas's augmented view finds its other view
+  among 1,000), and the linear probe's class structure rises with it. That the whole recipe reaches the benchmark's class-level
   margins is claim (a) of the learning benchmark, judged over its seeds, not here.
 """
 
