@@ -16,8 +16,9 @@ asserts", with the command that measured them); the run here is seed 0.
   What this still proves: InfoNCE's gradient, through the real command and the gathering
   boundary, teaches the encoder the instance discrimination it is written for, on
   canvases it never saw (view retrieval: a canvas's augmented view finds its other view
-  among 1,000), and the linear probe's class structure rises with it. That the whole recipe reaches the benchmark's class-level
-  margins is claim (a) of the learning benchmark, judged over its seeds, not here.
+  among 1,000), and the linear probe's class structure rises with it. That the whole
+  recipe reaches the benchmark's class-level margins is claim (a) of the learning
+  benchmark, judged over its seeds, not here.
 """
 
 from __future__ import annotations
