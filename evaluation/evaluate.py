@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.collectives import all_ranks_agree
 from core.errors import RunError, full_disk_stops
 from core.runtime import Runtime
 from data_pipeline.config import DataConfig
@@ -37,7 +38,7 @@ from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import load_model, untrained_copy
 from evaluation.probe import linear_probe
 from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json, write_markdown
-from evaluation.retrieval import caption_evaluation, class_embedding_classifier
+from evaluation.retrieval import caption_evaluation, class_embedding_classifier, no_captions
 from evaluation.tracking import INDEX_DIR, end_failed, log_evaluation, upload_outputs
 from pretrain.run.tracking import TrackingConfig, tracking_uri
 from serving.model_registry import ModelRef
@@ -173,13 +174,15 @@ def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtim
     model, ref = load_model(cfg.model, context.run_dir, uri)
     identity = {"model_sha256": model_digest(model),
                 "bank_sha256": bank_digest(cfg.train_shards, data.resolution)}
-    train = extract(model, data, cfg.train_shards, rt.device, rt.rank, rt.world)
     test = extract(model, data, cfg.test_shards, rt.device, rt.rank, rt.world)
     retrieval_shards = cfg.retrieval_shards or cfg.test_shards
-    if model.text is not None and retrieval_shards != cfg.test_shards:
-        retrieval = extract(model, data, retrieval_shards, rt.device, rt.rank, rt.world)
-    else:
-        retrieval = test
+    retrieval = test
+    if model.text is not None:  # shards without captions fail before the bank is read
+        if retrieval_shards != cfg.test_shards:
+            retrieval = extract(model, data, retrieval_shards, rt.device, rt.rank, rt.world)
+        if not all_ranks_agree(retrieval is None or any(retrieval.captions), rt.device):
+            raise no_captions(retrieval_shards)
+    train = extract(model, data, cfg.train_shards, rt.device, rt.rank, rt.world)
     if cfg.compare_untrained:
         floor = untrained_copy(model, context.seed)
         floor_features = [extract(floor, data, shards, rt.device, rt.rank, rt.world)

@@ -103,14 +103,18 @@ def class_embeddings(model: EmbeddingModel, class_names: list[str], templates: l
     return F.normalize(embedded.view(len(class_names), len(templates), -1).mean(1), dim=1)
 
 
+def no_captions(shards: str) -> RunError:
+    return RunError(f"eval.retrieval_shards={shards}: no sample has a caption (txt); "
+                    "retrieval needs held-out caption shards")
+
+
 def caption_evaluation(model: EmbeddingModel, retrieval: Features, labelled: Features,
                        cfg: EvalConfig, shards: str, device: torch.device) -> dict[str, Any]:
     """Retrieval on the captioned samples of ``retrieval`` and zero-shot classification of
     ``labelled`` (its class names in ``cfg.zero_shot_templates``), projector space."""
     captioned = [i for i, caption in enumerate(retrieval.captions) if caption]
     if not captioned:
-        raise RunError(f"eval.retrieval_shards={shards}: no sample has a caption (txt); "
-                       "retrieval needs held-out caption shards")
+        raise no_captions(shards)
     distinct = sorted({retrieval.captions[i] for i in captioned})
     row = {caption: index for index, caption in enumerate(distinct)}
     caption_of_image = torch.tensor([row[retrieval.captions[i]] for i in captioned])

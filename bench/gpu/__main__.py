@@ -1,10 +1,12 @@
 """Run the GPU kit's parts one after another and write their figures.
 
-    python -m bench.gpu OUT_DIR [--dry-run] [--parts tests,sync,...] [--budget SECONDS]
+    python -m bench.gpu OUT_DIR [--dry-run [--jobs N]] [--parts tests,sync,...] [--budget S]
 
 Each part runs in a process of its own with its share of ``--budget`` (time a part leaves
 unused passes to the next); a part that fails or runs out of time is recorded as such and
-the others go on. Writes ``OUT_DIR/gpu.json`` (the machine, every part's rows, status and
+the others go on. The dry run may run ``--jobs`` parts at a time, each with the whole
+budget as its limit (it measures nothing; on a GPU each part runs alone, so that its
+timings are its own). Writes ``OUT_DIR/gpu.json`` (the machine, every part's rows, status and
 log tail), ``OUT_DIR/gpu.md`` (a table per part, also printed) and ``OUT_DIR/logs/``.
 Exits 1 if any part failed.
 """
@@ -19,6 +21,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,15 @@ def run_part(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, A
             "log_tail": log.read_text()[-4000:]}
 
 
+def reported(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, Any]:
+    """:func:`run_part`, its start and end printed."""
+    print(f"gpu kit: {name} (up to {seconds:.0f} s)", flush=True)
+    result = run_part(name, out, seconds, dry_run)
+    print(f"gpu kit: {name} {result['status']} in {result['seconds']:.0f} s: "
+          f"{result.get('summary', '')}", flush=True)
+    return result
+
+
 def table(title: str, status: str, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
     lines = [f"### {title}: {status}", ""]
     if rows:
@@ -79,6 +91,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (the suite)")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, in order")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for all parts")
+    parser.add_argument("--jobs", type=int, default=1, help="parts at a time (dry run only)")
     args = parser.parse_args()
     names = args.parts.split(",")
     unknown = [n for n in names if n not in PARTS]
@@ -86,20 +99,23 @@ def main() -> None:
         parser.error(f"--parts: unknown {', '.join(unknown)} (choose from {', '.join(PARTS)})")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("torch sees no CUDA device: run on a GPU node, or pass --dry-run")
+    if args.jobs != 1 and not args.dry_run:
+        parser.error("--jobs: parts share a GPU only in the dry run (timings would mix)")
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     (args.out / "parts").mkdir(exist_ok=True)
     report = {"machine": machine(), "dry_run": args.dry_run, "budget_s": args.budget,
               "parts": {}}
-    shares = sum(PARTS[n].share for n in names)
-    spare = 0.0
-    for name in names:
-        allowed = args.budget * PARTS[name].share / shares + spare
-        print(f"gpu kit: {name} (up to {allowed:.0f} s)", flush=True)
-        result = run_part(name, args.out, allowed, args.dry_run)
-        spare = max(0.0, allowed - result["seconds"])
-        report["parts"][name] = result
-        print(f"gpu kit: {name} {result['status']} in {result['seconds']:.0f} s: "
-              f"{result.get('summary', '')}", flush=True)
+    if args.jobs > 1:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = pool.map(lambda n: reported(n, args.out, args.budget, True), names)
+            report["parts"] = dict(zip(names, results, strict=True))
+    else:
+        shares = sum(PARTS[n].share for n in names)
+        spare = 0.0
+        for name in names:
+            allowed = args.budget * PARTS[name].share / shares + spare
+            report["parts"][name] = reported(name, args.out, allowed, args.dry_run)
+            spare = max(0.0, allowed - report["parts"][name]["seconds"])
     (args.out / "gpu.json").write_text(json.dumps(report, indent=2))
     m = report["machine"]
     header = (f"# GPU kit, {m['date']}: {m['gpu'] or 'CPU dry run'}, torch {m['torch']} "

@@ -54,7 +54,7 @@ PARTS: dict[str, Part] = {
                                       "views", "images_s", "step_s", "first_step_s",
                                       "peak_gib")),
     "compile": Part(steps.compiled, 0.08, "train.compile",
-                    ("backbone", "compiled", "first_step_s", "step_s", "vs_eager")),
+                    ("backbone", "compiled", "backend", "first_step_s", "step_s", "vs_eager")),
 }
 
 

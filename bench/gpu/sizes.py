@@ -20,6 +20,7 @@ class Sizes:
     step_steps: int  # timed steps, after three uncounted ones
     data_images: int  # JPEGs the data path decodes, two views each
     compile_backbone: str
+    compile_backend: str  # torch.compile's backend for the compile part
     demo_samples: int  # cluttered digits for the demo pipeline's training shards
     demo_steps: int
     fsdp2_models: tuple[str, ...]  # the fsdp2 part's models (bench.gpu.pipeline.FSDP2_MODELS)
@@ -33,7 +34,8 @@ GPU = Sizes(sync_images=64, sync_resolution=32, sync_steps=3,
             dense_n=(8192,), tiled_n=(65_536, 262_144, 1_048_576), tile_bytes=2**32,
             step_backbones=("resnet50", "timm:vit_base_patch16_224"), step_images=128,
             step_resolution=224, step_steps=10, data_images=1500,
-            compile_backbone="resnet50", demo_samples=2000, demo_steps=60,
+            compile_backbone="resnet50", compile_backend="inductor", demo_samples=2000,
+            demo_steps=60,
             fsdp2_models=("small_cnn", "vit_hybrid"),
             sharded_recipes=("imagenet_xclr_vitl", "cc12m_clip_vitl"), sharded_images=0,
             sharded_model={}, sharded_compile=True)
@@ -42,7 +44,10 @@ DRY_RUN = Sizes(sync_images=4, sync_resolution=16, sync_steps=1,
                 dense_n=(64,), tiled_n=(256,), tile_bytes=2**14,
                 step_backbones=("small_cnn", "timm:test_vit"), step_images=4,
                 step_resolution=32, step_steps=1, data_images=24,
-                compile_backbone="small_cnn", demo_samples=200, demo_steps=4,
+                # dynamo's capture and AOT autograd without inductor's C++ codegen (30 s
+                # cold here); inductor on CPU: tests/pretrain/loop/test_compile.py
+                compile_backbone="small_cnn", compile_backend="aot_eager", demo_samples=200,
+                demo_steps=4,
                 fsdp2_models=("small_cnn",), sharded_recipes=("imagenet_xclr_vitl",),
                 sharded_images=2, sharded_model={"backbone": "timm:test_vit", "image_size": 32,
                                                  "projector_hidden": 32, "projector_dim": 16},

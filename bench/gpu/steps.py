@@ -295,12 +295,13 @@ def compiled(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[s
             trainer = project_trainer(model_cfg, ObjectiveConfig(name="infonce"),
                                       sizes.step_images, device, Path(run_dir))
             if compile_encoder:
-                trainer.model.encoder.compile()
+                trainer.model.encoder.compile(backend=sizes.compile_backend)
             first, median = timed(functools.partial(trainer.train_step, batch),
                                   sizes.step_steps, device)
             del trainer
         eager = median if eager is None else eager
         rows.append({"backbone": backbone, "compiled": compile_encoder,
+                     "backend": sizes.compile_backend if compile_encoder else "eager",
                      "first_step_s": first, "step_s": median, "vs_eager": median / eager})
         print(f"  {backbone} compiled={compile_encoder}: first {first:.1f} s, "
               f"step {median * 1e3:.1f} ms", flush=True)

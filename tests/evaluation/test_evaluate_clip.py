@@ -79,7 +79,8 @@ def test_clip_run_reports_retrieval_and_zero_shot(clip_run):
     assert ("bias" in trained) == (objective == "siglip")  # the learned loss parameter
 
 
-def test_retrieval_shards_without_captions_fail_in_one_line(clip_run):
+def test_retrieval_shards_without_captions_fail_in_one_line(clip_run, digits_shards):
+    """... before the work: the training bank's features are never extracted."""
     root, overrides, _ = clip_run
     result = evaluate([*overrides, "tracking.enabled=false"],
                       f"eval.output={root / 'none'}",
@@ -87,6 +88,8 @@ def test_retrieval_shards_without_captions_fail_in_one_line(clip_run):
     assert result.returncode == 1
     assert f"eval.retrieval_shards={root / 'no-captions'}: no sample has a caption" in (
         result.stderr.strip().splitlines()[-1])
+    assert f"features {root / 'no-captions'}" in result.stderr  # its progress bar
+    assert f"features {digits_shards}" not in result.stderr
     assert not (root / "none" / "results.json").exists()
 
 
