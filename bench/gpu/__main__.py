@@ -107,7 +107,7 @@ def main() -> None:
               "parts": {}}
     if args.jobs > 1:
         with ThreadPoolExecutor(args.jobs) as pool:
-            results = pool.map(lambda n: reported(n, args.out, args.budget, True), names)
+            results = pool.map(lambda n: reported(n, args.out, args.budget, args.dry_run), names)
             report["parts"] = dict(zip(names, results, strict=True))
     else:
         shares = sum(PARTS[n].share for n in names)

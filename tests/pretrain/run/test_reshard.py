@@ -323,14 +323,14 @@ def test_a_checkpoint_of_the_other_engine_kind_is_refused_and_kept(digits_shards
     first = train(digits_shards, tmp_path, "ddp", 1, **{"train.max_steps": 4})
     assert first.returncode == 0, first.stderr[-3000:]
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
-    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    before = contents(checkpoint)
     again = train(digits_shards, tmp_path, "zero2", 1, **{"train.max_steps": 8})
     assert again.returncode == 1
     assert "optim.name=lars inside DeepSpeed ZeRO" in again.stderr  # the default optimiser
     assert (f"pretrain: error: {checkpoint} holds replicated optimizer state (DDP) and this "
             "run has sharded optimizer state (DeepSpeed ZeRO): resume it with the engine that "
             "wrote it (the checkpoint is kept)") in again.stderr.splitlines()
-    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    assert contents(checkpoint) == before
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_00000004"]
 
 
