@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 
 from core.runtime import free_port
 from pretrain.model.text_tower import TextTowerConfig, random_text_model
+from tests import prewarmed
+from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.leftovers import lingering_threads, mark_session, remove_strays
 
@@ -91,11 +93,32 @@ def digits_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session")
+def uninterrupted(digits_shards: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Callable[..., Path]:
+    """Uninterrupted reference runs on the digits shards (``train_overrides`` plus
+    ``settings``), trained once per settings and process count for every test that
+    compares a run with them (they only read it): ``uninterrupted(nproc, **settings)``
+    -> its run directory."""
+    runs: dict[tuple, Path] = {}
+
+    def run(nproc: int = 1, **settings: object) -> Path:
+        key = (nproc, tuple(sorted(settings.items())))
+        if key not in runs:
+            out = tmp_path_factory.mktemp("uninterrupted")
+            result = run_pretrain(train_overrides(digits_shards, out, **settings), nproc=nproc)
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[key] = out / "run"
+        return runs[key]
+    return run
+
+
 _SESSION = {"mark": mark_session(), "status": 0}
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _SESSION["status"] = int(exitstatus)
+    prewarmed.close()
     for stray in remove_strays(str(_SESSION["mark"])):
         sys.stderr.write(f"\nconftest: a test left a process running; killed {stray}\n")
 

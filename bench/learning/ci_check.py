@@ -160,7 +160,7 @@ def measure(recipe: str, epochs: int, seed: int, root: Path) -> dict[str, dict[s
 def summary(gains: list[float]) -> dict[str, float]:
     mean, sd = statistics.fmean(gains), statistics.stdev(gains)
     return {"mean": mean, "sd": sd, "mean_minus_3sd": mean - 3 * sd,
-            "threshold": math.floor(100 * (mean - 3 * sd)) / 100}
+            "threshold": math.floor(1000 * (mean - 3 * sd)) / 1000}
 
 
 def main() -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import psutil
 
+from tests import prewarmed
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -35,10 +37,15 @@ def pretrain_command(overrides: list[str], nproc: int = 1,
 
 
 def run_pretrain(overrides: list[str], nproc: int = 1, timeout: float = 300,
-                 torchrun: bool | None = None, **kwargs) -> subprocess.CompletedProcess:
+                 torchrun: bool | None = None) -> subprocess.CompletedProcess:
+    """The command's result; one process without torchrun is forked from a pre-imported
+    interpreter (``tests/prewarmed.py``: what that still proves)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(pretrain_command(overrides, nproc, torchrun), cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout, **kwargs)
+    command = pretrain_command(overrides, nproc, torchrun)
+    if command[1:3] == ["-m", "app.pretrain"]:
+        return prewarmed.run_module("app.pretrain", overrides, env, timeout)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def sigkill(processes: list[psutil.Process]) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import subprocess
-import sys
 import time
 
 import mlflow
@@ -20,6 +20,7 @@ from app.pretrain import RunLogFile
 from core.errors import RunError
 from pretrain.run.checkpoint import list_checkpoints
 from pretrain.run.tracking import RUN_ID_FILE, Tracker, TrackingConfig
+from tests import prewarmed
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
 from tests.small_disk import resize, small_disk
 
@@ -144,8 +145,7 @@ def evaluate(reference, shards, out) -> subprocess.CompletedProcess:
     overrides = [f"output_dir={reference.parent}", "name=run", "data.resolution=16",
                  f"eval.train_shards={shards}", f"eval.test_shards={shards}",
                  "eval.probe_epochs=1", f"eval.output={out}"]
-    return subprocess.run([sys.executable, "-m", "app.evaluate", *overrides], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    return prewarmed.run_module("app.evaluate", overrides, dict(os.environ), timeout=600)
 
 
 def evaluation_runs(reference) -> list[str]:

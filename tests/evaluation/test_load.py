@@ -4,10 +4,9 @@ against the digests registered with it, against a real SQLite registry and file 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
@@ -16,7 +15,8 @@ import torch
 
 from evaluation.load import load_model
 from serving.model_registry import RegistryError
-from tests.app.helpers import REPO, run_pretrain, train_overrides
+from tests import prewarmed
+from tests.app.helpers import run_pretrain, train_overrides
 
 MODEL = "digits-safety"
 
@@ -87,10 +87,10 @@ def test_evaluate_and_promotion_refuse_a_tampered_version(registered, tmp_path):
     original = weights.read_bytes()
     weights.write_bytes(pickle.dumps(Payload(marker)))
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "app.evaluate", *overrides, f"eval.model=models:/{MODEL}/1",
-             f"eval.output={tmp_path / 'eval'}", "--promote", "champion"],
-            cwd=REPO, capture_output=True, text=True, timeout=300)
+        result = prewarmed.run_module(
+            "app.evaluate", [*overrides, f"eval.model=models:/{MODEL}/1",
+                             f"eval.output={tmp_path / 'eval'}", "--promote", "champion"],
+            dict(os.environ), timeout=300)
     finally:
         weights.write_bytes(original)
     assert result.returncode == 1

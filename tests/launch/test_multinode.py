@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from core.runtime import free_port
-from tests.app.helpers import REPO, run_pretrain, sigkill, train_overrides
+from tests.app.helpers import REPO, sigkill, train_overrides
 from tests.pretrain.run.test_checkpoint import final_model
 
 COMMON = {"checkpoint.every": 4, "data.workers": 1, "train.max_steps": 24}
@@ -38,9 +38,9 @@ def start_agents(overrides: list[str], port: int, log) -> list[subprocess.Popen]
     return agents
 
 
-def test_two_agents_train_are_killed_resume_and_equal_one_node(digits_shards, tmp_path):
-    reference = run_pretrain(train_overrides(digits_shards, tmp_path / "a", **COMMON), nproc=2)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+def test_two_agents_train_are_killed_resume_and_equal_one_node(digits_shards, uninterrupted,
+                                                              tmp_path):
+    reference = uninterrupted(2, **COMMON)
 
     overrides = train_overrides(digits_shards, tmp_path / "b", **COMMON)
     log = open(tmp_path / "agents.log", "w")
@@ -64,7 +64,7 @@ def test_two_agents_train_are_killed_resume_and_equal_one_node(digits_shards, tm
     assert [a.wait(timeout=300) for a in agents] == [0, 0], \
         (tmp_path / "agents.log").read_text()[-3000:]
     assert f"at step {killed_at}" in (tmp_path / "agents.log").read_text()
-    a, b = final_model(tmp_path / "a" / "run"), final_model(tmp_path / "b" / "run")
+    a, b = final_model(reference), final_model(tmp_path / "b" / "run")
     assert a["step"] == b["step"] == 24 and b["world"] == 2
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key

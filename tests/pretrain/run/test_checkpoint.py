@@ -238,7 +238,7 @@ def test_sigkill_and_resume_equals_uninterrupted_run(digits_shards, tmp_path):
         assert torch.equal(value["velocity"], b["optimizer"]["state"][key]["velocity"])
 
 
-def test_torchrun_restarts_a_killed_worker_and_resumes(digits_shards, tmp_path):
+def test_torchrun_restarts_a_killed_worker_and_resumes(digits_shards, uninterrupted, tmp_path):
     """2 DDP ranks under torchrun --max-restarts 1: SIGKILL one worker mid-run; torchrun
     restarts the group, which resumes from the newest checkpoint and ends with the weights
     of an uninterrupted 2-rank run. The killed run keeps an epoch ledger (the reference
@@ -248,8 +248,7 @@ def test_torchrun_restarts_a_killed_worker_and_resumes(digits_shards, tmp_path):
     import psutil
 
     common = {"checkpoint.every": 4, "data.workers": 1, "train.max_steps": 24}
-    reference = run_pretrain(train_overrides(digits_shards, tmp_path / "a", **common), nproc=2)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    reference = uninterrupted(2, **common)
 
     overrides = train_overrides(digits_shards, tmp_path / "b", **common, **{"data.ledger": True})
     command = pretrain_command(overrides, nproc=2)
@@ -269,7 +268,7 @@ def test_torchrun_restarts_a_killed_worker_and_resumes(digits_shards, tmp_path):
     text = (tmp_path / "b.log").read_text()
     assert "resumed from" in text
 
-    a, b = final_model(tmp_path / "a" / "run"), final_model(tmp_path / "b" / "run")
+    a, b = final_model(reference), final_model(tmp_path / "b" / "run")
     assert a["step"] == b["step"] == 24
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key

@@ -57,11 +57,10 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_checkpoints_marks_the_run_killed_and_resume_equals_uninterrupted(
-        digits_shards, tmp_path, signum):
+        digits_shards, uninterrupted, tmp_path, signum):
     common = {"checkpoint.every": 0, "preemption.check_every": 2,
               "train.max_steps": STEPS, "data.workers": 1}
-    reference = run_pretrain(train_overrides(digits_shards, tmp_path / "a", **common))
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    reference = uninterrupted(1, **common)
 
     overrides = train_overrides(digits_shards, tmp_path / "b", **common,
                                 **{"tracking.enabled": True, "tracking.log_model": False})
@@ -86,15 +85,15 @@ def test_a_signal_checkpoints_marks_the_run_killed_and_resume_equals_uninterrupt
     assert f"at step {stopped[0]}" in resumed.stderr
     assert not (run_dir / MARKER).exists()
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
-    assert_same_training(final_state(tmp_path / "a" / "run"), final_state(run_dir))
+    assert_same_training(final_state(reference), final_state(run_dir))
 
 
 def test_sigterm_to_the_torchrun_agent_checkpoints_both_ranks_and_resumes(digits_shards,
+                                                                         uninterrupted,
                                                                          tmp_path):
     common = {"checkpoint.every": 0, "preemption.check_every": 2, "data.workers": 1,
               "train.max_steps": STEPS}
-    reference = run_pretrain(train_overrides(digits_shards, tmp_path / "a", **common), nproc=2)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    reference = uninterrupted(2, **common)
 
     overrides = train_overrides(digits_shards, tmp_path / "b", **common)
     status, text = signalled_run(pretrain_command(overrides, nproc=2), tmp_path / "b.log", 6,
@@ -109,7 +108,7 @@ def test_sigterm_to_the_torchrun_agent_checkpoints_both_ranks_and_resumes(digits
 
     resumed = run_pretrain(overrides, nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_training(final_state(tmp_path / "a" / "run"), final_state(run_dir))
+    assert_same_training(final_state(reference), final_state(run_dir))
 
 
 def test_the_watch_records_its_signals_and_restores_the_handlers():
@@ -144,7 +143,8 @@ def fake_slurm(bin_dir: Path) -> Path:
     return bin_dir
 
 
-def test_slurm_warning_signal_requeues_and_the_requeued_job_resumes(digits_shards, tmp_path):
+def test_slurm_warning_signal_requeues_and_the_requeued_job_resumes(digits_shards,
+                                                                   uninterrupted, tmp_path):
     """``launch/slurm.sbatch`` as slurm runs it (``srun`` and ``scontrol`` stand-ins on
     PATH): SIGUSR1 to the batch script stops both ranks with a checkpoint, the script
     requeues the job, and the requeued script resumes to the uninterrupted weights."""
@@ -152,8 +152,7 @@ def test_slurm_warning_signal_requeues_and_the_requeued_job_resumes(digits_shard
 
     common = {"checkpoint.every": 0, "preemption.check_every": 2, "data.workers": 1,
               "train.max_steps": STEPS}
-    reference = run_pretrain(train_overrides(digits_shards, tmp_path / "a", **common), nproc=2)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    reference = uninterrupted(2, **common)
 
     bin_dir = fake_slurm(tmp_path / "bin")
     config = tmp_path / "job.yaml"
@@ -176,4 +175,4 @@ def test_slurm_warning_signal_requeues_and_the_requeued_job_resumes(digits_shard
                            env={**os.environ, **job, "RDZV_PORT": str(free_port())})
     assert again.returncode == 0, again.stderr[-3000:]
     assert (bin_dir / "requeued").read_text().split() == ["4242"]  # not requeued again
-    assert_same_training(final_state(tmp_path / "a" / "run"), final_state(run_dir))
+    assert_same_training(final_state(reference), final_state(run_dir))

@@ -41,10 +41,12 @@ IDS = [f"{a}-{old}to{new}" if a == b else f"{a}-{old}-to-{b}-{new}" for a, old, 
 
 
 def train(shards: Path, out: Path, engine: str, world: int, **extra: object):
-    """A run of global batch 16 on ``world`` ranks (torchrun: DeepSpeed needs it)."""
+    """A run of global batch 16 on ``world`` ranks (torchrun for more than one, and for
+    DeepSpeed, which needs its environment even on one)."""
     overrides = train_overrides(shards, out, **{**STEPS, **ENGINES[engine],
                                                 "data.batch_size": 16 // world, **extra})
-    return run_pretrain(overrides, nproc=world, torchrun=True)
+    deepspeed = ENGINES[engine].get("engine.name") == "deepspeed"
+    return run_pretrain(overrides, nproc=world, torchrun=world > 1 or deepspeed)
 
 
 def zero_layout(groups: list[torch.Tensor], world: int, rank: int) -> dict:

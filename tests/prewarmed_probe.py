@@ -1,0 +1,33 @@
+"""A command for ``tests/test_prewarmed.py``: what an interpreter shows a module run by
+``python -m``, printed, then an ending chosen by its first argument."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+
+if __name__ == "__main__":
+    ending = sys.argv[1]
+    print(f"name={__name__} argv={sys.argv[1:]} file={os.path.basename(sys.argv[0])} "
+          f"cwd={os.getcwd()} path0={sys.path[0]} probe={os.environ.get('PROBE')} "
+          f"stdin={sys.stdin.read()!r} sigint={signal.getsignal(signal.SIGINT).__name__} "
+          f"sigchld={signal.getsignal(signal.SIGCHLD)} threads={threading.active_count()}")
+    print("to stderr\r\nsecond line", file=sys.stderr)
+    atexit.register(print, "atexit ran")
+    late = threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined")))
+    late.start()
+    if ending == "exit-message":
+        sys.exit("a one-line error")
+    if ending == "exit-3":
+        sys.exit(3)
+    if ending == "raise":
+        raise ValueError("uncaught")
+    if ending == "sigterm":
+        late.join()
+        os.kill(os.getpid(), signal.SIGTERM)
+    if ending == "sleep":
+        time.sleep(600)

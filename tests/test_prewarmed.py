@@ -1,0 +1,67 @@
+"""A run forked from the pre-imported server (``tests/prewarmed.py``) is what a fresh
+``python -m`` interpreter shows the module and the caller: the same output, exit status,
+argv, ``__name__``, environment, working directory, stdin and signal dispositions, its
+threads joined and atexit handlers run; a run past its timeout is killed and reported as
+``subprocess.run`` reports it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import prewarmed
+
+ENDINGS = ["normal", "exit-message", "exit-3", "raise", "sigterm"]
+
+
+def fresh(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tests.prewarmed_probe", *args],
+                          cwd=prewarmed.REPO, env=env, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+
+
+def without_server_frames(stderr: str) -> str:
+    """A traceback's lines from the module's own frames on (the server's frames sit above
+    them in the forked run, the interpreter's runpy frames in the fresh one)."""
+    lines = stderr.splitlines()
+    if "Traceback (most recent call last):" not in lines:
+        return stderr
+    return "\n".join(line for line in lines if "prewarmed" not in line or "probe" in line
+                     ).split("prewarmed_probe.py", 1)[-1]
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_forked_run_shows_what_a_fresh_interpreter_shows(ending):
+    env = {**os.environ, "PROBE": "value"}
+    expected = fresh([ending, "second"], env)
+    got = prewarmed.run_module("tests.prewarmed_probe", [ending, "second"], env, timeout=120)
+    assert got.args == expected.args
+    assert got.returncode == expected.returncode, (got, expected)
+    assert got.stdout == expected.stdout
+    assert without_server_frames(got.stderr) == without_server_frames(expected.stderr)
+    assert "probe=value" in got.stdout or ending == "sigterm"
+
+
+def test_a_run_past_its_timeout_is_killed_and_reported():
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        prewarmed.run_module("tests.prewarmed_probe", ["sleep"], {**os.environ, "PROBE": "value"},
+                             timeout=2)
+    assert caught.value.timeout == 2
+    assert "to stderr" in caught.value.stderr
+    # the next run is served as before
+    assert prewarmed.run_module("tests.prewarmed_probe", ["normal"],
+                                {**os.environ, "PROBE": "value"}, timeout=120).returncode == 0
+
+
+def test_an_environment_read_at_import_gets_its_own_server():
+    env = {**os.environ, "PROBE": "value"}
+    first = prewarmed.server_for(env)
+    assert prewarmed.server_for({**env, "PYTEST_CURRENT_TEST": "another phase"}) is first
+    other = prewarmed.run_module("tests.prewarmed_probe", ["normal"],
+                                 {**env, "OMP_NUM_THREADS": "7"}, timeout=120)
+    assert other.returncode == 0
+    assert prewarmed.server_for({**env, "OMP_NUM_THREADS": "7"}) is not first
+    assert prewarmed.server_for(env) is first
