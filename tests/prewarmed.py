@@ -52,7 +52,6 @@ class Server:
     """The pre-imported interpreter: a child process listening on a Unix socket."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
         self.directory = Path(tempfile.mkdtemp(prefix="prewarmed-"))
         self.address = str(self.directory / "socket")
         self.log = self.directory / "server.log"
