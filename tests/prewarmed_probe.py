@@ -12,9 +12,11 @@ import time
 
 if __name__ == "__main__":
     ending = sys.argv[1]
+    sigint = signal.getsignal(signal.SIGINT)  # SIG_IGN in a background job
     print(f"name={__name__} argv={sys.argv[1:]} file={os.path.basename(sys.argv[0])} "
           f"cwd={os.getcwd()} path0={sys.path[0]} probe={os.environ.get('PROBE')} "
-          f"stdin={sys.stdin.read()!r} sigint={signal.getsignal(signal.SIGINT).__name__} "
+          f"rank={os.environ.get('RANK')} unbuffered={not hasattr(sys.stdout.buffer, 'raw')} "
+          f"stdin={sys.stdin.read()!r} sigint={getattr(sigint, '__name__', sigint)} "
           f"sigchld={signal.getsignal(signal.SIGCHLD)} threads={threading.active_count()}")
     print("to stderr\r\nsecond line", file=sys.stderr)
     atexit.register(print, "atexit ran")
@@ -26,6 +28,8 @@ if __name__ == "__main__":
         sys.exit(3)
     if ending == "raise":
         raise ValueError("uncaught")
+    if ending == "interrupt":
+        raise KeyboardInterrupt
     if ending == "sigterm":
         late.join()
         os.kill(os.getpid(), signal.SIGTERM)

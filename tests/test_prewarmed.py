@@ -2,19 +2,24 @@
 ``python -m`` interpreter shows the module and the caller: the same output, exit status,
 argv, ``__name__``, environment, working directory, stdin and signal dispositions, its
 threads joined and atexit handlers run; a run past its timeout is killed and reported as
-``subprocess.run`` reports it."""
+``subprocess.run`` reports it. Under torchrun, forked ranks are what fresh ranks are to the
+agent, and a rank goes with its stand-in."""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from tests import prewarmed
 
-ENDINGS = ["normal", "exit-message", "exit-3", "raise", "sigterm"]
+ENDINGS = ["normal", "exit-message", "exit-3", "raise", "interrupt", "sigterm"]
 
 
 def fresh(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -65,3 +70,51 @@ def test_an_environment_read_at_import_gets_its_own_server():
     assert other.returncode == 0
     assert prewarmed.server_for({**env, "OMP_NUM_THREADS": "7"}) is not first
     assert prewarmed.server_for(env) is first
+
+
+def agent_report(stderr: str) -> list[str]:
+    """The exit codes torchrun's agent reports, its root cause first."""
+    root_cause = stderr.split("Root Cause", 1)[-1]
+    return re.findall(r"exitcode\s*: (-?\d+)", root_cause)[:1]
+
+
+@pytest.mark.parametrize("ending", ["normal", "exit-3", "sigterm"])
+def test_forked_torchrun_ranks_show_the_agent_what_fresh_ranks_show(ending):
+    env = {**os.environ, "PROBE": "value", "OMP_NUM_THREADS": "1"}
+    launch = ["--standalone", "--nproc_per_node", "2", "-m", "tests.prewarmed_probe", ending]
+    expected = subprocess.run([sys.executable, "-m", "torch.distributed.run", *launch],
+                              cwd=prewarmed.REPO, env=env, capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL)
+    got = prewarmed.run_torchrun("tests.prewarmed_probe", [ending], 2, env, timeout=120)
+    assert got.returncode == expected.returncode, (got, expected)
+    assert agent_report(got.stderr) == agent_report(expected.stderr)
+    if ending == "normal":  # the others race the agent's SIGTERM to the second rank
+        assert sorted(got.stdout.splitlines()) == sorted(expected.stdout.splitlines())
+        assert "rank=1 unbuffered=True" in got.stdout
+
+
+def started_run(server: prewarmed.Server, known: set[int]) -> psutil.Process:
+    """The run the server forked that is not in ``known`` (a grandchild of the server)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        runs = [run for middle in psutil.Process(server.process.pid).children()
+                for run in middle.children() if run.pid not in known]
+        if runs:
+            return runs[0]
+        time.sleep(0.05)
+    raise AssertionError("the server started no run")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_rank_goes_with_its_stand_in_whichever_signal_ends_it(signum):
+    env = {**os.environ, "PROBE": "value"}
+    server = prewarmed.server_for(env)
+    known = {run.pid for middle in psutil.Process(server.process.pid).children()
+             for run in middle.children()}
+    stand_in = subprocess.Popen([server.python, "-u", "-m", "tests.prewarmed_probe", "sleep"],
+                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    run = started_run(server, known)
+    stand_in.send_signal(signum)
+    assert stand_in.wait(timeout=60) == -signum
+    run.wait(timeout=60)

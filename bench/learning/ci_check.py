@@ -81,11 +81,15 @@ def overrides(run_dir: Path, train: Path, epochs: int, seed: int) -> list[str]:
             "tracking.enabled=false", "train.progress=false", "checkpoint.every=0"]
 
 
+def pretrain_args(recipe: str, keys: list[str]) -> list[str]:
+    """The ``pretrain`` command's arguments for ``recipe`` with ``keys``."""
+    return ["--config", str(recipe_path(recipe)), *keys]
+
+
 def pretrain(recipe: str, keys: list[str], timeout: float) -> subprocess.CompletedProcess:
     """The real ``pretrain`` command on 2 processes."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", "-m", "app.pretrain", "--config",
-               str(recipe_path(recipe)), *keys]
+               "--nproc_per_node", "2", "-m", "app.pretrain", *pretrain_args(recipe, keys)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -38,14 +38,12 @@ def pretrain_command(overrides: list[str], nproc: int = 1,
 
 def run_pretrain(overrides: list[str], nproc: int = 1, timeout: float = 300,
                  torchrun: bool | None = None) -> subprocess.CompletedProcess:
-    """The command's result; one process without torchrun is forked from a pre-imported
-    interpreter (``tests/prewarmed.py``: what that still proves)."""
+    """The command's result, its process (or torchrun's agent and each rank) forked from a
+    pre-imported interpreter (``tests/prewarmed.py``: what that still proves)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = pretrain_command(overrides, nproc, torchrun)
-    if command[1:3] == ["-m", "app.pretrain"]:
+    if pretrain_command(overrides, nproc, torchrun)[1:3] == ["-m", "app.pretrain"]:
         return prewarmed.run_module("app.pretrain", overrides, env, timeout)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return prewarmed.run_torchrun("app.pretrain", overrides, nproc, env, timeout)
 
 
 def sigkill(processes: list[psutil.Process]) -> None:

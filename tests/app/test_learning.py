@@ -1,6 +1,7 @@
 """Training learns. On the cluttered digits an untrained encoder sits near chance (10
 classes: 0.1); a shipped recipe trained through the real ``pretrain`` command (2 DDP
-processes, the learning benchmark's 6,000 training canvases) must move its backbone
+processes under torchrun, forked from a pre-imported interpreter as ``tests/prewarmed.py``
+describes; the learning benchmark's 6,000 training canvases) must move its backbone
 features above the untrained encoder it started from, on 1,000 test canvases.
 
 Each run lands where its seed and the CPU's kernels take it, so each threshold sits 3
@@ -32,12 +33,13 @@ import pytest
 from bench.learning.ci_check import (
     cluttered,
     overrides,
-    pretrain,
+    pretrain_args,
     scores,
     trained,
     untrained,
     views_of_test,
 )
+from tests.app.helpers import run_pretrain
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_recipe_learns_beyond_the_untrained_encoder(shards, tmp_path, check):
     train, test = shards
     keys = overrides(tmp_path / "run", train, check.epochs, seed=0)
-    result = pretrain(check.recipe, keys, timeout=1500)
+    result = run_pretrain(pretrain_args(check.recipe, keys), nproc=2, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     views = views_of_test(check.recipe, keys, test)
     before = scores(untrained(check.recipe, keys), train, test, views)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import mlflow
 import numpy as np
@@ -17,7 +16,7 @@ from data_pipeline.formats import Sample
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.job import run_captions
 from tests import prewarmed
-from tests.app.helpers import REPO, run_pretrain, train_overrides
+from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_jpeg, digit_sample, write_set
 
 
@@ -46,14 +45,13 @@ def trained(digits_shards, tmp_path_factory):
 
 
 def evaluate(overrides: list[str], *extra: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    """``evaluate`` under torchrun, or one process forked from a pre-imported interpreter
+    """``evaluate`` in one process or under torchrun, forked from a pre-imported interpreter
     (``tests/prewarmed.py``)."""
     if nproc == 1:
         return prewarmed.run_module("app.evaluate", [*overrides, *extra], dict(os.environ),
                                     timeout=600)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", str(nproc), "-m", "app.evaluate", *overrides,
-                           *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
+    return prewarmed.run_torchrun("app.evaluate", [*overrides, *extra], nproc,
+                                  dict(os.environ), timeout=600)
 
 
 def test_registry_uri_end_to_end_with_promotion(trained):
