@@ -203,6 +203,7 @@ def stand_in(address: str, argv: list[str]) -> None:
         pid, replies = send(connection, request, [0, 1, 2])
     except RuntimeError as refused:
         raise SystemExit(str(refused)) from None
+
     def forward(received: int, _: object) -> None:
         with contextlib.suppress(ProcessLookupError):  # the rank has ended
             os.kill(pid, received)
@@ -318,11 +319,11 @@ def become_run(request: dict, fds: list[int]) -> NoReturn:
 
 
 def exit_status(code: object) -> int:
-    """What the interpreter makes of ``sys.exit(code)``."""
+    """The exit status the interpreter makes of ``sys.exit(code)`` (0-255)."""
     if code is None:
         return 0
     if isinstance(code, int):
-        return code
+        return code & 0xFF
     print(code, file=sys.stderr)
     return 1
 
@@ -337,14 +338,15 @@ def end(status: int) -> NoReturn:
     threading._shutdown()  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            status = 120 if stream is sys.stdout and status == 0 else status
+        if stream is not None and not stream.closed:
+            try:
+                stream.flush()
+            except OSError:  # the interpreter's status for a failed flush, short of a signal
+                status = 120 if status >= 0 else status
     if status < 0:
         signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
-    os._exit(status & 0xFF)
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ if __name__ == "__main__":
         sys.exit("a one-line error")
     if ending == "exit-3":
         sys.exit(3)
+    if ending == "exit-negative":
+        sys.exit(-1)
     if ending == "raise":
         raise ValueError("uncaught")
     if ending == "interrupt":

@@ -19,7 +19,8 @@ import pytest
 
 from tests import prewarmed
 
-ENDINGS = ["normal", "exit-message", "exit-3", "raise", "interrupt", "sigterm"]
+ENDINGS = ["normal", "exit-message", "exit-3", "exit-negative", "raise", "interrupt",
+           "sigterm"]
 
 
 def fresh(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
