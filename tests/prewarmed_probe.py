@@ -10,17 +10,24 @@ import sys
 import threading
 import time
 
+
+def say(line: str, stream=None) -> None:
+    """``line`` and its newline in one write: two unbuffered ranks share the agent's stdout,
+    and ``print`` writes the newline separately, so their lines could interleave."""
+    (stream or sys.stdout).write(line + "\n")
+
+
 if __name__ == "__main__":
     ending = sys.argv[1]
     sigint = signal.getsignal(signal.SIGINT)  # SIG_IGN in a background job
-    print(f"name={__name__} argv={sys.argv[1:]} file={os.path.basename(sys.argv[0])} "
+    say(f"name={__name__} argv={sys.argv[1:]} file={os.path.basename(sys.argv[0])} "
           f"cwd={os.getcwd()} path0={sys.path[0]} probe={os.environ.get('PROBE')} "
           f"rank={os.environ.get('RANK')} unbuffered={not hasattr(sys.stdout.buffer, 'raw')} "
           f"stdin={sys.stdin.read()!r} sigint={getattr(sigint, '__name__', sigint)} "
           f"sigchld={signal.getsignal(signal.SIGCHLD)} threads={threading.active_count()}")
-    print("to stderr\r\nsecond line", file=sys.stderr)
-    atexit.register(print, "atexit ran")
-    late = threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined")))
+    say("to stderr\r\nsecond line", sys.stderr)
+    atexit.register(say, "atexit ran")
+    late = threading.Thread(target=lambda: (time.sleep(0.3), say("thread joined")))
     late.start()
     if ending == "exit-message":
         sys.exit("a one-line error")

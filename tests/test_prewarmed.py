@@ -94,12 +94,17 @@ def test_forked_torchrun_ranks_show_the_agent_what_fresh_ranks_show(ending):
         assert "rank=1 unbuffered=True" in got.stdout
 
 
+def forked_runs(server: prewarmed.Server) -> list[psutil.Process]:
+    """The runs the server has forked and not yet reaped (its grandchildren)."""
+    return [run for middle in psutil.Process(server.process.pid).children()
+            for run in middle.children()]
+
+
 def started_run(server: prewarmed.Server, known: set[int]) -> psutil.Process:
-    """The run the server forked that is not in ``known`` (a grandchild of the server)."""
+    """The run the server forked that is not in ``known``."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        runs = [run for middle in psutil.Process(server.process.pid).children()
-                for run in middle.children() if run.pid not in known]
+        runs = [run for run in forked_runs(server) if run.pid not in known]
         if runs:
             return runs[0]
         time.sleep(0.05)
@@ -110,8 +115,7 @@ def started_run(server: prewarmed.Server, known: set[int]) -> psutil.Process:
 def test_a_rank_goes_with_its_stand_in_whichever_signal_ends_it(signum):
     env = {**os.environ, "PROBE": "value"}
     server = prewarmed.server_for(env)
-    known = {run.pid for middle in psutil.Process(server.process.pid).children()
-             for run in middle.children()}
+    known = {run.pid for run in forked_runs(server)}
     stand_in = subprocess.Popen([server.python, "-u", "-m", "tests.prewarmed_probe", "sleep"],
                                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)

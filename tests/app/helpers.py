@@ -26,11 +26,16 @@ def train_overrides(shards: Path, out: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def uses_torchrun(nproc: int, torchrun: bool | None) -> bool:
+    """Whether the run starts under torchrun: by default when there is more than one process
+    (DeepSpeed needs torchrun's environment even for one, so a caller may ask for it)."""
+    return nproc > 1 if torchrun is None else torchrun
+
+
 def pretrain_command(overrides: list[str], nproc: int = 1,
                      torchrun: bool | None = None) -> list[str]:
-    """``app.pretrain`` under torchrun (default: when there is more than one process;
-    DeepSpeed needs torchrun's environment even for one)."""
-    if not (nproc > 1 if torchrun is None else torchrun):
+    """``app.pretrain``'s command line, under torchrun when ``uses_torchrun``."""
+    if not uses_torchrun(nproc, torchrun):
         return [sys.executable, "-m", "app.pretrain", *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--standalone", "-m", "app.pretrain", *overrides]
@@ -41,9 +46,9 @@ def run_pretrain(overrides: list[str], nproc: int = 1, timeout: float = 300,
     """The command's result, its process (or torchrun's agent and each rank) forked from a
     pre-imported interpreter (``tests/prewarmed.py``: what that still proves)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    if pretrain_command(overrides, nproc, torchrun)[1:3] == ["-m", "app.pretrain"]:
-        return prewarmed.run_module("app.pretrain", overrides, env, timeout)
-    return prewarmed.run_torchrun("app.pretrain", overrides, nproc, env, timeout)
+    if uses_torchrun(nproc, torchrun):
+        return prewarmed.run_torchrun("app.pretrain", overrides, nproc, env, timeout)
+    return prewarmed.run_module("app.pretrain", overrides, env, timeout)
 
 
 def sigkill(processes: list[psutil.Process]) -> None:
