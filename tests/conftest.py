@@ -3,10 +3,11 @@ small real digits shard set."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,33 @@ class GlooGroup:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.terminate()
+
+
+@contextlib.contextmanager
+def restored_environment() -> Iterator[None]:
+    """``os.environ`` as it was, after the body: what code under test sets there (MLflow's
+    ``set_tracking_uri`` sets ``MLFLOW_TRACKING_URI``, inductor ``TORCHINDUCTOR_CACHE_DIR``)
+    reaches neither a later test nor the processes it starts, and the pre-imported
+    interpreters of ``tests/prewarmed.py``, one per environment, are not started again."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if os.environ != saved:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def module_environment() -> Iterator[None]:
+    with restored_environment():  # around the module's fixtures
+        yield
+
+
+@pytest.fixture(autouse=True)
+def test_environment() -> Iterator[None]:
+    with restored_environment():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -55,8 +55,11 @@ REPO = Path(__file__).resolve().parents[1]
 # imported by the server: the commands, with what they import, and what their runs import
 # when they track (MLflow, 1.7 s) or read captions (transformers)
 PRELOADED = ("app.pretrain", "app.evaluate", "mlflow", "transformers", "torch.distributed.run")
-# set per test phase by pytest; the interpreter torchrun starts its ranks with
-READ_AT_RUN_TIME = frozenset({"PYTEST_CURRENT_TEST", "PYTHON_EXEC"})
+# set per test phase by pytest; the interpreter torchrun starts its ranks with; the session
+# id MLflow's telemetry sets in a test's environment once the test uses MLflow, for what it
+# starts to report under (an identifier, read when a run first tracks)
+READ_AT_RUN_TIME = frozenset({"PYTEST_CURRENT_TEST", "PYTHON_EXEC",
+                              "_MLFLOW_TELEMETRY_SESSION_ID"})
 SET_BY_TORCHRUN = frozenset({  # for each rank, by torch.distributed.run's agent
     "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
     "MASTER_PORT", "RANK", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE",
@@ -110,7 +113,9 @@ def startup(env: dict[str, str], rank: bool = False) -> tuple[tuple[str, str], .
 
 
 _servers: dict[tuple[tuple[str, str], ...], Server] = {}  # by the environment they started in
-MAX_SERVERS = 3  # the suite runs the commands in 2 environments (``OMP_NUM_THREADS`` or not)
+# the suite runs the commands in 2 environments (``OMP_NUM_THREADS`` or not), and each
+# img2dataset test in one of its own (its ``XDG_CACHE_HOME``), which should not evict them
+MAX_SERVERS = 5
 
 
 def server_for(env: dict[str, str]) -> Server:

@@ -138,6 +138,14 @@ def test_two_fsdp2_ranks_register_the_whole_encoder(digits_shards, tmp_path):
     assert len(re.findall(r"step [48] knn monitor: top-1 0\.\d+", result.stderr)) == 2
     final = final_model(tmp_path / "run")
     assert final["step"] == 8 and final["world"] == 2 and final["state"] == "dcp"
+    found = {}
+    for name, source in (("checkpoint", ""), ("registry", "models:/digits-fsdp2/1")):
+        result = evaluate(overrides, f"eval.model={source}", f"eval.output={tmp_path / name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[name] = json.loads((tmp_path / name / "results.json").read_text())
+    assert found["checkpoint"]["class_embedding_classifier"]["classes"] == 10
+    for key in ("class_embedding_classifier", "knn", "linear_probe"):
+        assert found["checkpoint"][key] == found["registry"][key], key
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
     stored = mlflow.artifacts.download_artifacts("models:/digits-fsdp2/1",
                                                  dst_path=str(tmp_path / "download"))
@@ -147,11 +155,3 @@ def test_two_fsdp2_ranks_register_the_whole_encoder(digits_shards, tmp_path):
     assert len(encoder) > 10
     for key, value in encoder.items():
         assert torch.equal(value, final["model"][f"encoder.{key}"].float()), key
-    found = {}
-    for name, source in (("checkpoint", ""), ("registry", "models:/digits-fsdp2/1")):
-        result = evaluate(overrides, f"eval.model={source}", f"eval.output={tmp_path / name}")
-        assert result.returncode == 0, result.stderr[-3000:]
-        found[name] = json.loads((tmp_path / name / "results.json").read_text())
-    assert found["checkpoint"]["class_embedding_classifier"]["classes"] == 10
-    for key in ("class_embedding_classifier", "knn", "linear_probe"):
-        assert found["checkpoint"][key] == found["registry"][key], key

@@ -2,10 +2,11 @@
 sizes, so that the command a GPU node runs cannot rot; and its synchronisation check
 names the project line behind a synchronising call.
 
-The dry run here runs two parts at a time (``--jobs=2``: it times nothing), and its compile
-part compiles with dynamo's ``aot_eager`` backend: the part's code, dynamo's capture of the
-encoder and AOT autograd run, inductor's C++ code generation (30 s here, cold) does not;
-inductor on this CPU is ``tests/pretrain/loop/test_compile.py``."""
+The dry run here runs two parts at a time (``--jobs=2``: it times nothing; each part's torch
+threads its share of the cores), and its compile part compiles with dynamo's ``aot_eager``
+backend: the part's code, dynamo's capture of the encoder and AOT autograd run, inductor's
+C++ code generation (30 s here, cold) does not; inductor on this CPU is
+``tests/pretrain/loop/test_compile.py``."""
 
 from __future__ import annotations
 

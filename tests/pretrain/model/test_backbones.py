@@ -148,12 +148,9 @@ def test_a_vit_trains_registers_serves_and_evaluates(digits_shards, tmp_path):
     batch = images(16)
     with torch.no_grad():
         expected = torch.nn.functional.normalize(reference(batch)[1], dim=1)
-    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
-    mlflow.set_registry_uri(uri)
-    served = mlflow.pyfunc.load_model("models:/vit-test/1")  # rebuilt from its config alone
-    torch.testing.assert_close(torch.from_numpy(served.predict(array_rows(batch))), expected)
 
     # evaluate rebuilds the registered ViT from its configuration alone, as serving does
+    # (the registry named by the run's configuration, not by this process's MLflow settings)
     result = evaluate(overrides, "eval.model=models:/vit-test/1",
                       f"eval.output={tmp_path / 'eval'}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -163,6 +160,10 @@ def test_a_vit_trains_registers_serves_and_evaluates(digits_shards, tmp_path):
         for value in results["knn"][space].values():
             assert 0 <= value["top1"] <= value["top5"] <= 1
     assert 0 <= results["linear_probe"]["top1"] <= 1
+
+    mlflow.set_registry_uri(f"sqlite:///{run_dir / 'mlflow.db'}")
+    served = mlflow.pyfunc.load_model("models:/vit-test/1")  # rebuilt from its config alone
+    torch.testing.assert_close(torch.from_numpy(served.predict(array_rows(batch))), expected)
 
 
 def test_a_conv_stem_replaces_the_patchify_and_keeps_the_tokens():
