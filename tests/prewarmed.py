@@ -284,9 +284,13 @@ def wait_for_run(connection: socket.socket, request: dict, fds: list[int]) -> No
         become_run(request, fds)
     for fd in fds:
         os.close(fd)
-    connection.sendall(f"{pid}\n".encode())
     run = os.pidfd_open(pid)
-    if run not in select.select([connection, run], [], [])[0]:  # the client hung up
+    try:
+        connection.sendall(f"{pid}\n".encode())
+        hung_up = run not in select.select([connection, run], [], [])[0]
+    except OSError:  # the client went away before it read the pid
+        hung_up = True
+    if hung_up:
         os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     with contextlib.suppress(OSError):  # the client gave up (its timeout)
