@@ -21,10 +21,10 @@ if __name__ == "__main__":
     ending = sys.argv[1]
     sigint = signal.getsignal(signal.SIGINT)  # SIG_IGN in a background job
     say(f"name={__name__} argv={sys.argv[1:]} file={os.path.basename(sys.argv[0])} "
-          f"cwd={os.getcwd()} path0={sys.path[0]} probe={os.environ.get('PROBE')} "
-          f"rank={os.environ.get('RANK')} unbuffered={not hasattr(sys.stdout.buffer, 'raw')} "
-          f"stdin={sys.stdin.read()!r} sigint={getattr(sigint, '__name__', sigint)} "
-          f"sigchld={signal.getsignal(signal.SIGCHLD)} threads={threading.active_count()}")
+        f"cwd={os.getcwd()} path0={sys.path[0]} probe={os.environ.get('PROBE')} "
+        f"rank={os.environ.get('RANK')} unbuffered={not hasattr(sys.stdout.buffer, 'raw')} "
+        f"stdin={sys.stdin.read()!r} sigint={getattr(sigint, '__name__', sigint)} "
+        f"sigchld={signal.getsignal(signal.SIGCHLD)} threads={threading.active_count()}")
     say("to stderr\r\nsecond line", sys.stderr)
     atexit.register(say, "atexit ran")
     late = threading.Thread(target=lambda: (time.sleep(0.3), say("thread joined")))

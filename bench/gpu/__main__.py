@@ -42,21 +42,14 @@ def machine() -> dict[str, Any]:
             "cpu_cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
 
 
-def run_part(name: str, out: Path, seconds: float, dry_run: bool,
-             jobs: int = 1) -> dict[str, Any]:
-    """Part ``name`` in a process of its own; with ``jobs`` parts side by side, each gets
-    its share of the cores as its torch threads (more, and their threads' spin-waits take
-    each other's cores: the dry run's sync part took 63 s beside another part, 8 s so)."""
+def run_part(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, Any]:
     log = out / "logs" / f"{name}.log"
     command = [sys.executable, "-m", "bench.gpu.part", name, str(out / "parts"),
                "--seconds", f"{seconds * MARGIN:.0f}", *(["--dry-run"] if dry_run else [])]
-    env = dict(os.environ)
-    if jobs > 1:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
     start = time.perf_counter()
     with log.open("w") as sink:
         try:
-            code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env,
+            code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT,
                                   timeout=seconds).returncode
             status = "ok" if code == 0 else f"failed (exit {code})"
         except subprocess.TimeoutExpired:
@@ -69,11 +62,10 @@ def run_part(name: str, out: Path, seconds: float, dry_run: bool,
             "log_tail": log.read_text()[-4000:]}
 
 
-def reported(name: str, out: Path, seconds: float, dry_run: bool,
-             jobs: int = 1) -> dict[str, Any]:
+def reported(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, Any]:
     """:func:`run_part`, its start and end printed."""
     print(f"gpu kit: {name} (up to {seconds:.0f} s)", flush=True)
-    result = run_part(name, out, seconds, dry_run, jobs)
+    result = run_part(name, out, seconds, dry_run)
     print(f"gpu kit: {name} {result['status']} in {result['seconds']:.0f} s: "
           f"{result.get('summary', '')}", flush=True)
     return result
@@ -114,9 +106,11 @@ def main() -> None:
     report = {"machine": machine(), "dry_run": args.dry_run, "budget_s": args.budget,
               "parts": {}}
     if args.jobs > 1:
+        # each part's torch threads its share of the cores: more, and their spin-waits take
+        # each other's cores (the dry run's sync part took 63 s beside another part, 8 s so)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
         with ThreadPoolExecutor(args.jobs) as pool:
-            results = pool.map(lambda n: reported(n, args.out, args.budget, args.dry_run,
-                                                  args.jobs), names)
+            results = pool.map(lambda n: reported(n, args.out, args.budget, args.dry_run), names)
             report["parts"] = dict(zip(names, results, strict=True))
     else:
         shares = sum(PARTS[n].share for n in names)

@@ -91,7 +91,7 @@ def data(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
 
 
 def stage(args: list[str], log: Path, module: str, launcher: list[str] | None = None) -> str:
-    # 4 torch threads a rank, or the part's share of the cores (``bench.gpu.run_part``)
+    # 4 torch threads a rank, or the part's share of the cores (``python -m bench.gpu --jobs``)
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     command = [*(launcher or [sys.executable]), "-m", module, *args]
