@@ -14,7 +14,7 @@ every objective's tiled time is timed against its dense time at N = 8192 (interl
 
 Peaks: forward + backward of infonce and of xclr (caption targets, 384-dim captions) at
 N = 131,072, tiles of 256 and 4,096, each in a fresh child process: peak resident memory
-against the figure recorded in ``RECORDED_PEAK_GIB``.
+less the idle process's against the figure recorded in ``RECORDED_ABOVE_IDLE_GIB``.
 
 A training step with cached-gradient chunks (``train.chunk_size``): 4,096 views per
 process (2,048 images x 2), the small CNN at 32 px, infonce, at chunk sizes 4,096 (one
@@ -22,8 +22,8 @@ chunk, plus the chunked path's extra no-gradient forward), 512 and 128 against t
 step, each in a fresh child process: time per step and peak resident memory.
 
 Targets: tiled peak memory grows linearly in N (doubling N at most 2.3x the memory above
-the idle process); tiled infonce time at N = 8192 within 1.3x of dense; every peak at
-most 1.2x its recorded figure. Writes
+the idle process); tiled infonce time at N = 8192 within 1.3x of dense; what every peak
+adds to its idle process at most 1.2x its recorded figure. Writes
 bench/results/negatives.json and prints tables.
 """
 
@@ -55,11 +55,13 @@ NUM_CLASSES = 100
 RATIO_N = 8192
 CAPTION_DIM = 384  # all-MiniLM-L6-v2's embeddings
 PEAK_N = 131072
-# the tiled peak resident memory (GiB) of forward + backward at N = PEAK_N that
-# docs/benchmarks.md records per (objective, tile size); a run more than PEAK_TOLERANCE
-# times above it fails its check (the tiles' memory grew)
-RECORDED_PEAK_GIB = {("infonce", 256): 1.09, ("infonce", 4096): 1.22,
-                     ("xclr", 256): 1.47, ("xclr", 4096): 1.51}
+# the memory (GiB) forward + backward at N = PEAK_N add to their idle process (peak
+# resident memory less the idle process's) that docs/benchmarks.md records per
+# (objective, tile size); a run more than PEAK_TOLERANCE times above it fails its check
+# (the tiles' memory grew). The idle process itself (torch, its inputs) moves with the
+# torch build and the machine, which the loss does not control: its figure is printed.
+RECORDED_ABOVE_IDLE_GIB = {("infonce", 256): 0.51, ("infonce", 4096): 0.67,
+                           ("xclr", 256): 0.40, ("xclr", 4096): 0.52}
 PEAK_TOLERANCE = 1.2
 
 
@@ -70,17 +72,25 @@ def embeddings(n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return z, ids, ids % NUM_CLASSES
 
 
+def image_captions(n: int) -> torch.Tensor:
+    """[n, CAPTION_DIM] unit caption embeddings, the two views of an image (rows i and
+    i + n/2, as ``embeddings``' ids) sharing one, made in place: the idle process holds
+    the captions and no freed copy."""
+    captions = torch.empty(n, CAPTION_DIM)
+    first = captions[:n // 2]
+    torch.randn(first.shape, generator=torch.Generator().manual_seed(n + 1), out=first)
+    first.div_(torch.linalg.vector_norm(first, dim=1, keepdim=True))
+    captions[n // 2:] = first
+    return captions
+
+
 def child(n: int, dim: int, tile_size: int | None, repeats: int,
           objective: str = "infonce") -> dict:
     """Forward + backward of ``objective`` (infonce, or xclr on caption embeddings) in this
     (fresh) process: seconds and peak RSS, with the default allocator (keep_freed_memory
     would hold on to every freed tile)."""
     z, ids, labels = embeddings(n, dim)
-    captions = None
-    if objective == "xclr":
-        gen = torch.Generator().manual_seed(n + 1)
-        captions = torch.nn.functional.normalize(
-            torch.randn(n // 2, CAPTION_DIM, generator=gen), dim=1)[ids]
+    captions = None if objective != "xclr" else image_captions(n)
     idle = peak_rss_bytes()
     times = []
     for _ in range(repeats):
@@ -260,9 +270,10 @@ def tiles_part(args: argparse.Namespace) -> dict:
     ratios = objective_ratios(args.dim, args.tile_size, args.repeats)
     growth = linear_growth(scaling)
     infonce = next(r for r in ratios if r["objective"] == "infonce")["tiled_vs_dense"]
-    checks = {"tiled memory grows linearly (<= 2.3x per doubling of N)":
-              bool(growth) and all(g <= 2.3 for g in growth.values()),
-              f"tiled infonce <= 1.3x dense at N = {RATIO_N}": infonce <= 1.3}
+    checks = {f"tiled infonce <= 1.3x dense at N = {RATIO_N}": infonce <= 1.3}
+    if growth:  # --sizes without a doubling of N leave nothing to check
+        checks["tiled memory grows linearly (<= 2.3x per doubling of N)"] = all(
+            g <= 2.3 for g in growth.values())
     print_table(scaling, ["N", "path", "fits", "seconds", "peak_gib", "above_idle_gib"])
     print_table(ratios, ["objective", "dense_ms", "tiled_ms", "tiled_vs_dense"])
     print("memory growth per doubling of N:", {k: round(v, 2) for k, v in growth.items()})
@@ -275,20 +286,21 @@ def tiles_part(args: argparse.Namespace) -> dict:
 
 def peaks_part(dim: int) -> dict:
     """Peak resident memory at N = PEAK_N of every recorded (objective, tile size), each in
-    a fresh child process, against the recorded figure."""
+    a fresh child process: what it adds to the idle process, against the recorded figure."""
     print(f"peak memory at N = {PEAK_N}, one process per row:")
     rows, checks = [], {}
-    for (objective, tile_size), recorded in RECORDED_PEAK_GIB.items():
+    for (objective, tile_size), recorded in RECORDED_ABOVE_IDLE_GIB.items():
         result = run_child(PEAK_N, dim, tile_size, 1, objective)
+        above = result["peak_gib"] - result["idle_gib"]
         rows.append({"objective": objective, "tile_size": tile_size, **result,
-                     "recorded_gib": recorded})
+                     "above_idle_gib": above, "recorded_above_idle_gib": recorded})
         print(f"  {objective} T={tile_size}: {result['seconds']:.0f} s, "
-              f"peak {result['peak_gib']:.2f} GiB", flush=True)
-        checks[f"{objective} peak at N = {PEAK_N}, T = {tile_size} <= {PEAK_TOLERANCE} x the "
-               f"recorded {recorded} GiB (got {result['peak_gib']:.2f})"] = \
-            result["peak_gib"] <= PEAK_TOLERANCE * recorded
+              f"peak {result['peak_gib']:.2f} GiB, {above:.2f} above idle", flush=True)
+        checks[f"{objective} at N = {PEAK_N}, T = {tile_size}: above idle <= {PEAK_TOLERANCE}"
+               f" x the recorded {recorded} GiB (got {above:.2f})"] = \
+            above <= PEAK_TOLERANCE * recorded
     print_table(rows, ["objective", "tile_size", "seconds", "peak_gib", "idle_gib",
-                       "recorded_gib"])
+                       "above_idle_gib", "recorded_above_idle_gib"])
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
     return {"rows": rows, "targets": checks}

@@ -28,6 +28,7 @@ from pretrain.losses.batch import (
     ContrastiveBatch,
     auto_tile_size,
     local_batch,
+    unit_rows,
 )
 
 
@@ -54,7 +55,7 @@ def build_global_batch(rows: BatchRows, options: BatchOptions | None = None,
     def gather(x: Tensor | None, normalize: bool = False) -> Tensor | None:
         if x is None:
             return None
-        x = F.normalize(x, dim=1) if normalize else x
+        x = unit_rows(x) if normalize else x
         return gather_rows(F.pad(x, (0, 0) * (x.dim() - 1) + (0, width - n)), counts, group)
 
     device = rows.z.device
@@ -68,7 +69,7 @@ def build_global_batch(rows: BatchRows, options: BatchOptions | None = None,
         anchor_start=rank * width,
         ids=keys[:, 0],
         labels=None if rows.labels is None else keys[:, 1],
-        captions=gather(rows.captions, normalize=True),
+        captions=gather(rows.captions),
         class_graph=options.class_graph,
         text=gather(rows.text, normalize=True),
         num_negatives=options.num_negatives,

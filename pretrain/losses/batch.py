@@ -49,7 +49,8 @@ class ContrastiveBatch:
         anchor_index: [n] long, positions of this rank's anchors among the candidates.
         ids: [N] long instance ids; the augmented views of one image share an id.
         labels: [N] long class labels, or None (then only instance positives exist).
-        captions: [N, E] L2-normalised caption embeddings, or None.
+        captions: [N, E] caption embeddings as given, or None: X-CLR takes their cosine,
+            normalising a block of rows at a time (no normalised [N, E] copy).
         class_graph: [C, C] class-similarity matrix looked up by labels, or None.
         text: [N, D] L2-normalised second-modality embeddings (``clip``), or None.
         num_negatives: keep a seeded random subset of k negatives per anchor; None keeps all.
@@ -291,19 +292,47 @@ class BatchOptions:
     rows_per_rank: int | None = None
 
 
+NORM_EPS = 1e-12  # F.normalize's
+
+
+class _UnitRows(torch.autograd.Function):
+    """y = x / max(||x||, eps) per row, as ``F.normalize``; written out because its
+    backward, dx = (dy - y (dy . y)) / max(||x||, eps), then makes one [N, D] tensor where
+    autograd's walk through the division and the norm makes four (``docs/negatives.md``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        norms = torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_(min=NORM_EPS)
+        y = x / norms
+        ctx.save_for_backward(y, norms)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> Tensor:
+        y, norms = ctx.saved_tensors
+        along = torch.einsum("nd,nd->n", grad, y)[:, None]  # [N, 1], no [N, D] product
+        along.masked_fill_(norms <= NORM_EPS, 0.0)  # clamped rows: x / eps, no norm term
+        return torch.addcmul(grad, y, along, value=-1).div_(norms)
+
+
+def unit_rows(x: Tensor) -> Tensor:
+    """[N, D] rows of ``x`` scaled to unit L2 norm (zero rows stay zero), with gradient."""
+    return _UnitRows.apply(x)
+
+
 def local_batch(rows: BatchRows, options: BatchOptions = BatchOptions()) -> ContrastiveBatch:
     """A single-process :class:`ContrastiveBatch` over ``rows`` (every row an anchor);
-    ``z``, ``text`` and ``captions`` are L2-normalised here."""
-    normalize = torch.nn.functional.normalize
+    ``z`` and ``text`` are L2-normalised here."""
     return ContrastiveBatch(
-        candidates=normalize(rows.z, dim=1),
+        candidates=unit_rows(rows.z),
         anchor_index=torch.arange(rows.z.shape[0], device=rows.z.device),
         anchor_start=0,
         ids=rows.ids,
         labels=rows.labels,
-        captions=None if rows.captions is None else normalize(rows.captions, dim=1),
+        captions=rows.captions,
         class_graph=options.class_graph,
-        text=None if rows.text is None else normalize(rows.text, dim=1),
+        text=None if rows.text is None else unit_rows(rows.text),
         num_negatives=options.num_negatives,
         negatives_seed=options.negatives_seed,
         tile_size=auto_tile_size(options.tile_size, rows.z.shape[0]),

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.batch import ContrastiveBatch, PositiveKind
+from pretrain.losses.batch import NORM_EPS, ContrastiveBatch, PositiveKind
 from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
@@ -86,7 +86,7 @@ def target_groups(batch: ContrastiveBatch,
         batch.group_index("label")  # labels checked against the graph's classes
         return "label", graph.index_select(0, batch.labels[batch.anchor_index]) / \
             target_temperature
-    captions = batch.captions.to(dtype)
+    captions = F.normalize(batch.captions.to(dtype), dim=1)
     return None, (captions[batch.anchor_index] / target_temperature) @ captions.T
 
 
@@ -151,19 +151,25 @@ def target_logits(batch: ContrastiveBatch, target_temperature: float) -> TargetL
 
 
 class _CaptionTargets:
-    """c_i . c_j / tau_s from the caption embeddings [N, E], the anchors' captions gathered
-    once per block of rows (tiles come block by block), not all n at once: at E = 384 an
-    [n, E] copy outweighs the [n, D] embeddings three times."""
+    """cos(c_i, c_j) / tau_s from the caption embeddings [N, E] as given: the anchors'
+    captions gathered and normalised once per block of rows (tiles come block by block),
+    each tile's columns scaled by their inverse norms [N]. No [n, E] or [N, E] copy: at
+    E = 384 one outweighs the [N, D] embeddings three times."""
 
     def __init__(self, captions: Tensor, anchor_index: Tensor, temperature: float) -> None:
         self.captions, self.anchor_index, self.temperature = captions, anchor_index, temperature
+        # F.normalize's clamp, so tiles equal the dense path's normalised captions
+        self.inverse_norms = torch.linalg.vector_norm(captions, dim=1).clamp_(
+            min=NORM_EPS).reciprocal_()
         self._block, self._anchors = slice(0), captions[:0]
 
     def __call__(self, start: int, stop: int, block: slice, out: Tensor) -> Tensor:
         if block != self._block:
-            self._block, self._anchors = block, self.captions[self.anchor_index[block]]
-        return torch.mm(self._anchors, self.captions[start:stop].T, out=out).div_(
-            self.temperature)
+            rows = self.anchor_index[block]
+            scale = self.inverse_norms[rows, None] / self.temperature
+            self._block, self._anchors = block, self.captions[rows].mul_(scale)
+        return torch.mm(self._anchors, self.captions[start:stop].T, out=out).mul_(
+            self.inverse_norms[start:stop])
 
 
 @dataclass
@@ -204,7 +210,8 @@ def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
             else:
                 term, entropy = _dense_target_term(batch, kind, sim, anchors)
         loss = batch.anchor_mean(lse - term, None)
-        pos_mean, _ = positive_logit_mean(batch, "instance", temperature)  # the monitors'
+        with torch.no_grad():  # the monitors' only
+            pos_mean, _ = positive_logit_mean(batch, "instance", temperature)
         return finish(batch, loss, None, temperature, infonce=lse - pos_mean, ess=ess,
                       negative_logit_sum=negative_logit_sum, pos_mean=pos_mean,
                       extra={"target_entropy": batch.anchor_mean(entropy, None)})

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pretrain.losses import OBJECTIVES, batch_loss, objective_function, tiles
 from pretrain.losses.batch import ContrastiveBatch, auto_tile_size
-from tests.pretrain.losses.batches import batch_of
+from tests.pretrain.losses.batches import FreshAllocations, batch_of
 from tests.pretrain.losses.conftest import Batch, make_multiview_batch
 
 CASES = [(name, {}) for name in OBJECTIVES if name not in ("projnce", "xclr")] + [
@@ -168,27 +168,6 @@ def test_auto_tile_size_is_dense_for_small_batches():
     assert auto_tile_size(64, 512) == 64
 
 
-class FreshTiles(TorchDispatchMode):
-    """Counts the floating-point tensors of at least ``numel`` elements that operators
-    allocate (outputs whose storage none of the operator's inputs holds)."""
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel, self.count = numel, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        held = {t.untyped_storage().data_ptr()
-                for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and t.is_floating_point()
-                    and t.numel() >= self.numel
-                    and t.untyped_storage().data_ptr() not in held):
-                self.count += 1
-        return out
-
-
 @pytest.mark.parametrize(("name", "hparams"), [("infonce", {}), ("supcon", {}),
                                                ("xclr", {"targets": "captions"})],
                          ids=["infonce", "supcon", "xclr-captions"])
@@ -205,9 +184,30 @@ def test_tile_buffers_are_allocated_once_per_pass(name, hparams):
                   captions=torch.randn(n // 2, 5, dtype=torch.float64, generator=gen)[ids],
                   text=torch.randn(n, 6, dtype=torch.float64, generator=gen))
         kwargs, _ = inputs(b, name, hparams)
-        probe = FreshTiles(numel=n * 8)
+        probe = FreshAllocations(numel=n * 8)
         with probe:
             loss, _ = batch_loss(name, b.z, b.ids, temperature=0.3, tile_size=8, **kwargs)
             loss.backward()
         counts[n] = probe.count
     assert counts[96] == counts[192] <= 7, counts  # the forward's 3-5 buffers, backward's 2
+
+
+def test_tiled_xclr_copies_no_more_than_a_row_block_of_captions():
+    """Caption targets normalise the anchors' captions a block of rows at a time and scale
+    each tile's columns by their inverse norms: no [n, E] or [N, E] copy (at E = 384 one
+    outweighs the [N, D] embeddings three times, docs/negatives.md)."""
+    n, width = 64, 7  # tiles of 2**14: row blocks of 16 rows
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.arange(n // 2).repeat(2)
+    z = torch.randn(n, 3, dtype=torch.float64, generator=gen).requires_grad_()
+    captions = torch.randn(n // 2, width, dtype=torch.float64, generator=gen)[ids]
+    probe = FreshAllocations(numel=(n // 2) * width, width=width)
+    with probe:
+        loss, _ = batch_loss("xclr", z, ids, captions=captions, temperature=0.3,
+                             tile_size=2**14)
+        loss.backward()
+    assert probe.shapes == [], probe.shapes
+    small = FreshAllocations(numel=16 * width, width=width)  # the row blocks are there
+    with small:
+        batch_loss("xclr", z, ids, captions=captions, temperature=0.3, tile_size=2**14)
+    assert small.shapes == [(16, width)] * 4, small.shapes
