@@ -298,7 +298,8 @@ NORM_EPS = 1e-12  # F.normalize's
 class _UnitRows(torch.autograd.Function):
     """y = x / max(||x||, eps) per row, as ``F.normalize``; written out because its
     backward, dx = (dy - y (dy . y)) / max(||x||, eps), then makes one [N, D] tensor where
-    autograd's walk through the division and the norm makes four (``docs/negatives.md``)."""
+    autograd's walk through the division and the norm makes eight with torch 2.15
+    (``docs/negatives.md``)."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
