@@ -15,7 +15,9 @@ and so is each rank, through the server's stand-in for ``python`` (torchrun star
 ranks with ``$PYTHON_EXEC -u -m <module> <args>``). The stand-in is what the agent watches:
 it hands its environment, working directory and stdin/stdout/stderr to the forked rank,
 forwards the signals the agent sends, ends with the rank's exit status (or its signal),
-and a rank whose stand-in is killed is killed with it.
+and a rank whose stand-in is killed is killed with it. A launch script that starts its
+stages as ``"$PYTHON" -m <module> <args>`` (``launch/demo_pipeline.sh``) has each forked
+the same way, with the stand-in as ``PYTHON``.
 
 What it does not prove, and who does: that the command imports from a fresh interpreter
 and tears it down (the signal, restart and multi-node tests start real ``torchrun`` ranks,
@@ -59,7 +61,12 @@ PRELOADED = ("app.pretrain", "app.evaluate", "mlflow", "transformers", "torch.di
 # id MLflow's telemetry sets in a test's environment once the test uses MLflow, for what it
 # starts to report under (an identifier, read when a run first tracks)
 READ_AT_RUN_TIME = frozenset({"PYTEST_CURRENT_TEST", "PYTHON_EXEC",
-                              "_MLFLOW_TELEMETRY_SESSION_ID"})
+                              "_MLFLOW_TELEMETRY_SESSION_ID",
+                              # read by the launch scripts, not by Python: the interpreter
+                              # their stages start with (a stand-in), the demo's folder
+                              "PYTHON", "DEMO_DIR",
+                              # what bash exports to each command it starts
+                              "_", "SHLVL", "PWD", "OLDPWD"})
 SET_BY_TORCHRUN = frozenset({  # for each rank, by torch.distributed.run's agent
     "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
     "MASTER_PORT", "RANK", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE",
@@ -79,7 +86,7 @@ class Server:
         self.directory = Path(tempfile.mkdtemp(prefix="prewarmed-"))
         self.address = str(self.directory / "socket")
         self.log = self.directory / "server.log"
-        self.python = self.directory / "python"  # the ranks' stand-in: see :func:`stand_in`
+        self.python = self.directory / "python"  # ``python``'s stand-in: :func:`stand_in`
         self.python.write_text(f"#!{sys.executable}\nimport sys\n"
                                f"sys.path.insert(0, {str(REPO)!r})\n"
                                f"from tests.prewarmed import stand_in\n"
@@ -196,14 +203,17 @@ def send(connection: socket.socket, request: dict,
 
 
 def stand_in(address: str, argv: list[str]) -> None:
-    """``python <argv>`` for a torchrun rank (``PYTHON_EXEC``): ``-u -m <module> <args>`` is
-    forked from the server at ``address``; anything else runs the real interpreter."""
-    if argv[:2] != ["-u", "-m"] or len(argv) < 3:
+    """``python <argv>`` for a torchrun rank (``PYTHON_EXEC``: ``-u -m <module> <args>``) or
+    a launch script's stage (``PYTHON``: ``-m <module> <args>``), forked from the server at
+    ``address``; anything else runs the real interpreter."""
+    rank = argv[:1] == ["-u"]  # torchrun starts its ranks unbuffered
+    command = argv[1:] if rank else argv
+    if command[:1] != ["-m"] or len(command) < 2:
         os.execv(sys.executable, [sys.executable, *argv])
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(address)
-    request = {"module": argv[2], "args": argv[3:], "env": dict(os.environ), "cwd": os.getcwd(),
-               "ignored": ignored(), "rank": True}
+    request = {"module": command[1], "args": command[2:], "env": dict(os.environ),
+               "cwd": os.getcwd(), "ignored": ignored(), "rank": rank}
     try:
         pid, replies = send(connection, request, [0, 1, 2])
     except RuntimeError as refused:
@@ -313,6 +323,7 @@ def become_run(request: dict, fds: list[int]) -> NoReturn:
         default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
         signal.signal(signum, signal.SIG_IGN if signum in request["ignored"] else default)
     os.chdir(request["cwd"])
+    sys.path[0] = request["cwd"]  # as ``python -m`` puts it first
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [request["module"], *request["args"]]  # argv[0]: runpy sets the file

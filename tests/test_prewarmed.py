@@ -3,12 +3,13 @@
 argv, ``__name__``, environment, working directory, stdin and signal dispositions, its
 threads joined and atexit handlers run; a run past its timeout is killed and reported as
 ``subprocess.run`` reports it. Under torchrun, forked ranks are what fresh ranks are to the
-agent, and a rank goes with its stand-in."""
+agent, and a rank goes with its stand-in; so are a launch script's stages."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def without_server_frames(stderr: str) -> str:
     if "Traceback (most recent call last):" not in lines:
         return stderr
     return "\n".join(line for line in lines if "prewarmed" not in line or "probe" in line
-                     ).split("prewarmed_probe.py", 1)[-1]
+                     ).split("_probe.py", 1)[-1]
 
 
 @pytest.mark.parametrize("ending", ENDINGS)
@@ -92,6 +93,29 @@ def test_forked_torchrun_ranks_show_the_agent_what_fresh_ranks_show(ending):
     if ending == "normal":  # the others race the agent's SIGTERM to the second rank
         assert sorted(got.stdout.splitlines()) == sorted(expected.stdout.splitlines())
         assert "rank=1 unbuffered=True" in got.stdout
+
+
+@pytest.mark.parametrize("ending", ["normal", "exit-3", "raise", "sigterm"])
+def test_a_scripts_stage_run_by_the_stand_in_shows_what_a_fresh_one_shows(ending, tmp_path):
+    """A launch script's stage, ``"$PYTHON" -m <module>``, with ``PYTHON`` the stand-in
+    (``tests/launch/test_demo.py``) or the real interpreter, in a folder of its own: the
+    module is found there, first on ``sys.path``, as ``python -m`` finds it."""
+    shutil.copy(prewarmed.REPO / "tests" / "prewarmed_probe.py", tmp_path / "stage_probe.py")
+    script = tmp_path / "stage.sh"
+    script.write_text(f'cd {tmp_path}\n"$PYTHON" -m stage_probe {ending} second\n')
+    env = {**os.environ, "PROBE": "value"}
+
+    def stage(python: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script)], env={**env, "PYTHON": python},
+                              capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+
+    expected = stage(sys.executable)
+    got = stage(str(prewarmed.server_for(env).python))
+    assert got.returncode == expected.returncode, (got, expected)
+    assert got.stdout == expected.stdout
+    assert without_server_frames(got.stderr) == without_server_frames(expected.stderr)
+    assert f"cwd={tmp_path} path0={tmp_path} probe=value" in got.stdout or ending == "sigterm"
 
 
 def forked_runs(server: prewarmed.Server) -> list[psutil.Process]:

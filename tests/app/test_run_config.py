@@ -106,14 +106,15 @@ def test_stage_commands_validate_before_any_work(module, capsys):
     assert f"{STAGES[module]} needs a value" in capsys.readouterr().err
 
 
-def test_help_points_at_every_key_and_help_config_lists_them():
+def test_help_points_at_every_key_and_help_config_lists_them(capsys):
+    """``--help`` from a fresh interpreter (the command line as a user starts it), then
+    ``--help-config`` by ``main`` in this process."""
     usage = subprocess.run([sys.executable, "-m", "app.pretrain", "--help"],
                            capture_output=True, text=True)
     assert usage.returncode == 0 and "--help-config" in usage.stdout
-    listing = subprocess.run([sys.executable, "-m", "app.pretrain", "--help-config"],
-                             capture_output=True, text=True)
-    assert listing.returncode == 0
-    line = next(row for row in listing.stdout.splitlines() if row.startswith("data.batch_size"))
+    assert exit_status(importlib.import_module("app.pretrain").main, ["--help-config"]) == 0
+    listing = capsys.readouterr().out
+    line = next(row for row in listing.splitlines() if row.startswith("data.batch_size"))
     assert "images per rank per step" in line and "default: 64" in line
 
 

@@ -1,7 +1,15 @@
 """The README's main job (launch/demo_pipeline.sh) end to end in its smallest setting:
 cluttered-digits shards, class-template graph, 2-process CPU X-CLR training over gloo,
 encoder registered in the run's SQLite MLflow store, evaluated beside an untrained
-encoder and promoted."""
+encoder and promoted.
+
+The script runs as the README runs it, each stage (torchrun's agent and ranks too) forked
+from a pre-imported interpreter, its ``PYTHON`` the server's stand-in (``tests/prewarmed.py``).
+What this still proves: the stages, in the script's order with its arguments, make the
+demo's outputs. Each stage's module started in a fresh interpreter: ``app.pretrain`` and
+``app.evaluate`` in the GPU kit's dry run (``tests/bench/test_gpu_kit.py``, which also
+imports ``app.make_shards`` fresh), ``app.graph_precompute`` in
+``tests/data_pipeline/graph/test_caption_store.py``."""
 
 from __future__ import annotations
 
@@ -12,11 +20,15 @@ from pathlib import Path
 
 import mlflow
 
+from tests import prewarmed
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demo_pipeline_smallest_setting(tmp_path):
-    env = {**os.environ, "DEMO_DIR": str(tmp_path)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # as the script sets
+    python = str(prewarmed.server_for(env).python)
+    env |= {"DEMO_DIR": str(tmp_path), "PYTHON": python, "PYTHON_EXEC": python}
     result = subprocess.run(
         ["bash", str(REPO / "launch" / "demo_pipeline.sh"), "shards.samples=400",
          "train.max_steps=4", "data.batch_size=32", "checkpoint.every=2",

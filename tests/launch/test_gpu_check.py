@@ -7,11 +7,12 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from app import pretrain
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "launch" / "gpu_check.sh"
@@ -34,13 +35,15 @@ def test_without_a_gpu_it_says_so_in_one_line():
         "gpu_check: torch sees no CUDA device; nothing to check"]
 
 
-def test_every_configuration_it_trains_is_valid():
+def test_every_configuration_it_trains_is_valid(monkeypatch, capsys):
+    """The ``pretrain`` command's ``main`` in this process, with the arguments the script
+    passes (the command line in an interpreter of its own: ``tests/app/test_run_config.py``)."""
+    monkeypatch.chdir(REPO)
     found = pipelines()
     assert set(found) == {"ddp-nccl-bf16", "deepspeed-zero2", "dali"}
     for name, overrides in found.items():
-        result = subprocess.run(
-            [sys.executable, "-m", "app.pretrain", "--config",
-             str(REPO / "launch" / "configs" / "demo.yaml"), "train.max_steps=60",
-             "shards.samples=2000", *overrides, "--print-config"],
-            capture_output=True, text=True, timeout=120, cwd=REPO)
-        assert result.returncode == 0, (name, result.stderr[-2000:])
+        with pytest.raises(SystemExit) as stop:
+            pretrain.main(["--config", str(REPO / "launch" / "configs" / "demo.yaml"),
+                           "train.max_steps=60", "shards.samples=2000", *overrides,
+                           "--print-config"])
+        assert stop.value.code == 0, (name, capsys.readouterr().err[-2000:])

@@ -7,8 +7,8 @@ and table. A whole run under torchrun with a killed worker is in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ from data_pipeline.loader.ledger import (
     epoch_counts,
     main,
 )
-from tests.app.helpers import REPO
+from tests import prewarmed
 
 TOTAL = 12  # samples of the toy data set: s00..s11, 4 per step of 2 ranks x 2
 
@@ -122,8 +122,10 @@ def test_lines_wait_for_a_flush_and_a_torn_last_line_is_left_out(tmp_path):
 
 
 def ledger_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "data_pipeline.loader.ledger", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    """The command forked from a pre-imported interpreter (``tests/prewarmed.py``); in a
+    fresh one of its own: ``tests/launch/test_multinode.py``."""
+    return prewarmed.run_module("data_pipeline.loader.ledger", list(args), dict(os.environ),
+                                timeout=120)
 
 
 def test_the_command_prints_json_and_a_table(tmp_path, digits_shards):

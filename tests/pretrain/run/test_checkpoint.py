@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -29,6 +28,7 @@ from pretrain.run.checkpoint import (
     rng_state,
     set_rng_state,
 )
+from tests import prewarmed
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
 
 
@@ -276,9 +276,9 @@ def test_torchrun_restarts_a_killed_worker_and_resumes(digits_shards, uninterrup
     ledgers = sorted(p.name.split("-rank")[0] for p in ledger_dir.iterdir())
     assert len(ledgers) == 4 and len(set(ledgers)) == 2  # two attempts of 2 ranks
     assert ledgers[2].endswith("-r001")  # torchrun's first restart
-    counted = subprocess.run([sys.executable, "-m", "data_pipeline.loader.ledger",
-                              str(tmp_path / "b" / "run"), "--json"], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
+    counted = prewarmed.run_module("data_pipeline.loader.ledger",
+                                   [str(tmp_path / "b" / "run"), "--json"], dict(os.environ),
+                                   timeout=120)
     assert counted.returncode == 0, counted.stderr
     full = {"total": 360, "once": 352, "more_than_once": 0, "unread": 8, "skipped": 0}
     assert json.loads(counted.stdout)["epochs"] == {  # 11 steps an epoch, 24 in all
