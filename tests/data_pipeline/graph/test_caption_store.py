@@ -28,6 +28,7 @@ from data_pipeline.graph.job import (
 from data_pipeline.graph.neighbours import build_neighbours, describe
 from data_pipeline.graph.store import CaptionStore, StoreError
 from data_pipeline.loader import LoaderState, eval_batches, train_batches
+from tests import prewarmed
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.data_pipeline.remote import ShardServer
 
@@ -218,7 +219,9 @@ def test_killed_job_restarts_and_equals_an_uninterrupted_run(tmp_path):
     finished = len(list(chunks.glob("chunk-*.json")))
     assert 3 <= finished < 41, "the job was not interrupted mid-encode"
     assert not (tmp_path / "killed" / "meta.json").exists()
-    rerun = subprocess.run(args, env=env, capture_output=True, text=True)
+    # the restart forked from a pre-imported interpreter (``tests/prewarmed.py``): the killed
+    # run above started a fresh one
+    rerun = prewarmed.run_module("app.graph_precompute", args[3:], env, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert_same_store(tmp_path / "whole", tmp_path / "killed")
 
