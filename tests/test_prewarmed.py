@@ -7,6 +7,7 @@ agent, and a rank goes with its stand-in; so are a launch script's stages."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -120,8 +121,11 @@ def test_a_scripts_stage_run_by_the_stand_in_shows_what_a_fresh_one_shows(ending
 
 def forked_runs(server: prewarmed.Server) -> list[psutil.Process]:
     """The runs the server has forked and not yet reaped (its grandchildren)."""
-    return [run for middle in psutil.Process(server.process.pid).children()
-            for run in middle.children()]
+    runs = []
+    for middle in psutil.Process(server.process.pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):  # it exits once it has reported
+            runs.extend(middle.children())
+    return runs
 
 
 def started_run(server: prewarmed.Server, known: set[int]) -> psutil.Process:
@@ -143,7 +147,11 @@ def test_a_rank_goes_with_its_stand_in_whichever_signal_ends_it(signum):
     stand_in = subprocess.Popen([server.python, "-u", "-m", "tests.prewarmed_probe", "sleep"],
                                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-    run = started_run(server, known)
-    stand_in.send_signal(signum)
-    assert stand_in.wait(timeout=60) == -signum
-    run.wait(timeout=60)
+    try:
+        run = started_run(server, known)
+        stand_in.send_signal(signum)
+        assert stand_in.wait(timeout=60) == -signum
+        run.wait(timeout=60)
+    finally:  # a failure leaves no run behind for the next test to find
+        stand_in.kill()
+        stand_in.wait()
