@@ -3,10 +3,11 @@
 The source's samples are written in a seeded random order (``shards.shuffle``, on by
 default): shard i holds items [i * shard_size, (i + 1) * shard_size) of a permutation of the
 source drawn from ``shards.seed``, so a source listed class by class (an image tree) gives
-shards that each hold every class. A pool of processes writes them. Each finished shard
-leaves a sidecar ``shard-XXXXXX.json`` (count, bytes, checksum, skipped samples); a re-run
-skips shards whose sidecar matches the file, so an interrupted job resumes and ends with the
-same manifest. img2dataset output is indexed where it lies, never rewritten.
+shards that each hold every class. A pool of ``shards.workers`` spawned processes writes
+them (this process alone where one would). Each finished shard leaves a sidecar
+``shard-XXXXXX.json`` (count, bytes, checksum, skipped samples); a re-run skips shards whose
+sidecar matches the file, so an interrupted job resumes and ends with the same manifest.
+img2dataset output is indexed where it lies, never rewritten.
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ def _finished(path: Path) -> dict | None:
 
 
 def _write_one(job: tuple[Path, np.ndarray]) -> dict:
-    path, items = job
+    return _write_shard(_SOURCE, *job)
+
+
+def _write_shard(source: object, path: Path, items: np.ndarray) -> dict:
     skipped: Counter[str] = Counter()
 
     def samples() -> Iterator[Sample]:
         for i in items.tolist():
             try:
-                yield _SOURCE.load(i)
+                yield source.load(i)
             except SkipSample as skip:
                 skipped[skip.reason] += 1
 
@@ -75,6 +79,19 @@ def sample_order(total: int, seed: int, shuffle: bool = True) -> np.ndarray:
     return np.random.default_rng(seed).permutation(total) if shuffle else np.arange(total)
 
 
+def _written(source: object, jobs: list[tuple[Path, np.ndarray]],
+             processes: int) -> Iterator[dict]:
+    """Each job's shard written, as it finishes: by ``processes`` spawned processes, or by
+    this one when one process would write them all (a spawned interpreter pays seconds of
+    imports before its first sample)."""
+    if processes <= 1:
+        yield from (_write_shard(source, *job) for job in jobs)
+        return
+    with mp.get_context("spawn").Pool(processes, initializer=_init_worker,
+                                      initargs=(source,)) as pool:
+        yield from pool.imap_unordered(_write_one, jobs)
+
+
 def write_source_shards(cfg: ShardsConfig) -> Manifest:
     """Cut the configured source into shards under ``cfg.output`` and write the manifest."""
     source = build_source(cfg)  # a source that cannot be read fails before any output
@@ -89,13 +106,9 @@ def write_source_shards(cfg: ShardsConfig) -> Manifest:
             for i, p in enumerate(paths) if infos[p] is None]
     bar = tqdm(total=len(paths), initial=len(paths) - len(jobs), unit="shard",
                desc=f"make-shards {cfg.source}")
-    if jobs:
-        ctx = mp.get_context("spawn" if cfg.workers > 1 else "fork")
-        with ctx.Pool(min(cfg.workers, len(jobs)), initializer=_init_worker,
-                      initargs=(source,)) as pool:
-            for info in pool.imap_unordered(_write_one, jobs):
-                infos[out / info["name"]] = info
-                bar.update()
+    for info in _written(source, jobs, min(cfg.workers, len(jobs))):
+        infos[out / info["name"]] = info
+        bar.update()
     bar.close()
     skipped: Counter[str] = Counter()
     shards = []

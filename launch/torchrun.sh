@@ -17,9 +17,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="$1"; shift
-gpus=$(.venv/bin/python -c 'import torch; print(torch.cuda.device_count())')
-nproc="${NPROC:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}"
-[ "$gpus" -eq 0 ] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+nproc="${NPROC:-}"
+if [ -z "$nproc" ] || [ -z "${OMP_NUM_THREADS:-}" ]; then  # the GPU count decides them
+    gpus=$(.venv/bin/python -c 'import torch; print(torch.cuda.device_count())')
+    [ -n "$nproc" ] || nproc=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
+    [ "$gpus" -gt 0 ] || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
 if [ -n "${NNODES:-}" ]; then
     # each rendezvous round publishes its own store address: the agents' shared store
     # (torch's default) is not published again to a node that joins a later round

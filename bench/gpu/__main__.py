@@ -2,12 +2,13 @@
 
     python -m bench.gpu OUT_DIR [--dry-run [--jobs N]] [--parts tests,sync,...] [--budget S]
 
-Each part runs in a process of its own with its share of ``--budget`` (time a part leaves
-unused passes to the next); a part that fails or runs out of time is recorded as such and
-the others go on. The dry run may run ``--jobs`` parts at a time, each with the whole
-budget as its limit (it measures nothing; on a GPU each part runs alone, so that its
-timings are its own). Writes ``OUT_DIR/gpu.json`` (the machine, every part's rows, status and
-log tail), ``OUT_DIR/gpu.md`` (a table per part, also printed) and ``OUT_DIR/logs/``.
+Each part runs in a process of its own (forked from a server that imported the kit once)
+with its share of ``--budget`` (time a part leaves unused passes to the next); a part that
+fails or runs out of time is recorded as such and the others go on. The dry run may run
+``--jobs`` parts at a time, each with the whole budget as its limit (it measures nothing; on
+a GPU each part runs alone, so that its timings are its own). Writes ``OUT_DIR/gpu.json``
+(the machine, every part's rows, status and log tail), ``OUT_DIR/gpu.md`` (a table per part,
+also printed) and ``OUT_DIR/logs/``.
 Exits 1 if any part failed.
 """
 
@@ -16,9 +17,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing as mp
 import os
 import platform
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,9 +28,16 @@ from typing import Any
 
 import torch
 
+from bench.gpu import part
 from bench.gpu.part import PARTS
 
 MARGIN = 0.85  # of its time limit, a part plans its own work to end within
+# Each part is forked from a server that imported torch and the kit once (a fresh
+# interpreter would pay ~3 s of imports and its teardown per part); the server never
+# touches CUDA, so each part initialises it afresh. Started at the first part, after
+# ``main`` has set the environment the parts inherit.
+FORKS = mp.get_context("forkserver")
+FORKS.set_forkserver_preload(["bench.gpu.part"])
 
 
 def machine() -> dict[str, Any]:
@@ -44,16 +52,18 @@ def machine() -> dict[str, Any]:
 
 def run_part(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, Any]:
     log = out / "logs" / f"{name}.log"
-    command = [sys.executable, "-m", "bench.gpu.part", name, str(out / "parts"),
-               "--seconds", f"{seconds * MARGIN:.0f}", *(["--dry-run"] if dry_run else [])]
+    argv = [name, str(out / "parts"), "--seconds", f"{seconds * MARGIN:.0f}",
+            *(["--dry-run"] if dry_run else [])]
     start = time.perf_counter()
-    with log.open("w") as sink:
-        try:
-            code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT,
-                                  timeout=seconds).returncode
-            status = "ok" if code == 0 else f"failed (exit {code})"
-        except subprocess.TimeoutExpired:
-            status = f"out of time ({seconds:.0f} s)"
+    process = FORKS.Process(target=part.logged, args=(argv, str(log)), name=name)
+    process.start()
+    process.join(seconds)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+        status = f"out of time ({seconds:.0f} s)"
+    else:
+        status = "ok" if process.exitcode == 0 else f"failed (exit {process.exitcode})"
     result_file = out / "parts" / f"{name}.json"
     result = json.loads(result_file.read_text()) if result_file.is_file() else {}
     if status == "ok" and not result.get("ok", False):

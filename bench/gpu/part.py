@@ -1,7 +1,8 @@
-"""One part of the GPU kit, in a process of its own:
+"""One part of the GPU kit, in a process of its own (``python -m bench.gpu`` forks it
+from a server that has imported this module; by hand:
 
     python -m bench.gpu.part NAME WORK_DIR --seconds S [--dry-run]
-
+)
 writes ``WORK_DIR/NAME.json``: ``{"rows": [...], "ok": bool, "summary": str}``. The parts
 are the entries of :data:`PARTS`, each with its share of the kit's time budget and the
 columns of its table.
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,13 +62,13 @@ PARTS: dict[str, Part] = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=list(PARTS))
     parser.add_argument("work", type=Path)
     parser.add_argument("--seconds", type=float, required=True, help="this part's budget")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     deadline = time.monotonic() + args.seconds
     device = torch.device("cpu" if args.dry_run else "cuda")
     work = args.work / args.name
@@ -72,6 +76,22 @@ def main() -> None:
     result = PARTS[args.name].run(sizes=DRY_RUN if args.dry_run else GPU, device=device,
                                   work=work, deadline=deadline, dry_run=args.dry_run)
     (args.work / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+
+
+def logged(argv: list[str], log: str) -> None:
+    """:func:`main` with ``argv``, its output (and any child process's) into ``log``: the
+    body of a part forked by ``python -m bench.gpu``."""
+    with open(log, "w") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    # a forked child inherits the server's start method; the part's own processes (loader
+    # workers) start as they would from a fresh interpreter (a spawned worker pays seconds)
+    multiprocessing.set_start_method(None, force=True)
+    try:
+        main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 if __name__ == "__main__":

@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from app.run_config import RunConfig
 from core.config import load_config
 from data_pipeline.config import DataConfig, ShardsConfig
+from data_pipeline.loader import eval_batches
 from data_pipeline.loader.epochs import train_batches
 from data_pipeline.make_shards import make_shards
-from evaluation.features import Features, extract
+from data_pipeline.shards import ShardSet
 from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import from_checkpoint
 from evaluation.probe import linear_probe
@@ -49,6 +50,19 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN, TEST = 6000, 1000  # canvases, as in the learning benchmark
 PROBE_EPOCHS, PROBE_LR = 50, 0.1  # the learning benchmark's probe
 MEASURES = ("knn", "probe", "views")
+
+
+@dataclass(frozen=True)
+class Canvases:
+    """Every canvas of a shard set as the evaluation loader decodes it, kept in the
+    loader's batches: a forward over them is the one
+    :func:`evaluation.features.extract` runs, and its rows are put in key order as
+    ``extract`` puts them. Decoded once, embedded by each encoder scored."""
+
+    batches: list[torch.Tensor]  # [b, 3, R, R] each, in the loader's order
+    order: torch.Tensor  # [n] the rows in key order
+    labels: torch.Tensor  # [n] in key order
+    classes: int
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,38 @@ def trained(run_dir: Path) -> EmbeddingModel:
     return from_checkpoint(list_checkpoints(run_dir)[0])[0]
 
 
+def canvases(shards: Path) -> Canvases:
+    batches, keys, labels = [], [], []
+    for batch in eval_batches(DataConfig(shards=str(shards), batch_size=256, workers=1,
+                                         resolution=32)):
+        batches.append(batch["images"])
+        keys += batch["keys"]
+        labels.append(batch["labels"])
+    order = torch.tensor(sorted(range(len(keys)), key=keys.__getitem__), dtype=torch.long)
+    return Canvases(batches, order, torch.cat(labels)[order],
+                    len(ShardSet.open(str(shards)).class_names))
+
+
+@torch.no_grad()
+def backbone(model: EmbeddingModel, canvases: Canvases) -> torch.Tensor:
+    """``model``'s backbone features [n, F] of ``canvases``, in key order."""
+    model = model.eval()
+    rows = [model.encoder(images)[0].float() for images in canvases.batches]
+    return torch.cat(rows)[canvases.order]
+
+
+def class_structure(model: EmbeddingModel, train: Canvases,
+                    test: Canvases) -> tuple[float, float]:
+    """Weighted kNN top-1 (k = 20) and linear-probe top-1 of ``model``'s backbone features
+    of the test canvases, the training canvases as the bank."""
+    bank, queries = backbone(model, train), backbone(model, test)
+    accuracy, _ = knn_accuracy(build_index(bank, "exact"), train.labels, queries,
+                               test.labels, [20], 0.07, train.classes)
+    probe = linear_probe(bank, train.labels, queries, test.labels, train.classes,
+                         PROBE_EPOCHS, PROBE_LR)
+    return accuracy["k20"]["top1"], probe["top1"]
+
+
 @torch.no_grad()
 def view_retrieval(model: EmbeddingModel, views: DataConfig) -> float:
     """Top-1 of each first view's cosine nearest neighbour among all second views being
@@ -122,18 +168,10 @@ def view_retrieval(model: EmbeddingModel, views: DataConfig) -> float:
     return (similarity.argmax(1) == torch.arange(similarity.shape[0])).float().mean().item()
 
 
-def scores(model: EmbeddingModel, train: Path, test: Path, views: DataConfig) -> Scores:
+def scores(model: EmbeddingModel, train: Canvases, test: Canvases,
+           views: DataConfig) -> Scores:
     """The three measures of ``model``'s backbone features."""
-    loader = DataConfig(shards=str(train), batch_size=256, workers=1, resolution=32)
-    cpu = torch.device("cpu")
-    bank: Features = extract(model, loader, str(train), cpu, progress=False)
-    queries: Features = extract(model, loader, str(test), cpu, progress=False)
-    classes = len(bank.class_names)
-    accuracy, _ = knn_accuracy(build_index(bank.backbone, "exact"), bank.labels,
-                               queries.backbone, queries.labels, [20], 0.07, classes)
-    probe = linear_probe(bank.backbone, bank.labels, queries.backbone, queries.labels,
-                         classes, PROBE_EPOCHS, PROBE_LR)
-    return Scores(accuracy["k20"]["top1"], probe["top1"], view_retrieval(model, views))
+    return Scores(*class_structure(model, train, test), view_retrieval(model, views))
 
 
 def views_of_test(recipe: str, keys: list[str], test: Path) -> DataConfig:
@@ -154,8 +192,9 @@ def measure(recipe: str, epochs: int, seed: int, root: Path) -> dict[str, dict[s
     if result.returncode != 0:
         raise SystemExit(f"{run_dir}: pretrain failed\n{result.stderr[-3000:]}")
     views = views_of_test(recipe, keys, test)
-    result = {"untrained": scores(untrained(recipe, keys), train, test, views),
-              "trained": scores(trained(run_dir), train, test, views)}
+    decoded = canvases(train), canvases(test)
+    result = {"untrained": scores(untrained(recipe, keys), *decoded, views),
+              "trained": scores(trained(run_dir), *decoded, views)}
     result = {name: dataclasses.asdict(value) for name, value in result.items()}
     (run_dir / "result.json").write_text(json.dumps(result))
     return result

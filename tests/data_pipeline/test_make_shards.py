@@ -40,7 +40,8 @@ def test_digits_round_trip_and_resume(tmp_path):
     assert (labels == targets[order]).all()
     assert samples[0]["txt"].decode().startswith("a photo of the digit ")
     assert manifest.class_names[7] == "seven"
-    # Interrupted run: one shard and its sidecar lost; the re-run redoes only that one.
+    # Interrupted run: one shard and its sidecar lost; the re-run redoes only that one, in
+    # this process (one shard to write): its checksum in the manifest is the pool's.
     first = tmp_path / "d" / "shard-000001.tar"
     untouched = (tmp_path / "d" / "shard-000000.tar").stat().st_mtime_ns
     first.unlink()
