@@ -154,13 +154,13 @@ def class_structure(model: EmbeddingModel, train: Canvases,
 
 
 @torch.no_grad()
-def view_retrieval(model: EmbeddingModel, views: DataConfig) -> float:
+def view_retrieval(model: EmbeddingModel, views: list[torch.Tensor]) -> float:
     """Top-1 of each first view's cosine nearest neighbour among all second views being
-    its own second view (``views``: the recipe's augmentation on the test shards)."""
+    its own second view (``views``: :func:`views_of_test`)."""
     model = model.eval()
     first, second = [], []
-    for batch in train_batches(views):
-        features = F.normalize(model.encoder(batch["images"])[0].float(), dim=1)
+    for images in views:
+        features = F.normalize(model.encoder(images)[0].float(), dim=1)
         half = features.shape[0] // 2  # [2B, F]: the B first views, then the B second
         first.append(features[:half])
         second.append(features[half:])
@@ -169,16 +169,18 @@ def view_retrieval(model: EmbeddingModel, views: DataConfig) -> float:
 
 
 def scores(model: EmbeddingModel, train: Canvases, test: Canvases,
-           views: DataConfig) -> Scores:
+           views: list[torch.Tensor]) -> Scores:
     """The three measures of ``model``'s backbone features."""
     return Scores(*class_structure(model, train, test), view_retrieval(model, views))
 
 
-def views_of_test(recipe: str, keys: list[str], test: Path) -> DataConfig:
-    """The recipe's augmentation over the test shards, every canvas once, in one
-    worker and a fixed order of draws."""
+def views_of_test(recipe: str, keys: list[str], test: Path) -> list[torch.Tensor]:
+    """The recipe's augmentation over the test shards, every canvas once, in one worker and
+    a fixed order of draws: batches [2B, 3, R, R] of the B first views, then the B second.
+    Drawn once, embedded by each encoder scored."""
     data = load_config(RunConfig, recipe_path(recipe), keys).data
-    return dataclasses.replace(data, shards=str(test), workers=1, batch_size=250)
+    views = dataclasses.replace(data, shards=str(test), workers=1, batch_size=250)
+    return [batch["images"] for batch in train_batches(views)]
 
 
 def measure(recipe: str, epochs: int, seed: int, root: Path) -> dict[str, dict[str, float]]:

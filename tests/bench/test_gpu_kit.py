@@ -51,6 +51,18 @@ def test_the_dry_run_measures_every_part(tmp_path):
     assert table.count("\n### ") + table.startswith("### ") == len(PARTS)
 
 
+def test_a_part_out_of_time_is_stopped_and_recorded(tmp_path):
+    """A part past its share of the budget is killed, recorded as out of time with what it
+    printed, and the kit exits 1."""
+    result = subprocess.run([sys.executable, "-m", "bench.gpu", str(tmp_path), "--dry-run",
+                             "--parts", "sync", "--budget", "1"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    part = json.loads((tmp_path / "gpu.json").read_text())["parts"]["sync"]
+    assert part["status"] == "out of time (1 s)" and part["seconds"] < 30, part
+    assert "### Host synchronisations per training step: out of time" in result.stdout
+
+
 def test_a_synchronising_call_is_named_by_the_project_line_that_made_it(monkeypatch):
     """On a GPU torch warns for each synchronising call (sync debug mode "warn"); here the
     warning is raised by hand from project code, the mode switch stubbed."""
