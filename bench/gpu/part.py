@@ -1,8 +1,8 @@
-"""One part of the GPU kit, in a process of its own (``python -m bench.gpu`` forks it
-from a server that has imported this module; by hand:
+"""One part of the GPU kit, in a process of its own: ``python -m bench.gpu`` forks it from a
+server that imported this module (:func:`logged`); by hand,
 
     python -m bench.gpu.part NAME WORK_DIR --seconds S [--dry-run]
-)
+
 writes ``WORK_DIR/NAME.json``: ``{"rows": [...], "ok": bool, "summary": str}``. The parts
 are the entries of :data:`PARTS`, each with its share of the kit's time budget and the
 columns of its table.
