@@ -25,12 +25,10 @@ asserts", with the command that measured them); the run here is seed 0.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from bench.learning.ci_check import (
     Canvases,
@@ -46,6 +44,7 @@ from bench.learning.ci_check import (
     view_retrieval,
     views_of_test,
 )
+from evaluation.identity import model_digest
 from tests.app.helpers import run_pretrain
 
 
@@ -81,19 +80,11 @@ def decoded(shards) -> tuple[Canvases, Canvases]:
 
 
 @pytest.fixture(scope="module")
-def untrained_class_structure() -> dict[bytes, tuple[float, float]]:
+def untrained_class_structure() -> dict[str, tuple[float, float]]:
     """kNN and probe top-1 of an untrained encoder, by its parameters: both recipes build
     the same encoder from seed 0, so the second reuses the first's (its view retrieval
     differs: each recipe draws its own augmentation)."""
     return {}
-
-
-def parameters(model: torch.nn.Module) -> bytes:
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.contiguous().numpy().tobytes())
-    return digest.digest()
 
 
 @pytest.mark.timeout(1800)
@@ -106,7 +97,7 @@ def test_recipe_learns_beyond_the_untrained_encoder(shards, decoded, untrained_c
     assert result.returncode == 0, result.stderr[-3000:]
     views = views_of_test(check.recipe, keys, test)
     start = untrained(check.recipe, keys)
-    fingerprint = parameters(start)
+    fingerprint = model_digest(start)
     if fingerprint not in untrained_class_structure:
         untrained_class_structure[fingerprint] = class_structure(start, *decoded)
     before = Scores(*untrained_class_structure[fingerprint], view_retrieval(start, views))
