@@ -1,6 +1,6 @@
 """Per-rank memory of one training step under each engine: parameters, gradients,
 optimiser state and activations of a timm ViT, measured on 2 CPU ranks (gloo) under DDP,
-DeepSpeed ZeRO-2, FSDP2 and FSDP2 with full activation checkpointing; beside it the
+DeepSpeed ZeRO-2 and ZeRO-3, FSDP2 and FSDP2 with full activation checkpointing; beside it the
 figure each engine's layout gives at 8, 64 and 512 ranks for ViT-B/16, ViT-L/16 and a
 1B and a 2.5B ViT (counted on the meta device: no weights).
 
@@ -42,6 +42,8 @@ MODELS = ("vit_base_patch16_224", "vit_large_patch16_224")
 SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
     "ddp": ({"name": "ddp"}, "none"),
     "zero2": ({"name": "deepspeed", "deepspeed_config": "launch/deepspeed/zero2.json"},
+              "none"),
+    "zero3": ({"name": "deepspeed", "deepspeed_config": "launch/deepspeed/zero3.json"},
               "none"),
     "fsdp2": ({"name": "fsdp2"}, "none"),
     "fsdp2+checkpointing": ({"name": "fsdp2"}, "full"),
@@ -105,13 +107,16 @@ def one_step(model_name: str, setting: str, batch: int) -> dict[str, int]:
     return {"state": backward - start, "activations": forward - after_step,
             "peak": peak_rss_bytes() - start,
             "parameters": sum(local_bytes(p) for p in model.parameters()),
-            "parameter_count": sum(p.numel() for p in model.parameters()),
+            "parameter_count": sum(getattr(p, "ds_numel", p.numel())  # ZeRO-3: whole
+                                   for p in model.parameters()),
             "optimizer": optimizer_bytes(engine.optimizer)}
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
-    """The bytes this rank stores of ``tensor`` (its shard, for an FSDP2 DTensor)."""
+    """The bytes this rank stores of ``tensor`` (its shard, for an FSDP2 DTensor; its
+    partition, for a ZeRO-3 parameter)."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = getattr(tensor, "ds_tensor", local)
     return local.numel() * local.element_size()
 
 
@@ -121,7 +126,8 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's wraps the torch one
     moments = [v for state in inner.state.values() for v in state.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0]
-    masters = getattr(optimizer, "single_partition_of_fp32_groups", [])
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+    masters = getattr(optimizer, "fp32_partitioned_groups_flat", masters or [])  # ZeRO-3
     return sum(local_bytes(t) for t in [*moments, *masters])
 
 
@@ -187,10 +193,11 @@ class Layout:
 # DDP: weights, gradients, the reducer's gradient buckets (a copy of every gradient),
 # AdamW's two moments. ZeRO-2: weights on every rank; the fp32 master weights, the reduced
 # gradients and the moments sharded (plus its reduction buckets, bounded by
-# reduce_bucket_size, not counted). FSDP2: weights, gradients and moments all sharded.
-# The measured table sets each beside its 2-rank figure.
+# reduce_bucket_size, not counted). ZeRO-3: the weights partitioned too, beside the fp32
+# master partition (a copy even in fp32), gradients and moments. FSDP2: weights, gradients
+# and moments all sharded. The measured table sets each beside its 2-rank figure.
 LAYOUTS = {"ddp": Layout(4 + 4 + 4 + 8, 0), "zero2": Layout(4, 4 + 4 + 8),
-           "fsdp2": Layout(0, 4 + 4 + 8)}
+           "zero3": Layout(0, 4 + 4 + 4 + 8), "fsdp2": Layout(0, 4 + 4 + 8)}
 
 
 def parameter_count(keys: dict[str, Any], name: str) -> int:

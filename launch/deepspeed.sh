@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The DeepSpeed variant of launch/torchrun.sh: ZeRO stage ZERO (1 or 2, default 2) from
+# The DeepSpeed variant of launch/torchrun.sh: ZeRO stage ZERO (1, 2 or 3, default 2) from
 # launch/deepspeed/zero$ZERO.json, which sets gradient_clipping explicitly.
 #   ZERO=1 NPROC=8 launch/deepspeed.sh launch/configs/imagenet_xclr.yaml
 set -euo pipefail

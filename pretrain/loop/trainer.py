@@ -59,7 +59,7 @@ from pretrain.loop.engine import Engine
 from pretrain.loop.step import Objective, model_inputs, to_device
 from pretrain.losses import BatchRows, ObjectiveOutput
 from pretrain.model.encoder import ModelOutput
-from pretrain.run.checkpoint import Checkpointer, rng_state, set_rng_state
+from pretrain.run.checkpoint import Checkpointer, Unresumable, rng_state, set_rng_state
 from pretrain.run.config_drift import check_drift, unfit_checkpoint
 from pretrain.run.preemption import Preempted, PreemptionWatch
 from pretrain.run.reshard import per_parameter_state
@@ -418,6 +418,8 @@ class Trainer:
                     self.checkpointer.cfg.allow_changes)
         try:
             self.load_engine_state(replicated, per_rank, path)
+        except Unresumable as err:  # a layout this engine does not read
+            raise Unresumable(f"{path}: {err} (the checkpoint is kept)") from None
         except RuntimeError as err:  # tensors of another model: name what changed
             raise unfit_checkpoint(path, replicated.get("config", ""), self.config_yaml,
                                    err) from None

@@ -4,8 +4,10 @@ The model, step, schedules and ESS controller are in ``shared.pt`` and load unch
 any number of ranks, and so does DDP's replicated optimizer state. DeepSpeed ZeRO-1/2
 state is sharded: each old rank saved its partition, and :func:`zero_partition_for`
 cuts the new rank's partition out of their concatenation, or :func:`per_parameter_state`
-turns them into a torch optimizer's state for a run under DDP or FSDP2. What else is per rank is
-rebuilt for the new world:
+turns them into a torch optimizer's state for a run under DDP or FSDP2. ZeRO-3 partitions
+each parameter on its own: :func:`per_parameter_state` joins its partitions too, and
+:func:`zero3_partition_for` cuts a new rank's out of per-parameter state. What else is per
+rank is rebuilt for the new world:
 
 - Data: the loader state (epoch, batches delivered, the layout that delivered them and
   the epoch's earlier layouts) is the same on every old rank and is carried over whole.
@@ -32,6 +34,14 @@ from core.errors import RunError
 # Keys of DeepSpeed's ZeRO-1/2 optimizer state (deepspeed.checkpoint.constants).
 BASE_STATE, FP32_PARTITIONS = "base_optimizer_state", "single_partition_of_fp32_groups"
 PADDINGS, ALIGNMENT_PADDINGS = "group_paddings", "param_alignment_paddings"
+# ZeRO-3's, and ours: which parameters each of its sub-groups holds
+ZERO3_STATE, ZERO3_FLAT = "optimizer_state_dict", "fp32_flat_groups"
+SUB_GROUPS = "sub_groups"  # per sub-group: [its param group, how many parameters]
+
+
+def zero_stage_of(part: dict[str, Any]) -> str:
+    """Which ZeRO layout a saved optimizer partition has: "3", or "1/2"."""
+    return "3" if ZERO3_FLAT in part else "1/2"
 
 
 def batches_done(batches: int, old_global: int, new_global: int) -> int:
@@ -128,7 +138,9 @@ def per_parameter_state(parts: list[dict[str, Any]], shapes: list[list[torch.Siz
     partitions joined, parameter after parameter; each per-element state tensor is cut the
     same way and viewed to its parameter's shape; other state (Adam's step) is every
     parameter's. Shapes: ``parts[r][FP32_PARTITIONS][i]`` [P - padding_r]; returned
-    ``state[k][key]`` of parameter ``k``'s shape."""
+    ``state[k][key]`` of parameter ``k``'s shape. ZeRO-3 partitions: :func:`_zero3_joined`."""
+    if zero_stage_of(parts[0]) == "3":
+        return _zero3_joined(parts, shapes)
     refuse_alignment(parts, "resume it with DeepSpeed")
     state: dict[int, dict[str, Any]] = {}
     groups = []
@@ -178,3 +190,103 @@ def per_element(joined: dict[str, Any], sizes: list[int]) -> set[str]:
 def _offsets(sizes: list[int]) -> list[int]:
     """Where each parameter starts in its flat group."""
     return [0, *itertools.accumulate(sizes)][:-1]
+
+
+def zero3_partition_size(numel: int, world: int) -> int:
+    """The elements of a parameter of ``numel`` each of ``world`` ranks holds under ZeRO-3:
+    the parameter is padded at its end to a multiple of ``world`` and cut evenly."""
+    return -(-numel // world)
+
+
+def _zero3_joined(parts: list[dict[str, Any]], shapes: list[list[torch.Size]]
+                  ) -> dict[str, Any]:
+    """ZeRO-3 partitions (``parts[r]``: old rank ``r``'s) as a torch optimizer's state.
+
+    DeepSpeed's stage 3 layout: param group ``g``'s parameters, in order, fall into
+    sub-groups (``parts[r][SUB_GROUPS][j] = [g, n]``: sub-group ``j`` holds the next ``n``
+    of group ``g``); every parameter of ``m`` elements is padded to ``W * S`` (``S`` =
+    ``ceil(m / W)``, W ranks) and rank ``r`` holds ``[r * S, (r + 1) * S)``; a rank's flat
+    sub-group (its fp32 weights and each per-element optimizer state, e.g. Adam's moments)
+    is its pieces of the sub-group's parameters joined in order. So parameter ``k``'s
+    value is the ranks' pieces of it joined, cut to ``m``. Shapes: ``parts[r][ZERO3_FLAT][j]``
+    [sum of the sub-group's S]; returned ``state[k][key]`` of parameter ``k``'s shape."""
+    world, sub_groups = len(parts), parts[0][SUB_GROUPS]
+    counts = [sum(n for g, n in sub_groups if g == i) for i in range(len(shapes))]
+    if counts != [len(group) for group in shapes]:
+        raise RunError(f"the checkpoint's ZeRO-3 parameter groups hold {counts} parameters "
+                       f"and this model's {[len(group) for group in shapes]}: resume it with "
+                       "the model that wrote it")
+    starts = [0, *itertools.accumulate(counts)][:-1]  # each group's first parameter number
+    taken = [0] * len(shapes)
+    state: dict[int, dict[str, Any]] = {}
+    for j, (g, n) in enumerate(sub_groups):
+        numbers = range(starts[g] + taken[g], starts[g] + taken[g] + n)
+        group_shapes = shapes[g][taken[g]:taken[g] + n]
+        taken[g] += n
+        sizes = [zero3_partition_size(shape.numel(), world) for shape in group_shapes]
+        if parts[0][ZERO3_FLAT][j].numel() != sum(sizes):
+            raise RunError(f"ZeRO-3 sub-group {j} of the checkpoint holds "
+                           f"{parts[0][ZERO3_FLAT][j].numel()} values per rank and this "
+                           f"model's parameters {sum(sizes)}: resume it with the model that "
+                           "wrote it")
+        flat_state = [part[ZERO3_STATE]["state"].get(j, {}) for part in parts]
+        for k, shape, size in zip(numbers, group_shapes, sizes, strict=True):
+            state[k] = {}
+            offset = sum(sizes[:k - numbers[0]])
+            for key, value in flat_state[0].items():
+                if torch.is_tensor(value) and value.shape == (sum(sizes),):
+                    pieces = [s[key][offset:offset + size] for s in flat_state]
+                    state[k][key] = torch.cat(pieces)[:shape.numel()].view(shape).clone()
+                else:  # the same for every element (Adam's step)
+                    state[k][key] = value
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": list(range(start, start + count))}
+              for group, start, count in zip(parts[0][ZERO3_STATE]["param_groups"], starts,
+                                             counts, strict=True)]
+    return {"state": state, "param_groups": groups}
+
+
+def zero3_partition_for(state: dict[str, Any], sub_groups: list[list[torch.Size]],
+                        rank: int, world: int) -> dict[int, dict[str, Any]]:
+    """This rank's ZeRO-3 optimizer state, per sub-group, from a torch optimizer's
+    per-parameter ``state`` (numbered in group order, as :func:`per_parameter_state` and
+    ``Optimizer.state_dict`` number it): sub-group ``j`` (``sub_groups[j]``: the shapes of
+    its parameters, the sub-groups in group order) gets each per-element entry as rank
+    ``rank``'s pieces of its parameters joined (:func:`_zero3_joined`'s layout), each
+    other entry as the first parameter has it. Shapes: ``state["state"][k][key]`` of
+    parameter ``k``'s shape; returned ``[j][key]`` [sum of the sub-group's S]."""
+    out: dict[int, dict[str, Any]] = {}
+    number = 0
+    for j, shapes in enumerate(sub_groups):
+        numbers = range(number, number + len(shapes))
+        number += len(shapes)
+        saved = [state["state"].get(k) for k in numbers]
+        if not any(saved):
+            continue  # no step taken yet
+        if not all(saved):
+            raise RunError(f"the checkpoint holds optimizer state for some parameters of "
+                           f"ZeRO-3 sub-group {j} and not for others")
+        out[j] = {}
+        for key, value in saved[0].items():
+            if _parameter_shaped(key, [entry[key] for entry in saved], shapes):
+                out[j][key] = torch.cat([_zero3_piece(entry[key], rank, world)
+                                         for entry in saved])
+            else:
+                out[j][key] = value
+    return out
+
+
+def _parameter_shaped(key: str, values: list[Any], shapes: list[torch.Size]) -> bool:
+    """Whether an optimizer state entry holds one value per element of its parameter
+    (momentum, Adam's moments) rather than one for the parameter (its step count, a 0-d
+    tensor, which a scalar parameter's moments also are: told apart by torch's name)."""
+    return key != "step" and all(torch.is_tensor(v) and v.shape == shape
+                                 for v, shape in zip(values, shapes, strict=True))
+
+
+def _zero3_piece(value: Tensor, rank: int, world: int) -> Tensor:
+    """Rank ``rank``'s piece of a parameter-shaped tensor under ZeRO-3, zero-padded."""
+    flat = value.reshape(-1)
+    size = zero3_partition_size(flat.numel(), world)
+    mine = flat[rank * size:(rank + 1) * size]
+    return torch.cat([mine, mine.new_zeros(size - mine.numel())])

@@ -21,6 +21,7 @@ from data_pipeline.digits import DIGIT_NAMES
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.evaluation.test_evaluate import evaluate
+from tests.pretrain.loop.test_engine import ZERO3
 from tests.pretrain.run.test_checkpoint import final_model
 from tests.pretrain.run.test_reshard import velocities
 
@@ -146,12 +147,38 @@ def test_two_fsdp2_ranks_register_the_whole_encoder(digits_shards, tmp_path):
     assert found["checkpoint"]["class_embedding_classifier"]["classes"] == 10
     for key in ("class_embedding_classifier", "knn", "linear_probe"):
         assert found["checkpoint"][key] == found["registry"][key], key
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
-    stored = mlflow.artifacts.download_artifacts("models:/digits-fsdp2/1",
-                                                 dst_path=str(tmp_path / "download"))
+    assert_registered_whole(tmp_path, "digits-fsdp2", final["model"])
+
+
+def test_two_zero3_ranks_register_the_whole_encoder(digits_shards, tmp_path):
+    """DeepSpeed ZeRO-3 partitions every parameter, the class embeddings included, over 2
+    ranks (each module's parameters gathered only while it runs); the kNN monitor runs the
+    partitioned encoder mid-run; the checkpoint holds the model whole (gathered module by
+    module to rank 0) and the registry receives it whole, equal to the final checkpoint."""
+    zero3 = {"engine.name": "deepspeed", "engine.deepspeed_config": ZERO3,
+             "train.max_steps": 8, "data.batch_size": 8, "tracking.enabled": True,
+             "tracking.system_metrics": False, "tracking.registered_model": "digits-zero3",
+             "train.knn_every": 4, "train.knn_samples": 64,
+             "eval.train_shards": str(digits_shards), "eval.test_shards": str(digits_shards)}
+    overrides = train_overrides(digits_shards, tmp_path, **LEARNED, **zero3)
+    result = run_pretrain(overrides, nproc=2, torchrun=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(re.findall(r"step [48] knn monitor: top-1 0\.\d+", result.stderr)) == 2
+    final = final_model(tmp_path / "run")
+    assert final["step"] == 8 and final["world"] == 2
+    assert final["model"][KEY].shape == (10, 32)  # whole, not a rank's partition
+    assert_registered_whole(tmp_path, "digits-zero3", final["model"])
+
+
+def assert_registered_whole(root, name: str, model: dict[str, torch.Tensor]) -> None:
+    """Version 1 of registered model ``name`` in ``root``'s run holds the encoder and the
+    class embeddings of the checkpoint state ``model``, whole."""
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'run' / 'mlflow.db'}")
+    stored = mlflow.artifacts.download_artifacts(f"models:/{name}/1",
+                                                 dst_path=str(root / "download"))
     table = load_file(f"{stored}/artifacts/class_embeddings.safetensors")["class_embeddings"]
-    assert torch.equal(table, final["model"][KEY].float())
+    assert torch.equal(table, model[KEY].float())
     encoder = load_file(f"{stored}/artifacts/encoder.safetensors")
     assert len(encoder) > 10
     for key, value in encoder.items():
-        assert torch.equal(value, final["model"][f"encoder.{key}"].float()), key
+        assert torch.equal(value, model[f"encoder.{key}"].float()), key

@@ -16,6 +16,9 @@ A 2-rank bug is O(|g|): dropping the gather's all-reduce fails every case
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,8 +31,12 @@ from tests.pretrain.loop import engine_tasks
 SETTINGS = {"siglip": [{"bias": -2.0}],
             "projnce": [{"projection": p} for p in ("centroid", "kernel", "median", "learned")]}
 CASES = [(name, hparams) for name in OBJECTIVES for hparams in SETTINGS.get(name, [{}])]
-ENGINES = [("ddp", ""), ("deepspeed", "launch/deepspeed/zero1.json"),
-           ("deepspeed", "launch/deepspeed/zero2.json"), ("fsdp2", "")]
+# ZeRO-3 with every parameter partitioned (DeepSpeed keeps those under 1e5 elements whole by
+# default: all of the test models' would be)
+ZERO3 = "tests/pretrain/zero3_every_parameter.json"
+ENGINES = {"ddp": ("ddp", ""), "zero1": ("deepspeed", "launch/deepspeed/zero1.json"),
+           "zero2": ("deepspeed", "launch/deepspeed/zero2.json"),
+           "zero3": ("deepspeed", ZERO3), "fsdp2": ("fsdp2", "")}
 FLOAT32_GRADIENTS = 1e-6  # DeepSpeed: tolerance relative to the tensor's largest gradient
 
 
@@ -39,7 +46,7 @@ def tolerance(engine: str, reference: torch.Tensor) -> float:
     return FLOAT32_GRADIENTS * float(reference.abs().max())
 
 
-@pytest.mark.parametrize(("engine", "zero"), ENGINES, ids=["ddp", "zero1", "zero2", "fsdp2"])
+@pytest.mark.parametrize(("engine", "zero"), list(ENGINES.values()), ids=list(ENGINES))
 @pytest.mark.parametrize(("name", "hparams"), CASES,
                          ids=[f"{n}-{h.get('projection', '')}".rstrip("-") for n, h in CASES])
 def test_two_ranks_equal_one_process(gloo2, engine, zero, name, hparams):
@@ -57,7 +64,8 @@ def test_two_ranks_equal_one_process(gloo2, engine, zero, name, hparams):
                                        atol=tolerance(engine, grad), msg=key)
 
 
-@pytest.mark.parametrize(("engine", "zero"), [ENGINES[0], ENGINES[2]], ids=["ddp", "zero2"])
+@pytest.mark.parametrize(("engine", "zero"), [ENGINES["ddp"], ENGINES["zero2"]],
+                         ids=["ddp", "zero2"])
 def test_the_comparison_fails_a_gather_without_the_gradient_sum(gloo2, engine, zero):
     """The mutation check: every case above fails when the gather's backward skips the
     all-reduce, so the tolerances cannot hide a 2-rank bug. ProjNCE's learned projection
@@ -82,9 +90,16 @@ def test_deepspeed_config_must_set_gradient_clipping(tmp_path):
     bad.write_text('{"zero_optimization": {"stage": 2}}')
     with pytest.raises(ConfigError, match="gradient_clipping"):
         load_config(EngineConfig, overrides=["name=deepspeed", f"deepspeed_config={bad}"])
-    bad.write_text('{"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}')
-    with pytest.raises(ConfigError, match="stage must be 1 or 2"):
+    bad.write_text('{"zero_optimization": {"stage": 4}, "gradient_clipping": 1.0}')
+    with pytest.raises(ConfigError, match="stage must be 1, 2 or 3, got 4"):
         load_config(EngineConfig, overrides=["name=deepspeed", f"deepspeed_config={bad}"])
+
+
+def test_the_zero3_test_config_is_the_shipped_one_with_every_parameter_partitioned():
+    shipped = json.loads(Path("launch/deepspeed/zero3.json").read_text())
+    tested = json.loads(Path(ZERO3).read_text())
+    assert tested["zero_optimization"].pop("stage3_param_persistence_threshold") == 0
+    assert tested == shipped
 
 
 def test_an_unknown_engine_is_refused_naming_the_table():

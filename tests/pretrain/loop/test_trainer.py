@@ -9,15 +9,18 @@ import pytest
 import torch
 
 from tests.app.helpers import run_pretrain, train_overrides
+from tests.pretrain.loop.test_engine import ZERO3
 
 
-@pytest.mark.parametrize(("engine", "nproc"), [("ddp", 1), ("ddp", 2), ("deepspeed", 2)])
+@pytest.mark.parametrize(("engine", "zero", "nproc"), [
+    ("ddp", "", 1), ("ddp", "", 2), ("deepspeed", "launch/deepspeed/zero2.json", 2),
+    ("deepspeed", ZERO3, 2)], ids=["ddp-1", "ddp-2", "zero2-2", "zero3-2"])
 def test_nonfinite_losses_skip_updates_then_stop_the_run(digits_shards, tmp_path, engine,
-                                                         nproc):
+                                                         zero, nproc):
     # tau = 1e-45 is a float32 denormal: 1/tau overflows, every loss is NaN.
     overrides = train_overrides(digits_shards, tmp_path, **{
         "objective.temperature": 1e-45, "train.max_nonfinite": 3, "train.max_steps": 10,
-        "engine.name": engine, "engine.deepspeed_config": "launch/deepspeed/zero2.json",
+        "engine.name": engine, "engine.deepspeed_config": zero or "launch/deepspeed/zero1.json",
         "data.workers": 1})
     result = run_pretrain(overrides, nproc=nproc)
     assert result.returncode != 0

@@ -1,5 +1,5 @@
 """Resuming on another number of ranks: a checkpoint of 1 rank continues on 2 and one of 2
-on 1, with replicated (DDP) and sharded (DeepSpeed ZeRO-2) optimizer state, and across
+on 1, with replicated (DDP) and sharded (DeepSpeed ZeRO-2, ZeRO-3) optimizer state, and across
 engines (FSDP2 on 2 ranks -> DDP on 1, DDP on 1 -> FSDP2 on 2: FSDP2 checkpoints the full
 state in DDP's layout, or with checkpoint.format=sharded each rank its shards), and
 2 -> 1 -> 3 ranks through sharded checkpoints, against the uninterrupted run; a checkpoint
@@ -18,25 +18,30 @@ import torch
 
 from core.errors import RunError
 from pretrain.run.checkpoint import model_state_of
-from pretrain.run.reshard import per_parameter_state, zero_partition_for
+from pretrain.run.reshard import per_parameter_state, zero3_partition_for, zero_partition_for
 from pretrain.run.sharded import read_whole
 from tests.app.helpers import run_pretrain, train_overrides
+from tests.pretrain.loop.test_engine import ZERO3
 from tests.pretrain.run.test_checkpoint import final_model
 
 STEPS = {"train.max_steps": 24, "checkpoint.every": 4, "checkpoint.keep": 10,
          "data.workers": 1, "optim.lr": 0.3}
 ENGINES = {"ddp": {}, "zero2": {"engine.name": "deepspeed",
                                 "engine.deepspeed_config": "launch/deepspeed/zero2.json"},
+           "zero3": {"engine.name": "deepspeed", "engine.deepspeed_config": ZERO3},
            "fsdp2": {"engine.name": "fsdp2"},
            "fsdp2-sharded": {"engine.name": "fsdp2", "checkpoint.format": "sharded"}}
 # (engine that wrote the checkpoint, its ranks, engine that resumes, its ranks): DDP and
 # ZeRO-2 each 1 -> 2 and 2 -> 1; FSDP2 (its full state in DDP's layout) to DDP and back; a
 # sharded (DCP) checkpoint of FSDP2 on 2 ranks, read whole by DDP on 1; ZeRO-2's
-# partitions on 2 ranks joined per parameter for FSDP2 on 2
+# partitions on 2 ranks joined per parameter for FSDP2 on 2; ZeRO-3 (every parameter
+# partitioned) on 2 ranks resumed by each rank from its own partition, cut anew for 3
+# ranks, and joined for DDP on 1
 CASES = [(engine, old, engine, new) for engine in ("ddp", "zero2")
          for old, new in ((1, 2), (2, 1))] + [
     ("fsdp2", 2, "ddp", 1), ("ddp", 1, "fsdp2", 2), ("fsdp2-sharded", 2, "ddp", 1),
-    ("zero2", 2, "fsdp2", 2)]
+    ("zero2", 2, "fsdp2", 2), ("zero3", 2, "zero3", 2), ("zero3", 2, "zero3", 3),
+    ("zero3", 2, "ddp", 1)]
 IDS = [f"{a}-{old}to{new}" if a == b else f"{a}-{old}-to-{b}-{new}" for a, old, b, new in CASES]
 
 
@@ -110,6 +115,59 @@ def test_zero_partitions_join_into_each_parameters_state(world):
     with pytest.raises(RunError, match="parameter group 1 holds 3 values in the checkpoint "
                                        "and 4 in this model"):
         per_parameter_state(parts, [[p.shape for p in params[:2]], [torch.Size([4])]])
+
+
+def zero3_layout(params: list[torch.Tensor], sub_groups: list[list[int]], world: int,
+                 rank: int) -> dict:
+    """The ZeRO-3 state rank ``rank`` of ``world`` saves for ``params`` (in group order;
+    sub-group ``j`` = the next ``sub_groups[j][1]`` of group ``sub_groups[j][0]``), built
+    directly: each parameter padded to a multiple of ``world`` and cut evenly, the rank's
+    pieces of a sub-group joined; its "velocity" the negated weights, a shared "step"."""
+    flats, taken = [], 0
+    for _, n in sub_groups:
+        pieces = []
+        for param in params[taken:taken + n]:
+            size = -(-param.numel() // world)
+            padded = torch.cat([param.reshape(-1), param.new_zeros(size * world - param.numel())])
+            pieces.append(padded[rank * size:(rank + 1) * size])
+        flats.append(torch.cat(pieces))
+        taken += n
+    groups = sorted({g for g, _ in sub_groups})
+    return {"fp32_flat_groups": flats, "sub_groups": sub_groups,
+            "optimizer_state_dict": {
+                "state": {j: {"velocity": -flat, "step": torch.tensor(7.0)}
+                          for j, flat in enumerate(flats)},
+                "param_groups": [{"lr": 0.1, "params": [j for j, (g, _) in
+                                                        enumerate(sub_groups) if g == i]}
+                                 for i in groups]}}
+
+
+@pytest.mark.parametrize(("old", "new"), [(1, 2), (2, 3), (3, 2), (4, 1)])
+def test_zero3_partitions_join_per_parameter_and_cut_for_another_world(old, new):
+    """Parameters of shapes [2, 3], [5], [7] (group 0, in sub-groups of 2 and 1) and [3]
+    (group 1): ``old`` ranks' ZeRO-3 partitions come back per parameter, numbered in group
+    order, and are cut as ``new`` ranks would have written them."""
+    params = [torch.arange(6.0).view(2, 3), torch.arange(10.0, 15.0),
+              torch.arange(30.0, 37.0), torch.arange(20.0, 23.0)]
+    sub_groups = [[0, 2], [0, 1], [1, 1]]
+    parts = [zero3_layout(params, sub_groups, old, r) for r in range(old)]
+    shapes = [[p.shape for p in params[:3]], [params[3].shape]]
+    state = per_parameter_state(parts, shapes)
+    assert [g["params"] for g in state["param_groups"]] == [[0, 1, 2], [3]]
+    assert state["param_groups"][1]["lr"] == 0.1
+    for k, param in enumerate(params):
+        assert torch.equal(state["state"][k]["velocity"], -param), k
+        assert torch.equal(state["state"][k]["step"], torch.tensor(7.0))
+    by_sub_group = [[p.shape for p in params[:2]], [params[2].shape], [params[3].shape]]
+    for rank in range(new):
+        expected = zero3_layout(params, sub_groups, new, rank)["optimizer_state_dict"]["state"]
+        got = zero3_partition_for(state, by_sub_group, rank, new)
+        assert set(got) == {0, 1, 2}
+        for j in got:
+            assert torch.equal(got[j]["velocity"], expected[j]["velocity"]), (rank, j)
+            assert torch.equal(got[j]["step"], torch.tensor(7.0))
+    with pytest.raises(RunError, match=r"hold \[3, 1\] parameters and this model's \[2, 1\]"):
+        per_parameter_state(parts, [[p.shape for p in params[:2]], [params[3].shape]])
 
 
 def test_zero_layouts_that_depend_on_the_world_are_refused():
@@ -195,6 +253,8 @@ def velocities(checkpoint: Path) -> dict[str, torch.Tensor]:
         return {name: state[i]["velocity"] for i, name in enumerate(sum(groups, []))}
     parts = [torch.load(checkpoint / f"rank_{r:03d}.pt", weights_only=True)["optimizer"]
              for r in range(shared["world"])]
+    if "fp32_flat_groups" in parts[0]:
+        return zero3_velocities(parts, model, groups)
     out = {}
     for i, names in enumerate(groups):
         flat = torch.cat([p["base_optimizer_state"]["state"][i]["velocity"][
@@ -203,6 +263,22 @@ def velocities(checkpoint: Path) -> dict[str, torch.Tensor]:
         assert flat.numel() == sum(sizes)
         for name, piece in zip(names, flat.split(sizes), strict=True):
             out[name] = piece.view_as(shared["model"][name])
+    return out
+
+
+def zero3_velocities(parts: list[dict], model: dict[str, torch.Tensor],
+                     groups: list[list[str]]) -> dict[str, torch.Tensor]:
+    """Each parameter's velocity in ZeRO-3 partitions: every parameter is padded to a
+    multiple of the ranks and cut evenly, each rank's flat group its pieces in order (the
+    small test model's groups are one sub-group each)."""
+    world, out = len(parts), {}
+    for i, names in enumerate(groups):
+        pieces = [-(-model[name].numel() // world) for name in names]
+        flats = [p["optimizer_state_dict"]["state"][i]["velocity"].split(pieces)
+                 for p in parts]
+        for k, name in enumerate(names):
+            whole = torch.cat([flat[k] for flat in flats])[:model[name].numel()]
+            out[name] = whole.view_as(model[name])
     return out
 
 
@@ -224,7 +300,8 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(references, digits_shar
     result = train(digits_shards, tmp_path, resumer, new, **{"optim.lr": 1e-30})
     assert result.returncode == 0, result.stderr[-3000:]
     if old != new:
-        assert f"written by {old} ranks, resumed on {new}" in result.stderr
+        assert re.search(rf"written by {old} ranks( under DeepSpeed ZeRO)?, resumed on {new}",
+                         result.stderr)
     assert "at step 12" in result.stderr
     assert contents(target) == before  # never rewritten
     end = final_model(tmp_path / "run")
@@ -334,6 +411,21 @@ def test_a_checkpoint_of_the_other_engine_kind_is_refused_and_kept(digits_shards
             "wrote it (the checkpoint is kept)") in again.stderr.splitlines()
     assert contents(checkpoint) == before
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_00000004"]
+
+
+def test_a_checkpoint_of_another_zero_stage_is_refused_and_kept(references, digits_shards,
+                                                                tmp_path):
+    source = references("zero2", 2)[0] / "checkpoints" / "step_00000012"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000012"
+    shutil.copytree(source, checkpoint)
+    before = contents(checkpoint)
+    again = train(digits_shards, tmp_path, "zero3", 2)
+    assert again.returncode == 1
+    assert (f"pretrain: error: {checkpoint}: written under ZeRO stage 1/2 and this run has "
+            "stage 3: resume it with stage 1/2 (on any number of ranks) or with "
+            "engine.name=ddp or fsdp2 (the checkpoint is kept)") in again.stderr.splitlines()
+    assert contents(checkpoint) == before
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_00000012"]
 
 
 def test_never_starts_over_checkpoints_it_cannot_use(digits_shards, tmp_path):

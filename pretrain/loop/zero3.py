@@ -1,0 +1,99 @@
+"""DeepSpeed ZeRO stage 3 (``engine.name=deepspeed`` with ``zero_optimization.stage=3``):
+what the engine needs beyond stages 1 and 2.
+
+Under ZeRO-3 each rank holds 1/N of every parameter (``param.ds_tensor``); a module's
+parameters are gathered by DeepSpeed's hooks while it runs and freed after, so the
+module's own ``state_dict`` holds empty placeholders. Checkpoints therefore gather the
+model one module at a time to rank 0 (:func:`gathered_model_state`), as DeepSpeed's
+``save_16bit_model`` does, and load it one module at a time (:func:`load_model_state`);
+the optimizer's fp32 partitions are then refreshed from the loaded weights. The
+optimizer state is each rank's flat sub-groups (``pretrain/run/reshard.py`` reads and cuts
+that layout); :func:`sub_groups` and :func:`sub_group_shapes` describe this run's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.errors import RunError
+
+
+def _own_tensors(module: nn.Module, prefix: str) -> tuple[list[tuple[str, nn.Parameter]],
+                                                          list[tuple[str, torch.Tensor]]]:
+    """A module's own parameters and persistent buffers, under their state-dict keys."""
+    params = [(prefix + name, p) for name, p in module.named_parameters(recurse=False)]
+    buffers = [(prefix + name, b) for name, b in module.named_buffers(recurse=False)
+               if name not in module._non_persistent_buffers_set]
+    return params, buffers
+
+
+def gathered_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model state on rank 0's CPU, in ``state_dict`` order; empty on the other
+    ranks. A collective: each module's parameters are gathered in turn (every rank holds
+    at most one module whole at a time) and freed again."""
+    import deepspeed
+
+    state: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        params, buffers = _own_tensors(module, prefix + "." if prefix else "")
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            if dist.get_rank() == 0:
+                for key, tensor in params + buffers:
+                    state[key] = tensor.detach().to("cpu", copy=True)
+    return state
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Give the partitioned ``model`` the whole ``state`` (every rank holds it): each
+    module's parameters gathered, set on rank 0 and partitioned from there; buffers set
+    on every rank. The keys must be the model's, as ``load_state_dict`` requires."""
+    import deepspeed
+
+    expected = []
+    for prefix, module in model.named_modules():
+        params, buffers = _own_tensors(module, prefix + "." if prefix else "")
+        expected += [key for key, _ in params + buffers]
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+            if dist.get_rank() == 0:
+                for key, param in params:
+                    param.data.copy_(_entry(state, key, param.shape))
+        for key, buffer in buffers:
+            buffer.copy_(_entry(state, key, buffer.shape))
+    if set(state) != set(expected):
+        extra = sorted(set(state) - set(expected))
+        raise RunError(f"the checkpoint's model holds keys this model has not: {extra[:5]}")
+
+
+def _entry(state: dict[str, torch.Tensor], key: str, shape: torch.Size) -> torch.Tensor:
+    if key not in state:
+        raise RunError(f"the checkpoint's model has no {key}: resume it with the model that "
+                       "wrote it")
+    if state[key].shape != shape:
+        raise RunError(f"the checkpoint's {key} is {tuple(state[key].shape)}, this model's "
+                       f"{tuple(shape)}: resume it with the model that wrote it")
+    return state[key]
+
+
+def sub_groups(optimizer: Any) -> list[list[int]]:
+    """Per ZeRO-3 sub-group of ``optimizer`` (DeepSpeed's stage 3 optimizer), in order:
+    [its param group, how many parameters it holds] (``reshard.SUB_GROUPS``)."""
+    return [[int(optimizer.sub_group_to_group_id[j]), len(group)]
+            for j, group in enumerate(optimizer.fp16_groups)]
+
+
+def sub_group_shapes(optimizer: Any) -> list[list[torch.Size]]:
+    """The whole shapes of each sub-group's parameters, in order."""
+    return [[p.ds_shape for p in group] for group in optimizer.fp16_groups]
+
+
+def group_shapes(optimizer: Any) -> list[list[torch.Size]]:
+    """The whole shapes of each param group's parameters, in order."""
+    shapes: list[list[torch.Size]] = [[] for _ in optimizer.optimizer.param_groups]
+    for (group, _), sub in zip(sub_groups(optimizer), sub_group_shapes(optimizer),
+                               strict=True):
+        shapes[group] += sub
+    return shapes
