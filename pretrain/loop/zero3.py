@@ -50,32 +50,35 @@ def gathered_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Give the partitioned ``model`` the whole ``state`` (every rank holds it): each
     module's parameters gathered, set on rank 0 and partitioned from there; buffers set
-    on every rank. The keys must be the model's, as ``load_state_dict`` requires."""
+    on every rank. The keys and shapes must be the model's, as ``load_state_dict``
+    requires; every rank checks them before the first collective, so all stop alike."""
     import deepspeed
 
-    expected = []
-    for prefix, module in model.named_modules():
-        params, buffers = _own_tensors(module, prefix + "." if prefix else "")
-        expected += [key for key, _ in params + buffers]
+    modules = [_own_tensors(module, prefix + "." if prefix else "")
+               for prefix, module in model.named_modules()]
+    _check_fits(state, {key: getattr(tensor, "ds_shape", tensor.shape)
+                        for params, buffers in modules for key, tensor in params + buffers})
+    for params, buffers in modules:
         with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
             if dist.get_rank() == 0:
                 for key, param in params:
-                    param.data.copy_(_entry(state, key, param.shape))
+                    param.data.copy_(state[key])
         for key, buffer in buffers:
-            buffer.copy_(_entry(state, key, buffer.shape))
-    if set(state) != set(expected):
-        extra = sorted(set(state) - set(expected))
+            buffer.copy_(state[key])
+
+
+def _check_fits(state: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> None:
+    """:class:`RunError` unless ``state`` holds exactly the keys of ``shapes``, each of its
+    shape."""
+    for key, shape in shapes.items():
+        if key not in state:
+            raise RunError(f"the checkpoint's model has no {key}")
+        if state[key].shape != shape:
+            raise RunError(f"size mismatch for {key}: {tuple(state[key].shape)} in the "
+                           f"checkpoint, {tuple(shape)} in this model")
+    extra = sorted(set(state) - set(shapes))
+    if extra:
         raise RunError(f"the checkpoint's model holds keys this model has not: {extra[:5]}")
-
-
-def _entry(state: dict[str, torch.Tensor], key: str, shape: torch.Size) -> torch.Tensor:
-    if key not in state:
-        raise RunError(f"the checkpoint's model has no {key}: resume it with the model that "
-                       "wrote it")
-    if state[key].shape != shape:
-        raise RunError(f"the checkpoint's {key} is {tuple(state[key].shape)}, this model's "
-                       f"{tuple(shape)}: resume it with the model that wrote it")
-    return state[key]
 
 
 def sub_groups(optimizer: Any) -> list[list[int]]:

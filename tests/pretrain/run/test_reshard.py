@@ -428,6 +428,23 @@ def test_a_checkpoint_of_another_zero_stage_is_refused_and_kept(references, digi
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_00000012"]
 
 
+def test_a_zero3_checkpoint_of_another_model_stops_every_rank_in_one_line(
+        references, digits_shards, tmp_path):
+    """Every ZeRO-3 rank checks the checkpoint's model against its own before it gathers
+    any module, so all stop alike (none waits in a collective for a rank that failed)."""
+    source = references("zero3", 2)[0] / "checkpoints" / "step_00000012"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000012"
+    shutil.copytree(source, checkpoint)
+    again = train(digits_shards, tmp_path, "zero3", 2, **{
+        "model.width": 16, "checkpoint.allow_changes": "[model.width]"})
+    assert again.returncode == 1
+    lines = [line for line in again.stderr.splitlines() if line.startswith(
+        f"pretrain: error: {checkpoint}: its tensors do not fit the configured model "
+        "(size mismatch for ")]
+    assert len(lines) == 2 and "model.width=64 in the checkpoint, 16 here" in lines[0], \
+        again.stderr[-3000:]
+
+
 def test_never_starts_over_checkpoints_it_cannot_use(digits_shards, tmp_path):
     common = {"train.max_steps": 4, "checkpoint.every": 2, "data.workers": 1}
     assert run_pretrain(train_overrides(digits_shards, tmp_path, **common)).returncode == 0
