@@ -230,15 +230,12 @@ def _zero3_joined(parts: list[dict[str, Any]], shapes: list[list[torch.Size]]
                            f"model's parameters {sum(sizes)}: resume it with the model that "
                            "wrote it")
         flat_state = [part[ZERO3_STATE]["state"].get(j, {}) for part in parts]
-        for k, shape, size in zip(numbers, group_shapes, sizes, strict=True):
-            state[k] = {}
-            offset = sum(sizes[:k - numbers[0]])
-            for key, value in flat_state[0].items():
-                if torch.is_tensor(value) and value.shape == (sum(sizes),):
-                    pieces = [s[key][offset:offset + size] for s in flat_state]
-                    state[k][key] = torch.cat(pieces)[:shape.numel()].view(shape).clone()
-                else:  # the same for every element (Adam's step)
-                    state[k][key] = value
+        cut = per_element(flat_state[0], sizes)  # the rest is every element's (Adam's step)
+        for k, shape, size, offset in zip(numbers, group_shapes, sizes, _offsets(sizes),
+                                          strict=True):
+            state[k] = {key: torch.cat([s[key][offset:offset + size] for s in flat_state])
+                        [:shape.numel()].view(shape).clone() if key in cut else value
+                        for key, value in flat_state[0].items()}
     groups = [{**{k: v for k, v in group.items() if k != "params"},
                "params": list(range(start, start + count))}
               for group, start, count in zip(parts[0][ZERO3_STATE]["param_groups"], starts,
