@@ -188,15 +188,18 @@ def evaluate(rows: int, workdir: Path) -> dict[str, Any]:
             "knn": knn[-1][:120] if knn else ""}
 
 
-STAGES = {"make_shards": None, "graph": graph, "pretrain": pretrain, "ledger": ledger,
+def shards(rows: int, workdir: Path) -> dict[str, Any]:
+    return make_shards(caption_table(workdir, rows, seed=1), workdir / f"shards-{rows}")
+
+
+STAGES = {"make_shards": shards, "graph": graph, "pretrain": pretrain, "ledger": ledger,
           "evaluate": evaluate}
 
 
 def rehearse(rows: int, workdir: Path) -> dict[str, dict[str, Any]]:
-    table = caption_table(workdir, rows, seed=1)
-    found = {"make_shards": make_shards(table, workdir / f"shards-{rows}")}
-    for name in ("graph", "pretrain", "ledger", "evaluate"):
-        found[name] = STAGES[name](rows, workdir)
+    found = {}
+    for name, stage in STAGES.items():
+        found[name] = stage(rows, workdir)
         print(f"rehearsal {rows:,}: {name} {found[name]['seconds']} s", flush=True)
     return found
 
@@ -229,6 +232,16 @@ def plot(results: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def report(results: dict[int, dict[str, dict[str, Any]]], out: Path,
+           complete: bool) -> dict[str, dict[str, float]]:
+    """Writes the JSON and the plot of the sizes measured so far; returns the exponents."""
+    exponents = fitted(results) if len(results) > 1 else {}
+    write_json(out, {"machine": machine(), "sizes": sorted(results), "complete": complete,
+                     "results": results, "exponents": exponents})
+    plot(results, out.with_suffix(".png"))
+    return exponents
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES)
@@ -244,16 +257,15 @@ def main() -> None:
     test = args.workdir / "test-shards"
     if not (test / "manifest.json").is_file():
         make_shards(caption_table(args.workdir, TEST_ROWS, seed=2), test)
-    results = {rows: rehearse(rows, args.workdir) for rows in args.sizes}
-    exponents = fitted(results) if len(results) > 1 else {}
+    results: dict[int, dict[str, dict[str, Any]]] = {}
+    for rows in args.sizes:  # written after every size, so a stopped run keeps what it measured
+        results[rows] = rehearse(rows, args.workdir)
+        exponents = report(results, args.out, complete=len(results) == len(args.sizes))
     rows = [{"samples": size, "stage": stage, **{k: v for k, v in measures.items()
                                                  if not isinstance(v, str)}}
             for size, stages in results.items() for stage, measures in stages.items()]
     print_table(rows, ["samples", "stage", "seconds", "rss_mib", "child_rss_mib", "disk_mib"])
     print("exponents:", json.dumps(exponents))
-    write_json(args.out, {"machine": machine(), "sizes": args.sizes, "results": results,
-                          "exponents": exponents})
-    plot(results, args.out.with_suffix(".png"))
     sys.stdout.flush()
 
 
