@@ -55,7 +55,7 @@ from pretrain.loop.device_metrics import (
     agreed_flags,
     kept_buffers,
 )
-from pretrain.loop.engine import Engine
+from pretrain.loop.engine_base import Engine
 from pretrain.loop.step import Objective, model_inputs, to_device
 from pretrain.losses import BatchRows, ObjectiveOutput
 from pretrain.model.encoder import ModelOutput

@@ -181,7 +181,7 @@ def refusal_of_replicate(replicate: int) -> str:
 def test_loaded_moments_take_their_parameters_channels_last_layout():
     """FSDP2 writes contiguous moments; a DDP run with channels-last convolutions (on a GPU)
     loads them in its parameters' layout, as torch's fused CUDA optimisers require."""
-    from pretrain.loop.engine import match_parameter_layouts
+    from pretrain.loop.engine_base import match_parameter_layouts
 
     conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(conv.parameters(), lr=0.1)
