@@ -5,6 +5,7 @@ than the data set shows where the stages meet, not only in each stage measured a
 
     python -m bench.rehearsal                                 # 125k, 250k, 500k, 1M
     python -m bench.rehearsal --sizes 20000 40000 --workdir /tmp/r
+    python -m bench.rehearsal --sizes 125000 --merge          # one size again, the rest kept
 
 The data set: a CC-style caption table of ``size`` rows (captions of ~100 characters, 80%
 distinct, a class label 0-9), pointing at a pool of 256 tiny 16 px JPEGs whose class is
@@ -232,6 +233,13 @@ def plot(results: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def earlier(out: Path) -> dict[int, dict[str, dict[str, Any]]]:
+    """The sizes a previous run wrote to ``out`` (none if there is no such file)."""
+    if not out.is_file():
+        return {}
+    return {int(size): stages for size, stages in json.loads(out.read_text())["results"].items()}
+
+
 def report(results: dict[int, dict[str, dict[str, Any]]], out: Path,
            complete: bool) -> dict[str, dict[str, float]]:
     """Writes the JSON and the plot of the sizes measured so far; returns the exponents."""
@@ -247,6 +255,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rehearsal"))
     parser.add_argument("--out", type=Path, default=RESULTS / "rehearsal.json")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other sizes already in --out (these are measured anew)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -257,13 +267,13 @@ def main() -> None:
     test = args.workdir / "test-shards"
     if not (test / "manifest.json").is_file():
         make_shards(caption_table(args.workdir, TEST_ROWS, seed=2), test)
-    results: dict[int, dict[str, dict[str, Any]]] = {}
+    results = earlier(args.out) if args.merge else {}
     for rows in args.sizes:  # written after every size, so a stopped run keeps what it measured
         results[rows] = rehearse(rows, args.workdir)
-        exponents = report(results, args.out, complete=len(results) == len(args.sizes))
+        exponents = report(results, args.out, complete=rows == args.sizes[-1])
     rows = [{"samples": size, "stage": stage, **{k: v for k, v in measures.items()
                                                  if not isinstance(v, str)}}
-            for size, stages in results.items() for stage, measures in stages.items()]
+            for size, stages in sorted(results.items()) for stage, measures in stages.items()]
     print_table(rows, ["samples", "stage", "seconds", "rss_mib", "child_rss_mib", "disk_mib"])
     print("exponents:", json.dumps(exponents))
     sys.stdout.flush()
