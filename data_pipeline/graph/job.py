@@ -38,13 +38,13 @@ from tqdm import tqdm
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import encode, load_encoder
 from data_pipeline.graph.parts import (
-    PART_BLOCK,
     NpyWriter,
     PartFiles,
     distinct_captions,
     finish,
     merged_captions,
     merged_keys,
+    part_block,
     valid,
     write_atomic,
     write_part,
@@ -161,7 +161,7 @@ def merge(cfg: GraphConfig, num_parts: int) -> CaptionStore:
     """Phase 3: write the store from all parts and chunks (``store.py``), streaming."""
     infos = collected(cfg, num_parts)
     parts, out = _parts(cfg, num_parts), Path(cfg.output)
-    part_rows = [NpyWriter(p.rows, (i["samples"],), np.int32, PART_BLOCK)
+    part_rows = [NpyWriter(p.rows, (i["samples"],), np.int32, part_block(len(parts)))
                  for p, i in zip(parts, infos, strict=True)]
     unique, previous = -1, None
     with open(out / "captions.jsonl.tmp", "wb") as text:

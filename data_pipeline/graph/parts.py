@@ -26,8 +26,14 @@ import numpy as np
 
 from data_pipeline.manifest import file_sha256
 
-BLOCK = 65_536  # values buffered per output file
-PART_BLOCK = 4_096  # values buffered per part's file, when every part has one open
+BLOCK = 65_536  # values buffered per output file, and over all parts' files together
+MIN_PART_BLOCK = 256  # values buffered per part's file at the least
+
+
+def part_block(num_parts: int) -> int:
+    """Values to buffer per part's file when all ``num_parts`` are open at once: BLOCK
+    over all of them (a merge of many small parts would otherwise hold every part whole)."""
+    return max(MIN_PART_BLOCK, BLOCK // max(num_parts, 1))
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -105,18 +111,19 @@ def distinct_captions(parts: list[PartFiles]) -> Iterator[str]:
             yield caption
 
 
-def _keyed_rows(files: PartFiles) -> Iterator[tuple[bytes, int]]:
+def _keyed_rows(files: PartFiles, size: int) -> Iterator[tuple[bytes, int]]:
     keys, lines = (np.load(p, mmap_mode="r") for p in (files.keys, files.lines))
     rows = np.load(files.rows, mmap_mode="r")
-    for start in range(0, len(keys), BLOCK):
-        block = slice(start, start + BLOCK)
+    for start in range(0, len(keys), size):
+        block = slice(start, start + size)
         yield from zip(keys[block].tolist(), rows[lines[block]].tolist(), strict=True)
 
 
 def merged_keys(parts: list[PartFiles]) -> Iterator[tuple[bytes, int]]:
     """(key, embedding row) of every sample of all parts, in key byte order (after the
     merge has written each part's ``rows``)."""
-    return heapq.merge(*(_keyed_rows(p) for p in parts))
+    size = part_block(len(parts))
+    return heapq.merge(*(_keyed_rows(p, size) for p in parts))
 
 
 class NpyWriter:

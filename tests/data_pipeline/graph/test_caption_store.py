@@ -16,6 +16,7 @@ import torch
 
 from data_pipeline.config import DataConfig
 from data_pipeline.formats import Sample
+from data_pipeline.graph import parts as part_files
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import encode, load_encoder
 from data_pipeline.graph.job import (
@@ -118,10 +119,18 @@ def test_two_parts_equal_one(tmp_path):
     assert_same_store(tmp_path / "one", tmp_path / "two")
 
 
-def test_streamed_merge_of_seven_parts_equals_an_in_memory_reference(tmp_path):
+@pytest.mark.parametrize("block", [None, 4])
+def test_streamed_merge_of_seven_parts_equals_an_in_memory_reference(tmp_path, monkeypatch,
+                                                                    block):
     """Seven parts over five shards (two parts empty), captions whose code-point order
     differs from their UTF-8 byte order and keys of several lengths: the store equals the
-    in-memory reference (every key sorted, every caption sorted and deduplicated)."""
+    in-memory reference (every key sorted, every caption sorted and deduplicated). With
+    ``block`` the merge buffers that many values over all parts (one per part here), so
+    every part's reads and writes cross block boundaries."""
+    if block is not None:
+        monkeypatch.setattr(part_files, "BLOCK", block)
+        monkeypatch.setattr(part_files, "MIN_PART_BLOCK", 1)
+        assert part_files.part_block(7) == 1
     odd = ["\ufb01ne", "\U0001f600 smile", "z end", "é", "a \"quoted\", comma",
            "two\nlines", "a photo", "ascii"]
     samples = [digit_sample(i, key=f"k{i * 37 % 101}" + "x" * (i % 4), caption=odd[i % 8])
