@@ -1,8 +1,8 @@
 """The caption job's on-disk pieces and the streamed merges over them (docs/graph.md).
 
 A collect part p is three files (the merge adds a fourth), each sorted so that every later
-phase reads all parts as a k-way merge of sorted streams (``heapq.merge``) and holds one
-line per part, never a data set:
+phase reads all parts as a k-way merge of sorted streams (``heapq.merge``) and holds a
+block of values over all parts together (:func:`part_block`), never a data set:
 
 - ``captions-p.jsonl``: the part's captions, one JSON string a line, sorted (duplicates kept);
 - ``keys-p.npy`` [n] fixed-width bytes: the part's keys, sorted;
