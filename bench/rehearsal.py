@@ -61,6 +61,10 @@ CLASSES = 10
 DISTINCT = 0.8  # share of distinct captions
 PER_RANK = 1024
 RESULTS = Path(__file__).parent / "results"
+# per stage and size: wall seconds; peak resident memory of the command and of its largest
+# child, MiB (VmHWM: file pages it mapped count too); their largest anonymous memory
+# sampled (RssAnon: what the process itself allocated); bytes written, MiB
+MEASURES = ("seconds", "rss_mib", "child_rss_mib", "anon_mib", "child_anon_mib", "disk_mib")
 
 
 def caption_table(root: Path, rows: int, seed: int) -> Path:
@@ -92,7 +96,9 @@ def measured(module: str, args: list[str], nproc: int = 1) -> dict[str, Any]:
     result = run_command(module, args, nproc)
     return {"seconds": round(result["seconds"], 1),
             "rss_mib": round(result["command_rss_mib"]),
-            "child_rss_mib": round(result["worker_rss_mib"]), "printed": result["printed"]}
+            "child_rss_mib": round(result["worker_rss_mib"]),
+            "anon_mib": round(result["command_anon_mib"]),
+            "child_anon_mib": round(result["worker_anon_mib"]), "printed": result["printed"]}
 
 
 def make_shards(table: Path, out: Path) -> dict[str, Any]:
@@ -143,7 +149,12 @@ def graph(rows: int, workdir: Path) -> dict[str, Any]:
     rate = part0 / phases["part0_encode_s"]
     return {"seconds": round(captions["seconds"] + neighbours["seconds"], 1),
             "rss_mib": max(captions["rss_mib"], neighbours["rss_mib"]),
-            "child_rss_mib": 0, "disk_mib": round(folder_bytes(store) / 2**20, 1),
+            "anon_mib": max(captions["anon_mib"], neighbours["anon_mib"]),
+            "captions_rss_mib": captions["rss_mib"], "captions_anon_mib": captions["anon_mib"],
+            "neighbours_rss_mib": neighbours["rss_mib"],
+            "neighbours_anon_mib": neighbours["anon_mib"],
+            "child_rss_mib": 0, "child_anon_mib": 0,
+            "disk_mib": round(folder_bytes(store) / 2**20, 1),
             "neighbours_s": neighbours["seconds"], "encoder_captions_per_s": round(rate, 1),
             "real_encode_s": round(distinct / rate), **{k: round(v, 1) for k, v in phases.items()}}
 
@@ -206,11 +217,18 @@ def rehearse(rows: int, workdir: Path) -> dict[str, dict[str, Any]]:
 
 
 def fitted(results: dict[int, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """The exponent of every measure over the sizes, per stage (measures a size lacks, as
+    one of an earlier run merged in may, are left out)."""
     sizes = sorted(results)
-    return {stage: {measure: round(exponent(sizes, [max(results[s][stage][measure], 1e-3)
-                                                    for s in sizes]), 3)
-                    for measure in ("seconds", "rss_mib", "child_rss_mib", "disk_mib")}
-            for stage in results[sizes[0]]}
+    exponents: dict[str, dict[str, float]] = {}
+    for stage in results[sizes[0]]:
+        exponents[stage] = {}
+        for measure in MEASURES:
+            values = [results[s][stage].get(measure) for s in sizes]
+            if None not in values:
+                fit = exponent(sizes, [max(v, 1e-3) for v in values])
+                exponents[stage][measure] = round(fit, 3)
+    return exponents
 
 
 def plot(results: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
@@ -220,12 +238,17 @@ def plot(results: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sizes = sorted(results)
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
     for stage in results[sizes[0]]:
-        axes[0].plot(sizes, [results[s][stage]["seconds"] for s in sizes], "o-", label=stage)
-        axes[1].plot(sizes, [max(results[s][stage]["rss_mib"], results[s][stage]["child_rss_mib"])
-                             for s in sizes], "o-", label=stage)
-    for axis, title in zip(axes, ("wall seconds", "peak RSS of a process, MiB"), strict=True):
+        rows = [results[s][stage] for s in sizes]
+        axes[0].plot(sizes, [r["seconds"] for r in rows], "o-", label=stage)
+        axes[1].plot(sizes, [max(r["rss_mib"], r["child_rss_mib"]) for r in rows], "o-",
+                     label=stage)
+        axes[2].plot(sizes, [max(r.get("anon_mib", 0), r.get("child_anon_mib", 0))
+                             for r in rows], "o-", label=stage)
+    titles = ("wall seconds", "peak resident memory of a process, MiB",
+              "peak anonymous memory of a process, MiB")
+    for axis, title in zip(axes, titles, strict=True):
         axis.set(xscale="log", yscale="log", xlabel="samples", title=title)
         axis.grid(True, which="both", alpha=0.3)
     axes[0].legend()
@@ -274,7 +297,7 @@ def main() -> None:
     rows = [{"samples": size, "stage": stage, **{k: v for k, v in measures.items()
                                                  if not isinstance(v, str)}}
             for size, stages in sorted(results.items()) for stage, measures in stages.items()]
-    print_table(rows, ["samples", "stage", "seconds", "rss_mib", "child_rss_mib", "disk_mib"])
+    print_table(rows, ["samples", "stage", *MEASURES])
     print("exponents:", json.dumps(exponents))
     sys.stdout.flush()
 
