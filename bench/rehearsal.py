@@ -6,6 +6,7 @@ than the data set shows where the stages meet, not only in each stage measured a
     python -m bench.rehearsal                                 # 125k, 250k, 500k, 1M
     python -m bench.rehearsal --sizes 20000 40000 --workdir /tmp/r
     python -m bench.rehearsal --sizes 125000 --merge          # one size again, the rest kept
+    python -m bench.rehearsal --stages graph --merge          # one stage again at every size
 
 The data set: a CC-style caption table of ``size`` rows (captions of ~100 characters, 80%
 distinct, a class label 0-9), pointing at a pool of 256 tiny 16 px JPEGs whose class is
@@ -208,10 +209,12 @@ STAGES = {"make_shards": shards, "graph": graph, "pretrain": pretrain, "ledger":
           "evaluate": evaluate}
 
 
-def rehearse(rows: int, workdir: Path) -> dict[str, dict[str, Any]]:
+def rehearse(rows: int, workdir: Path, stages: list[str]) -> dict[str, dict[str, Any]]:
+    """The ``stages`` (in the table's order) at ``rows`` samples; a later stage reads what
+    an earlier one left in ``workdir``."""
     found = {}
-    for name, stage in STAGES.items():
-        found[name] = stage(rows, workdir)
+    for name in (name for name in STAGES if name in stages):
+        found[name] = STAGES[name](rows, workdir)
         print(f"rehearsal {rows:,}: {name} {found[name]['seconds']} s", flush=True)
     return found
 
@@ -278,8 +281,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rehearsal"))
     parser.add_argument("--out", type=Path, default=RESULTS / "rehearsal.json")
+    parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES),
+                        help="measure only these (the others' files must be in --workdir)")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the other sizes already in --out (these are measured anew)")
+                        help="keep the other sizes and stages already in --out")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -292,7 +297,7 @@ def main() -> None:
         make_shards(caption_table(args.workdir, TEST_ROWS, seed=2), test)
     results = earlier(args.out) if args.merge else {}
     for rows in args.sizes:  # written after every size, so a stopped run keeps what it measured
-        results[rows] = rehearse(rows, args.workdir)
+        results[rows] = {**results.get(rows, {}), **rehearse(rows, args.workdir, args.stages)}
         exponents = report(results, args.out, complete=rows == args.sizes[-1])
     rows = [{"samples": size, "stage": stage, **{k: v for k, v in measures.items()
                                                  if not isinstance(v, str)}}
