@@ -247,8 +247,10 @@ def plot(results: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
         axes[0].plot(sizes, [r["seconds"] for r in rows], "o-", label=stage)
         axes[1].plot(sizes, [max(r["rss_mib"], r["child_rss_mib"]) for r in rows], "o-",
                      label=stage)
-        axes[2].plot(sizes, [max(r.get("anon_mib", 0), r.get("child_anon_mib", 0))
-                             for r in rows], "o-", label=stage)
+        anon = [(s, max(r["anon_mib"], r["child_anon_mib"])) for s, r in zip(sizes, rows,
+                                                                         strict=True)
+                if "anon_mib" in r]  # a size merged from an earlier run may lack it
+        axes[2].plot([s for s, _ in anon], [a for _, a in anon], "o-", label=stage)
     titles = ("wall seconds", "peak resident memory of a process, MiB",
               "peak anonymous memory of a process, MiB")
     for axis, title in zip(axes, titles, strict=True):
