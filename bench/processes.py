@@ -63,11 +63,14 @@ class PeakMemory:
     def stop(self) -> Peaks:
         self._stop.set()
         self._thread.join()
-        root = self.root.pid
-        own = [peaks.get(root, 0) / 2**20 for peaks in (self.peaks, self.anon)]
-        children = [max((v for pid, v in peaks.items() if pid != root), default=0) / 2**20
-                    for peaks in (self.peaks, self.anon)]
-        return Peaks(own[0], children[0], own[1], children[1])
+        command, worker = self._split(self.peaks)
+        command_anon, worker_anon = self._split(self.anon)
+        return Peaks(command, worker, command_anon, worker_anon)
+
+    def _split(self, peaks: dict[int, int]) -> tuple[float, float]:
+        """(the process's, the largest descendant's) of ``peaks``, MiB."""
+        children = [v for pid, v in peaks.items() if pid != self.root.pid]
+        return peaks.get(self.root.pid, 0) / 2**20, max(children, default=0) / 2**20
 
 
 def run_command(module: str, overrides: list[str], nproc: int = 1) -> dict[str, float]:
