@@ -3,8 +3,8 @@
 ImageNet's 1,281,167 rows) and 50,000 queries, each stage in its own process so that its
 peak resident memory is its own:
 
-- ``knn``: the faiss flat index of the bank (filled in blocks) and the weighted kNN votes
-  of every query, k up to 200;
+- ``knn``: exact search of the bank in blocks (``faiss_flat``: faiss's brute-force ``knn``
+  per block) and the weighted kNN votes of every query, k up to 200;
 - ``margin``: SINCERE's target-noise margin of every query against the bank;
 - ``probe``: one epoch of the linear probe over the bank (the default runs 100; its cost
   is linear in them), then top-1 on the queries;
@@ -18,7 +18,7 @@ peak memory against the bank's size, and the run folder's growth by the second e
 
 Peak memory is reported beside the features' own size (bank and queries) and as what the
 stage added to the process once the features were made: that is what ``eval.block_mib``
-bounds, except the faiss index's copy of the bank.
+bounds.
 """
 
 from __future__ import annotations

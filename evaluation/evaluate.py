@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ from core.errors import RunError, full_disk_stops
 from core.runtime import Runtime
 from data_pipeline.config import DataConfig
 from data_pipeline.shards import ShardSet
+from evaluation.bank import Bank
 from evaluation.config import EvalConfig
 from evaluation.diagnostics import (
     alignment_uniformity,
@@ -32,7 +34,7 @@ from evaluation.diagnostics import (
     rank_correlation,
     target_noise_margin,
 )
-from evaluation.features import Features, extract
+from evaluation.features import Features, extract, extract_bank
 from evaluation.identity import bank_digest, index_key, model_digest
 from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import load_model, untrained_copy
@@ -65,7 +67,7 @@ def class_groups(cfg: EvalConfig, num_classes: int) -> list[list[int]]:
     return [list(range(num_classes))] if 1 < num_classes <= MAX_HEATMAP_CLASSES else []
 
 
-def diagnostics(space: str, train: Features, test: Features, cfg: EvalConfig,
+def diagnostics(space: str, train: Bank | Features, test: Features, cfg: EvalConfig,
                 target: np.ndarray | None, out: Path, plots: list[str]) -> dict[str, Any]:
     bank, queries = getattr(train, space), getattr(test, space)
     budget = cfg.block_bytes
@@ -98,14 +100,14 @@ def diagnostics(space: str, train: Features, test: Features, cfg: EvalConfig,
     return result
 
 
-def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
+def knn_results(train: Bank | Features, test: Features, cfg: EvalConfig, out: Path,
                 results: dict[str, Any], identity: dict[str, str] | None = None,
                 device: torch.device | None = None) -> None:
     """kNN in both spaces and the linear probe (trained on ``device``, default the CPU)
-    into ``results``; with ``identity`` (model
-    and bank digests) and ``cfg.save_index`` the index is saved under a name keyed by
-    them (under ``out/indexes``, kept out of MLflow: the results record the path), and
-    reused only by an evaluation of the same model on the same bank."""
+    into ``results``; with ``identity`` (model and bank digests) and ``cfg.save_index`` an
+    IVF index is saved under a name keyed by them (under ``out/indexes``, kept out of
+    MLflow: the results record the path), and reused only by an evaluation of the same
+    model on the same bank (exact search reads the bank itself: nothing to save)."""
     num_classes = max(len(train.class_names), int(train.labels.max()) + 1)
     budget = cfg.block_bytes
     results["knn"] = {}
@@ -113,7 +115,7 @@ def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
     for space in ("backbone", "projector"):
         bank = getattr(train, space)
         path = None
-        if cfg.save_index and identity is not None:
+        if cfg.save_index and identity is not None and cfg.index == "ivf":
             key = index_key(identity["model_sha256"], identity["bank_sha256"], space, settings)
             path = out / INDEX_DIR / f"index_{space}_{cfg.index}_{key}"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,14 +140,14 @@ def knn_results(train: Features, test: Features, cfg: EvalConfig, out: Path,
                                            cfg.probe_lr, device=device)
 
 
-def evaluate_features(train: Features, test: Features, cfg: EvalConfig,
+def evaluate_features(train: Bank | Features, test: Features, cfg: EvalConfig,
                       target: np.ndarray | None, ref: ModelRef, out: Path,
                       identity: dict[str, str],
                       device: torch.device | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"model": vars(ref), "identity": identity,
                                "train_shards": cfg.train_shards,
                                "test_shards": cfg.test_shards,
-                               "samples": {"train": len(train.keys), "test": len(test.keys)}}
+                               "samples": {"train": len(train.labels), "test": len(test.keys)}}
     knn_results(train, test, cfg, out, results, identity, device)
     plots = ["knn_accuracy.png"]
     plot_knn(results, out / "knn_accuracy.png")
@@ -182,27 +184,35 @@ def evaluate(cfg: EvalConfig, data: DataConfig, context: EvalContext, rt: Runtim
             retrieval = extract(model, data, retrieval_shards, rt.device, rt.rank, rt.world)
         if not all_ranks_agree(retrieval is None or any(retrieval.captions), rt.device):
             raise no_captions(retrieval_shards)
-    train = extract(model, data, cfg.train_shards, rt.device, rt.rank, rt.world)
-    if cfg.compare_untrained:
-        floor = untrained_copy(model, context.seed)
-        floor_features = [extract(floor, data, shards, rt.device, rt.rank, rt.world)
-                          for shards in (cfg.train_shards, cfg.test_shards)]
-    if not rt.is_main:
-        return None
-    with full_disk_stops("the evaluation's output", out, "eval.output", AGAIN):
-        out.mkdir(parents=True, exist_ok=True)
-        results = evaluate_features(train, test, cfg, context.target_graph, ref, out,
-                                    identity, rt.device)
-        if model.text is not None:
-            results.update(caption_evaluation(model, retrieval, test, cfg, retrieval_shards,
-                                              rt.device))
-        if model.class_embeddings is not None:
-            results["class_embedding_classifier"] = class_embedding_classifier(
-                model.class_embeddings, test)
-        if cfg.compare_untrained:
-            results["untrained"] = {}
-            knn_results(*floor_features, dataclasses.replace(cfg, save_index=False), out,
-                        results["untrained"], device=rt.device)
+    banks = out / "features"  # every rank writes its share of each bank there
+    try:
+        with full_disk_stops("the evaluation's output", out, "eval.output", AGAIN):
+            train = extract_bank(model, data, cfg.train_shards, rt.device, banks / "bank",
+                                 rt.rank, rt.world)
+            if cfg.compare_untrained:
+                floor = untrained_copy(model, context.seed)
+                floor_features = (extract_bank(floor, data, cfg.train_shards, rt.device,
+                                               banks / "untrained", rt.rank, rt.world),
+                                  extract(floor, data, cfg.test_shards, rt.device, rt.rank,
+                                          rt.world))
+        if not rt.is_main:
+            return None
+        with full_disk_stops("the evaluation's output", out, "eval.output", AGAIN):
+            results = evaluate_features(train, test, cfg, context.target_graph, ref, out,
+                                        identity, rt.device)
+            if model.text is not None:
+                results.update(caption_evaluation(model, retrieval, test, cfg,
+                                                  retrieval_shards, rt.device))
+            if model.class_embeddings is not None:
+                results["class_embedding_classifier"] = class_embedding_classifier(
+                    model.class_embeddings, test)
+            if cfg.compare_untrained:
+                results["untrained"] = {}
+                knn_results(*floor_features, dataclasses.replace(cfg, save_index=False), out,
+                            results["untrained"], device=rt.device)
+    finally:
+        if rt.is_main:  # the banks' files: read by now, or of a failed evaluation
+            shutil.rmtree(banks, ignore_errors=True)
     tracked = None
     store_full = partial(full_disk_stops, "to the MLflow tracking store", uri, "tracking.uri",
                          AGAIN)

@@ -6,17 +6,14 @@ largest k. A class counts towards top-5 only if it received a vote (with k < 5 t
 zero-vote classes would otherwise fill the list in arbitrary order).
 
 Indexes (``eval.index``):
-- ``faiss_flat`` (default): faiss ``IndexFlatIP``, exact; on the GPU with faiss-gpu. Searching
-  all queries in one call it ran at 1.07x this machine's torch.mm rate on the benchmark
-  shape (``bench/knn.py``; one query at a time it would not use BLAS and be far slower).
-- ``exact``: blockwise ``queries @ bank.T`` with ``torch.topk`` per block, on the GPU when
-  there is one without faiss-gpu (0.81x torch.mm on 2 CPU cores: top-k costs the rest;
-  both figures from docs/benchmarks.md, "kNN", a median of 3 rounds on a drifting machine).
+- ``faiss_flat`` (default) and ``exact``: exact search, the bank read a block of rows at a
+  time and never held whole (:class:`ExactIndex`); each block searched for all queries at
+  once by faiss's brute-force ``knn`` or by ``torch.mm`` and ``torch.topk``, on the CPU.
 - ``ivf``: faiss ``IndexIVFFlat`` (inner product) for banks too large for exact search;
   ``ivf_lists`` cells, ``ivf_probe`` probed; the report gives its accuracy next to exact.
-Indexes are saved (``.pt`` for exact, ``.faiss`` otherwise) under a name keyed by the model's
-weights, the bank's shards and the index settings (:mod:`evaluation.identity`), and reused
-only under that name.
+  It holds the bank. It is saved (``.faiss``) under a name keyed by the model's weights,
+  the bank's shards and the index settings (:mod:`evaluation.identity`), and reused only
+  under that name.
 """
 
 from __future__ import annotations
@@ -32,65 +29,87 @@ BLOCK_BYTES = 256 * 2**20  # default score block [queries, bank] (eval.block_mib
 
 
 class ExactIndex:
+    """Exact inner-product search of the L2-normalised bank, read in blocks of rows: the
+    bank is neither copied nor held whole (a :class:`~evaluation.bank.RowFiles` bank stays
+    on disk); each block is normalised as it is read, searched for every query (faiss's
+    brute-force ``knn`` for ``faiss_flat``, ``torch.mm`` and ``torch.topk`` for ``exact``)
+    and its best k merged with the best so far. Nothing to build, so nothing is saved."""
+
+    loaded = False
+
     def __init__(self, bank: Tensor, block_bytes: int = BLOCK_BYTES,
-                 loaded: bool = False) -> None:
-        self.bank = F.normalize(bank, dim=1)
+                 with_faiss: bool = False) -> None:
+        self.bank = bank  # [n, d]: a tensor or anything that reads row blocks as one
         self.block_bytes = block_bytes
-        self.loaded = loaded  # read from a saved file
+        self.with_faiss = with_faiss  # faiss searches float32 only
+        wide = bank.dtype == torch.float64 and not with_faiss
+        self.dtype = torch.float64 if wide else torch.float32
 
     def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """queries [q, d] -> (similarities [q, k], bank indices [q, k]), best first."""
-        queries = F.normalize(queries.to(self.bank.device, self.bank.dtype), dim=1)
-        k = min(k, self.bank.shape[0])
-        rows = max(1, self.block_bytes // (self.bank.shape[0] * self.bank.element_size()))
-        # one reused output block: fresh 256 MiB buffers page-fault on every block (~30%)
-        out = queries.new_empty(min(rows, queries.shape[0]), self.bank.shape[0])
-        sims, index = [], []
-        for start in range(0, queries.shape[0], rows):
-            chunk = queries[start:start + rows]
-            block = torch.mm(chunk, self.bank.T, out=out[: len(chunk)])
-            top = torch.topk(block, k, dim=1)
-            sims.append(top.values)
-            index.append(top.indices)
-        return torch.cat(sims), torch.cat(index)
+        queries = F.normalize(queries.cpu().to(self.dtype), dim=1)
+        k = min(k, len(self.bank))
+        item = queries.element_size()
+        columns = max(k, self.block_bytes // (item * max(1, len(queries))))  # [q, columns]
+        best = (torch.empty(len(queries), 0, dtype=self.dtype),
+                torch.empty(len(queries), 0, dtype=torch.long))
+        for start in range(0, len(self.bank), columns):
+            block = F.normalize(self.bank[start:start + columns].cpu().to(self.dtype), dim=1)
+            sims, rows = self._search_block(queries, block, k)
+            best = merge_best(best, (sims, rows + start), k)
+        return best
 
-    def save(self, path: Path) -> None:
-        torch.save(self.bank.cpu(), path.with_suffix(".pt"))
+    def _search_block(self, queries: Tensor, block: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        k = min(k, len(block))
+        if self.with_faiss:
+            import faiss
+
+            sims, rows = faiss.knn(queries.numpy(), block.numpy(), k,
+                                   metric=faiss.METRIC_INNER_PRODUCT)
+            return torch.from_numpy(sims), torch.from_numpy(rows)
+        top = torch.topk(queries @ block.T, k, dim=1)
+        return top.values, top.indices
 
 
-class FaissIndex:
-    def __init__(self, bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
-                 index=None, block_bytes: int = BLOCK_BYTES) -> None:
+def merge_best(best: tuple[Tensor, Tensor], found: tuple[Tensor, Tensor],
+               k: int) -> tuple[Tensor, Tensor]:
+    """The best ``k`` of two ([q, a], [q, a]) and ([q, b], [q, b]) (similarities, indices),
+    best first."""
+    sims = torch.cat([best[0], found[0]], dim=1)
+    rows = torch.cat([best[1], found[1]], dim=1)
+    top = torch.topk(sims, min(k, sims.shape[1]), dim=1)
+    return top.values, rows.gather(1, top.indices)
+
+
+class IvfIndex:
+    """faiss ``IndexIVFFlat`` (inner product) of the L2-normalised bank: ``lists`` cells
+    (0: about 4 sqrt(n)), ``probe`` of them searched per query; on the GPU with faiss-gpu.
+    The index holds the bank (4 bytes a value)."""
+
+    def __init__(self, bank: Tensor, lists: int = 0, probe: int = 16, index=None,
+                 block_bytes: int = BLOCK_BYTES) -> None:
         import faiss
 
         self.loaded = index is not None  # read from a saved file
         if index is None:
-            index = self._build(bank, kind, lists, block_bytes)
-        if kind == "ivf":
-            faiss.extract_index_ivf(index).nprobe = probe
+            index = self._build(bank, lists, block_bytes)
+        faiss.extract_index_ivf(index).nprobe = probe
         self.index = _to_gpu(index)
         self.cpu_index = index
 
     @staticmethod
-    def _build(bank: Tensor, kind: str, lists: int, block_bytes: int):
-        """The index of the L2-normalised bank, added in row blocks of ``block_bytes`` (the
-        index holds its own copy; no normalised copy of the whole bank is made)."""
+    def _build(bank: Tensor, lists: int, block_bytes: int):
+        """The index, trained on a seeded sample of the bank and added in row blocks of
+        ``block_bytes`` (no normalised copy of the whole bank is made)."""
         import faiss
 
         dim = bank.shape[1]
-        if kind == "ivf":
-            lists = lists or max(1, int(4 * np.sqrt(len(bank))))
-            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, lists,
-                                       faiss.METRIC_INNER_PRODUCT)
-            # k-means reads at most 256 rows per list (faiss's own cap): a seeded sample
-            sample = torch.randperm(len(bank), generator=torch.Generator().manual_seed(0))
-            index.train(_unit_rows(bank[sample[: 256 * lists].sort().values]))
-        else:
-            index = faiss.IndexFlatIP(dim)
-            # reserve the whole bank up front: grown block by block, the vector doubles
-            # and copies (peak 2x the bank measured at 400k rows; reserved: 1x + a block)
-            index.codes.resize(len(bank) * dim * 4)
-            index.codes.resize(0)
+        lists = lists or max(1, int(4 * np.sqrt(len(bank))))
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, lists,
+                                   faiss.METRIC_INNER_PRODUCT)
+        # k-means reads at most 256 rows per list (faiss's own cap): a seeded sample
+        sample = torch.randperm(len(bank), generator=torch.Generator().manual_seed(0))
+        index.train(_unit_rows(bank[sample[: 256 * lists].sort().values]))
         rows = max(1, block_bytes // (4 * dim))
         for start in range(0, len(bank), rows):
             index.add(_unit_rows(bank[start:start + rows]))
@@ -123,22 +142,20 @@ def _to_gpu(index):
 
 def build_index(bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
                 path: Path | None = None,
-                block_bytes: int = BLOCK_BYTES) -> ExactIndex | FaissIndex:
-    """The bank's index, loaded from ``path`` (without suffix) when saved there before;
-    ``path`` must name what the index was built from (:func:`evaluation.identity.index_key`)."""
-    if kind == "exact":
-        if path is not None and path.with_suffix(".pt").is_file():
-            saved = torch.load(path.with_suffix(".pt"), weights_only=True)
-            if saved.shape == bank.shape:
-                return ExactIndex(saved.to(bank.device), block_bytes, loaded=True)
-        return ExactIndex(bank, block_bytes)
+                block_bytes: int = BLOCK_BYTES) -> ExactIndex | IvfIndex:
+    """The bank's index: for ``exact`` and ``faiss_flat`` the bank itself, searched in
+    blocks; for ``ivf`` built (or loaded from ``path``, without suffix, when saved there
+    before; ``path`` must name what the index was built from:
+    :func:`evaluation.identity.index_key`)."""
+    if kind != "ivf":
+        return ExactIndex(bank, block_bytes, with_faiss=kind == "faiss_flat")
     if path is not None and path.with_suffix(".faiss").is_file():
         import faiss
 
         index = faiss.read_index(str(path.with_suffix(".faiss")))
         if index.ntotal == bank.shape[0]:
-            return FaissIndex(bank, kind, lists, probe, index=index)
-    return FaissIndex(bank, kind, lists, probe, block_bytes=block_bytes)
+            return IvfIndex(bank, lists, probe, index=index)
+    return IvfIndex(bank, lists, probe, block_bytes=block_bytes)
 
 
 def weighted_votes(sims: Tensor, neighbour_labels: Tensor, num_classes: int,

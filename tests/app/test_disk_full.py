@@ -168,6 +168,7 @@ def test_a_full_evaluation_output(reference, digits_shards, tmp_path):
                          "and its checkpoints are untouched and the same command evaluates "
                          "again"), line
     assert evaluation_runs(reference) == before  # no MLflow run for outputs never written
+    assert not (out / "features").exists()  # the bank's files written before the disk filled
 
 
 def test_a_full_artifact_store_fails_the_evaluation_run(reference, digits_shards, tmp_path):

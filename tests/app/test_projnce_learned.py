@@ -84,7 +84,9 @@ def test_the_registry_and_the_checkpoint_evaluate_the_class_embedding_classifier
     assert classifier["classes"] == 10
     assert 0 <= classifier["accuracy"]["top1"] <= classifier["accuracy"]["top5"] <= 1
     assert found["registry"]["class_embedding_classifier"] == classifier
-    mlflow.set_tracking_uri(f"sqlite:///{root / 'run' / 'mlflow.db'}")
+    store = f"sqlite:///{root / 'run' / 'mlflow.db'}"
+    mlflow.set_tracking_uri(store)
+    mlflow.set_registry_uri(store)  # not one an earlier test in this process set
     stored = mlflow.artifacts.download_artifacts("models:/digits-projnce/1",
                                                  dst_path=str(root / "download"))
     table = load_file(f"{stored}/artifacts/class_embeddings.safetensors")["class_embeddings"]
@@ -173,7 +175,9 @@ def test_two_zero3_ranks_register_the_whole_encoder(digits_shards, tmp_path):
 def assert_registered_whole(root, name: str, model: dict[str, torch.Tensor]) -> None:
     """Version 1 of registered model ``name`` in ``root``'s run holds the encoder and the
     class embeddings of the checkpoint state ``model``, whole."""
-    mlflow.set_tracking_uri(f"sqlite:///{root / 'run' / 'mlflow.db'}")
+    store = f"sqlite:///{root / 'run' / 'mlflow.db'}"
+    mlflow.set_tracking_uri(store)
+    mlflow.set_registry_uri(store)  # not one an earlier test in this process set
     stored = mlflow.artifacts.download_artifacts(f"models:/{name}/1",
                                                  dst_path=str(root / "download"))
     table = load_file(f"{stored}/artifacts/class_embeddings.safetensors")["class_embeddings"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from data_pipeline.config import DataConfig
-from evaluation.features import extract
+from evaluation.features import extract, extract_bank
 from pretrain.model.encoder import Encoder, ModelConfig
 from serving.model_registry import EmbeddingModel
 
@@ -25,6 +27,22 @@ def features_on_rank(shards: str, rank: int | None = None, world: int | None = N
         return None
     return {"keys": feats.keys, "labels": feats.labels, "backbone": feats.backbone,
             "projector": feats.projector}
+
+
+def bank_on_rank(shards: str, directory: str) -> dict | None:
+    """``features_on_rank``'s model and loader, the features written as a bank in
+    ``directory`` and read back by rank 0 (whole, to compare)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = EmbeddingModel(Encoder(ModelConfig(projector_hidden=32, projector_dim=8)))
+    data = DataConfig(batch_size=7, workers=0, resolution=16)
+    bank = extract_bank(model, data, shards, torch.device("cpu"), Path(directory),
+                        dist.get_rank(), dist.get_world_size(), progress=False)
+    if bank is None:
+        return None
+    return {"labels": bank.labels, "backbone": bank.backbone[:],
+            "projector": bank.projector[:], "class_names": bank.class_names}
 
 
 def sharded_features_on_rank(shards: str) -> dict | None:

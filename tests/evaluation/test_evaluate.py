@@ -87,10 +87,8 @@ def test_registry_uri_end_to_end_with_promotion(trained):
     assert [m.step for m in monitored] == [2, 4]
     logged = {a.path for a in client.list_artifacts(eval_run.info.run_id)}
     assert logged >= {"results.json", "report.md", "knn_accuracy.png"}
-    assert "indexes" not in logged  # as large as the bank: kept beside the report only
-    for space in ("backbone", "projector"):
-        saved = results["indexes"][space]
-        assert saved.startswith(str(out / "indexes")) and list(out.glob("indexes/*.faiss"))
+    assert "indexes" not in results  # exact search reads the bank itself: nothing saved
+    assert not (out / "features").exists()  # the bank's files, removed once read
     assert str(client.get_model_version_by_alias("digits-eval-test", "champion").version) == "1"
 
 
@@ -140,8 +138,9 @@ def perturbed_checkpoint(root, name: str, seed: int):
     source = sorted((root / "run" / "checkpoints").glob("step_*"))[-1] / "shared.pt"
     state = torch.load(source, weights_only=True)
     generator = torch.Generator().manual_seed(seed)
-    state["model"] = {k: v + 0.5 * torch.randn(v.shape, generator=generator)
-                      if v.is_floating_point() else v for k, v in state["model"].items()}
+    state["model"] = {k: v + 0.5 * torch.randn(v.shape, generator=generator)  # variances
+                      if v.is_floating_point() and not k.endswith("running_var") else v
+                      for k, v in state["model"].items()}  # stay positive: finite features
     (root / name).mkdir()
     torch.save(state, root / name / "shared.pt")
     return root / name
@@ -149,7 +148,8 @@ def perturbed_checkpoint(root, name: str, seed: int):
 
 def test_a_saved_index_serves_only_the_model_and_bank_it_was_built_from(trained):
     root, overrides = trained
-    plain = [*overrides, "tracking.enabled=false", "eval.probe_epochs=1"]
+    plain = [*overrides, "tracking.enabled=false", "eval.probe_epochs=1", "eval.index=ivf",
+             "eval.ivf_lists=8", "eval.ivf_probe=2"]
     other = perturbed_checkpoint(root, "other-model", seed=1)
     shared = root / "eval-shared"
     runs = {}
@@ -164,7 +164,8 @@ def test_a_saved_index_serves_only_the_model_and_bank_it_was_built_from(trained)
         assert runs["b"]["knn"][space] == runs["b-alone"]["knn"][space]
         assert runs["a-again"]["knn"][space] == runs["a"]["knn"][space]
         assert runs["a"]["knn"][space] != runs["b"]["knn"][space]
-        assert len(list(shared.glob(f"indexes/index_{space}_faiss_flat_*.faiss"))) == 2
+        assert len(list(shared.glob(f"indexes/index_{space}_ivf_*.faiss"))) == 2
+        assert runs["a-again"]["indexes"][space].startswith(str(shared / "indexes"))
 
 
 def test_unlabelled_shards_fail_before_any_feature_extraction(trained, tmp_path):

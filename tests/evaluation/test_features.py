@@ -1,5 +1,6 @@
 """Features extracted by 2 ranks (each sample exactly once) equal those of 1 process, on
-rank 0 only, whatever the size of the chunks they travel in."""
+rank 0 only, whatever the size of the chunks they travel in, and when written to files as
+the kNN bank."""
 
 from __future__ import annotations
 
@@ -25,6 +26,22 @@ def test_two_ranks_extract_what_one_process_does(gloo2, tmp_path, transfer_mib):
         assert torch.equal(got["labels"], single["labels"])
         torch.testing.assert_close(got["backbone"], single["backbone"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got["projector"], single["projector"], rtol=1e-5, atol=1e-5)
+
+
+def test_two_ranks_write_the_bank_one_process_extracts(gloo2, tmp_path):
+    """Each rank writes its share of the bank; rank 0 reads it in key order: the rows and
+    labels one process extracts (the tolerance as above)."""
+    uneven_set(tmp_path / "shards", [23, 9, 31, 5, 17])
+    ranks = gloo2.run(rank_tasks.bank_on_rank, str(tmp_path / "shards"), str(tmp_path / "b"))
+    single = rank_tasks.features_on_rank(str(tmp_path / "shards"), 0, 1)
+    assert ranks[1] is None
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(
+        f"rank{r}.{what}" for r in (0, 1) for what in ("backbone.f32", "projector.f32",
+                                                          "keys.npy", "labels.npy"))
+    assert torch.equal(ranks[0]["labels"], single["labels"])
+    torch.testing.assert_close(ranks[0]["backbone"], single["backbone"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ranks[0]["projector"], single["projector"], rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_fsdp2_ranks_extract_what_one_process_does(gloo2, tmp_path):
