@@ -53,21 +53,26 @@ class ExactIndex:
         columns = max(k, self.block_bytes // (item * max(1, len(queries))))  # [q, columns]
         best = (torch.empty(len(queries), 0, dtype=self.dtype),
                 torch.empty(len(queries), 0, dtype=torch.long))
+        # one reused score buffer: fresh 256 MiB ones page-fault on every block (~30%)
+        scores = None if self.with_faiss else queries.new_empty(
+            len(queries) * min(columns, len(self.bank)))
         for start in range(0, len(self.bank), columns):
             block = F.normalize(self.bank[start:start + columns].cpu().to(self.dtype), dim=1)
-            sims, rows = self._search_block(queries, block, k)
+            sims, rows = self._search_block(queries, block, k, scores)
             best = merge_best(best, (sims, rows + start), k)
         return best
 
-    def _search_block(self, queries: Tensor, block: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def _search_block(self, queries: Tensor, block: Tensor, k: int,
+                      scores: Tensor | None) -> tuple[Tensor, Tensor]:
         k = min(k, len(block))
-        if self.with_faiss:
+        if scores is None:
             import faiss
 
             sims, rows = faiss.knn(queries.numpy(), block.numpy(), k,
                                    metric=faiss.METRIC_INNER_PRODUCT)
             return torch.from_numpy(sims), torch.from_numpy(rows)
-        top = torch.topk(queries @ block.T, k, dim=1)
+        out = scores[:len(queries) * len(block)].view(len(queries), len(block))
+        top = torch.topk(torch.mm(queries, block.T, out=out), k, dim=1)
         return top.values, top.indices
 
 
