@@ -96,6 +96,13 @@ class ContrastiveBatch:
         return self.candidates[self.anchor_index]
 
     @property
+    def anchor_rows(self) -> slice | None:
+        """The anchors' rows of ``candidates`` when they are a range (``anchor_start``)."""
+        if self.anchor_start is None:
+            return None
+        return slice(self.anchor_start, self.anchor_start + len(self.anchor_index))
+
+    @property
     def num_candidates(self) -> int:
         """N, the rows of the global batch (padding rows included)."""
         return self.candidates.shape[0]
@@ -150,14 +157,12 @@ class ContrastiveBatch:
     def group_sums(self, kind: PositiveKind, of: Literal["candidates", "text"] = "candidates",
                    ) -> Tensor:
         """[G, D] sum of each group's candidate (or text) embeddings, float32 or float64,
-        with gradient."""
-        if ("sums", kind, of) not in self._cache:
-            _, groups, counts = self.group_index(kind)
-            rows = self.candidates if of == "candidates" else self.text
-            rows = rows if rows.dtype in (torch.float32, torch.float64) else rows.float()
-            self._cache["sums", kind, of] = rows.new_zeros(
-                counts.shape[0], rows.shape[1]).index_add_(0, groups, rows)
-        return self._cache["sums", kind, of]
+        with gradient (when made under it). Not kept: a step that held it from its forward
+        to the end of its backward would hold an [N, D]-sized tensor for nothing."""
+        _, groups, counts = self.group_index(kind)
+        rows = self.candidates if of == "candidates" else self.text
+        rows = rows if rows.dtype in (torch.float32, torch.float64) else rows.float()
+        return rows.new_zeros(counts.shape[0], rows.shape[1]).index_add_(0, groups, rows)
 
     def positive_mask(self, kind: PositiveKind) -> Tensor:
         """[n, N] bool: same key as the anchor, excluding the anchor itself."""

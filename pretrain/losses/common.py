@@ -68,6 +68,8 @@ def as_metric(value: Temperature, like: Tensor) -> Tensor:
 
 def scaled(anchors: Tensor, temperature: Temperature) -> Tensor:
     """[n, D] anchors / tau: tau is folded in before any matmul with the columns."""
+    if isinstance(temperature, float | int) and temperature == 1:
+        return as_float(anchors)
     return as_float(anchors) / temperature
 
 
@@ -151,12 +153,54 @@ def positive_logit_mean(batch: ContrastiveBatch, kind: PositiveKind,
     sum_{p in P(i)} z_i . z_p = z_i . (sum of the group's z) - z_i . z_i.
     """
     _, groups, counts = batch.group_index(kind)
-    anchors = as_float(batch.anchors)
-    anchor_group = groups[batch.anchor_index]
-    sums = batch.group_sums(kind)
-    total = row_dot(anchors, sums[anchor_group]) - row_dot(anchors, anchors)
-    num_pos = (counts[anchor_group] - 1).to(total.dtype)
+    total = _PositivePairSums.apply(as_float(batch.candidates), groups, batch.anchor_index,
+                                    counts.shape[0])
+    num_pos = (counts[groups[batch.anchor_index]] - 1).to(total.dtype)
     return total / num_pos.clamp(min=1) / temperature, num_pos
+
+
+ROW_CHUNK = 65536  # rows of an [rows, D] temporary in the group sums' passes
+
+
+class _PositivePairSums(torch.autograd.Function):
+    """[n] sum over each anchor's group of z_i . z_p, p != i: z_i . (S_g(i) - z_i), with S
+    the [G, D] group sums of the candidates z [N, D]. Neither S nor an [n, D] gather of it
+    is kept for the backward, which makes S again: with g [N] the incoming gradient at the
+    anchors' rows (0 elsewhere) and T_g the group sums of g_i z_i, d/dz_j = g_j S_g(j) +
+    T_g(j) - 2 g_j z_j. At most one [G, D] sum and the [N, D] gradient exist at a time."""
+
+    @staticmethod
+    def forward(ctx, candidates: Tensor, groups: Tensor, anchor_index: Tensor,
+                num_groups: int) -> Tensor:
+        sums = _group_sums(candidates, groups, num_groups)
+        total = candidates.new_empty(anchor_index.shape[0])
+        for start in range(0, anchor_index.shape[0], ROW_CHUNK):
+            index = anchor_index[start:start + ROW_CHUNK]
+            anchors = candidates[index]
+            total[start:start + ROW_CHUNK] = row_dot(anchors, sums[groups[index]] - anchors)
+        ctx.num_groups = num_groups
+        ctx.save_for_backward(candidates, groups, anchor_index)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        candidates, groups, anchor_index = ctx.saved_tensors
+        weights = candidates.new_zeros(candidates.shape[0]).index_add_(0, anchor_index, grad)
+        out = _group_sums(candidates, groups, ctx.num_groups)[groups]  # S_g(j)
+        out.mul_(weights[:, None]).addcmul_(candidates, weights[:, None], value=-2.0)
+        weighted = candidates.new_zeros(ctx.num_groups, candidates.shape[1])
+        for start in range(0, candidates.shape[0], ROW_CHUNK):
+            rows = slice(start, start + ROW_CHUNK)
+            weighted.index_add_(0, groups[rows], candidates[rows] * weights[rows, None])
+        for start in range(0, candidates.shape[0], ROW_CHUNK):
+            rows = slice(start, start + ROW_CHUNK)
+            out[rows] += weighted[groups[rows]]
+        return out, None, None, None
+
+
+def _group_sums(rows: Tensor, groups: Tensor, num_groups: int) -> Tensor:
+    """[G, D] the sums of ``rows`` [N, D] by ``groups`` [N]."""
+    return rows.new_zeros(num_groups, rows.shape[1]).index_add_(0, groups, rows)
 
 
 def summarize_metrics(batch: ContrastiveBatch, kind: PositiveKind | None, *, infonce: Tensor,

@@ -21,7 +21,7 @@ from pretrain.losses.columns import (
     ColumnSet,
     PositiveKind,
 )
-from pretrain.losses.common import as_float, row_softmax_
+from pretrain.losses.common import Temperature, as_float, row_softmax_, scaled
 from pretrain.losses.tiles import (
     TargetLogits,
     TiledRows,
@@ -60,21 +60,24 @@ def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
 
 
 def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                  column_set: ColumnSet, *, monitors: bool = False,
-                  positive_lse: bool = False, positive_logits: bool = False) -> RowTerms:
-    """log sum over ``column_set`` of exp(``anchors`` [n, D] . ``columns`` [N, D]).
+                  column_set: ColumnSet, *, temperature: Temperature = 1.0,
+                  monitors: bool = False, positive_lse: bool = False,
+                  positive_logits: bool = False) -> RowTerms:
+    """log sum over ``column_set`` of exp(``anchors`` [n, D] . ``columns`` [N, D] /
+    ``temperature``).
 
-    ``anchors`` are already divided by the temperature. ``monitors`` adds the ESS over the
-    negatives of ``column_set.kind`` and, under ``num_negatives``, their logit sum;
-    ``positive_lse`` adds the log-sum-exp over each anchor's positives (without gradient;
-    ``MASKED_LOGIT`` where an anchor has none); ``positive_logits`` (dense only) the [n, N]
-    logits with gradient at the positives and 0 elsewhere.
+    ``monitors`` adds the ESS over the negatives of ``column_set.kind`` and, under
+    ``num_negatives``, their logit sum; ``positive_lse`` adds the log-sum-exp over each
+    anchor's positives (without gradient; ``MASKED_LOGIT`` where an anchor has none);
+    ``positive_logits`` (dense only) the [n, N] logits with gradient at the positives and 0
+    elsewhere. Tiled, anchors that are ``batch.anchors`` among ``batch.candidates`` as
+    columns are passed as those rows: no [n, D] copy over tau, one gradient buffer.
     """
-    columns = as_float(columns)
     if batch.tile_size is not None:
         plan = tile_plan(batch, column_set, monitors=monitors, positive_lse=positive_lse)
-        return _terms(batch, column_set, tiled_rows(anchors, columns, plan), monitors)
-    logits = anchors @ columns.T  # [n, N]
+        tiled = tiled_batch_rows(batch, anchors, columns, plan, temperature)
+        return _terms(batch, column_set, tiled, monitors)
+    logits = scaled(anchors, temperature) @ as_float(columns).T  # [n, N]
     pos_lse = pos_logits = None
     positives = batch.columns(column_set.positives_only) if positive_lse or positive_logits \
         else None
@@ -94,6 +97,17 @@ def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
             neg_logits = batch.columns(column_set.negatives).apply(logits, 0.0).sum(1)
     return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits, pos_lse,
                     pos_logits)
+
+
+def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
+                     plan: TilePlan, temperature: Temperature) -> TiledRows:
+    """:func:`tiles.tiled_rows` of ``anchors`` / ``temperature`` against ``columns``;
+    ``batch.anchors`` against ``batch.candidates`` (in float32 or float64) go as the
+    candidates' rows they are."""
+    rows = batch.anchor_rows if anchors is batch.anchors else None
+    if rows is not None and columns is batch.candidates and as_float(columns) is columns:
+        return tiled_rows(None, columns, plan, temperature, rows)
+    return tiled_rows(as_float(anchors), as_float(columns), plan, temperature)
 
 
 def row_logsumexp_and_pair_terms(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,

@@ -19,7 +19,6 @@ from pretrain.losses.common import (
     full_precision,
     positive_logit_mean,
     require_labels,
-    scaled,
 )
 from pretrain.losses.rows import row_logsumexp
 
@@ -42,8 +41,8 @@ def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,
                        kind: PositiveKind) -> ObjectiveOutput:
     """Softmax cross-entropy averaged over each anchor's positives of ``kind``."""
     with full_precision(batch):
-        rows = row_logsumexp(batch, scaled(batch.anchors, temperature), batch.candidates,
-                             ColumnSet(kind), monitors=True)  # [n]
+        rows = row_logsumexp(batch, batch.anchors, batch.candidates, ColumnSet(kind),
+                             temperature=temperature, monitors=True)  # [n]
         pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
         per_anchor = rows.lse - pos_mean
         loss = batch.anchor_mean(per_anchor, kind)

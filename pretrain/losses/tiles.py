@@ -171,42 +171,65 @@ def _row_dot(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     return torch.mul(a, b, out=out).sum(1)
 
 
-def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan) -> _PassSums:
+def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan,
+             temperature: float | Tensor = 1.0) -> _PassSums:
     scratch = TileBuffers(anchors, plan.tile_size, 5 if plan.targets is not None else 3)
-    blocks = [_forward_block(anchors[block], columns, plan, block, scratch)
+    blocks = [_forward_block(_divided(anchors[block], temperature), columns, plan, block, scratch)
               for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device)]
     return _PassSums(*(torch.cat(parts) for parts in zip(*blocks, strict=True)))
 
 
+def _divided(rows: Tensor, temperature: float | Tensor) -> Tensor:
+    """``rows`` / ``temperature``: a [rows, D] block's copy (the rows themselves at 1)."""
+    if isinstance(temperature, float | int) and temperature == 1:
+        return rows
+    return rows / temperature
+
+
 class _TiledLogSumExp(torch.autograd.Function):
-    """(lse [n], target term [n]) of the logits ``anchors @ columns.T`` under ``plan``;
-    the other outputs are monitors without gradient."""
+    """(lse [n], target term [n]) of the logits ``anchors @ columns.T / temperature`` under
+    ``plan``; the other outputs are monitors without gradient. ``anchors`` is None when
+    they are the rows ``anchor_rows`` of ``columns``: their gradient is then added into the
+    columns' own, so the backward holds one [N, D] gradient, and the anchors over the
+    temperature exist one row block at a time (no [n, D] copy is saved)."""
 
     @staticmethod
-    def forward(ctx, anchors: Tensor, columns: Tensor, plan: TilePlan) -> tuple[Tensor, ...]:
+    def forward(ctx, anchors: Tensor | None, columns: Tensor, temperature: float | Tensor,
+                plan: TilePlan, anchor_rows: slice | None) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
-        sums = _forward(anchors, columns, plan)
-        ctx.plan = plan
-        ctx.save_for_backward(anchors, columns, sums.lse, sums.target_lse)
+        sums = _forward(columns[anchor_rows] if anchors is None else anchors, columns, plan,
+                        temperature)
+        ctx.plan, ctx.anchor_rows = plan, anchor_rows
+        tau = temperature if isinstance(temperature, Tensor) else None
+        ctx.temperature = temperature if tau is None else None
+        ctx.save_for_backward(anchors, columns, tau, sums.lse, sums.target_lse)
         ctx.mark_non_differentiable(sums.target_lse, sums.target_entropy, sums.ess_ratio,
                                     sums.negative_logit_sum, sums.positive_lse)
         return tuple(sums)  # autograd hands back plain tuples
 
     @staticmethod
     def backward(ctx, grad_lse: Tensor | None, grad_term: Tensor | None,
-                 *_: None) -> tuple[Tensor | None, Tensor | None, None]:
-        anchors, columns, lse, target_lse = ctx.saved_tensors
+                 *_: None) -> tuple[Tensor | None, ...]:
+        anchors, columns, tau, lse, target_lse = ctx.saved_tensors
         plan: TilePlan = ctx.plan
         if grad_term is not None and plan.targets is None:
             grad_term = None
         if grad_lse is None and grad_term is None:
-            return None, None, None
-        grad_anchors = torch.zeros_like(anchors)
+            return None, None, None, None, None
+        temperature = ctx.temperature if tau is None else tau
+        rows_of_columns = anchors is None
+        anchors = columns[ctx.anchor_rows] if rows_of_columns else anchors
         grad_columns = torch.zeros_like(columns) if ctx.needs_input_grad[1] else None
+        grad_anchors = None
+        if not rows_of_columns and ctx.needs_input_grad[0]:
+            grad_anchors = torch.zeros_like(anchors)
+        tau_sum = lse.new_zeros(()) if tau is not None and ctx.needs_input_grad[2] else None
         scratch = TileBuffers(anchors, plan.tile_size, 2)
         for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device):
-            block_anchors = anchors[block]
-            n = block_anchors.shape[0]
+            raw = anchors[block]
+            block_anchors, n = _divided(raw, temperature), raw.shape[0]
+            # d loss / d anchors of the block (not over tau): its own rows, or a block's
+            block_grad = grad_anchors[block] if grad_anchors is not None else torch.zeros_like(raw)
             for start in range(0, columns.shape[0], plan.tile_size):
                 stop = min(start + plan.tile_size, columns.shape[0])
                 tile = plan.columns.tile(start, stop, block)
@@ -223,15 +246,35 @@ class _TiledLogSumExp(torch.autograd.Function):
                                         MASKED_LOGIT)
                     target.sub_(target_lse[block, None]).exp_().mul_(grad_term[block, None])
                     grad_logits = target if grad_logits is None else grad_logits.add_(target)
-                grad_anchors[block].addmm_(grad_logits, part)
+                grad_logits = _divide_(grad_logits, temperature)  # d l / d a = c / tau
+                block_grad.addmm_(grad_logits, part)
                 if grad_columns is not None:
-                    grad_columns[start:stop].addmm_(grad_logits.T, block_anchors)
-        return grad_anchors, grad_columns, None
+                    grad_columns[start:stop].addmm_(grad_logits.T, raw)
+            if tau_sum is not None:  # d l_ij / d tau = -l_ij / tau: -(a_i . grad_i) / tau
+                tau_sum += torch.einsum("nd,nd->", raw, block_grad)
+            if rows_of_columns and grad_columns is not None:
+                start = ctx.anchor_rows.start or 0
+                grad_columns[start + block.start:start + block.stop] += block_grad
+        grad_tau = None if tau_sum is None else -tau_sum / tau
+        return (None if rows_of_columns else grad_anchors), grad_columns, grad_tau, None, None
 
 
-def tiled_rows(anchors: Tensor, columns: Tensor, plan: TilePlan) -> TiledRows:
-    """Row reductions of ``anchors`` [n, D] @ ``columns`` [N, D].T under ``plan``."""
-    return _tiled_rows(plan, _PassSums(*_TiledLogSumExp.apply(anchors, columns, plan)))
+def _divide_(values: Tensor, temperature: float | Tensor) -> Tensor:
+    """``values`` / ``temperature``, in place."""
+    if isinstance(temperature, float | int) and temperature == 1:
+        return values
+    return values.div_(temperature)
+
+
+def tiled_rows(anchors: Tensor | None, columns: Tensor, plan: TilePlan,
+               temperature: float | Tensor = 1.0,
+               anchor_rows: slice | None = None) -> TiledRows:
+    """Row reductions of ``anchors`` [n, D] @ ``columns`` [N, D].T / ``temperature`` under
+    ``plan``; ``anchors`` None: they are ``columns[anchor_rows]`` (one gradient buffer)."""
+    if (anchors is None) != (anchor_rows is not None):
+        raise ValueError("tiled_rows: give the anchors, or the columns' rows they are")
+    return _tiled_rows(plan, _PassSums(*_TiledLogSumExp.apply(anchors, columns, temperature,
+                                                              plan, anchor_rows)))
 
 
 def _tiled_rows(plan: TilePlan, sums: _PassSums) -> TiledRows:

@@ -39,8 +39,8 @@ from pretrain.losses.common import (
     positive_logit_mean,
     scaled,
 )
-from pretrain.losses.rows import ess_from_ratio, row_logsumexp, tile_plan
-from pretrain.losses.tiles import TargetLogits, tiled_rows
+from pretrain.losses.rows import ess_from_ratio, row_logsumexp, tile_plan, tiled_batch_rows
+from pretrain.losses.tiles import TargetLogits
 
 
 def plain_xclr(z: Tensor, similarity: Tensor, tau: float, tau_s: float) -> Tensor:
@@ -190,18 +190,19 @@ def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
     """Soft-target contrastive loss; ``target_temperature`` is the paper's tau_s."""
     _check_targets(batch)
     with full_precision(batch):
-        anchors = scaled(batch.anchors, temperature)  # [n, D]
         # tiles: class-graph targets stay per label group ([n, C]); captions go per tile
         grouped = batch.num_negatives is None and (
             batch.tile_size is None or batch.class_graph is not None)
         if batch.tile_size is not None and not grouped:
             plan = tile_plan(batch, COLUMNS, monitors=True,
                              targets=target_logits(batch, target_temperature))
-            tiled = tiled_rows(anchors, as_float(batch.candidates), plan)
+            tiled = tiled_batch_rows(batch, batch.anchors, batch.candidates, plan,
+                                     temperature)
             lse, term, entropy = tiled.lse, tiled.target_term, tiled.target_entropy
             ess = ess_from_ratio(batch, "instance", tiled.ess_ratio)
             negative_logit_sum = tiled.negative_logit_sum
         else:
+            anchors = scaled(batch.anchors, temperature)  # [n, D]
             rows = row_logsumexp(batch, anchors, batch.candidates, COLUMNS, monitors=True)
             lse, ess, negative_logit_sum = rows.lse, rows.ess, rows.negative_logit_sum
             kind, sim = target_groups(batch, target_temperature)

@@ -82,11 +82,14 @@ def test_tiled_equals_dense(name, hparams, num_negatives, tile_size, row_blocks)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("ranged", [False, True], ids=["gathered", "ranged"])
 @pytest.mark.parametrize("num_negatives", [None, 5])
 @pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
 def test_tiled_rank_slices_average_to_the_whole_batch(name, hparams, num_negatives,
-                                                      row_blocks):
-    """The distributed arithmetic (rows of one rank against all columns) with tiles on."""
+                                                      row_blocks, ranged):
+    """The distributed arithmetic (rows of one rank against all columns) with tiles on;
+    ``ranged``: each rank's anchors are a range of the candidates (``anchor_start``), as
+    the gathering boundary makes them, so the tiled pass takes them as those rows."""
     b = make_multiview_batch(seed=4)
     kwargs, _ = inputs(b, name, hparams)
     objective = objective_function(name, **{k: v for k, v in kwargs.items()
@@ -105,7 +108,8 @@ def test_tiled_rank_slices_average_to_the_whole_batch(name, hparams, num_negativ
             candidates=F.normalize(b.z, dim=1), anchor_index=rows, ids=b.ids, labels=b.labels,
             captions=None if captions is None else F.normalize(captions, dim=1),
             class_graph=kwargs.get("class_graph"), text=F.normalize(b.text, dim=1),
-            num_negatives=num_negatives, negatives_seed=7, tile_size=5, world_size=2)
+            num_negatives=num_negatives, negatives_seed=7, tile_size=5, world_size=2,
+            anchor_start=int(rows[0]) if ranged else None)
         out = objective(local, tau)
         loss = loss + out.loss / 2
         for acc, g in zip(grads, torch.autograd.grad(out.loss, [b.z, tau]), strict=True):
