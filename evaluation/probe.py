@@ -3,9 +3,9 @@ standardised features, AdamW with cosine decay, the full training set per epoch 
 mini-batches (the linear evaluation protocol of SimCLR, Chen et al. 2020, with Adam in place
 of LARS).
 
-The features stay where they are (rank 0's CPU copy of the bank); each mini-batch is
-standardised on its way to ``device``, so no standardised copy of the bank is made and the
-classifier trains on the run's device.
+The features stay where they are (the bank's files, read a mini-batch of rows at a time,
+or a tensor); each mini-batch is standardised on its way to ``device``, so no standardised
+copy of the bank is made and the classifier trains on the run's device.
 """
 
 from __future__ import annotations
