@@ -32,6 +32,11 @@ DENSE_MAX_CANDIDATES = 8192
 AUTO_TILE_SIZE = 256
 
 
+def sum_by_group(rows: Tensor, groups: Tensor, num_groups: int) -> Tensor:
+    """[G, D] the sums of ``rows`` [N, D] by ``groups`` [N]."""
+    return rows.new_zeros(num_groups, rows.shape[1]).index_add_(0, groups, rows)
+
+
 def auto_tile_size(tile_size: int | None, num_candidates: int) -> int | None:
     """The tile width to use: ``tile_size`` if set, else dense (None) up to
     ``DENSE_MAX_CANDIDATES`` candidates and ``AUTO_TILE_SIZE`` above."""
@@ -162,7 +167,7 @@ class ContrastiveBatch:
         _, groups, counts = self.group_index(kind)
         rows = self.candidates if of == "candidates" else self.text
         rows = rows if rows.dtype in (torch.float32, torch.float64) else rows.float()
-        return rows.new_zeros(counts.shape[0], rows.shape[1]).index_add_(0, groups, rows)
+        return sum_by_group(rows, groups, counts.shape[0])
 
     def positive_mask(self, kind: PositiveKind) -> Tensor:
         """[n, N] bool: same key as the anchor, excluding the anchor itself."""

@@ -18,8 +18,9 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import ContrastiveBatch, sum_by_group
 from pretrain.losses.columns import MASKED_LOGIT, Columns, PositiveKind
+from pretrain.losses.tiles import divided
 
 Temperature = float | Tensor
 
@@ -68,9 +69,7 @@ def as_metric(value: Temperature, like: Tensor) -> Tensor:
 
 def scaled(anchors: Tensor, temperature: Temperature) -> Tensor:
     """[n, D] anchors / tau: tau is folded in before any matmul with the columns."""
-    if isinstance(temperature, float | int) and temperature == 1:
-        return as_float(anchors)
-    return as_float(anchors) / temperature
+    return divided(as_float(anchors), temperature)
 
 
 def row_dot(a: Tensor, b: Tensor) -> Tensor:
@@ -172,7 +171,7 @@ class _PositivePairSums(torch.autograd.Function):
     @staticmethod
     def forward(ctx, candidates: Tensor, groups: Tensor, anchor_index: Tensor,
                 num_groups: int) -> Tensor:
-        sums = _group_sums(candidates, groups, num_groups)
+        sums = sum_by_group(candidates, groups, num_groups)
         total = candidates.new_empty(anchor_index.shape[0])
         for start in range(0, anchor_index.shape[0], ROW_CHUNK):
             index = anchor_index[start:start + ROW_CHUNK]
@@ -186,7 +185,7 @@ class _PositivePairSums(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         candidates, groups, anchor_index = ctx.saved_tensors
         weights = candidates.new_zeros(candidates.shape[0]).index_add_(0, anchor_index, grad)
-        out = _group_sums(candidates, groups, ctx.num_groups)[groups]  # S_g(j)
+        out = sum_by_group(candidates, groups, ctx.num_groups)[groups]  # S_g(j)
         out.mul_(weights[:, None]).addcmul_(candidates, weights[:, None], value=-2.0)
         weighted = candidates.new_zeros(ctx.num_groups, candidates.shape[1])
         for start in range(0, candidates.shape[0], ROW_CHUNK):
@@ -197,10 +196,6 @@ class _PositivePairSums(torch.autograd.Function):
             out[rows] += weighted[groups[rows]]
         return out, None, None, None
 
-
-def _group_sums(rows: Tensor, groups: Tensor, num_groups: int) -> Tensor:
-    """[G, D] the sums of ``rows`` [N, D] by ``groups`` [N]."""
-    return rows.new_zeros(num_groups, rows.shape[1]).index_add_(0, groups, rows)
 
 
 def summarize_metrics(batch: ContrastiveBatch, kind: PositiveKind | None, *, infonce: Tensor,

@@ -174,13 +174,13 @@ def _row_dot(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
 def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan,
              temperature: float | Tensor = 1.0) -> _PassSums:
     scratch = TileBuffers(anchors, plan.tile_size, 5 if plan.targets is not None else 3)
-    blocks = [_forward_block(_divided(anchors[block], temperature), columns, plan, block, scratch)
+    blocks = [_forward_block(divided(anchors[block], temperature), columns, plan, block, scratch)
               for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device)]
     return _PassSums(*(torch.cat(parts) for parts in zip(*blocks, strict=True)))
 
 
-def _divided(rows: Tensor, temperature: float | Tensor) -> Tensor:
-    """``rows`` / ``temperature``: a [rows, D] block's copy (the rows themselves at 1)."""
+def divided(rows: Tensor, temperature: float | Tensor) -> Tensor:
+    """``rows`` / ``temperature``: a copy (the rows themselves at a temperature of 1)."""
     if isinstance(temperature, float | int) and temperature == 1:
         return rows
     return rows / temperature
@@ -227,7 +227,7 @@ class _TiledLogSumExp(torch.autograd.Function):
         scratch = TileBuffers(anchors, plan.tile_size, 2)
         for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device):
             raw = anchors[block]
-            block_anchors, n = _divided(raw, temperature), raw.shape[0]
+            block_anchors, n = divided(raw, temperature), raw.shape[0]
             # d loss / d anchors of the block (not over tau): its own rows, or a block's
             block_grad = grad_anchors[block] if grad_anchors is not None else torch.zeros_like(raw)
             for start in range(0, columns.shape[0], plan.tile_size):
