@@ -37,6 +37,7 @@ class EvalConfig:
     samples_per_class: int = 100  # learned vs target similarity: samples per class
     max_diagnostic_samples: int = 10000  # uniformity and MI estimates subsample to this
     block_mib: int = 256  # bound on each block of pairwise scores (kNN, margin, diagnostics)
+    bank_block_mib: int = 64  # bank rows read, normalised and searched at a time (kNN)
     mi_neighbours: int = 3  # k of the nearest-neighbour mutual-information estimate
     compare_untrained: bool = False  # also kNN and probe an untrained copy (the floor)
     # models with CLIP's text tower: retrieval and zero-shot classification
@@ -50,6 +51,11 @@ class EvalConfig:
     def block_bytes(self) -> int:
         """``block_mib`` in bytes."""
         return self.block_mib * 2**20
+
+    @property
+    def bank_block_bytes(self) -> int:
+        """``bank_block_mib`` in bytes."""
+        return self.bank_block_mib * 2**20
 
     def validate(self) -> None:
         if not self.ks or min(self.ks) < 1:
@@ -65,7 +71,7 @@ class EvalConfig:
         if not self.zero_shot_templates:
             raise InvalidValue("zero_shot_templates", "need at least one prompt template")
         for key in ("batch_size", "probe_epochs", "samples_per_class", "mi_neighbours",
-                    "promote_k", "text_batch_size", "block_mib"):
+                    "promote_k", "text_batch_size", "block_mib", "bank_block_mib"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
         if self.promote_k not in self.ks:

@@ -119,7 +119,8 @@ def knn_results(train: Bank | Features, test: Features, cfg: EvalConfig, out: Pa
             key = index_key(identity["model_sha256"], identity["bank_sha256"], space, settings)
             path = out / INDEX_DIR / f"index_{space}_{cfg.index}_{key}"
             path.parent.mkdir(parents=True, exist_ok=True)
-        index = build_index(bank, cfg.index, cfg.ivf_lists, cfg.ivf_probe, path, budget)
+        index = build_index(bank, cfg.index, cfg.ivf_lists, cfg.ivf_probe, path, budget,
+                            cfg.bank_block_bytes)
         if path is not None:
             if not index.loaded:
                 index.save(path)
@@ -127,7 +128,8 @@ def knn_results(train: Bank | Features, test: Features, cfg: EvalConfig, out: Pa
         accuracy, _ = knn_accuracy(index, train.labels, getattr(test, space), test.labels,
                                    cfg.ks, cfg.knn_temperature, num_classes, budget)
         if cfg.index == "ivf":  # the approximate index's accuracy against exact search
-            exact, _ = knn_accuracy(build_index(bank, "exact", block_bytes=budget),
+            exact, _ = knn_accuracy(build_index(bank, "exact", block_bytes=budget,
+                                                bank_block_bytes=cfg.bank_block_bytes),
                                     train.labels, getattr(test, space), test.labels, cfg.ks,
                                     cfg.knn_temperature, num_classes, budget)
             if space == "backbone":

@@ -25,22 +25,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BLOCK_BYTES = 256 * 2**20  # default score block [queries, bank] (eval.block_mib)
+BLOCK_BYTES = 256 * 2**20  # default score block [queries, bank rows] (eval.block_mib)
+BANK_BLOCK_BYTES = 64 * 2**20  # default bank block [rows, d] float32 (eval.bank_block_mib)
 
 
 class ExactIndex:
     """Exact inner-product search of the L2-normalised bank, read in blocks of rows: the
     bank is neither copied nor held whole (a :class:`~evaluation.bank.RowFiles` bank stays
-    on disk); each block is normalised as it is read, searched for every query (faiss's
-    brute-force ``knn`` for ``faiss_flat``, ``torch.mm`` and ``torch.topk`` for ``exact``)
-    and its best k merged with the best so far. Nothing to build, so nothing is saved."""
+    on disk). Each block of at most ``bank_block_bytes`` is normalised as it is read,
+    searched for every query and its best k merged with the best so far. ``faiss_flat``
+    searches a block with faiss's brute-force ``knn``, which bounds its own scores;
+    ``exact`` with ``torch.mm`` and ``torch.topk`` over chunks of queries whose
+    [queries, rows] scores fit ``block_bytes``. Fewer, larger bank blocks are faster (each
+    block's top-k starts from nothing); the bank block is what the search adds to the
+    process. Nothing to build, so nothing is saved."""
 
     loaded = False
 
     def __init__(self, bank: Tensor, block_bytes: int = BLOCK_BYTES,
-                 with_faiss: bool = False) -> None:
+                 with_faiss: bool = False,
+                 bank_block_bytes: int = BANK_BLOCK_BYTES) -> None:
         self.bank = bank  # [n, d]: a tensor or anything that reads row blocks as one
         self.block_bytes = block_bytes
+        self.bank_block_bytes = bank_block_bytes
         self.with_faiss = with_faiss  # faiss searches float32 only
         wide = bank.dtype == torch.float64 and not with_faiss
         self.dtype = torch.float64 if wide else torch.float32
@@ -48,32 +55,60 @@ class ExactIndex:
     def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """queries [q, d] -> (similarities [q, k], bank indices [q, k]), best first."""
         queries = F.normalize(queries.cpu().to(self.dtype), dim=1)
-        k = min(k, len(self.bank))
+        n, dim = self.bank.shape
+        k = min(k, n)
         item = queries.element_size()
-        columns = max(k, self.block_bytes // (item * max(1, len(queries))))  # [q, columns]
+        rows = even_blocks(n, max(k, self.bank_block_bytes // (item * dim)))
         best = (torch.empty(len(queries), 0, dtype=self.dtype),
                 torch.empty(len(queries), 0, dtype=torch.long))
+        unit = queries.new_empty(min(rows, n), dim)  # the normalised block, reused
         # one reused score buffer: fresh 256 MiB ones page-fault on every block (~30%)
+        chunk = max(1, self.block_bytes // (item * rows))  # queries per [chunk, rows] block
         scores = None if self.with_faiss else queries.new_empty(
-            len(queries) * min(columns, len(self.bank)))
-        for start in range(0, len(self.bank), columns):
-            block = F.normalize(self.bank[start:start + columns].cpu().to(self.dtype), dim=1)
-            sims, rows = self._search_block(queries, block, k, scores)
-            best = merge_best(best, (sims, rows + start), k)
+            min(chunk, len(queries)) * min(rows, n))
+        for start in range(0, n, rows):
+            raw = self.bank[start:start + rows].cpu().to(self.dtype)
+            block = unit[:len(raw)]
+            torch.div(raw, torch.linalg.vector_norm(raw, dim=1, keepdim=True).clamp_(min=1e-12),
+                      out=block)
+            del raw
+            if scores is None:
+                sims, found = faiss_block(queries, block, k)
+            else:
+                sims, found = torch_block(queries, block, k, scores, chunk)
+            best = merge_best(best, (sims, found + start), k)
         return best
 
-    def _search_block(self, queries: Tensor, block: Tensor, k: int,
-                      scores: Tensor | None) -> tuple[Tensor, Tensor]:
-        k = min(k, len(block))
-        if scores is None:
-            import faiss
 
-            sims, rows = faiss.knn(queries.numpy(), block.numpy(), k,
-                                   metric=faiss.METRIC_INNER_PRODUCT)
-            return torch.from_numpy(sims), torch.from_numpy(rows)
-        out = scores[:len(queries) * len(block)].view(len(queries), len(block))
-        top = torch.topk(torch.mm(queries, block.T, out=out), k, dim=1)
-        return top.values, top.indices
+def even_blocks(n: int, most: int) -> int:
+    """Rows per block when ``n`` rows go in the fewest blocks of at most ``most`` rows, all
+    but the last of one size (no small remainder block)."""
+    count = -(-n // max(1, most))
+    return max(1, -(-n // max(1, count)))
+
+
+def faiss_block(queries: Tensor, block: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The best ``k`` of ``block`` [rows, d] for every query, by faiss's brute force."""
+    import faiss
+
+    sims, rows = faiss.knn(queries.numpy(), block.numpy(), min(k, len(block)),
+                           metric=faiss.METRIC_INNER_PRODUCT)
+    return torch.from_numpy(sims), torch.from_numpy(rows)
+
+
+def torch_block(queries: Tensor, block: Tensor, k: int, scores: Tensor,
+                chunk: int) -> tuple[Tensor, Tensor]:
+    """The best ``k`` of ``block`` [rows, d] for every query, by matmul and top-k over
+    ``chunk`` queries at a time, their scores in ``scores``."""
+    k = min(k, len(block))
+    values, indices = [], []
+    for start in range(0, len(queries), chunk):
+        part = queries[start:start + chunk]
+        out = scores[:len(part) * len(block)].view(len(part), len(block))
+        top = torch.topk(torch.mm(part, block.T, out=out), k, dim=1)
+        values.append(top.values)
+        indices.append(top.indices)
+    return torch.cat(values), torch.cat(indices)
 
 
 def merge_best(best: tuple[Tensor, Tensor], found: tuple[Tensor, Tensor],
@@ -92,20 +127,20 @@ class IvfIndex:
     The index holds the bank (4 bytes a value)."""
 
     def __init__(self, bank: Tensor, lists: int = 0, probe: int = 16, index=None,
-                 block_bytes: int = BLOCK_BYTES) -> None:
+                 bank_block_bytes: int = BANK_BLOCK_BYTES) -> None:
         import faiss
 
         self.loaded = index is not None  # read from a saved file
         if index is None:
-            index = self._build(bank, lists, block_bytes)
+            index = self._build(bank, lists, bank_block_bytes)
         faiss.extract_index_ivf(index).nprobe = probe
         self.index = _to_gpu(index)
         self.cpu_index = index
 
     @staticmethod
-    def _build(bank: Tensor, lists: int, block_bytes: int):
+    def _build(bank: Tensor, lists: int, bank_block_bytes: int):
         """The index, trained on a seeded sample of the bank and added in row blocks of
-        ``block_bytes`` (no normalised copy of the whole bank is made)."""
+        ``bank_block_bytes`` (no normalised copy of the whole bank is made)."""
         import faiss
 
         dim = bank.shape[1]
@@ -115,7 +150,7 @@ class IvfIndex:
         # k-means reads at most 256 rows per list (faiss's own cap): a seeded sample
         sample = torch.randperm(len(bank), generator=torch.Generator().manual_seed(0))
         index.train(_unit_rows(bank[sample[: 256 * lists].sort().values]))
-        rows = max(1, block_bytes // (4 * dim))
+        rows = max(1, bank_block_bytes // (4 * dim))
         for start in range(0, len(bank), rows):
             index.add(_unit_rows(bank[start:start + rows]))
         return index
@@ -147,20 +182,21 @@ def _to_gpu(index):
 
 def build_index(bank: Tensor, kind: str, lists: int = 0, probe: int = 16,
                 path: Path | None = None,
-                block_bytes: int = BLOCK_BYTES) -> ExactIndex | IvfIndex:
+                block_bytes: int = BLOCK_BYTES,
+                bank_block_bytes: int = BANK_BLOCK_BYTES) -> ExactIndex | IvfIndex:
     """The bank's index: for ``exact`` and ``faiss_flat`` the bank itself, searched in
     blocks; for ``ivf`` built (or loaded from ``path``, without suffix, when saved there
     before; ``path`` must name what the index was built from:
     :func:`evaluation.identity.index_key`)."""
     if kind != "ivf":
-        return ExactIndex(bank, block_bytes, with_faiss=kind == "faiss_flat")
+        return ExactIndex(bank, block_bytes, kind == "faiss_flat", bank_block_bytes)
     if path is not None and path.with_suffix(".faiss").is_file():
         import faiss
 
         index = faiss.read_index(str(path.with_suffix(".faiss")))
         if index.ntotal == bank.shape[0]:
             return IvfIndex(bank, lists, probe, index=index)
-    return IvfIndex(bank, lists, probe, block_bytes=block_bytes)
+    return IvfIndex(bank, lists, probe, bank_block_bytes=bank_block_bytes)
 
 
 def weighted_votes(sims: Tensor, neighbour_labels: Tensor, num_classes: int,

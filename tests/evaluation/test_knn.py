@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluation.knn import build_index, knn_accuracy
+from evaluation.knn import build_index, even_blocks, knn_accuracy
 
 KS = [1, 5, 10, 20, 50, 100, 200]
 
@@ -101,24 +101,33 @@ def test_an_ivf_index_added_in_small_blocks_equals_one_block(data):
     bank = torch.tensor(data[0], dtype=torch.float32)
     queries = torch.tensor(data[2], dtype=torch.float32)
     whole = build_index(bank, "ivf", lists=8, probe=4)
-    blocks = build_index(bank, "ivf", lists=8, probe=4, block_bytes=16 * 4 * 37)  # 37 rows
+    blocks = build_index(bank, "ivf", lists=8, probe=4, bank_block_bytes=16 * 4 * 37)  # 37 rows
     assert blocks.cpu_index.ntotal == len(bank)
     for got, want in zip(blocks.search(queries, 10), whole.search(queries, 10), strict=True):
         assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kind", ["exact", "faiss_flat"])
-@pytest.mark.parametrize("columns", [37, 10, 1500])  # 10: a block holds fewer than k rows
-def test_exact_search_in_bank_blocks_finds_the_brute_force_neighbours(data, kind, columns):
-    """The bank read ``columns`` rows at a time (each block's best merged with the best so
-    far) finds, for every query, the k rows of largest cosine in float64, best first."""
+@pytest.mark.parametrize("rows", [37, 10, 1500])  # 10: a block holds fewer than k rows
+@pytest.mark.parametrize("chunk", [7, 1000])  # queries per [chunk, rows] score block
+def test_exact_search_in_bank_blocks_finds_the_brute_force_neighbours(data, kind, rows, chunk):
+    """The bank read ``rows`` rows at a time (each block's best merged with the best so
+    far), the queries scored ``chunk`` at a time, finds for every query the k rows of
+    largest cosine in float64, best first."""
     bank, _, queries, _ = data
     index = build_index(torch.tensor(bank, dtype=torch.float32), kind,
-                        block_bytes=4 * len(queries) * columns)
-    sims, rows = index.search(torch.tensor(queries, dtype=torch.float32), 20)
+                        block_bytes=4 * chunk * min(rows, len(bank)),
+                        bank_block_bytes=4 * bank.shape[1] * rows)
+    sims, found = index.search(torch.tensor(queries, dtype=torch.float32), 20)
     unit = bank / np.linalg.norm(bank, axis=1, keepdims=True)
     cosine = (queries / np.linalg.norm(queries, axis=1, keepdims=True)) @ unit.T
     want = np.argsort(-cosine, axis=1, kind="stable")[:, :20]
-    np.testing.assert_array_equal(rows.numpy(), want)  # no ties in this data
+    np.testing.assert_array_equal(found.numpy(), want)  # no ties in this data
     # float32 products of unit rows of 16 values: ~1e-7 each, never 1e-5
     np.testing.assert_allclose(sims.numpy(), np.take_along_axis(cosine, want, 1), atol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "most", "want"), [(100, 37, 34), (100, 100, 100), (100, 500, 100),
+                                                  (101, 50, 34), (1, 1, 1), (7, 0, 1)])
+def test_even_blocks_use_the_fewest_blocks_of_nearly_one_size(n, most, want):
+    assert even_blocks(n, most) == want
