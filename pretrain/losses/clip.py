@@ -2,8 +2,9 @@
 ``docs/objectives.md``.
 
 loss_i = 1/2 [ CE_i(image_i -> all texts) + CE_i(text_i -> all images) ], logits
-z_img . z_txt / tau. Row i's own text is its positive; other rows with the same instance id
-(further views of one image, whose captions are identical) are left out of the softmax.
+l_ij = z_img_i . z_txt_j / tau [N, N] (text -> image reads them transposed). Row i's own
+text is its positive; other rows with the same instance id (further views of one image,
+whose captions are identical) are left out of the softmax.
 Pass a learnable temperature tensor (1 / exp(logit_scale)) to learn the logit scale.
 """
 
@@ -25,7 +26,7 @@ from pretrain.losses.common import (
     scaled,
     summarize_metrics,
 )
-from pretrain.losses.rows import row_logsumexp
+from pretrain.losses.rows import RowTerms, row_logsumexp, transposable
 
 
 def plain_clip(image: Tensor, text: Tensor, ids: Tensor, tau: float) -> Tensor:
@@ -42,17 +43,31 @@ def plain_clip(image: Tensor, text: Tensor, ids: Tensor, tau: float) -> Tensor:
 COLUMNS = ColumnSet("instance", positives=False, self_column=True)
 
 
+def both_directions(batch: ContrastiveBatch, images: Tensor,
+                    temperature: Temperature) -> tuple[RowTerms, Tensor]:
+    """(image -> text rows with their monitors, [n] text -> image log-sum-exp) for
+    ``images`` [n, D] over tau. When every row is an anchor (one rank holding the whole
+    batch) the text -> image logits are the image -> text ones transposed, and a tiled
+    pass reads both directions from one walk of the tiles; otherwise each direction has
+    its own."""
+    if transposable(batch):
+        rows = row_logsumexp(batch, images, batch.text, COLUMNS, monitors=True,
+                             column_lse=True)
+        return rows, rows.column_lse
+    texts = scaled(batch.text[batch.anchor_index], temperature)  # [n, D]
+    return (row_logsumexp(batch, images, batch.text, COLUMNS, monitors=True),
+            row_logsumexp(batch, texts, batch.candidates, COLUMNS).lse)
+
+
 def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """Symmetric image-text InfoNCE over ``batch.candidates`` and ``batch.text``."""
     if batch.text is None:
         raise ValueError("clip: needs the second modality's embeddings (text=)")
     with full_precision(batch):
         images = scaled(batch.anchors, temperature)  # [n, D]
-        texts = scaled(batch.text[batch.anchor_index], temperature)  # [n, D]
-        image_to_text = row_logsumexp(batch, images, batch.text, COLUMNS, monitors=True)
-        text_to_image = row_logsumexp(batch, texts, batch.candidates, COLUMNS)
+        image_to_text, text_to_image_lse = both_directions(batch, images, temperature)
         pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n]
-        per_anchor = 0.5 * (image_to_text.lse + text_to_image.lse) - pos_logit
+        per_anchor = 0.5 * (image_to_text.lse + text_to_image_lse) - pos_logit
         loss = batch.anchor_mean(per_anchor, None)
         with torch.no_grad():
             tau = scalar(temperature)

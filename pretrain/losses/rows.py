@@ -39,6 +39,7 @@ class RowTerms(NamedTuple):
     negative_logit_sum: Tensor | None = None  # under num_negatives: sum of negatives' logits
     positive_lse: Tensor | None = None  # log-sum-exp over the anchor's positives, no grad
     positive_logits: Tensor | None = None  # dense only: [n, N] logits, 0 off the positives
+    column_lse: Tensor | None = None  # tiled only: [N] log sum_i exp l_ij, with gradient
 
 
 def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -> Tensor:
@@ -47,22 +48,24 @@ def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -
 
 
 def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
-              targets: TargetLogits | None = None, positive_lse: bool = False) -> TilePlan:
-    """The :class:`TilePlan` of ``column_set`` (and its negatives' monitors, and the
-    positives' log-sum-exp) on ``batch``."""
+              targets: TargetLogits | None = None, positive_lse: bool = False,
+              column_lse: bool = False) -> TilePlan:
+    """The :class:`TilePlan` of ``column_set`` (and its negatives' monitors, the
+    positives' log-sum-exp and the columns' log-sum-exp) on ``batch``."""
     return TilePlan(
         tile_size=batch.tile_size,
         columns=batch.column_tiles(column_set),
         targets=targets,
         negatives=batch.column_tiles(column_set.negatives) if monitors else None,
         negative_logit_sum=monitors and batch.num_negatives is not None,
-        positives=batch.column_tiles(column_set.positives_only) if positive_lse else None)
+        positives=batch.column_tiles(column_set.positives_only) if positive_lse else None,
+        column_lse=column_lse)
 
 
 def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
                   column_set: ColumnSet, *, temperature: Temperature = 1.0,
                   monitors: bool = False, positive_lse: bool = False,
-                  positive_logits: bool = False) -> RowTerms:
+                  positive_logits: bool = False, column_lse: bool = False) -> RowTerms:
     """log sum over ``column_set`` of exp(``anchors`` [n, D] . ``columns`` [N, D] /
     ``temperature``).
 
@@ -72,11 +75,19 @@ def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
     ``positive_logits`` (dense only) the [n, N] logits with gradient at the positives and 0
     elsewhere. Tiled, anchors that are ``batch.anchors`` among ``batch.candidates`` as
     columns are passed as those rows: no [n, D] copy over tau, one gradient buffer.
+    ``column_lse`` (tiled, when :func:`transposable`) adds each column's log-sum-exp over
+    the anchors from the same walk of the tiles.
     """
     if batch.tile_size is not None:
-        plan = tile_plan(batch, column_set, monitors=monitors, positive_lse=positive_lse)
+        if column_lse and not transposable(batch):
+            raise ValueError("column_lse: needs every column's own row as its anchor, all "
+                             "negatives and a symmetric column set")
+        plan = tile_plan(batch, column_set, monitors=monitors, positive_lse=positive_lse,
+                         column_lse=column_lse)
         tiled = tiled_batch_rows(batch, anchors, columns, plan, temperature)
         return _terms(batch, column_set, tiled, monitors)
+    if column_lse:
+        raise ValueError("column_lse: tiled passes only")
     logits = scaled(anchors, temperature) @ as_float(columns).T  # [n, N]
     pos_lse = pos_logits = None
     positives = batch.columns(column_set.positives_only) if positive_lse or positive_logits \
@@ -97,6 +108,15 @@ def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
             neg_logits = batch.columns(column_set.negatives).apply(logits, 0.0).sum(1)
     return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits, pos_lse,
                     pos_logits)
+
+
+def transposable(batch: ContrastiveBatch) -> bool:
+    """Whether the logits' columns, read down the anchors, are rows of the transposed
+    problem: tiled, every candidate is an anchor in its own place, and the column set keeps
+    (i, j) iff it keeps (j, i): it compares keys, with no negatives subset (hashed per
+    pair) and no padding rows (dropped as columns only)."""
+    return (batch.tile_size is not None and batch.num_negatives is None
+            and batch.valid is None and batch.anchor_rows == slice(0, batch.num_candidates))
 
 
 def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
@@ -141,9 +161,9 @@ def masked_logsumexp(values: Tensor, drop: Tensor) -> Tensor:
 def _terms(batch: ContrastiveBatch, column_set: ColumnSet, rows: TiledRows,
            monitors: bool) -> RowTerms:
     if not monitors:
-        return RowTerms(rows.lse, positive_lse=rows.positive_lse)
+        return RowTerms(rows.lse, positive_lse=rows.positive_lse, column_lse=rows.column_lse)
     return RowTerms(rows.lse, ess_from_ratio(batch, column_set.kind, rows.ess_ratio),
-                    rows.negative_logit_sum, rows.positive_lse)
+                    rows.negative_logit_sum, rows.positive_lse, column_lse=rows.column_lse)
 
 
 def _negatives_only(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tensor) -> Tensor:

@@ -6,8 +6,10 @@ rescaled sum (the online log-sum-exp of Milakov & Gimelshein 2018, as in FlashAt
 and Inf-CL); the backward recomputes each tile's logits from the saved A [n, D], B [N, D]
 and log-sum-exp [n], so memory is O((n + N) D + n T). Besides the log-sum-exp it can
 carry, in the same pass, a soft-target term sum_j t_ij l_ij with t = softmax of target
-logits over the same columns (X-CLR), and the monitors over the negatives (the ESS sums
-and the negatives' logit sum) without gradient.
+logits over the same columns (X-CLR), the monitors over the negatives (the ESS sums and
+the negatives' logit sum) without gradient, and the log-sum-exp of each column over the
+rows (the transposed logits' rows: CLIP's second direction when the anchors are every
+column's own row), so that one walk of the tiles serves both.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class TilePlan:
     negatives: ColumnTiles | None = None
     negative_logit_sum: bool = False
     positives: ColumnTiles | None = None  # a log-sum-exp over these columns, no gradient
+    # also log sum_i exp l_ij per column j (with gradient): the anchors must be the N
+    # columns' own rows in order and ``columns`` symmetric (kept (i, j) iff kept (j, i))
+    column_lse: bool = False
 
 
 class TiledRows(NamedTuple):
@@ -50,6 +55,7 @@ class TiledRows(NamedTuple):
     ess_ratio: Tensor | None  # (sum_neg p)^2 / sum_neg p^2, p the softmax of the columns
     negative_logit_sum: Tensor | None  # sum over the negatives of l_ij
     positive_lse: Tensor | None  # log sum over the plan's positives of exp l_ij
+    column_lse: Tensor | None  # [N] log sum_i exp l_ij over each column's kept rows
 
 
 class _PassSums(NamedTuple):
@@ -63,6 +69,7 @@ class _PassSums(NamedTuple):
     ess_ratio: Tensor
     negative_logit_sum: Tensor
     positive_lse: Tensor
+    column_lse: Tensor
 
 
 class TileBuffers:
@@ -106,6 +113,18 @@ class _Running:
         return self.top + torch.log(self.total)
 
 
+class _RunningColumns(_Running):
+    """Online log-sum-exp of each of N columns over the row blocks that reach it."""
+
+    def update_columns(self, start: int, x: Tensor, out: Tensor) -> None:
+        """Fold in x [rows, T], the rows of one block at columns [start, start + T)."""
+        columns = slice(start, start + x.shape[1])
+        top = torch.maximum(self.top[columns], x.amax(dim=0))
+        weights = torch.sub(x, top, out=out).exp_().sum(0)
+        self.total[columns] = self.total[columns] * torch.exp(self.top[columns] - top) + weights
+        self.top[columns] = top
+
+
 def row_blocks(n: int, tile_size: int, device: torch.device) -> list[slice]:
     """Anchor rows in blocks whose [rows, T] tiles stay small on a CPU (in cache, and under
     glibc's mmap threshold, so temporaries are reused instead of page-faulted in per tile);
@@ -119,8 +138,9 @@ def _block_rows(n: int, tile_size: int, device: torch.device) -> int:
 
 
 def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slice,
-                   scratch: TileBuffers) -> _PassSums:
-    """The forward pass for one block of anchor rows (``anchors`` are that block's)."""
+                   scratch: TileBuffers, by_column: _RunningColumns | None) -> _PassSums:
+    """The forward pass for one block of anchor rows (``anchors`` are that block's);
+    ``by_column`` folds in the block's rows of every column."""
     n, num_columns = anchors.shape[0], columns.shape[0]
     rows = _Running(n, anchors)
     targets = _Running(n, anchors) if plan.targets is not None else None
@@ -139,6 +159,8 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slic
                 scratch[2](n, width).copy_(logits), MASKED_LOGIT)
             positives.update(kept, out=kept)
         tile.fill_(logits, MASKED_LOGIT)
+        if by_column is not None:
+            by_column.update_columns(start, logits, out=scratch[2](n, width))
         weights, scale = rows.update(logits, out=scratch[1](n, width))
         if plan.negatives is not None:  # the negatives are a subset of the columns
             negatives = plan.negatives.tile(start, stop, block)
@@ -162,7 +184,7 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slic
         term, entropy = term / targets.total, target_lse - cross / targets.total
     pos_lse = positives.lse() if positives is not None else lse.new_zeros(0)
     return _PassSums(lse, term, target_lse, entropy, neg_sum.square() / neg_sq, neg_logits,
-                     pos_lse)
+                     pos_lse, lse.new_zeros(0))
 
 
 def _row_dot(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
@@ -174,9 +196,12 @@ def _row_dot(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
 def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan,
              temperature: float | Tensor = 1.0) -> _PassSums:
     scratch = TileBuffers(anchors, plan.tile_size, 5 if plan.targets is not None else 3)
-    blocks = [_forward_block(divided(anchors[block], temperature), columns, plan, block, scratch)
+    by_column = _RunningColumns(columns.shape[0], anchors) if plan.column_lse else None
+    blocks = [_forward_block(divided(anchors[block], temperature), columns, plan, block, scratch,
+                             by_column)
               for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device)]
-    return _PassSums(*(torch.cat(parts) for parts in zip(*blocks, strict=True)))
+    sums = _PassSums(*(torch.cat(parts) for parts in zip(*blocks, strict=True)))
+    return sums if by_column is None else sums._replace(column_lse=by_column.lse())
 
 
 def divided(rows: Tensor, temperature: float | Tensor) -> Tensor:
@@ -202,19 +227,20 @@ class _TiledLogSumExp(torch.autograd.Function):
         ctx.plan, ctx.anchor_rows = plan, anchor_rows
         tau = temperature if isinstance(temperature, Tensor) else None
         ctx.temperature = temperature if tau is None else None
-        ctx.save_for_backward(anchors, columns, tau, sums.lse, sums.target_lse)
+        ctx.save_for_backward(anchors, columns, tau, sums.lse, sums.target_lse, sums.column_lse)
         ctx.mark_non_differentiable(sums.target_lse, sums.target_entropy, sums.ess_ratio,
                                     sums.negative_logit_sum, sums.positive_lse)
         return tuple(sums)  # autograd hands back plain tuples
 
     @staticmethod
     def backward(ctx, grad_lse: Tensor | None, grad_term: Tensor | None,
-                 *_: None) -> tuple[Tensor | None, ...]:
-        anchors, columns, tau, lse, target_lse = ctx.saved_tensors
+                 *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        anchors, columns, tau, lse, target_lse, column_lse = ctx.saved_tensors
         plan: TilePlan = ctx.plan
         if grad_term is not None and plan.targets is None:
             grad_term = None
-        if grad_lse is None and grad_term is None:
+        grad_column = grads[-1] if plan.column_lse else None
+        if grad_lse is None and grad_term is None and grad_column is None:
             return None, None, None, None, None
         temperature = ctx.temperature if tau is None else tau
         rows_of_columns = anchors is None
@@ -224,7 +250,7 @@ class _TiledLogSumExp(torch.autograd.Function):
         if not rows_of_columns and ctx.needs_input_grad[0]:
             grad_anchors = torch.zeros_like(anchors)
         tau_sum = lse.new_zeros(()) if tau is not None and ctx.needs_input_grad[2] else None
-        scratch = TileBuffers(anchors, plan.tile_size, 2)
+        scratch = TileBuffers(anchors, plan.tile_size, 3 if grad_column is not None else 2)
         for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device):
             raw = anchors[block]
             block_anchors, n = divided(raw, temperature), raw.shape[0]
@@ -235,11 +261,13 @@ class _TiledLogSumExp(torch.autograd.Function):
                 tile = plan.columns.tile(start, stop, block)
                 part = columns[start:stop]
                 grad_logits = None
-                if grad_lse is not None:  # d lse / d l = softmax
-                    grad_logits = tile.fill_(
-                        torch.mm(block_anchors, part.T, out=scratch[0](n, stop - start)),
-                        MASKED_LOGIT)
-                    grad_logits.sub_(lse[block, None]).exp_().mul_(grad_lse[block, None])
+                if grad_lse is not None or grad_column is not None:
+                    grad_logits = _softmax_grads(
+                        tile.fill_(torch.mm(block_anchors, part.T,
+                                            out=scratch[0](n, stop - start)), MASKED_LOGIT),
+                        (lse[block], grad_lse[block] if grad_lse is not None else None),
+                        (column_lse[start:stop], grad_column[start:stop]
+                         if grad_column is not None else None), scratch[2])
                 if grad_term is not None:  # d term / d l = targets
                     target = tile.fill_(plan.targets(start, stop, block,
                                                      scratch[1](n, stop - start)),
@@ -257,6 +285,23 @@ class _TiledLogSumExp(torch.autograd.Function):
                 grad_columns[start + block.start:start + block.stop] += block_grad
         grad_tau = None if tau_sum is None else -tau_sum / tau
         return (None if rows_of_columns else grad_anchors), grad_columns, grad_tau, None, None
+
+
+def _softmax_grads(logits: Tensor, by_row: tuple[Tensor, Tensor | None],
+                   by_column: tuple[Tensor, Tensor | None],
+                   buffer: Callable[[int, int], Tensor]) -> Tensor | None:
+    """d / d l of sum_i g_i lse_i (rows) + sum_j h_j lse_j (columns) over a [rows, T] tile
+    of ``logits`` (overwritten): g_i softmax_j + h_j softmax_i, each (lse, grad) pair's
+    grad None where it has none."""
+    (row_lse, row_grad), (column_lse, column_grad) = by_row, by_column
+    per_column = None
+    if column_grad is not None:
+        per_column = torch.sub(logits, column_lse, out=buffer(*logits.shape))
+        per_column.exp_().mul_(column_grad)
+    if row_grad is None:
+        return per_column
+    per_row = logits.sub_(row_lse[:, None]).exp_().mul_(row_grad[:, None])
+    return per_row if per_column is None else per_row.add_(per_column)
 
 
 def _divide_(values: Tensor, temperature: float | Tensor) -> Tensor:
@@ -286,6 +331,7 @@ def _tiled_rows(plan: TilePlan, sums: _PassSums) -> TiledRows:
         ess_ratio=sums.ess_ratio if plan.negatives is not None else None,
         negative_logit_sum=sums.negative_logit_sum if plan.negative_logit_sum else None,
         positive_lse=sums.positive_lse if plan.positives is not None else None,
+        column_lse=sums.column_lse if plan.column_lse else None,
     )
 
 
