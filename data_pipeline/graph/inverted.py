@@ -13,7 +13,9 @@ constant size, searched list by list with matrix products.
 3. **Scan**: rows in list order, in blocks of ``QUERY_BLOCK``; for every list a block
    probes, one product [block rows probing it, list size] (``faiss.knn``: BLAS plus a heap
    top-k) merged into the block's running top-(k + 1). Work is U x PROBE x LIST_SIZE
-   products, linear in U.
+   products, linear in U. The scan reads a copy of the rows laid out list by list
+   (:func:`list_ordered`), so a list or a block is one range of rows, not rows scattered
+   over the store.
 
 FAISS's own ``IndexIVF`` scores a query against its lists one code at a time; batching the
 queries of a list into one product is ~3x faster on 2 CPU cores at 1M rows
@@ -36,6 +38,8 @@ import faiss
 import numpy as np
 import torch
 from torch import Tensor
+
+from data_pipeline.graph.pages import PagedRows, drop_pages
 
 LIST_SIZE = 256  # rows a list holds at most when the tree is cut
 BRANCHING = 16  # children of a split
@@ -67,9 +71,9 @@ def float_rows(vectors: np.ndarray, rows: np.ndarray | slice) -> np.ndarray:
 
 def scratch_array(scratch: Path | None, name: str, shape: tuple[int, ...],
                   dtype: type) -> np.ndarray:
-    """An empty array: a memory-mapped ``scratch/<name>.npy`` (pages the kernel writes back
-    and drops, so a store's per-row arrays need not stay resident), or in memory without a
-    ``scratch`` folder."""
+    """An empty array: a memory-mapped ``scratch/<name>.npy`` (whose pages its writers
+    drop, ``pages.py``, so a store's per-row arrays need not stay resident), or in memory
+    without a ``scratch`` folder."""
     if scratch is None:
         return np.empty(shape, dtype)
     return np.lib.format.open_memmap(scratch / f"{name}.npy", mode="w+", dtype=dtype,
@@ -138,6 +142,7 @@ def probe_lists(vectors: np.ndarray, centroids: np.ndarray, probe: int,
     for start in range(0, len(vectors), CHUNK):
         probes[start:start + CHUNK] = graph.search(
             float_rows(vectors, slice(start, start + CHUNK)), probe)[1]
+        drop_pages(probes)
     return probes
 
 
@@ -158,31 +163,46 @@ class RunningTopK:
         self.rows[who] = all_rows.gather(1, best)
 
 
-def scan_block(vectors: np.ndarray, rows: np.ndarray, probes: np.ndarray,
-               list_rows: list[np.ndarray], k: int,
-               device: torch.device | None = None) -> RunningTopK:
-    """The top-``k`` of ``rows`` (self included) over the lists their ``probes``
-    [len(rows), p] name: one product per list (``faiss.knn``, or on ``device``)."""
-    queries = float_rows(vectors, rows)
-    lists = probes.ravel().astype(np.int64)
-    asking = np.repeat(np.arange(len(rows)), probes.shape[1])
-    order = np.argsort(lists, kind="stable")
-    lists, asking = lists[order], asking[order]
-    starts = np.flatnonzero(np.r_[True, lists[1:] != lists[:-1]])
-    best = RunningTopK(len(rows), k)
-    for first, stop in zip(starts, np.r_[starts[1:], len(lists)], strict=True):
-        if lists[first] < 0 or not len(members := list_rows[lists[first]]):
+def scan_block(ordered: np.ndarray, queries: slice, probes: np.ndarray, lists: list[slice],
+               k: int, device: torch.device | None = None) -> RunningTopK:
+    """The top-``k`` of the rows ``queries`` of ``ordered`` (the rows in list order; self
+    included) over the lists their ``probes`` [rows, p] name, each list a range of
+    ``ordered``: one product per list (``faiss.knn``, or on ``device``). Rows found are
+    positions in ``ordered``."""
+    block = float_rows(ordered, queries)
+    wanted = probes.ravel().astype(np.int64)
+    asking = np.repeat(np.arange(len(block)), probes.shape[1])
+    order = np.argsort(wanted, kind="stable")
+    wanted, asking = wanted[order], asking[order]
+    starts = np.flatnonzero(np.r_[True, wanted[1:] != wanted[:-1]])
+    best = RunningTopK(len(block), k)
+    for first, stop in zip(starts, np.r_[starts[1:], len(wanted)], strict=True):
+        members = lists[wanted[first]] if wanted[first] >= 0 else slice(0, 0)
+        if members.stop == members.start:
             continue  # -1: the centroid graph found fewer than p lists
-        who, kept = asking[first:stop], min(k, len(members))
+        who, kept = asking[first:stop], min(k, members.stop - members.start)
         if device is None:
-            scores, found = faiss.knn(queries[who], float_rows(vectors, members), kept,
+            scores, found = faiss.knn(block[who], float_rows(ordered, members), kept,
                                       metric=faiss.METRIC_INNER_PRODUCT)
         else:
             scores, found = (t.numpy() for t in nearest(
-                torch.from_numpy(queries[who]), torch.from_numpy(float_rows(vectors, members)),
+                torch.from_numpy(block[who]), torch.from_numpy(float_rows(ordered, members)),
                 kept, device))
-        best.merge(who, scores, members[found])
+        best.merge(who, scores, found + members.start)
     return best
+
+
+def list_ordered(vectors: np.ndarray, in_order: np.ndarray,
+                 scratch: Path | None) -> np.ndarray | PagedRows:
+    """The rows of ``vectors`` in list order (row i is ``vectors[in_order[i]]``): each list
+    and each block of queries is then one range of rows, read in one copy instead of a
+    gather of rows scattered over the store. In ``scratch`` when given, read through
+    :class:`PagedRows`."""
+    ordered = scratch_array(scratch, "ordered", vectors.shape, vectors.dtype)
+    for start in range(0, len(vectors), CHUNK):
+        ordered[start:start + CHUNK] = vectors[in_order[start:start + CHUNK]]
+        drop_pages(ordered)
+    return ordered if scratch is None else PagedRows(ordered)
 
 
 class ListSearch(NamedTuple):
@@ -196,18 +216,27 @@ def scan(vectors: np.ndarray, probes: np.ndarray, k: int, device: torch.device |
     """Top-``k`` [U, k] of every row over the lists ``probes`` [U, p] names (a row's list
     is its first probe), a block of rows at a time; a row is never its own neighbour. The
     result is in ``scratch`` when given."""
-    in_order = np.argsort(probes[:, 0], kind="stable")  # rows grouped by their own list
-    bounds = np.searchsorted(probes[in_order, 0], np.arange(int(probes.max()) + 2))
-    list_rows = [in_order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    own, count = np.array(probes[:, 0]), int(probes.max()) + 1
+    drop_pages(probes)
+    in_order = np.argsort(own, kind="stable")  # rows grouped by their own list
+    bounds = np.searchsorted(own[in_order], np.arange(count + 1))
+    del own
+    lists = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    ordered = list_ordered(vectors, in_order, scratch)
     sims = scratch_array(scratch, "similarities", (len(vectors), k), np.float32)
     ids = scratch_array(scratch, "ids", (len(vectors), k), np.int64)
     for start in range(0, len(vectors), QUERY_BLOCK):
         rows = in_order[start:start + QUERY_BLOCK]
-        best = scan_block(vectors, rows, probes[rows], list_rows, k + 1, device)
+        block_probes = probes[rows]
+        drop_pages(probes)
+        best = scan_block(ordered, slice(start, start + len(rows)), block_probes, lists, k + 1,
+                          device)
         found = best.rows.numpy()
+        found = np.where(found >= 0, in_order[found.clip(min=0)], -1)  # positions -> rows
         keep = np.argsort(found == rows[:, None], axis=1, kind="stable")[:, :k]  # drop itself
         sims[rows] = np.take_along_axis(best.scores.numpy(), keep, 1)
         ids[rows] = np.take_along_axis(found, keep, 1)
+        drop_pages(sims, ids)
     return sims, ids
 
 

@@ -7,11 +7,14 @@ Memory stays near a block's worth whatever the store's size: the store's float16
 are read in chunks (never copied whole to float32); the inverted file's probed lists
 [U, 16] and its [U, k] result are memory-mapped files in a scratch folder inside the store,
 removed when the graph is written; the search holds the centroids and a block of queries.
+The pages of those files that the search touches are let go as it goes (``pages.py``), so
+they do not pile up in its resident memory either.
 """
 
 from __future__ import annotations
 
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +30,7 @@ from data_pipeline.graph.inverted import (
     scratch_array,
     search_device,
 )
+from data_pipeline.graph.pages import PagedRows, drop_pages
 from data_pipeline.graph.store import CaptionStore
 
 EXACT_LIMIT = 200_000  # distinct captions up to which "auto" searches exactly
@@ -56,6 +60,7 @@ def exact_topk(vectors: np.ndarray, k: int, block: int = 4096,
             inside = (own >= first) & (own < first + scores.shape[1])
             scores[inside.nonzero()[:, 0], own[inside] - first] = -2.0  # never itself
             top = scores.topk(min(k, scores.shape[1]), dim=1)
+            del scores, chunk  # before the next chunk's: one [block, CHUNK] score at a time
             best.merge(np.arange(len(own)), top.values.cpu().numpy(),
                        (top.indices + first).cpu().numpy())
         sims[start:start + len(own)], ids[start:start + len(own)] = best.scores, best.rows
@@ -83,7 +88,7 @@ def build_neighbours(cfg: GraphConfig) -> NeighbourGraph:
     ``index`` (exact or ivf) and ``recall`` (against exact search on a sample). The
     products run on the GPU when there is one."""
     store = CaptionStore.open(cfg.output)
-    vectors = store.embeddings
+    vectors = PagedRows(store.embeddings)
     device = search_device()
     exact = cfg.index == "exact" or (cfg.index == "auto" and len(vectors) <= EXACT_LIMIT)
     path = Path(cfg.output) / "neighbours.npz"
@@ -93,19 +98,36 @@ def build_neighbours(cfg: GraphConfig) -> NeighbourGraph:
                      else inverted_topk(vectors, cfg.neighbours, device=device,
                                         scratch=scratch)[:2])
         measured = 1.0 if exact else recall(vectors, ids, device=device)
-        np.savez(path, ids=converted(ids, np.int32, scratch),
-                 similarities=converted(sims, np.float16, scratch),
-                 index=np.array("exact" if exact else "ivf"), recall=np.array(measured))
+        write_npz(path, {"ids": converted(ids, np.int32, scratch),
+                         "similarities": converted(sims, np.float16, scratch),
+                         "index": np.array("exact" if exact else "ivf"),
+                         "recall": np.array(measured)})
     return NeighbourGraph(path, "exact" if exact else "ivf", measured)
 
 
 def converted(array: np.ndarray, dtype: type, scratch: Path | None) -> np.ndarray:
     """``array`` as ``dtype``, a chunk of rows at a time into a memory map in ``scratch``
-    (in memory without one), for ``np.savez`` to stream."""
+    (in memory without one)."""
     out = scratch_array(scratch, f"{array.dtype}-as-{np.dtype(dtype)}", array.shape, dtype)
     for start in range(0, len(array), CHUNK):
         out[start:start + CHUNK] = array[start:start + CHUNK]
+        drop_pages(array, out)
     return out
+
+
+def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``np.savez(path, **arrays)`` (the same file, read by ``np.load``), each array
+    written a chunk of rows at a time, dropping the pages of memory-mapped ones."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as out:
+                np.lib.format.write_array_header_2_0(out, {
+                    "descr": np.lib.format.dtype_to_descr(array.dtype),
+                    "fortran_order": False, "shape": array.shape})  # written in C order
+                for start in range(0, max(len(array), 1) if array.ndim else 1, CHUNK):
+                    rows = array[start:start + CHUNK] if array.ndim else array
+                    out.write(np.ascontiguousarray(rows).tobytes())
+                    drop_pages(array)
 
 
 def describe(cfg: GraphConfig) -> str:

@@ -18,6 +18,7 @@ from data_pipeline.graph.inverted import (
     split_tree,
 )
 from data_pipeline.graph.neighbours import exact_topk
+from data_pipeline.graph.pages import PagedRows
 from tests.cuda_dry_run import fake_cuda
 
 CPU = torch.device("cpu")  # the device path (torch products) run on the CPU
@@ -101,14 +102,15 @@ def test_scan_in_blocks_equals_one_block(monkeypatch):
 
 
 def test_a_scratch_folder_holds_probes_and_result_and_changes_nothing(tmp_path):
-    """The same search with its [U, p] probes and [U, k] result as memory-mapped files:
-    the same numbers, bit for bit (the same products in the same order)."""
+    """The same search with its [U, p] probes, the rows in list order and the [U, k]
+    result as memory-mapped files (read through :class:`PagedRows` with a budget of a few
+    rows): the same numbers, bit for bit (the same products in the same order)."""
     data = clustered(3000)
     in_memory = inverted_topk(data, 10, list_size=64)
-    mapped = inverted_topk(data, 10, list_size=64, scratch=tmp_path)
+    mapped = inverted_topk(PagedRows(data, budget=4096), 10, list_size=64, scratch=tmp_path)
     assert isinstance(mapped.ids, np.memmap) and isinstance(mapped.similarities, np.memmap)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.npy", "probes.npy",
-                                                          "similarities.npy"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.npy", "ordered.npy",
+                                                          "probes.npy", "similarities.npy"]
     np.testing.assert_array_equal(mapped.ids, in_memory.ids)
     np.testing.assert_array_equal(mapped.similarities, in_memory.similarities)
 
@@ -150,3 +152,21 @@ def test_inverted_graph_and_its_measured_recall():
                         for a, e in zip(approx[sample], exact, strict=True)])
     assert neighbours.recall(data, approx) == pytest.approx(expected, abs=1e-3)  # ties
     assert expected > 0.9  # measured 1.000 on seeds 0-5, also under ATEN_CPU_CAPABILITY=avx2
+
+
+def test_write_npz_writes_what_np_savez_writes(tmp_path, monkeypatch):
+    """In chunks of 7 rows, from memory maps and plain arrays, 0-d and empty ones: the
+    same bytes as ``np.savez``, so ``np.load`` reads the same arrays."""
+    monkeypatch.setattr(neighbours, "CHUNK", 7)
+    mapped = np.lib.format.open_memmap(tmp_path / "ids.npy", mode="w+", dtype=np.int32,
+                                       shape=(50, 3))
+    mapped[:] = np.arange(150).reshape(50, 3)
+    arrays = {"ids": mapped, "similarities": np.linspace(0, 1, 100, dtype=np.float16)[:, None],
+              "index": np.array("ivf"), "recall": np.array(0.93), "empty": np.zeros((0, 4))}
+    neighbours.write_npz(tmp_path / "ours.npz", arrays)
+    np.savez(tmp_path / "numpy.npz", **arrays)
+    with np.load(tmp_path / "ours.npz") as ours, np.load(tmp_path / "numpy.npz") as want:
+        assert ours.files == want.files
+        for name in want.files:
+            assert ours[name].dtype == want[name].dtype
+            np.testing.assert_array_equal(ours[name], want[name])
