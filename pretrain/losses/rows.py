@@ -22,12 +22,12 @@ from pretrain.losses.columns import (
     PositiveKind,
 )
 from pretrain.losses.common import Temperature, as_float, row_softmax_, scaled
+from pretrain.losses.pair_tiles import tiled_rows_and_pair_terms
 from pretrain.losses.tiles import (
     TargetLogits,
     TiledRows,
     TilePlan,
     tiled_rows,
-    tiled_rows_and_pair_terms,
 )
 
 
@@ -135,7 +135,7 @@ def row_logsumexp_and_pair_terms(batch: ContrastiveBatch, anchors: Tensor, colum
     """Tiled only: :func:`row_logsumexp` of SINCERE's negatives ``column_set`` with its
     monitors and the positives' log-sum-exp, and [n] the sum over each anchor's positives
     of softplus(lse_i - l_ip + eps) - eps, in one pass whose backward recomputes each tile
-    once (``tiles.tiled_rows_and_pair_terms``)."""
+    once (``pair_tiles.tiled_rows_and_pair_terms``)."""
     plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
     rows, pair_sum = tiled_rows_and_pair_terms(
         anchors, as_float(columns), plan, batch.column_tiles(column_set.positives_only), eps)
