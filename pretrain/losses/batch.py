@@ -22,6 +22,7 @@ from pretrain.losses.columns import (
     ColumnTiles,
     PositiveKind,
     column_mask,
+    float_keys,
     subset_scores,
     subset_threshold,
 )
@@ -205,8 +206,10 @@ class ContrastiveBatch:
                     self.num_negatives, self.tile_size or self.num_candidates, self.valid,
                     self.positions)
             threshold = self._cache["threshold", columns.kind]
-        return ColumnTiles(columns, self.anchor_index, anchor_keys, keys, threshold,
-                           self.negatives_seed, self.valid, self.positions)
+        groups, slots, _ = self.group_index(columns.kind)
+        slots = float_keys(slots, len(groups))  # equal where the keys are
+        return ColumnTiles(columns, self.anchor_index, slots[self.anchor_index], slots,
+                           threshold, self.negatives_seed, self.valid, self.positions)
 
     def num_negatives_per_anchor(self, kind: PositiveKind) -> Tensor:
         """[n] how many negatives each anchor's softmax holds: min(k, all of them)."""
@@ -245,8 +248,21 @@ class ContrastiveBatch:
         each of which is some rank's anchor, so no communication is needed; multiplying by
         ``world_size`` makes the mean over ranks of these per-rank values the global mean.
         """
-        qualifies = torch.ones(self.num_candidates, dtype=torch.bool,
-                               device=values.device)
+        local, count = self._qualifying(kind, need_negative, values.device)
+        return torch.where(local, values, torch.zeros_like(values)).sum() * self.world_size / count
+
+    def anchor_weights(self, kind: PositiveKind | None, like: Tensor) -> Tensor:
+        """[n] weights w (``like``'s dtype) with ``anchor_mean(values, kind)`` = sum_i w_i
+        values_i for finite values: a reduction that weights its rows itself (SigLIP's tiles)
+        can then hand back a scalar."""
+        local, count = self._qualifying(kind, False, like.device)
+        weight = like.new_full((), self.world_size) / count
+        return torch.where(local, weight, like.new_zeros(()))
+
+    def _qualifying(self, kind: PositiveKind | None, need_negative: bool,
+                    device: torch.device) -> tuple[Tensor, Tensor]:
+        """([n] whether each local anchor qualifies, 0-dim count of the global ones, >= 1)."""
+        qualifies = torch.ones(self.num_candidates, dtype=torch.bool, device=device)
         if kind is not None:
             _, inverse, counts = self.group_index(kind)
             group_size = counts[inverse]
@@ -255,9 +271,7 @@ class ContrastiveBatch:
                 qualifies &= group_size < self.num_valid
         if self.valid is not None:
             qualifies &= self.valid
-        local = qualifies[self.anchor_index]
-        total = torch.where(local, values, torch.zeros_like(values)).sum()
-        return total * self.world_size / qualifies.sum().clamp(min=1)
+        return qualifies[self.anchor_index], qualifies.sum().clamp(min=1)
 
 
 def _sorted_groups(keys: Tensor) -> tuple[Tensor, Tensor]:

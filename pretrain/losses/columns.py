@@ -83,9 +83,10 @@ class ColumnSet:
 @dataclass(frozen=True)
 class Columns:
     """The columns of a row-wise reduction over an [n, T] block: every column but those
-    ``drop`` marks ([n, T] bool) and each row's own column ``self_cols`` ([n], the column
-    of the row's own candidate in the block, left out where it lies in [0, T)). Leaving out
-    only the own column costs O(n) instead of an [n, T] comparison."""
+    ``drop`` marks ([n, T] bool, or float 1.0 and 0.0 from a comparison of float keys) and
+    each row's own column ``self_cols`` ([n], the column of the row's own candidate in the
+    block, left out where it lies in [0, T)). Leaving out only the own column costs O(n)
+    instead of an [n, T] comparison."""
 
     width: int
     drop: Tensor | None = None
@@ -100,11 +101,16 @@ class Columns:
             return keep if self.drop is None else keep & ~self.drop
         if self.drop is None:
             raise ValueError("Columns.keep: every column is kept and the rows are unknown")
-        return ~self.drop
+        return self.drop == 0 if self.drop.is_floating_point() else ~self.drop
 
     def fill_(self, logits: Tensor, fill: float) -> Tensor:
-        """Set the left-out entries of ``logits`` [n, T] to ``fill`` in place."""
-        if self.drop is not None:
+        """Set the left-out entries of ``logits`` [n, T] (finite) to ``fill`` in place."""
+        if self.drop is not None and self.drop.is_floating_point():
+            # lerp is exact at weights 0 and 1, and on CPUs several times faster than
+            # masked_fill_ with a bool mask
+            logits.lerp_(logits.new_tensor(fill).expand_as(logits),
+                         self.drop.to(logits.dtype))
+        elif self.drop is not None:
             logits.masked_fill_(self.drop, fill)
         if self.self_cols is not None:
             inside = (self.self_cols >= 0) & (self.self_cols < self.width)
@@ -121,21 +127,25 @@ class Columns:
 
 def column_mask(columns: ColumnSet, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,
                 start: int, kept_negatives: Tensor | None = None,
-                valid: Tensor | None = None) -> Columns:
+                valid: Tensor | None = None, out: Tensor | None = None) -> Columns:
     """The :class:`Columns` of ``columns`` over the candidate columns [start, start + T)
     (keys ``keys`` [T]) for anchors at ``anchor_index`` [n] with keys ``anchor_keys`` [n].
     ``kept_negatives`` [n, T] restricts the negatives to a subset; ``valid`` [T] leaves out
-    padding columns. Fixed shapes: no value is read back to the host."""
+    padding columns; ``out``, an [n, T] float buffer, may receive the mask (float keys).
+    Fixed shapes: no value is read back to the host."""
     width = keys.shape[0]
     invalid = None if valid is None else ~valid[None, :].expand(len(anchor_index), -1)
     if columns.include_negatives and columns.positives and kept_negatives is None:
         # every column but (maybe) the anchor's own: no key comparison needed
         self_cols = None if columns.self_column else anchor_index - start
         return Columns(width, invalid, self_cols)
-    same = anchor_keys[:, None] == keys[None, :]
     if columns == columns.negatives and kept_negatives is None:
-        drop = same  # the anchor's own column shares its key
+        if out is not None and invalid is None and keys.is_floating_point():
+            # 1.0 where the keys match: a CPU writes it several times faster than a bool
+            return Columns(width, torch.eq(anchor_keys[:, None], keys[None, :], out=out))
+        drop = anchor_keys[:, None] == keys[None, :]  # the anchor's own column shares its key
     else:
+        same = anchor_keys[:, None] == keys[None, :]
         cols = torch.arange(start, start + width, device=keys.device)
         is_self = anchor_index[:, None] == cols[None, :]
         keep = torch.zeros_like(same)
@@ -147,6 +157,12 @@ def column_mask(columns: ColumnSet, anchor_index: Tensor, anchor_keys: Tensor, k
             keep = keep | is_self
         drop = ~keep
     return Columns(width, drop if invalid is None else drop | invalid)
+
+
+def float_keys(keys: Tensor, bound: int) -> Tensor:
+    """[N] float keys equal where ``keys`` (integers in [0, ``bound``), such as group slots)
+    are: float32 while it holds every such integer exactly, else float64."""
+    return keys.to(torch.float32 if bound <= 2**24 else torch.float64)
 
 
 @dataclass(frozen=True)
@@ -165,9 +181,11 @@ class ColumnTiles:
     valid: Tensor | None = None
     positions: Tensor | None = None  # [N] places among the real rows (subset_scores)
 
-    def tile(self, start: int, stop: int, rows: slice = slice(None)) -> Columns:
+    def tile(self, start: int, stop: int, rows: slice = slice(None),
+             out: Tensor | None = None) -> Columns:
         """The :class:`Columns` of candidate columns [start, stop) for the anchor ``rows``
-        (a block of rows, contiguous), relative to the block."""
+        (a block of rows, contiguous), relative to the block; ``out`` as in
+        :func:`column_mask`."""
         anchor_index = self.anchor_index[rows]
         subset = None
         if self.threshold is not None:
@@ -177,7 +195,7 @@ class ColumnTiles:
             subset = scores <= self.threshold[rows, None]
         return column_mask(self.columns, anchor_index, self.anchor_keys[rows],
                            self.keys[start:stop], start, subset,
-                           None if self.valid is None else self.valid[start:stop])
+                           None if self.valid is None else self.valid[start:stop], out)
 
 
 def subset_threshold(seed: int, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,

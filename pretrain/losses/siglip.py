@@ -61,10 +61,10 @@ def siglip(batch: ContrastiveBatch, temperature: Temperature, *,
         raise ValueError("siglip: needs the second modality's embeddings (text=)")
     with full_precision(batch):
         images = scaled(batch.anchors, temperature)  # [n, D]
-        negatives = sigmoid_rows(batch, images, batch.text, NEGATIVES, bias)
+        weights = batch.anchor_weights(None, like=images)  # [n]: the mean over anchors
+        negatives = sigmoid_rows(batch, images, batch.text, NEGATIVES, bias, weights)
         pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n], without b
-        per_anchor = F.softplus(-(pos_logit + bias)) + negatives.softplus_sum
-        loss = batch.anchor_mean(per_anchor, None)
+        loss = (weights * F.softplus(-(pos_logit + bias))).sum() + negatives.weighted_sum
         with torch.no_grad():
             tau = scalar(temperature)
             num_neg = batch.num_negatives_per_anchor("instance").to(loss.dtype).clamp(min=1)

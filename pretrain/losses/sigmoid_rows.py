@@ -1,10 +1,14 @@
 """The row reduction of pairwise sigmoid objectives (SigLIP), dense or tiled.
 
-``sigmoid_rows(batch, anchors, columns, column_set, bias)`` is sum_j softplus(a_i . c_j + b)
-over the columns of ``column_set``: the negative-pair terms -log sigmoid(-(l_ij + b)) of
-every anchor. With ``batch.tile_size`` unset it materialises the [n, N] logits; with it set
-it walks column tiles as ``tiles.py`` does for the log-sum-exp, recomputing each tile's
-logits in the backward, so memory is O((n + N) D + n T). A masked logit is MASKED_LOGIT:
+``sigmoid_rows(batch, anchors, columns, column_set, bias, weights)`` is
+sum_i w_i sum_j softplus(a_i . c_j + b) over the columns of ``column_set``: the weighted
+negative-pair terms -log sigmoid(-(l_ij + b)) of every anchor, one scalar. With
+``batch.tile_size`` unset it materialises the [n, N] logits; with it set it walks column
+tiles as ``tiles.py`` does, in O((n + N) D + n T) memory. A sum of softplus needs no
+normaliser (no log-sum-exp), so each tile's gradient, sigmoid(l_ij + b), is final when the
+tile is made: the tiled forward also accumulates d/d a, d/d c and d/d b of the scalar, and
+the backward only scales them. One walk and three matmuls a tile, where recomputing the
+logits in the backward would take two walks and four. A masked logit is MASKED_LOGIT:
 softplus and sigmoid of it are exactly 0, so it adds neither loss nor gradient.
 """
 
@@ -23,27 +27,29 @@ from pretrain.losses.tiles import TileBuffers, row_blocks
 
 
 class SigmoidRows(NamedTuple):
-    """Per-anchor results [n]."""
+    """The negative-pair terms of a batch's anchors."""
 
-    softplus_sum: Tensor  # sum over the columns of softplus(l_ij + b), with gradient
-    product_sum: Tensor | None  # under num_negatives: sum over the columns of l_ij, no grad
+    weighted_sum: Tensor  # 0-dim sum_i w_i sum_j softplus(l_ij + b), with gradient
+    product_sum: Tensor | None  # [n], under num_negatives: sum over the columns of l_ij
 
 
 def sigmoid_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                 column_set: ColumnSet, bias: Temperature) -> SigmoidRows:
-    """sum over ``column_set`` of softplus(``anchors`` [n, D] . ``columns`` [N, D] + ``bias``).
+                 column_set: ColumnSet, bias: Temperature, weights: Tensor) -> SigmoidRows:
+    """sum_i ``weights``_i sum over ``column_set`` of softplus(``anchors`` [n, D] .
+    ``columns`` [N, D] + ``bias``).
 
     ``anchors`` are already divided by the temperature; ``bias`` is a float or a 0-dim
-    tensor (learnable, with gradient). Under ``num_negatives`` the plain logit sum over the
-    same columns comes too (the negative-cosine monitor).
+    tensor (learnable, with gradient); ``weights`` [n] carry no gradient. Under
+    ``num_negatives`` the plain logit sum of each row over the same columns comes too (the
+    negative-cosine monitor).
     """
     columns = as_float(columns)
     bias = bias.to(anchors.dtype) if isinstance(bias, Tensor) else anchors.new_tensor(bias)
     with_products = batch.num_negatives is not None
     if batch.tile_size is not None:
         total, products = _TiledSoftplus.apply(
-            anchors, columns, bias, _Plan(batch.tile_size, batch.column_tiles(column_set),
-                                          with_products))
+            anchors, columns, bias, weights.detach(),
+            _Plan(batch.tile_size, batch.column_tiles(column_set), with_products))
         return SigmoidRows(total, products if with_products else None)
     kept = batch.columns(column_set)
     products = anchors @ columns.T  # [n, N]
@@ -51,7 +57,7 @@ def sigmoid_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
     logits = products + bias
     with torch.no_grad():  # the add saved nothing; left-out entries then get no gradient
         kept.fill_(logits, MASKED_LOGIT)
-    return SigmoidRows(F.softplus(logits).sum(1), product_sum)
+    return SigmoidRows((weights.detach() * F.softplus(logits).sum(1)).sum(), product_sum)
 
 
 class _Plan(NamedTuple):
@@ -60,54 +66,53 @@ class _Plan(NamedTuple):
     with_products: bool
 
 
-def _tiles(plan: _Plan, anchors: Tensor, columns: Tensor):
-    """(row block, start, stop) of every [rows, T] tile, row blocks outermost."""
-    for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device):
-        for start in range(0, columns.shape[0], plan.tile_size):
-            yield block, start, min(start + plan.tile_size, columns.shape[0])
-
-
 class _TiledSoftplus(torch.autograd.Function):
-    """([n] softplus sum with gradient, [n] logit sum without) of ``anchors @ columns.T +
-    bias`` over ``plan.columns``, one [rows, T] tile at a time."""
+    """(0-dim sum_i w_i sum_j softplus(l_ij) with gradient, [n] logit sums without) of the
+    logits l = ``anchors @ columns.T + bias`` over ``plan.columns``, one [rows, T] tile at a
+    time; the gradients are made in the forward (when an input needs one) and saved."""
 
     @staticmethod
-    def forward(ctx, anchors: Tensor, columns: Tensor, bias: Tensor,
+    def forward(ctx, anchors: Tensor, columns: Tensor, bias: Tensor, weights: Tensor,
                 plan: _Plan) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
-        total, products = anchors.new_zeros(len(anchors)), anchors.new_zeros(len(anchors))
-        buffers = TileBuffers(anchors, plan.tile_size, 2)
-        for block, start, stop in _tiles(plan, anchors, columns):
-            kept = plan.columns.tile(start, stop, block)
-            shape = (block.stop - block.start, stop - start)
-            raw = torch.mm(anchors[block], columns[start:stop].T, out=buffers[0](*shape))
-            if plan.with_products:
-                products[block] += kept.fill_(buffers[1](*shape).copy_(raw), 0.0).sum(1)
-            total[block] += F.softplus(kept.fill_(raw.add_(bias), MASKED_LOGIT)).sum(1)
-        ctx.plan = plan
-        ctx.save_for_backward(anchors, columns, bias)
+        needs_anchors, needs_columns, needs_bias = ctx.needs_input_grad[:3]
+        n = len(anchors)
+        row_sums, products = anchors.new_zeros(n), anchors.new_zeros(n)
+        sigmoid_sums = anchors.new_zeros(n)  # d / d b of each row's sum
+        grad_anchors = torch.zeros_like(anchors) if needs_anchors else None
+        grad_columns = torch.zeros_like(columns) if needs_columns else None
+        buffers = TileBuffers(anchors, plan.tile_size, 3)  # logits, sigmoids, mask
+        for block in row_blocks(n, plan.tile_size, anchors.device):
+            rows = anchors[block]
+            weighted = rows * weights[block, None] if needs_columns else None
+            for start in range(0, columns.shape[0], plan.tile_size):
+                stop = min(start + plan.tile_size, columns.shape[0])
+                shape = (block.stop - block.start, stop - start)
+                part = columns[start:stop]
+                kept = plan.columns.tile(start, stop, block, buffers[2](*shape))
+                logits = torch.mm(rows, part.T, out=buffers[0](*shape))
+                if plan.with_products:
+                    products[block] += kept.fill_(buffers[1](*shape).copy_(logits), 0.0).sum(1)
+                kept.fill_(logits.add_(bias), MASKED_LOGIT)
+                row_sums[block] += F.softplus(logits).sum(1)
+                if not (needs_anchors or needs_columns or needs_bias):
+                    continue
+                grad_logits = torch.sigmoid(logits, out=buffers[1](*shape))  # softplus'
+                if grad_anchors is not None:  # w_i sum_j s_ij c_j, w_i applied below
+                    grad_anchors[block].addmm_(grad_logits, part)
+                if grad_columns is not None:  # sum_i s_ij w_i a_i
+                    grad_columns[start:stop].addmm_(grad_logits.T, weighted)
+                sigmoid_sums[block] += grad_logits.sum(1)
+            if grad_anchors is not None:
+                grad_anchors[block] *= weights[block, None]
+        ctx.save_for_backward(grad_anchors, grad_columns,
+                              (weights * sigmoid_sums).sum() if needs_bias else None)
         ctx.mark_non_differentiable(products)
-        return total, products
+        return (weights * row_sums).sum(), products
 
     @staticmethod
     def backward(ctx, grad_total: Tensor | None, _: None) -> tuple[Tensor | None, ...]:
         if grad_total is None:
-            return None, None, None, None
-        anchors, columns, bias = ctx.saved_tensors
-        plan: _Plan = ctx.plan
-        grad_anchors = torch.zeros_like(anchors)
-        grad_columns = torch.zeros_like(columns) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros_like(bias)
-        buffers = TileBuffers(anchors, plan.tile_size, 1)
-        for block, start, stop in _tiles(plan, anchors, columns):
-            part, rows = columns[start:stop], anchors[block]
-            logits = torch.addmm(bias, rows, part.T,
-                                 out=buffers[0](block.stop - block.start, stop - start))
-            grad_logits = plan.columns.tile(start, stop, block).fill_(logits, MASKED_LOGIT)
-            grad_logits.sigmoid_().mul_(grad_total[block, None])  # softplus'
-            grad_anchors[block].addmm_(grad_logits, part)
-            if grad_columns is not None:
-                grad_columns[start:stop].addmm_(grad_logits.T, rows)
-            grad_bias += grad_logits.sum()
-        return (grad_anchors, grad_columns,
-                grad_bias if ctx.needs_input_grad[2] else None, None)
+            return None, None, None, None, None
+        return (*(None if grad is None else grad * grad_total for grad in ctx.saved_tensors),
+                None, None)

@@ -81,7 +81,8 @@ class TileBuffers:
         self._buffers = [anchors.new_empty(rows * tile_size) for _ in range(count)]
 
     def __getitem__(self, index: int) -> Callable[[int, int], Tensor]:
-        """Buffer ``index`` as a contiguous [rows, width] tensor (width <= T)."""
+        """Buffer ``index`` (negative: from the last) as a contiguous [rows, width] tensor
+        (width <= T)."""
         return lambda rows, width: self._buffers[index][:rows * width].view(rows, width)
 
 
@@ -151,7 +152,7 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slic
     for start in range(0, num_columns, plan.tile_size):
         stop = min(start + plan.tile_size, num_columns)
         width = stop - start
-        tile = plan.columns.tile(start, stop, block)
+        tile = plan.columns.tile(start, stop, block, scratch[-1](n, width))
         logits = torch.mm(anchors, columns[start:stop].T, out=scratch[0](n, width))
         if positives is not None:  # before the columns' mask leaves positives out
             kept = plan.positives.tile(start, stop, block).fill_(
@@ -162,7 +163,7 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slic
             by_column.update_columns(start, logits, out=scratch[2](n, width))
         weights, scale = rows.update(logits, out=scratch[1](n, width))
         if plan.negatives is not None:  # the negatives are a subset of the columns
-            negatives = plan.negatives.tile(start, stop, block)
+            negatives = plan.negatives.tile(start, stop, block, scratch[-2](n, width))
             neg_weights = negatives.fill_(weights, 0.0)
             neg_sum = neg_sum * scale + neg_weights.sum(1)
             neg_sq = neg_sq * scale.square() + _row_dot(neg_weights, neg_weights,
@@ -194,7 +195,8 @@ def _row_dot(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
 
 def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan,
              temperature: float | Tensor = 1.0) -> _PassSums:
-    scratch = TileBuffers(anchors, plan.tile_size, 5 if plan.targets is not None else 3)
+    # the last two hold the masks of the columns and of the negatives
+    scratch = TileBuffers(anchors, plan.tile_size, 7 if plan.targets is not None else 5)
     by_column = _RunningColumns(columns.shape[0], anchors) if plan.column_lse else None
     blocks = [_forward_block(divided(anchors[block], temperature), columns, plan, block, scratch,
                              by_column)
@@ -249,7 +251,8 @@ class _TiledLogSumExp(torch.autograd.Function):
         if not rows_of_columns and ctx.needs_input_grad[0]:
             grad_anchors = torch.zeros_like(anchors)
         tau_sum = lse.new_zeros(()) if tau is not None and ctx.needs_input_grad[2] else None
-        scratch = TileBuffers(anchors, plan.tile_size, 3 if grad_column is not None else 2)
+        # the last holds the columns' mask
+        scratch = TileBuffers(anchors, plan.tile_size, 4 if grad_column is not None else 3)
         for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device):
             raw = anchors[block]
             block_anchors, n = divided(raw, temperature), raw.shape[0]
@@ -257,7 +260,7 @@ class _TiledLogSumExp(torch.autograd.Function):
             block_grad = grad_anchors[block] if grad_anchors is not None else torch.zeros_like(raw)
             for start in range(0, columns.shape[0], plan.tile_size):
                 stop = min(start + plan.tile_size, columns.shape[0])
-                tile = plan.columns.tile(start, stop, block)
+                tile = plan.columns.tile(start, stop, block, scratch[-1](n, stop - start))
                 part = columns[start:stop]
                 grad_logits = None
                 if grad_lse is not None or grad_column is not None:

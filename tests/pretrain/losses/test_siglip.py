@@ -10,6 +10,7 @@ from open_clip.loss import SigLipLoss
 
 from pretrain.losses import batch_loss
 from tests.pretrain.losses import naive
+from tests.pretrain.losses.batches import FreshAllocations
 
 
 def leaves(tau: float = 0.2, bias: float = -1.5) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,3 +70,31 @@ def test_the_reported_bias_and_temperature_are_this_steps_values(batch):
         tau.add_(1.0)
         bias.add_(1.0)
     assert float(metrics["bias"]) == -1.5 and float(metrics["temperature"]) == 0.2
+
+
+def test_tiled_gradients_made_in_the_forward_follow_what_needs_one():
+    """The tiled forward makes the gradients of the inputs that need one, scaled in the
+    backward by whatever the loss is multiplied by; a text without gradient and a float
+    bias leave only the images', and under no_grad it makes none."""
+    gen = torch.Generator().manual_seed(3)
+    image = torch.randn(11, 5, dtype=torch.float64, generator=gen).requires_grad_()
+    text = torch.randn(11, 5, dtype=torch.float64, generator=gen)
+    ids = torch.arange(11) // 2  # other views: neither positive nor negative
+
+    def image_grad(tile_size):
+        loss, _ = batch_loss("siglip", image, ids, text=text, temperature=0.2, bias=-1.0,
+                             tile_size=tile_size)
+        return torch.autograd.grad(3.0 * loss, image)[0]
+
+    torch.testing.assert_close(image_grad(4), image_grad(None), rtol=1e-12, atol=1e-14)
+    def allocations(grad_mode, *inputs):  # fresh [11, 5] float tensors of one call
+        probe = FreshAllocations(numel=image.numel(), width=image.shape[1])
+        with grad_mode, probe:
+            batch_loss("siglip", inputs[0], ids, text=inputs[1], temperature=1.0, bias=-1.0,
+                       tile_size=4)
+        return probe.shapes.count((11, 5))
+
+    leaves = image, text.clone().requires_grad_()  # at temperature 1 both reach the tiles
+    without = allocations(torch.enable_grad(), image.detach(), text)
+    assert allocations(torch.no_grad(), *leaves) == without
+    assert allocations(torch.enable_grad(), *leaves) == without + 3  # two gradients, w a

@@ -193,7 +193,7 @@ def test_tile_buffers_are_allocated_once_per_pass(name, hparams):
             loss, _ = batch_loss(name, b.z, b.ids, temperature=0.3, tile_size=8, **kwargs)
             loss.backward()
         counts[n] = probe.count
-    assert counts[96] == counts[192] <= 7, counts  # the forward's 3-5 buffers, backward's 2
+    assert counts[96] == counts[192] <= 11, counts  # the forward's 5-7 buffers, backward's 3-4
 
 
 def test_tiled_xclr_copies_no_more_than_a_row_block_of_captions():
