@@ -255,6 +255,8 @@ def main() -> None:
                         default=[100_000, 300_000, 1_000_000])
     parser.add_argument("--bank", type=int, nargs="+", default=[128_000, 400_000, 1_281_167])
     parser.add_argument("--eval-images", type=int, nargs="+", default=[100_000, 300_000])
+    parser.add_argument("--eval-stages", nargs="+", choices=STAGES, default=list(STAGES),
+                        help="the stages of --part evaluation (default: all)")
     parser.add_argument("--probe-epochs", type=int, default=10)
     parser.add_argument("--workdir", type=Path, default=Path("bench/results/scale"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
@@ -355,9 +357,9 @@ def main() -> None:
         print("at CC12M:", {k: round(v, 1) for k, v in results["neighbours"]["cc12m"].items()})
     if args.part in ("all", "evaluation"):
         rows = [child("evaluation", n, 1, args.workdir, stage)
-                for n in args.bank for stage in STAGES]
+                for n in args.bank for stage in args.eval_stages]
         fit = {stage: {key: exponent(args.bank, [r[key] for r in rows if r["stage"] == stage])
-                       for key in ("seconds", "stage_added_mib")} for stage in STAGES}
+                       for key in ("seconds", "stage_added_mib")} for stage in args.eval_stages}
         results["evaluation"] = {"rows": rows, "exponent": fit}
         print("evaluation over a bank of 512-d features, 1,000 classes, 50,000 queries:")
         print_table(rows, ["stage", "rows", "seconds", "peak_rss_mib", "features_mib",
