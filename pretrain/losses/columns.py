@@ -11,6 +11,7 @@ found tile by tile) keep exactly the same negatives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,7 @@ MASKED_LOGIT = -1e30
 # slow path on x86 CPUs (16x), and N e^-80 vanishes beside a sum that holds its max's e^0
 NEGLIGIBLE_LOG_WEIGHT = -80.0
 NOT_A_NEGATIVE = torch.iinfo(torch.int64).max  # the score of a column outside the subset's pool
+Buffer = Callable[[int, int], Tensor]  # (rows, width) -> a reused [rows, width] float tensor
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -127,11 +129,11 @@ class Columns:
 
 def column_mask(columns: ColumnSet, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,
                 start: int, kept_negatives: Tensor | None = None,
-                valid: Tensor | None = None, out: Tensor | None = None) -> Columns:
+                valid: Tensor | None = None, buffer: Buffer | None = None) -> Columns:
     """The :class:`Columns` of ``columns`` over the candidate columns [start, start + T)
     (keys ``keys`` [T]) for anchors at ``anchor_index`` [n] with keys ``anchor_keys`` [n].
     ``kept_negatives`` [n, T] restricts the negatives to a subset; ``valid`` [T] leaves out
-    padding columns; ``out``, an [n, T] float buffer, may receive the mask (float keys).
+    padding columns; ``buffer`` may hold the mask (float keys), asked for only then.
     Fixed shapes: no value is read back to the host."""
     width = keys.shape[0]
     invalid = None if valid is None else ~valid[None, :].expand(len(anchor_index), -1)
@@ -140,9 +142,10 @@ def column_mask(columns: ColumnSet, anchor_index: Tensor, anchor_keys: Tensor, k
         self_cols = None if columns.self_column else anchor_index - start
         return Columns(width, invalid, self_cols)
     if columns == columns.negatives and kept_negatives is None:
-        if out is not None and invalid is None and keys.is_floating_point():
+        if buffer is not None and invalid is None and keys.is_floating_point():
             # 1.0 where the keys match: a CPU writes it several times faster than a bool
-            return Columns(width, torch.eq(anchor_keys[:, None], keys[None, :], out=out))
+            return Columns(width, torch.eq(anchor_keys[:, None], keys[None, :],
+                                           out=buffer(len(anchor_keys), width)))
         drop = anchor_keys[:, None] == keys[None, :]  # the anchor's own column shares its key
     else:
         same = anchor_keys[:, None] == keys[None, :]
@@ -182,9 +185,9 @@ class ColumnTiles:
     positions: Tensor | None = None  # [N] places among the real rows (subset_scores)
 
     def tile(self, start: int, stop: int, rows: slice = slice(None),
-             out: Tensor | None = None) -> Columns:
+             buffer: Buffer | None = None) -> Columns:
         """The :class:`Columns` of candidate columns [start, stop) for the anchor ``rows``
-        (a block of rows, contiguous), relative to the block; ``out`` as in
+        (a block of rows, contiguous), relative to the block; ``buffer`` as in
         :func:`column_mask`."""
         anchor_index = self.anchor_index[rows]
         subset = None
@@ -195,7 +198,7 @@ class ColumnTiles:
             subset = scores <= self.threshold[rows, None]
         return column_mask(self.columns, anchor_index, self.anchor_keys[rows],
                            self.keys[start:stop], start, subset,
-                           None if self.valid is None else self.valid[start:stop], out)
+                           None if self.valid is None else self.valid[start:stop], buffer)
 
 
 def subset_threshold(seed: int, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,

@@ -76,6 +76,7 @@ class _TiledSoftplus(torch.autograd.Function):
                 plan: _Plan) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         needs_anchors, needs_columns, needs_bias = ctx.needs_input_grad[:3]
+        make_grads = needs_anchors or needs_columns or needs_bias
         n = len(anchors)
         row_sums, products = anchors.new_zeros(n), anchors.new_zeros(n)
         sigmoid_sums = anchors.new_zeros(n)  # d / d b of each row's sum
@@ -89,13 +90,13 @@ class _TiledSoftplus(torch.autograd.Function):
                 stop = min(start + plan.tile_size, columns.shape[0])
                 shape = (block.stop - block.start, stop - start)
                 part = columns[start:stop]
-                kept = plan.columns.tile(start, stop, block, buffers[2](*shape))
+                kept = plan.columns.tile(start, stop, block, buffers[2])
                 logits = torch.mm(rows, part.T, out=buffers[0](*shape))
                 if plan.with_products:
                     products[block] += kept.fill_(buffers[1](*shape).copy_(logits), 0.0).sum(1)
                 kept.fill_(logits.add_(bias), MASKED_LOGIT)
                 row_sums[block] += F.softplus(logits).sum(1)
-                if not (needs_anchors or needs_columns or needs_bias):
+                if not make_grads:
                     continue
                 grad_logits = torch.sigmoid(logits, out=buffers[1](*shape))  # softplus'
                 if grad_anchors is not None:  # w_i sum_j s_ij c_j, w_i applied below

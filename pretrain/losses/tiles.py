@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pretrain.losses.columns import MASKED_LOGIT, NEGLIGIBLE_LOG_WEIGHT, ColumnTiles
+from pretrain.losses.columns import MASKED_LOGIT, NEGLIGIBLE_LOG_WEIGHT, Buffer, ColumnTiles
 
 # (start, stop, rows, out) -> the [rows, stop - start] target logits of a block of anchor
 # rows, written into ``out`` (the same shape) and returned; no grad
@@ -72,18 +72,24 @@ class _PassSums(NamedTuple):
 
 
 class TileBuffers:
-    """Float buffers of [rows, T] tiles, allocated once per pass and reused by every tile
-    of every row block: per-tile temporaries, freed and allocated again hundreds of times,
-    leave blocks that glibc keeps resident (``docs/benchmarks.md``, tiled memory)."""
+    """Float buffers of [rows, T] tiles, each allocated once per pass, when first used, and
+    reused by every tile of every row block: per-tile temporaries, freed and allocated
+    again hundreds of times, leave blocks that glibc keeps resident (``docs/benchmarks.md``,
+    tiled memory)."""
 
     def __init__(self, anchors: Tensor, tile_size: int, count: int) -> None:
         rows = min(len(anchors), _block_rows(len(anchors), tile_size, anchors.device))
-        self._buffers = [anchors.new_empty(rows * tile_size) for _ in range(count)]
+        self._like, self._numel = anchors, rows * tile_size
+        self._buffers: list[Tensor | None] = [None] * count
 
-    def __getitem__(self, index: int) -> Callable[[int, int], Tensor]:
+    def __getitem__(self, index: int) -> Buffer:
         """Buffer ``index`` (negative: from the last) as a contiguous [rows, width] tensor
         (width <= T)."""
-        return lambda rows, width: self._buffers[index][:rows * width].view(rows, width)
+        def view(rows: int, width: int) -> Tensor:
+            if self._buffers[index] is None:
+                self._buffers[index] = self._like.new_empty(self._numel)
+            return self._buffers[index][:rows * width].view(rows, width)
+        return view
 
 
 class _Running:
@@ -152,7 +158,7 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slic
     for start in range(0, num_columns, plan.tile_size):
         stop = min(start + plan.tile_size, num_columns)
         width = stop - start
-        tile = plan.columns.tile(start, stop, block, scratch[-1](n, width))
+        tile = plan.columns.tile(start, stop, block, scratch[-1])
         logits = torch.mm(anchors, columns[start:stop].T, out=scratch[0](n, width))
         if positives is not None:  # before the columns' mask leaves positives out
             kept = plan.positives.tile(start, stop, block).fill_(
@@ -163,7 +169,7 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slic
             by_column.update_columns(start, logits, out=scratch[2](n, width))
         weights, scale = rows.update(logits, out=scratch[1](n, width))
         if plan.negatives is not None:  # the negatives are a subset of the columns
-            negatives = plan.negatives.tile(start, stop, block, scratch[-2](n, width))
+            negatives = plan.negatives.tile(start, stop, block, scratch[-2])
             neg_weights = negatives.fill_(weights, 0.0)
             neg_sum = neg_sum * scale + neg_weights.sum(1)
             neg_sq = neg_sq * scale.square() + _row_dot(neg_weights, neg_weights,
@@ -260,7 +266,7 @@ class _TiledLogSumExp(torch.autograd.Function):
             block_grad = grad_anchors[block] if grad_anchors is not None else torch.zeros_like(raw)
             for start in range(0, columns.shape[0], plan.tile_size):
                 stop = min(start + plan.tile_size, columns.shape[0])
-                tile = plan.columns.tile(start, stop, block, scratch[-1](n, stop - start))
+                tile = plan.columns.tile(start, stop, block, scratch[-1])
                 part = columns[start:stop]
                 grad_logits = None
                 if grad_lse is not None or grad_column is not None:
@@ -291,7 +297,7 @@ class _TiledLogSumExp(torch.autograd.Function):
 
 def _softmax_grads(logits: Tensor, by_row: tuple[Tensor, Tensor | None],
                    by_column: tuple[Tensor, Tensor | None],
-                   buffer: Callable[[int, int], Tensor]) -> Tensor | None:
+                   buffer: Buffer) -> Tensor | None:
     """d / d l of sum_i g_i lse_i (rows) + sum_j h_j lse_j (columns) over a [rows, T] tile
     of ``logits`` (overwritten): g_i softmax_j + h_j softmax_i, each (lse, grad) pair's
     grad None where it has none."""

@@ -21,7 +21,7 @@ def test_float_mask_fills_exactly_what_the_bool_mask_fills(dtype, fill):
     as_bool = column_mask(NEGATIVES, anchor_index, keys[anchor_index], keys, 0)
     slots = float_keys(keys, 5)
     as_float = column_mask(NEGATIVES, anchor_index, slots[anchor_index], slots, 0,
-                           out=torch.empty(12, 40, dtype=dtype))
+                           buffer=lambda rows, width: torch.empty(rows, width, dtype=dtype))
     assert as_bool.drop.dtype == torch.bool and as_float.drop.dtype == dtype
     assert torch.equal(as_float.keep, as_bool.keep)
     assert as_bool.drop.any() and as_bool.keep.any()
@@ -34,11 +34,13 @@ def test_a_buffer_is_used_only_where_a_float_mask_means_the_same():
     """Padding columns, a negatives subset or positives keep the bool form."""
     keys = torch.tensor([0, 0, 1, 1, 2, 2])
     slots, anchors = float_keys(keys, 3), torch.arange(6)
-    buffer = torch.empty(6, 6)
+    def buffer(rows: int, width: int) -> torch.Tensor:
+        return torch.empty(rows, width)
+
     valid = torch.tensor([True] * 5 + [False])
-    padded = column_mask(NEGATIVES, anchors, slots, slots, 0, valid=valid, out=buffer)
+    padded = column_mask(NEGATIVES, anchors, slots, slots, 0, valid=valid, buffer=buffer)
     positives = column_mask(ColumnSet("instance").positives_only, anchors, slots, slots, 0,
-                            out=buffer)
+                            buffer=buffer)
     assert padded.drop.dtype == torch.bool and positives.drop.dtype == torch.bool
     assert padded.keep[:, 5].logical_not().all()
 
