@@ -22,7 +22,8 @@ chunk, plus the chunked path's extra no-gradient forward), 512 and 128 against t
 step, each in a fresh child process: time per step and peak resident memory.
 
 Targets: tiled peak memory grows linearly in N (doubling N at most 2.3x the memory above
-the idle process); tiled infonce time at N = 8192 within 1.3x of dense; what every peak
+the idle process); every objective's tiled time at N = 8192 within 1.3x of its dense
+time; what every peak
 adds to its idle process at most 1.2x its recorded figure. Writes
 bench/results/negatives.json and prints tables.
 """
@@ -53,6 +54,7 @@ from pretrain.losses.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
 
 NUM_CLASSES = 100
 RATIO_N = 8192
+MAX_TILED_VS_DENSE = 1.3  # every objective's tiled pass against its dense one at RATIO_N
 CAPTION_DIM = 384  # all-MiniLM-L6-v2's embeddings
 PEAK_N = 131072
 # the memory (GiB) forward + backward at N = PEAK_N add to their idle process (peak
@@ -60,8 +62,8 @@ PEAK_N = 131072
 # (objective, tile size); a run more than PEAK_TOLERANCE times above it fails its check
 # (the tiles' memory grew). The idle process itself (torch, its inputs) moves with the
 # torch build and the machine, which the loss does not control: its figure is printed.
-RECORDED_ABOVE_IDLE_GIB = {("infonce", 256): 0.28, ("infonce", 4096): 0.26,
-                           ("xclr", 256): 0.25, ("xclr", 4096): 0.27}
+RECORDED_ABOVE_IDLE_GIB = {("infonce", 256): 0.25, ("infonce", 4096): 0.26,
+                           ("xclr", 256): 0.25, ("xclr", 4096): 0.26}
 PEAK_TOLERANCE = 1.2
 
 
@@ -269,8 +271,9 @@ def tiles_part(args: argparse.Namespace) -> dict:
     print(f"every objective at N = {RATIO_N}, tiled against dense:")
     ratios = objective_ratios(args.dim, args.tile_size, args.repeats)
     growth = linear_growth(scaling)
-    infonce = next(r for r in ratios if r["objective"] == "infonce")["tiled_vs_dense"]
-    checks = {f"tiled infonce <= 1.3x dense at N = {RATIO_N}": infonce <= 1.3}
+    checks = {f"tiled {row['objective']} <= {MAX_TILED_VS_DENSE}x dense at N = {RATIO_N} (got "
+              f"{row['tiled_vs_dense']:.2f}x)": row["tiled_vs_dense"] <= MAX_TILED_VS_DENSE
+              for row in ratios}
     if growth:  # --sizes without a doubling of N leave nothing to check
         checks["tiled memory grows linearly (<= 2.3x per doubling of N)"] = all(
             g <= 2.3 for g in growth.values())

@@ -209,7 +209,8 @@ class ContrastiveBatch:
         groups, slots, _ = self.group_index(columns.kind)
         slots = float_keys(slots, len(groups))  # equal where the keys are
         return ColumnTiles(columns, self.anchor_index, slots[self.anchor_index], slots,
-                           threshold, self.negatives_seed, self.valid, self.positions)
+                           threshold, self.negatives_seed, self.valid, self.positions,
+                           self.anchor_start)
 
     def num_negatives_per_anchor(self, kind: PositiveKind) -> Tensor:
         """[n] how many negatives each anchor's softmax holds: min(k, all of them)."""

@@ -97,13 +97,16 @@ class Columns:
     @property
     def keep(self) -> Tensor:
         """[n, T] bool: the columns kept."""
+        kept = None
+        if self.drop is not None:
+            kept = self.drop == 0 if self.drop.is_floating_point() else ~self.drop
         if self.self_cols is not None:
             cols = torch.arange(self.width, device=self.self_cols.device)
-            keep = cols[None, :] != self.self_cols[:, None]
-            return keep if self.drop is None else keep & ~self.drop
-        if self.drop is None:
+            own = cols[None, :] != self.self_cols[:, None]
+            return own if kept is None else own & kept
+        if kept is None:
             raise ValueError("Columns.keep: every column is kept and the rows are unknown")
-        return self.drop == 0 if self.drop.is_floating_point() else ~self.drop
+        return kept
 
     def fill_(self, logits: Tensor, fill: float) -> Tensor:
         """Set the left-out entries of ``logits`` [n, T] (finite) to ``fill`` in place."""
@@ -129,24 +132,30 @@ class Columns:
 
 def column_mask(columns: ColumnSet, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,
                 start: int, kept_negatives: Tensor | None = None,
-                valid: Tensor | None = None, buffer: Buffer | None = None) -> Columns:
+                valid: Tensor | None = None, buffer: Buffer | None = None,
+                own_columns_outside: bool = False) -> Columns:
     """The :class:`Columns` of ``columns`` over the candidate columns [start, start + T)
     (keys ``keys`` [T]) for anchors at ``anchor_index`` [n] with keys ``anchor_keys`` [n].
     ``kept_negatives`` [n, T] restricts the negatives to a subset; ``valid`` [T] leaves out
-    padding columns; ``buffer`` may hold the mask (float keys), asked for only then.
+    padding columns; ``buffer`` may hold the mask (float keys), asked for only then;
+    ``own_columns_outside``: no anchor's own column lies in [start, start + T).
     Fixed shapes: no value is read back to the host."""
     width = keys.shape[0]
     invalid = None if valid is None else ~valid[None, :].expand(len(anchor_index), -1)
+    own_cols = None if own_columns_outside else anchor_index - start
     if columns.include_negatives and columns.positives and kept_negatives is None:
         # every column but (maybe) the anchor's own: no key comparison needed
-        self_cols = None if columns.self_column else anchor_index - start
-        return Columns(width, invalid, self_cols)
+        return Columns(width, invalid, None if columns.self_column else own_cols)
+    # 1.0 where the keys match (or differ): a CPU writes it several times faster than a bool
+    as_float = buffer is not None and invalid is None and keys.is_floating_point()
     if columns == columns.negatives and kept_negatives is None:
-        if buffer is not None and invalid is None and keys.is_floating_point():
-            # 1.0 where the keys match: a CPU writes it several times faster than a bool
+        if as_float:
             return Columns(width, torch.eq(anchor_keys[:, None], keys[None, :],
                                            out=buffer(len(anchor_keys), width)))
         drop = anchor_keys[:, None] == keys[None, :]  # the anchor's own column shares its key
+    elif columns == columns.positives_only and as_float:  # no negatives: no subset applies
+        return Columns(width, torch.ne(anchor_keys[:, None], keys[None, :],
+                                       out=buffer(len(anchor_keys), width)), own_cols)
     else:
         same = anchor_keys[:, None] == keys[None, :]
         cols = torch.arange(start, start + width, device=keys.device)
@@ -173,7 +182,9 @@ class ColumnTiles:
     """One :class:`ColumnSet` cut into column tiles [start, stop): each tile's
     :class:`Columns`, relative to the tile, from the keys (anchor keys [n], candidate keys
     [N]) without building the [n, N] set; under a negatives subset, with the per-row
-    ``threshold`` [n] on :func:`subset_scores`; ``valid`` [N] leaves out padding columns."""
+    ``threshold`` [n] on :func:`subset_scores`; ``valid`` [N] leaves out padding columns.
+    ``anchor_start`` is set when ``anchor_index`` is a known range [anchor_start,
+    anchor_start + n): a tile then skips the own-column step where no anchor's column lies."""
 
     columns: ColumnSet
     anchor_index: Tensor
@@ -183,6 +194,7 @@ class ColumnTiles:
     seed: int = 0
     valid: Tensor | None = None
     positions: Tensor | None = None  # [N] places among the real rows (subset_scores)
+    anchor_start: int | None = None
 
     def tile(self, start: int, stop: int, rows: slice = slice(None),
              buffer: Buffer | None = None) -> Columns:
@@ -191,14 +203,24 @@ class ColumnTiles:
         :func:`column_mask`."""
         anchor_index = self.anchor_index[rows]
         subset = None
-        if self.threshold is not None:
+        if self.threshold is not None and self.columns.include_negatives:
             cols = torch.arange(start, stop, device=anchor_index.device)
             scores = subset_scores(self.seed, anchor_index, cols, len(self.keys),
                                    self.positions)
             subset = scores <= self.threshold[rows, None]
         return column_mask(self.columns, anchor_index, self.anchor_keys[rows],
                            self.keys[start:stop], start, subset,
-                           None if self.valid is None else self.valid[start:stop], buffer)
+                           None if self.valid is None else self.valid[start:stop], buffer,
+                           self._own_columns_outside(start, stop, rows))
+
+    def _own_columns_outside(self, start: int, stop: int, rows: slice) -> bool:
+        """Whether no anchor of ``rows`` has its own column in [start, stop), as far as the
+        host knows without reading the device."""
+        if self.anchor_start is None:
+            return False
+        block = range(len(self.anchor_index))[rows]
+        first, end = self.anchor_start + block.start, self.anchor_start + block.stop
+        return end <= start or stop <= first
 
 
 def subset_threshold(seed: int, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,

@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.columns import MASKED_LOGIT, ColumnTiles
+from pretrain.losses.columns import MASKED_LOGIT, Columns, ColumnTiles
 from pretrain.losses.tiles import (
     TileBuffers,
     TiledRows,
@@ -36,14 +35,14 @@ class _RowsAndPairTerms(torch.autograd.Function):
         sums = _forward(anchors, columns, plan)
         pair_sum = anchors.new_zeros(anchors.shape[0])
         slope_sum = anchors.new_zeros(anchors.shape[0])
-        buffers = TileBuffers(anchors, plan.tile_size, 2)
-        for block, _, _, keep, logits in _pair_tiles(anchors, columns, positives,
-                                                      plan.tile_size, buffers):
-            drop = ~keep
+        buffers = TileBuffers(anchors, plan.tile_size)
+        for block, _, _, pairs, logits in _pair_tiles(anchors, columns, positives,
+                                                       plan.tile_size, buffers):
             x = torch.sub(sums.lse[block, None], logits, out=logits).add_(eps)
-            slope = torch.sigmoid(x, out=buffers[1](*x.shape))
-            slope_sum[block] += slope.masked_fill_(drop, 0.0).sum(1)
-            pair_sum[block] += F.softplus(x).sub_(eps).masked_fill_(drop, 0.0).sum(1)
+            slope = torch.sigmoid(x, out=buffers["slopes"](*x.shape))
+            slope_sum[block] += pairs.fill_(slope, 0.0).sum(1)
+            softplus = torch.ops.aten.softplus.out(x, 1, 20, out=x)  # F.softplus, in place
+            pair_sum[block] += pairs.fill_(softplus.sub_(eps), 0.0).sum(1)
         ctx.plan, ctx.positives, ctx.eps = plan, positives, eps
         ctx.save_for_backward(anchors, columns, sums.lse, slope_sum)
         ctx.mark_non_differentiable(*sums[1:])
@@ -60,13 +59,14 @@ class _RowsAndPairTerms(torch.autograd.Function):
         grad_pairs = zero if grad_pairs is None else grad_pairs
         row_weight = (zero if grad_lse is None else grad_lse) + grad_pairs * slope_sum
         grad_anchors, grad_columns = torch.zeros_like(anchors), torch.zeros_like(columns)
-        buffers = TileBuffers(anchors, ctx.plan.tile_size, 2)
-        for block, start, stop, keep, logits in _pair_tiles(anchors, columns, ctx.positives,
-                                                            ctx.plan.tile_size, buffers):
+        buffers = TileBuffers(anchors, ctx.plan.tile_size)
+        for block, start, stop, pairs, logits in _pair_tiles(anchors, columns, ctx.positives,
+                                                             ctx.plan.tile_size, buffers):
             # -d terms / d l_ip = sigmoid(lse_i - l_ip + eps), read before the mask
-            slope = torch.sub(lse[block, None], logits, out=buffers[1](*logits.shape))
-            slope.add_(ctx.eps).sigmoid_().masked_fill_(~keep, 0.0).mul_(grad_pairs[block, None])
-            grad_logits = ctx.plan.columns.tile(start, stop, block).fill_(logits, MASKED_LOGIT)
+            slope = torch.sub(lse[block, None], logits, out=buffers["slopes"](*logits.shape))
+            pairs.fill_(slope.add_(ctx.eps).sigmoid_(), 0.0).mul_(grad_pairs[block, None])
+            grad_logits = ctx.plan.columns.tile(start, stop, block, buffers["columns mask"]
+                                                ).fill_(logits, MASKED_LOGIT)
             grad_logits.sub_(lse[block, None]).exp_().mul_(row_weight[block, None]).sub_(slope)
             grad_anchors[block].addmm_(grad_logits, columns[start:stop])
             grad_columns[start:stop].addmm_(grad_logits.T, anchors[block])
@@ -74,16 +74,16 @@ class _RowsAndPairTerms(torch.autograd.Function):
 
 
 def _pair_tiles(anchors: Tensor, columns: Tensor, positives: ColumnTiles, tile_size: int,
-                buffers: TileBuffers) -> Iterator[tuple[slice, int, int, Tensor, Tensor]]:
-    """(block of anchor rows, start, stop, [rows, T] positives mask, [rows, T] logits in
-    ``buffers[0]``) of every tile."""
+                buffers: TileBuffers) -> Iterator[tuple[slice, int, int, Columns, Tensor]]:
+    """(block of anchor rows, start, stop, the tile's positives as :class:`Columns`, its
+    [rows, T] logits in ``buffers["logits"]``) of every tile."""
     for block in row_blocks(anchors.shape[0], tile_size, anchors.device):
         for start in range(0, columns.shape[0], tile_size):
             stop = min(start + tile_size, columns.shape[0])
-            keep = positives.tile(start, stop, block).keep
-            logits = buffers[0](block.stop - block.start, stop - start)
-            yield block, start, stop, keep, torch.mm(anchors[block], columns[start:stop].T,
-                                                     out=logits)
+            pairs = positives.tile(start, stop, block, buffers["positives mask"])
+            logits = buffers["logits"](block.stop - block.start, stop - start)
+            yield block, start, stop, pairs, torch.mm(anchors[block], columns[start:stop].T,
+                                                      out=logits)
 
 
 def tiled_rows_and_pair_terms(anchors: Tensor, columns: Tensor, plan: TilePlan,

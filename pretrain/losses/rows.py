@@ -52,11 +52,16 @@ def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
               column_lse: bool = False) -> TilePlan:
     """The :class:`TilePlan` of ``column_set`` (and its negatives' monitors, the
     positives' log-sum-exp and the columns' log-sum-exp) on ``batch``."""
+    columns = batch.column_tiles(column_set)
+    negatives = None
+    if monitors:  # the columns' own tiles when they are the negatives: one mask serves both
+        negatives = columns if column_set == column_set.negatives else \
+            batch.column_tiles(column_set.negatives)
     return TilePlan(
         tile_size=batch.tile_size,
-        columns=batch.column_tiles(column_set),
+        columns=columns,
         targets=targets,
-        negatives=batch.column_tiles(column_set.negatives) if monitors else None,
+        negatives=negatives,
         negative_logit_sum=monitors and batch.num_negatives is not None,
         positives=batch.column_tiles(column_set.positives_only) if positive_lse else None,
         column_lse=column_lse)

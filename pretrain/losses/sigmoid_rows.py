@@ -82,7 +82,7 @@ class _TiledSoftplus(torch.autograd.Function):
         sigmoid_sums = anchors.new_zeros(n)  # d / d b of each row's sum
         grad_anchors = torch.zeros_like(anchors) if needs_anchors else None
         grad_columns = torch.zeros_like(columns) if needs_columns else None
-        buffers = TileBuffers(anchors, plan.tile_size, 3)  # logits, sigmoids, mask
+        buffers = TileBuffers(anchors, plan.tile_size)
         for block in row_blocks(n, plan.tile_size, anchors.device):
             rows = anchors[block]
             weighted = rows * weights[block, None] if needs_columns else None
@@ -90,15 +90,16 @@ class _TiledSoftplus(torch.autograd.Function):
                 stop = min(start + plan.tile_size, columns.shape[0])
                 shape = (block.stop - block.start, stop - start)
                 part = columns[start:stop]
-                kept = plan.columns.tile(start, stop, block, buffers[2])
-                logits = torch.mm(rows, part.T, out=buffers[0](*shape))
+                kept = plan.columns.tile(start, stop, block, buffers["columns mask"])
+                logits = torch.mm(rows, part.T, out=buffers["logits"](*shape))
                 if plan.with_products:
-                    products[block] += kept.fill_(buffers[1](*shape).copy_(logits), 0.0).sum(1)
+                    copy = buffers["temporary"](*shape).copy_(logits)
+                    products[block] += kept.fill_(copy, 0.0).sum(1)
                 kept.fill_(logits.add_(bias), MASKED_LOGIT)
                 row_sums[block] += F.softplus(logits).sum(1)
                 if not make_grads:
                     continue
-                grad_logits = torch.sigmoid(logits, out=buffers[1](*shape))  # softplus'
+                grad_logits = torch.sigmoid(logits, out=buffers["temporary"](*shape))  # softplus'
                 if grad_anchors is not None:  # w_i sum_j s_ij c_j, w_i applied below
                     grad_anchors[block].addmm_(grad_logits, part)
                 if grad_columns is not None:  # sum_i s_ij w_i a_i

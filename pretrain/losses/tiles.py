@@ -26,13 +26,16 @@ from pretrain.losses.columns import MASKED_LOGIT, NEGLIGIBLE_LOG_WEIGHT, Buffer,
 # (start, stop, rows, out) -> the [rows, stop - start] target logits of a block of anchor
 # rows, written into ``out`` (the same shape) and returned; no grad
 TargetLogits = Callable[[int, int, slice, Tensor], Tensor]
-CPU_BLOCK_ELEMENTS = 2**18  # a CPU [rows, T] tile: 1 MiB of float32, about a core's L2
+# a CPU [rows, T] tile: 2 MiB of float32, split over two cores' L2 (measured against
+# 1 and 4 MiB on a 2-core EPYC, docs/benchmarks.md)
+CPU_BLOCK_ELEMENTS = 2**19
 
 
 @dataclass(frozen=True)
 class TilePlan:
     """What one tiled pass computes: ``columns`` of the log-sum-exp (and of the targets),
-    optional ``targets`` logits, and optional monitors over the ``negatives``."""
+    optional ``targets`` logits, and optional monitors over the ``negatives`` (``columns``
+    itself when they are the same set: the pass then reuses the columns' mask)."""
 
     tile_size: int
     columns: ColumnTiles
@@ -72,23 +75,22 @@ class _PassSums(NamedTuple):
 
 
 class TileBuffers:
-    """Float buffers of [rows, T] tiles, each allocated once per pass, when first used, and
-    reused by every tile of every row block: per-tile temporaries, freed and allocated
-    again hundreds of times, leave blocks that glibc keeps resident (``docs/benchmarks.md``,
-    tiled memory)."""
+    """Named float buffers of [rows, T] tiles, each allocated once per pass, when first
+    used, and reused by every tile of every row block: per-tile temporaries, freed and
+    allocated again hundreds of times, leave blocks that glibc keeps resident
+    (``docs/benchmarks.md``, tiled memory)."""
 
-    def __init__(self, anchors: Tensor, tile_size: int, count: int) -> None:
+    def __init__(self, anchors: Tensor, tile_size: int) -> None:
         rows = min(len(anchors), _block_rows(len(anchors), tile_size, anchors.device))
         self._like, self._numel = anchors, rows * tile_size
-        self._buffers: list[Tensor | None] = [None] * count
+        self._buffers: dict[str, Tensor] = {}
 
-    def __getitem__(self, index: int) -> Buffer:
-        """Buffer ``index`` (negative: from the last) as a contiguous [rows, width] tensor
-        (width <= T)."""
+    def __getitem__(self, name: str) -> Buffer:
+        """Buffer ``name`` as a contiguous [rows, width] tensor (width <= T)."""
         def view(rows: int, width: int) -> Tensor:
-            if self._buffers[index] is None:
-                self._buffers[index] = self._like.new_empty(self._numel)
-            return self._buffers[index][:rows * width].view(rows, width)
+            if name not in self._buffers:
+                self._buffers[name] = self._like.new_empty(self._numel)
+            return self._buffers[name][:rows * width].view(rows, width)
         return view
 
 
@@ -157,32 +159,38 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slic
     neg_logits = anchors.new_zeros(n)
     for start in range(0, num_columns, plan.tile_size):
         stop = min(start + plan.tile_size, num_columns)
-        width = stop - start
-        tile = plan.columns.tile(start, stop, block, scratch[-1])
-        logits = torch.mm(anchors, columns[start:stop].T, out=scratch[0](n, width))
+        shape = (n, stop - start)
+        tile = plan.columns.tile(start, stop, block, scratch["columns mask"])
+        logits = torch.mm(anchors, columns[start:stop].T, out=scratch["logits"](*shape))
         if positives is not None:  # before the columns' mask leaves positives out
-            kept = plan.positives.tile(start, stop, block).fill_(
-                scratch[2](n, width).copy_(logits), MASKED_LOGIT)
+            kept = plan.positives.tile(start, stop, block, scratch["positives mask"]).fill_(
+                scratch["temporary"](*shape).copy_(logits), MASKED_LOGIT)
             positives.update(kept, out=kept)
         tile.fill_(logits, MASKED_LOGIT)
         if by_column is not None:
-            by_column.update_columns(start, logits, out=scratch[2](n, width))
-        weights, scale = rows.update(logits, out=scratch[1](n, width))
+            by_column.update_columns(start, logits, out=scratch["temporary"](*shape))
+        weights, scale = rows.update(logits, out=scratch["weights"](*shape))
         if plan.negatives is not None:  # the negatives are a subset of the columns
-            negatives = plan.negatives.tile(start, stop, block, scratch[-2])
-            neg_weights = negatives.fill_(weights, 0.0)
+            negatives = tile if plan.negatives is plan.columns else plan.negatives.tile(
+                start, stop, block, scratch["negatives mask"])
+            # the columns' own mask left exp(MASKED_LOGIT - top) = 0 where it drops
+            neg_weights = weights if negatives is tile else negatives.fill_(weights, 0.0)
             neg_sum = neg_sum * scale + neg_weights.sum(1)
-            neg_sq = neg_sq * scale.square() + _row_dot(neg_weights, neg_weights,
-                                                         scratch[2](n, width))
+            # the norm reads the tile once, where a product would also write one
+            neg_sq = neg_sq * scale.square() + torch.linalg.vector_norm(neg_weights,
+                                                                        dim=1).square()
             if plan.negative_logit_sum:
-                neg_logits += negatives.fill_(scratch[2](n, width).copy_(logits), 0.0).sum(1)
+                neg_logits += negatives.fill_(scratch["temporary"](*shape).copy_(logits),
+                                              0.0).sum(1)
         if targets is not None:
-            target = tile.fill_(plan.targets(start, stop, block, scratch[3](n, width)),
+            target = tile.fill_(plan.targets(start, stop, block, scratch["targets"](*shape)),
                                 MASKED_LOGIT)
-            target_weights, target_scale = targets.update(target, out=scratch[4](n, width))
-            term = term * target_scale + _row_dot(target_weights, logits, scratch[2](n, width))
+            target_weights, target_scale = targets.update(target,
+                                                          out=scratch["target weights"](*shape))
+            term = term * target_scale + _row_dot(target_weights, logits,
+                                                  scratch["temporary"](*shape))
             cross = cross * target_scale + _row_dot(target_weights, target,
-                                                    scratch[2](n, width))
+                                                    scratch["temporary"](*shape))
     lse = rows.lse()
     target_lse, entropy = lse.new_zeros(0), lse.new_zeros(0)
     if targets is not None:
@@ -201,8 +209,7 @@ def _row_dot(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
 
 def _forward(anchors: Tensor, columns: Tensor, plan: TilePlan,
              temperature: float | Tensor = 1.0) -> _PassSums:
-    # the last two hold the masks of the columns and of the negatives
-    scratch = TileBuffers(anchors, plan.tile_size, 7 if plan.targets is not None else 5)
+    scratch = TileBuffers(anchors, plan.tile_size)
     by_column = _RunningColumns(columns.shape[0], anchors) if plan.column_lse else None
     blocks = [_forward_block(divided(anchors[block], temperature), columns, plan, block, scratch,
                              by_column)
@@ -257,8 +264,10 @@ class _TiledLogSumExp(torch.autograd.Function):
         if not rows_of_columns and ctx.needs_input_grad[0]:
             grad_anchors = torch.zeros_like(anchors)
         tau_sum = lse.new_zeros(()) if tau is not None and ctx.needs_input_grad[2] else None
-        # the last holds the columns' mask
-        scratch = TileBuffers(anchors, plan.tile_size, 4 if grad_column is not None else 3)
+        # d l / d a = c / tau: the per-row and per-column gradients carry the 1 / tau
+        grad_lse, grad_term, grad_column = (None if grad is None else divided(grad, temperature)
+                                            for grad in (grad_lse, grad_term, grad_column))
+        scratch = TileBuffers(anchors, plan.tile_size)
         for block in row_blocks(anchors.shape[0], plan.tile_size, anchors.device):
             raw = anchors[block]
             block_anchors, n = divided(raw, temperature), raw.shape[0]
@@ -266,23 +275,22 @@ class _TiledLogSumExp(torch.autograd.Function):
             block_grad = grad_anchors[block] if grad_anchors is not None else torch.zeros_like(raw)
             for start in range(0, columns.shape[0], plan.tile_size):
                 stop = min(start + plan.tile_size, columns.shape[0])
-                tile = plan.columns.tile(start, stop, block, scratch[-1])
+                shape = (n, stop - start)
+                tile = plan.columns.tile(start, stop, block, scratch["columns mask"])
                 part = columns[start:stop]
                 grad_logits = None
                 if grad_lse is not None or grad_column is not None:
                     grad_logits = _softmax_grads(
-                        tile.fill_(torch.mm(block_anchors, part.T,
-                                            out=scratch[0](n, stop - start)), MASKED_LOGIT),
+                        tile.fill_(torch.mm(block_anchors, part.T, out=scratch["logits"](*shape)),
+                                   MASKED_LOGIT),
                         (lse[block], grad_lse[block] if grad_lse is not None else None),
                         (column_lse[start:stop], grad_column[start:stop]
-                         if grad_column is not None else None), scratch[2])
+                         if grad_column is not None else None), scratch["by column"])
                 if grad_term is not None:  # d term / d l = targets
                     target = tile.fill_(plan.targets(start, stop, block,
-                                                     scratch[1](n, stop - start)),
-                                        MASKED_LOGIT)
+                                                     scratch["targets"](*shape)), MASKED_LOGIT)
                     target.sub_(target_lse[block, None]).exp_().mul_(grad_term[block, None])
                     grad_logits = target if grad_logits is None else grad_logits.add_(target)
-                grad_logits = _divide_(grad_logits, temperature)  # d l / d a = c / tau
                 block_grad.addmm_(grad_logits, part)
                 if grad_columns is not None:
                     grad_columns[start:stop].addmm_(grad_logits.T, raw)
@@ -310,13 +318,6 @@ def _softmax_grads(logits: Tensor, by_row: tuple[Tensor, Tensor | None],
         return per_column
     per_row = logits.sub_(row_lse[:, None]).exp_().mul_(row_grad[:, None])
     return per_row if per_column is None else per_row.add_(per_column)
-
-
-def _divide_(values: Tensor, temperature: float | Tensor) -> Tensor:
-    """``values`` / ``temperature``, in place."""
-    if isinstance(temperature, float | int) and temperature == 1:
-        return values
-    return values.div_(temperature)
 
 
 def tiled_rows(anchors: Tensor | None, columns: Tensor, plan: TilePlan,
