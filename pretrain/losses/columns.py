@@ -146,16 +146,17 @@ def column_mask(columns: ColumnSet, anchor_index: Tensor, anchor_keys: Tensor, k
     if columns.include_negatives and columns.positives and kept_negatives is None:
         # every column but (maybe) the anchor's own: no key comparison needed
         return Columns(width, invalid, None if columns.self_column else own_cols)
-    # 1.0 where the keys match (or differ): a CPU writes it several times faster than a bool
-    as_float = buffer is not None and invalid is None and keys.is_floating_point()
-    if columns == columns.negatives and kept_negatives is None:
-        if as_float:
-            return Columns(width, torch.eq(anchor_keys[:, None], keys[None, :],
-                                           out=buffer(len(anchor_keys), width)))
+    negatives = columns == columns.negatives
+    if (negatives or columns == columns.positives_only) and kept_negatives is None \
+            and buffer is not None and invalid is None and keys.is_floating_point():
+        # 1.0 where the keys match (negatives) or differ (positives, and the own column by
+        # index): a CPU writes a float mask several times faster than a bool one
+        compare = torch.eq if negatives else torch.ne
+        return Columns(width, compare(anchor_keys[:, None], keys[None, :],
+                                      out=buffer(len(anchor_keys), width)),
+                       None if negatives else own_cols)
+    if negatives and kept_negatives is None:
         drop = anchor_keys[:, None] == keys[None, :]  # the anchor's own column shares its key
-    elif columns == columns.positives_only and as_float:  # no negatives: no subset applies
-        return Columns(width, torch.ne(anchor_keys[:, None], keys[None, :],
-                                       out=buffer(len(anchor_keys), width)), own_cols)
     else:
         same = anchor_keys[:, None] == keys[None, :]
         cols = torch.arange(start, start + width, device=keys.device)

@@ -171,10 +171,11 @@ def _forward_block(anchors: Tensor, columns: Tensor, plan: TilePlan, block: slic
             by_column.update_columns(start, logits, out=scratch["temporary"](*shape))
         weights, scale = rows.update(logits, out=scratch["weights"](*shape))
         if plan.negatives is not None:  # the negatives are a subset of the columns
-            negatives = tile if plan.negatives is plan.columns else plan.negatives.tile(
-                start, stop, block, scratch["negatives mask"])
-            # the columns' own mask left exp(MASKED_LOGIT - top) = 0 where it drops
-            neg_weights = weights if negatives is tile else negatives.fill_(weights, 0.0)
+            if plan.negatives is plan.columns:  # their mask left exp(MASKED_LOGIT - top) = 0
+                negatives, neg_weights = tile, weights
+            else:
+                negatives = plan.negatives.tile(start, stop, block, scratch["negatives mask"])
+                neg_weights = negatives.fill_(weights, 0.0)
             neg_sum = neg_sum * scale + neg_weights.sum(1)
             # the norm reads the tile once, where a product would also write one
             neg_sq = neg_sq * scale.square() + torch.linalg.vector_norm(neg_weights,
