@@ -18,6 +18,7 @@ from core.config import from_dict
 from evaluation.load import load_encoder
 from pretrain.model.encoder import ModelConfig
 from pretrain.run.tracking import tracking_uri
+from serving.evaluation_record import read_evaluation
 from serving.export import Exported, chosen_space, export, log_export
 
 
@@ -35,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         uri = tracking_uri(config.tracking, run_dir)
         loaded = load_encoder(cfg.model, run_dir, uri, key="export.model")
         model_cfg = from_dict(ModelConfig, loaded.tree.get("model", {}), prefix="model.")
-        out = export(Exported(loaded.model.eval(), model_cfg, loaded.tree, cfg.model), cfg)
+        evaluation = read_evaluation(loaded.ref, uri)
+        out = export(Exported(loaded.model.eval(), model_cfg, loaded.tree, cfg.model,
+                              evaluation), cfg)
         logged = log_export(out, loaded.ref, uri, cfg.format) if args.log_artifact else None
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"export: {cfg.model} as {cfg.format} ({chosen_space(cfg)}) in {out}: {files}"

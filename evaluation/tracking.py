@@ -7,6 +7,7 @@ and bank, and ``results.json`` records their paths."""
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from evaluation.config import EvalConfig
 from evaluation.promote import SCORE_TAG, promote
 from evaluation.report import scalars
 from pretrain.run.tracking import experiment_id, quiet_store_errors
+from serving.evaluation_record import EVALUATION_TAG, EvaluationRecord
 from serving.model_registry import ModelRef
 
 log = logging.getLogger(__name__)
@@ -45,12 +47,30 @@ def log_evaluation(uri: str, cfg: EvalConfig, experiment: str, run_name: str, re
         log.info("promotion: %s", results["promotion"])
     elif ref.name is not None:
         client.set_model_version_tag(ref.name, ref.version, SCORE_TAG, repr(float(score)))
+    if ref.name is not None:
+        client.set_model_version_tag(ref.name, ref.version, EVALUATION_TAG,
+                                     evaluation_record(results, cfg, run.info.run_id).to_json())
     params = {k: str(v)[:6000] for k, v in flatten(cfg).items()}
     metrics = [Metric(k.replace("@", "_"), v, 0, 0) for k, v in scalars(results).items()]
     client.log_batch(run.info.run_id, metrics=metrics,
                      params=[Param(f"eval.{k}", v) for k, v in params.items()])
     results["mlflow_run_id"] = run.info.run_id
     return client, run.info.run_id
+
+
+def evaluation_record(results: dict[str, Any], cfg: EvalConfig, run_id: str
+                      ) -> EvaluationRecord:
+    """The figures an exported card carries (``serving/evaluation_record.py``)."""
+    k = f"k{cfg.promote_k}"
+    floor = results.get("untrained")
+    return EvaluationRecord(
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), run_id=run_id,
+        test_shards=str(cfg.test_shards), test_samples=int(results["samples"]["test"]),
+        train_samples=int(results["samples"]["train"]), k=cfg.promote_k,
+        knn_top1=float(results["knn"]["backbone"][k]["top1"]),
+        probe_top1=float(results["linear_probe"]["top1"]),
+        untrained_knn_top1=float(floor["knn"]["backbone"][k]["top1"]) if floor else None,
+        untrained_probe_top1=float(floor["linear_probe"]["top1"]) if floor else None)
 
 
 def upload_outputs(client: Any, run_id: str, out: Path) -> None:

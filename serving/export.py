@@ -25,11 +25,12 @@ import json
 import math
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
+import yaml
 from torch import Tensor, nn
 
 from core.config import from_dict
@@ -41,6 +42,12 @@ from pretrain.losses.parameters import ParameterShape
 from pretrain.model.backbones import backbone_spec, split_name
 from pretrain.model.encoder import ModelConfig
 from serving import open_clip_folder
+from serving.evaluation_record import (
+    EvaluationRecord,
+    card_table,
+    model_index,
+    unevaluated_line,
+)
 from serving.model_registry import EmbeddingModel, ModelRef
 
 BUNDLED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # the bundled sentence model
@@ -64,13 +71,14 @@ class ExportConfig:
 
 
 class Exported(NamedTuple):
-    """What leaves: the model, its ``model.*`` configuration, the run's configuration tree
-    and where it came from."""
+    """What leaves: the model, its ``model.*`` configuration, the run's configuration tree,
+    where it came from and the evaluation recorded on it."""
 
     model: EmbeddingModel
     cfg: ModelConfig
     tree: dict[str, Any]
     source: str
+    evaluation: EvaluationRecord | None = None  # the registered version's, when evaluated
 
     @property
     def resolution(self) -> int:
@@ -110,8 +118,10 @@ def write_onnx(item: Exported, out: Path, cfg: ExportConfig) -> None:
                       dynamic_shapes={"images": {0: torch.export.Dim("batch")}},
                       dynamo=True, verbose=False)
     graph = onnx.load(str(path), load_external_data=False)  # large weights stay beside it
+    evaluation = (asdict(item.evaluation) if item.evaluation is not None
+                  else unevaluated_line(item.source.startswith("models:/")))
     for key, value in {**view(item), "space": cfg.space, "backbone": item.cfg.backbone,
-                       "source": item.source}.items():
+                       "source": item.source, "evaluation": evaluation}.items():
         entry = graph.metadata_props.add()
         entry.key, entry.value = key, json.dumps(value)
     onnx.save(graph, str(path))
@@ -144,7 +154,7 @@ def write_timm(item: Exported, out: Path, cfg: ExportConfig) -> None:
               "num_features": int(item.model.encoder.feature_dim), "model_args": sized,
               "pretrained_cfg": {**view(item), "num_classes": 0}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "README.md").write_text(model_card(item, name, cfg.repo_id))
+    (out / "README.md").write_text(timm_card(item, name, cfg.repo_id))
 
 
 def open_clip_problem(item: Exported) -> str | None:
@@ -185,32 +195,69 @@ def write_open_clip(item: Exported, out: Path, cfg: ExportConfig) -> None:
                                  "interpolation": "bilinear", "resize_mode": "shortest"}}
     (out / "open_clip_config.json").write_text(json.dumps(config, indent=2) + "\n")
     open_clip_folder.copy_tokenizer(Path(model_path(text_model)), out)
+    (out / "README.md").write_text(open_clip_card(item, timm_architecture(item.cfg)[0]))
 
 
-def model_card(item: Exported, architecture: str, repo_id: str) -> str:
-    """A Hugging Face model card: the metadata block, what the encoder is, how to load it,
-    and the recipe it was trained with."""
+def recipe(item: Exported) -> dict[str, Any]:
+    """The training recipe a card shows."""
     objective = item.tree.get("objective", {})
     train, data = item.tree.get("train", {}), item.tree.get("data", {})
-    title = repo_id or f"{architecture} contrastive encoder"
+    return {"objective": objective.get("name", "?"),
+            "temperature": objective.get("temperature", "?"),
+            "epochs": train.get("epochs", "?"),
+            "batch_size_per_rank": data.get("batch_size", "?"),
+            "resolution": item.resolution, "augment": data.get("augment", "?")}
+
+
+def evaluation_section(item: Exported) -> list[str]:
+    """The card's figures (:mod:`serving.evaluation_record`), or the one line saying why
+    there are none."""
+    if item.evaluation is None:
+        return [unevaluated_line(item.source.startswith("models:/"))]
+    return card_table(item.evaluation)
+
+
+def model_card(item: Exported, library: str, title: str, usage: list[str],
+               what: str) -> str:
+    """A Hugging Face model card: the metadata block (``model-index`` when the version has
+    been evaluated), what the encoder is, how to load it, its evaluation and its recipe."""
+    trained = recipe(item)
+    meta: dict[str, Any] = {"library_name": library,
+                            "pipeline_tag": "image-feature-extraction",
+                            "tags": ["image-feature-extraction", library,
+                                     "contrastive-learning", str(trained["objective"])]}
+    if item.evaluation is not None:
+        meta["model-index"] = model_index(item.evaluation, title)
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", f"# {title}",
+             "", f"{what} trained with {trained['objective']}, exported from "
+             f"`{item.source}`.", "", "```python", *usage, "```", "",
+             "## Evaluation", "", *evaluation_section(item), "",
+             "## Training recipe", "", "| key | value |", "|---|---|",
+             *(f"| {k} | {v} |" for k, v in trained.items()), ""]
+    return "\n".join(lines)
+
+
+def timm_card(item: Exported, architecture: str, repo_id: str) -> str:
     where = f"hf-hub:{repo_id}" if repo_id else "local-dir:<this folder>"
-    recipe = {"objective": objective.get("name", "?"),
-              "temperature": objective.get("temperature", "?"),
-              "epochs": train.get("epochs", "?"),
-              "batch_size_per_rank": data.get("batch_size", "?"),
-              "resolution": item.resolution, "augment": data.get("augment", "?")}
-    lines = ["---", "library_name: timm", "pipeline_tag: image-feature-extraction",
-             "tags:", "- image-feature-extraction", "- timm", "- contrastive-learning",
-             f"- {recipe['objective']}", "---", "", f"# {title}", "",
-             f"The backbone of an encoder trained with {recipe['objective']} (features "
-             f"[B, {item.model.encoder.feature_dim}], no classifier), exported from "
-             f"`{item.source}`.", "", "```python", "import timm", "",
+    usage = ["import timm", "",
              f'model = timm.create_model("{where}", pretrained=True).eval()',
              "config = timm.data.resolve_data_config(model=model)",
-             "transform = timm.data.create_transform(**config)", "```", "",
-             "## Training recipe", "", "| key | value |", "|---|---|",
-             *(f"| {k} | {v} |" for k, v in recipe.items()), ""]
-    return "\n".join(lines)
+             "transform = timm.data.create_transform(**config)"]
+    what = (f"The backbone of a contrastive encoder (features "
+            f"[B, {item.model.encoder.feature_dim}], no classifier)")
+    return model_card(item, "timm", repo_id or f"{architecture} contrastive encoder", usage,
+                      what)
+
+
+def open_clip_card(item: Exported, architecture: str) -> str:
+    usage = ["import open_clip", "",
+             'model, _, preprocess = open_clip.create_model_and_transforms(',
+             '    "local-dir:<this folder>")',
+             'tokenizer = open_clip.get_tokenizer("local-dir:<this folder>")']
+    what = (f"An image-text encoder ({architecture} image tower and its text tower, "
+            f"embeddings [B, {item.cfg.projector_dim}])")
+    return model_card(item, "open_clip", f"{architecture} contrastive image-text encoder",
+                      usage, what)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +23,8 @@ from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.leftovers import lingering_threads, mark_session, remove_strays
 
-TASK_TIMEOUT_S = 300
+TASK_TIMEOUT_S = 300  # a task with no answer from any rank
+FAILED_RANK_GRACE_S = 20  # the other ranks' time to answer once one has failed
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
@@ -45,37 +48,73 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
 class GlooGroup:
     """Worker processes joined in one gloo group; ``run(fn, *args)`` calls ``fn`` on each
     rank (``fn`` must be importable, e.g. a module-level test helper) and returns the
-    results in rank order."""
+    results in rank order.
+
+    A task that fails on any rank fails the test within ``FAILED_RANK_GRACE_S`` of the
+    failure, whatever the other ranks are doing (waiting in a collective for the failed
+    rank, say): they are stopped, and the next ``run`` starts a fresh group. A rank that
+    dies is a failure; a task with no answer at all fails after ``TASK_TIMEOUT_S``."""
 
     def __init__(self, world: int = 2) -> None:
+        self.world = world
+        self.procs: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.outbox = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_serve, args=(r, world, port, q, self.outbox),
+        self.inboxes = [ctx.Queue() for _ in range(self.world)]
+        self.procs = [ctx.Process(target=_serve, args=(r, self.world, port, q, self.outbox),
                                   daemon=True) for r, q in enumerate(self.inboxes)]
         for proc in self.procs:
             proc.start()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        if not self.procs:
+            self._start()
         for inbox in self.inboxes:
             inbox.put((fn, args))
+        results, failures = self._collect()
+        if failures:
+            self.close()
+            raise RuntimeError("\n".join(f"rank {rank} failed:\n{why}"
+                                         for rank, why in sorted(failures.items())))
+        return [results[r] for r in range(self.world)]
+
+    def _collect(self) -> tuple[dict[int, Any], dict[int, str]]:
+        """Every rank's answer, or the failures: a rank's exception, a rank that died, or
+        the ranks still silent at the deadline (``FAILED_RANK_GRACE_S`` after the first
+        failure, ``TASK_TIMEOUT_S`` after the start)."""
         results: dict[int, Any] = {}
-        for _ in self.inboxes:
-            rank, ok, value = self.outbox.get(timeout=TASK_TIMEOUT_S)
-            if not ok:
-                self.close()
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-        return [results[r] for r in range(len(self.inboxes))]
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + TASK_TIMEOUT_S
+        while len(results) + len(failures) < self.world:
+            try:
+                rank, ok, value = self.outbox.get(timeout=0.5)
+                (results if ok else failures)[rank] = value
+            except queue.Empty:
+                pending = [r for r in range(self.world) if r not in results and r not in failures]
+                for rank in pending:
+                    if not self.procs[rank].is_alive():
+                        failures[rank] = f"the process exited ({self.procs[rank].exitcode})"
+                if time.monotonic() > deadline:
+                    waited = "a failed rank" if failures else f"{TASK_TIMEOUT_S} s"
+                    failures.update({r: f"no answer (stopped after {waited})"
+                                     for r in pending if r not in failures})
+            if failures:
+                deadline = min(deadline, time.monotonic() + FAILED_RANK_GRACE_S)
+        return results, failures
 
     def close(self) -> None:
         for inbox in self.inboxes:
             inbox.put(None)
         for proc in self.procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
+            proc.join(timeout=5)
+            if proc.is_alive():  # waiting in a collective for a rank that failed
+                proc.kill()
+                proc.join(timeout=5)
+        self.procs = []
 
 
 @contextlib.contextmanager
@@ -108,6 +147,13 @@ def test_environment() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def gloo2() -> GlooGroup:
     group = GlooGroup(world=2)
+    yield group
+    group.close()
+
+
+@pytest.fixture(scope="module")
+def gloo4() -> GlooGroup:
+    group = GlooGroup(world=4)
     yield group
     group.close()
 

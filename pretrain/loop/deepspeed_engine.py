@@ -30,7 +30,8 @@ from pretrain.run.reshard import (
 
 def read_deepspeed_config(path: str) -> dict[str, Any]:
     """The DeepSpeed JSON at ``path``; it must set gradient_clipping (DeepSpeed would
-    otherwise clip silently at 1.0) and a ZeRO stage of 1, 2 or 3."""
+    otherwise clip silently at 1.0) and a ZeRO stage of 1, 2 or 3, and leave DeepSpeed's
+    own fp16/bf16 off (precision is ``train.precision``)."""
     file = Path(path)
     if not file.is_file():
         raise InvalidValue("deepspeed_config", f"{path}: no such file")
@@ -41,6 +42,11 @@ def read_deepspeed_config(path: str) -> dict[str, Any]:
     if "gradient_clipping" not in config:
         raise InvalidValue("deepspeed_config", f"{path}: set \"gradient_clipping\" explicitly "
                                                "(0.0 turns clipping off)")
+    for key in ("fp16", "bf16"):
+        if config.get(key, {}).get("enabled", False):
+            raise InvalidValue("deepspeed_config", f"{path}: \"{key}\" is enabled; precision is "
+                                                   "train.precision (our autocast, parameters in "
+                                                   "fp32), so leave it out of the DeepSpeed JSON")
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage not in (1, 2, 3):
         raise InvalidValue("deepspeed_config", f"{path}: zero_optimization.stage must be 1, 2 or "
@@ -65,6 +71,8 @@ class DeepSpeedEngine(Engine):
         self.stage = "3" if config["zero_optimization"]["stage"] == 3 else "1/2"  # layouts
         self.shards_parameters = self.stage == "3"
         self.round_robin = config["zero_optimization"].get("round_robin_gradients", False)
+        if self.shards_parameters:
+            zero3.partition(model, config)
         self.ds, zero_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False)
         super().__init__(model, zero_optimizer)

@@ -31,6 +31,21 @@ def _own_tensors(module: nn.Module, prefix: str) -> tuple[list[tuple[str, nn.Par
     return params, buffers
 
 
+def partition(model: nn.Module, config: dict[str, Any]) -> None:
+    """Partition ``model``'s parameters over the ranks (a collective), as DeepSpeed's engine
+    would at ``initialize``, naming the dtype ``zero.Init`` checks.
+
+    That dtype is the one ``zero.Init`` would give tensors created inside its context; a
+    built model creates none, so it changes no value here. Left to DeepSpeed 0.19.8 it is
+    the first parameter's dtype on a CPU with fp16 kernels (Intel AVX-512 FP16/AMX), where
+    float64 parameters are refused, and bfloat16 on one without (AMD Zen), an operator
+    precedence slip in ``Init._set_dtype``. Naming float32 makes both CPUs take the same
+    path; the parameters keep their own dtype (float64 in the equality tests)."""
+    import deepspeed
+
+    deepspeed.zero.Init(module=model, config_dict_or_path=config, dtype=torch.float32)
+
+
 def gathered_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model state on rank 0's CPU, in ``state_dict`` order; empty on the other
     ranks. A collective: each module's parameters are gathered in turn (every rank holds

@@ -36,11 +36,14 @@ VIT = ModelConfig(backbone="timm:test_vit", patch_size=8, projector_hidden=16,
                   projector_dim=8, image_size=R)
 RESNET = ModelConfig(backbone="resnet18", small_stem=False, projector_hidden=16,
                      projector_dim=8, image_size=R)
+RESNET50 = ModelConfig(backbone="resnet50", small_stem=False, projector_hidden=16,
+                       projector_dim=8, image_size=R)
 
 
 @pytest.mark.parametrize(("cfg", "space"), [(SMALL_CNN, "backbone"), (SMALL_CNN, "projector"),
-                                            (VIT, "backbone"), (RESNET, "backbone")],
-                         ids=["small_cnn", "small_cnn-projector", "vit", "resnet18"])
+                                            (VIT, "backbone"), (RESNET, "backbone"),
+                                            (RESNET50, "backbone")],
+                         ids=["small_cnn", "small_cnn-projector", "vit", "resnet18", "resnet50"])
 def test_onnxruntime_gives_our_features_at_any_batch_size(tmp_path, cfg, space):
     import onnx
     import onnxruntime
@@ -61,7 +64,7 @@ def test_onnxruntime_gives_our_features_at_any_batch_size(tmp_path, cfg, space):
     assert meta["mean"] == list(MEAN) and meta["std"] == list(STD) and meta["crop_pct"] == 0.875
 
 
-@pytest.mark.parametrize("cfg", [VIT, RESNET], ids=["vit", "resnet18"])
+@pytest.mark.parametrize("cfg", [VIT, RESNET, RESNET50], ids=["vit", "resnet18", "resnet50"])
 def test_timm_loads_the_folder_as_our_backbone_with_the_run_s_view(tmp_path, cfg):
     import timm
 
@@ -82,6 +85,7 @@ def test_timm_loads_the_folder_as_our_backbone_with_the_run_s_view(tmp_path, cfg
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: timm\n") and "hf-hub:someone/encoder" in card
     assert "| objective | supcon |" in card
+    assert "Not evaluated: exported from a checkpoint or run" in card  # not models:/
 
 
 @pytest.mark.parametrize(("cfg", "fmt", "message"), [

@@ -21,6 +21,7 @@ from core.errors import RunError
 from data_pipeline.text import BUNDLED, load_tokenizer, model_path, tokenize
 from pretrain.model.encoder import Encoder, ModelConfig
 from pretrain.model.text_tower import TextTower, TextTowerConfig
+from serving.evaluation_record import EvaluationRecord
 from serving.export import BUNDLED_HUB_ID, ExportConfig, Exported, export
 from serving.model_registry import EmbeddingModel
 
@@ -101,6 +102,24 @@ def test_open_clip_loads_our_image_and_text_embeddings(tmp_path, cfg, objective,
     bias = objective.get("siglip", {}).get("bias", np.nan)
     np.testing.assert_equal(float(loaded["bias"]), bias)
     assert int(loaded["size"]) == resolution
+
+
+def test_the_open_clip_card_carries_the_version_s_evaluation(tmp_path):
+    from huggingface_hub import ModelCard
+
+    record = EvaluationRecord(date="2026-12-01", run_id="abc", test_shards="test-shards",
+                              test_samples=100, train_samples=360, k=20, knn_top1=0.5,
+                              probe_top1=0.625, untrained_knn_top1=0.25)
+    item = exported(RESNET, {"name": "clip", "temperature": 0.07}, 32)._replace(
+        evaluation=record)
+    out = export(item, ExportConfig(format="open_clip", output=str(tmp_path / "folder")))
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: open_clip\n")
+    assert "| backbone kNN top-1 (k=20) | 50.0% | 25.0% |" in card
+    assert "| linear probe top-1 | 62.5% | not measured |" in card
+    metrics = {r.metric_name: r.metric_value for r in ModelCard(card).data.eval_results}
+    assert metrics == {"kNN top-1 (backbone, k=20)": 0.5, "linear probe top-1": 0.625,
+                       "untrained kNN top-1 (backbone, k=20)": 0.25}
 
 
 @pytest.mark.parametrize(("change", "message"), [

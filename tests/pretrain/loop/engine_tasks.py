@@ -113,3 +113,16 @@ def run_step_with_local_gradients(*args: Any) -> dict[str, Any]:
         return run_step(*args)
     finally:
         _GatherWithGrad.backward = original
+
+
+def run_step_with_cpu_fp16(fp16_kernels: bool, *args: Any) -> dict[str, Any]:
+    """:func:`run_step` with DeepSpeed's CPU accelerator answering ``fp16_kernels`` when
+    asked whether this CPU has fp16 kernels (Intel AMX: yes; AMD Zen: no)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: fp16_kernels
+    try:
+        return run_step(*args)
+    finally:
+        del accelerator.is_fp16_supported

@@ -93,6 +93,25 @@ def test_deepspeed_config_must_set_gradient_clipping(tmp_path):
     bad.write_text('{"zero_optimization": {"stage": 4}, "gradient_clipping": 1.0}')
     with pytest.raises(ConfigError, match="stage must be 1, 2 or 3, got 4"):
         load_config(EngineConfig, overrides=["name=deepspeed", f"deepspeed_config={bad}"])
+    bad.write_text('{"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0, '
+                   '"bf16": {"enabled": true}}')
+    with pytest.raises(ConfigError, match='"bf16" is enabled; precision is train.precision'):
+        load_config(EngineConfig, overrides=["name=deepspeed", f"deepspeed_config={bad}"])
+
+
+@pytest.mark.parametrize("fp16_kernels", [True, False], ids=["intel-amx", "amd-zen"])
+def test_zero3_takes_float64_whether_or_not_the_cpu_has_fp16_kernels(gloo2, fp16_kernels):
+    """DeepSpeed's own ZeRO-3 set-up refuses float64 parameters on a CPU with fp16 kernels
+    (Intel AVX-512 FP16/AMX) and takes them on one without (AMD Zen); the engine names the
+    dtype, so both give the single-process gradient in float64 (``zero3.partition``)."""
+    ranks = gloo2.run(engine_tasks.run_step_with_cpu_fp16, fp16_kernels, *ENGINES["zero3"],
+                      "infonce", {})
+    whole = engine_tasks.run_step("ddp", "", "infonce", {}, rows=slice(None))
+    for rank in ranks:
+        for key, grad in whole["grads"].items():
+            assert rank["grads"][key].dtype == torch.float64
+            torch.testing.assert_close(rank["grads"][key], grad, rtol=0,
+                                       atol=tolerance("zero3", grad), msg=key)
 
 
 def test_the_zero3_test_config_is_the_shipped_one_with_every_parameter_partitioned():
