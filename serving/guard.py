@@ -12,9 +12,12 @@ nothing of a refused request. :class:`RequestGuard` sits in front of it:
   valid, nests deeper than ``max_json_depth``, holds a number longer than
   ``max_number_chars`` or a ``NaN``/``Infinity`` token, or lists more than ``max_rows``
   rows is answered 400 in one line (MLflow's own parser would fail with a 500 on the first
-  two and accept the third);
-- an exception from MLflow's app is answered with a fixed one-line 500, the detail in the
-  server log only;
+  two and accept the third); a table whose ``image`` cell MLflow cannot decode is answered
+  400 naming the row and the cell (:mod:`serving.table`);
+- an exception from MLflow's app, an exception of our own code inside ``predict`` (which
+  :mod:`serving.pyfunc` marks as a fault, not a refusal) and any other 5xx from the app
+  are answered with a fixed one-line 500, the detail in the server log only: a fault of
+  the server is never dressed as the client's error;
 - every error answer is replaced by one line, ``{"error_code", "message"}``: our own
   refusals (marked ``encoder: ``, naming the row) as they are, anything else by a fixed
   line for its status, so no trace or echo of the request leaves the server; heap
@@ -33,9 +36,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serving.limits import ServeLimits
+from serving.table import table_refusal
 
 log = logging.getLogger("serving")
-MARK = "encoder: "  # serving.pyfunc.MARK: the start of every refusal of ours
+MARK = "encoder: "  # the start of every refusal of ours (serving.pyfunc)
 GENERIC = {
     400: "request: not a table this model takes; send JSON {\"dataframe_records\": "
          "[{\"image\": \"<base64 of a JPEG, PNG or WebP>\"}]}",
@@ -79,9 +83,10 @@ class RequestGuard:
             await answer(send, client, 413, f"request: body over the server's limit of "
                                             f"{self.limits.max_body_bytes} bytes")
             return
-        unparsable = json_refusal(body, self.limits)
-        if unparsable is not None:
-            await answer(send, client, 400, unparsable)
+        value, unparsable = parsed_within_bounds(body, self.limits)
+        unreadable = unparsable or table_refusal(value)
+        if unreadable is not None:
+            await answer(send, client, 400, unreadable)
             return
         try:
             await self._forward(scope, body, send, client)
@@ -154,9 +159,14 @@ class Unbounded(ValueError):
 
 
 def json_refusal(body: bytes, limits: ServeLimits) -> str | None:
-    """Why ``body`` is refused before MLflow parses it, or None. The C parser's recursion
-    stops at Python's limit (a RecursionError, caught); depth and rows are then counted on
-    the parsed value without recursion."""
+    """Why ``body`` is refused before MLflow parses it, or None."""
+    return parsed_within_bounds(body, limits)[1]
+
+
+def parsed_within_bounds(body: bytes, limits: ServeLimits) -> tuple[Any, str | None]:
+    """(the parsed body, None), or (None, why it is refused before MLflow parses it). The C
+    parser's recursion stops at Python's limit (a RecursionError, caught); depth and rows
+    are then counted on the parsed value without recursion."""
     def number(text: str) -> float | int:
         if len(text) > limits.max_number_chars:
             raise Unbounded(f"request: a number of {len(text)} characters, over the limit "
@@ -170,18 +180,18 @@ def json_refusal(body: bytes, limits: ServeLimits) -> str | None:
         value = json.loads(body, parse_int=number, parse_float=number,
                            parse_constant=constant)
     except Unbounded as err:
-        return str(err)
+        return None, str(err)
     except RecursionError:
-        return f"request: JSON nested deeper than {limits.max_json_depth} levels"
+        return None, f"request: JSON nested deeper than {limits.max_json_depth} levels"
     except ValueError:  # not UTF-8, or not JSON
-        return "request: the body is not valid JSON"
+        return None, "request: the body is not valid JSON"
     if nesting(value) > limits.max_json_depth:
-        return f"request: JSON nested deeper than {limits.max_json_depth} levels"
+        return None, f"request: JSON nested deeper than {limits.max_json_depth} levels"
     rows = row_count(value)
     if rows > limits.max_rows:
-        return (f"request: {rows} rows, over the limit of {limits.max_rows} per request; "
-                "send fewer rows")
-    return None
+        return None, (f"request: {rows} rows, over the limit of {limits.max_rows} per "
+                      "request; send fewer rows")
+    return value, None
 
 
 def row_count(value: Any) -> int:
@@ -218,8 +228,8 @@ def one_line(status: int, body: bytes) -> tuple[int, str]:
     at = message.rfind(MARK)
     if at >= 0:
         return status, CONTROL.sub(" ", message[at + len(MARK):].splitlines()[0])[:400]
-    if status >= 500 and status not in (503, 504):  # an unexpected failure is ours
-        status = 400
+    if status >= 500 and status not in (503, 504):  # a fault of the server, not the client
+        return 500, INTERNAL
     return status, GENERIC.get(status, GENERIC[400])
 
 

@@ -32,6 +32,7 @@ import binascii
 import io
 import threading
 import time
+import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -184,7 +185,9 @@ class ServedImages:
             if read_header is None:
                 raise ValueError("an unknown .npy version")
             shape, _, dtype = read_header(stream)
-        except (ValueError, SyntaxError, TypeError) as err:
+        except (ValueError, SyntaxError, TypeError, tokenize.TokenError, RecursionError) as err:
+            # numpy tokenizes and literal-evaluates the header: an unbalanced one raises
+            # TokenError, a deeply nested one RecursionError
             raise BadRequest(f"{row.where}: not a readable .npy array "
                              f"({str(err).splitlines()[0][:120] if str(err) else 'header'})"
                              ) from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ import mlflow
 import numpy as np
 
 from serving.guard import MARK  # starts every refusal of ours; the guard finds it
+
+log = logging.getLogger("serving")
+FAULT = "encoder fault: "  # an exception of our own code: a 500 (the guard's fixed line)
 
 
 class EncoderModel(mlflow.pyfunc.PythonModel):
@@ -51,7 +55,7 @@ class EncoderModel(mlflow.pyfunc.PythonModel):
     # model_input carries no annotation: MLflow would read one as its input schema
     def predict(self, context: Any, model_input, params: dict | None = None) -> np.ndarray:
         from mlflow.exceptions import MlflowException
-        from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+        from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, TEMPORARILY_UNAVAILABLE
 
         from serving.inputs import BadRequest, Busy, embed
 
@@ -61,6 +65,9 @@ class EncoderModel(mlflow.pyfunc.PythonModel):
             raise MlflowException(f"{MARK}{err}", TEMPORARILY_UNAVAILABLE) from None
         except BadRequest as err:  # HTTP 400 with the one line
             raise MlflowException.invalid_parameter_value(f"{MARK}{err}") from None
+        except Exception as err:  # a fault of ours: HTTP 500, the detail in the log only
+            log.exception("internal error in predict")
+            raise MlflowException(f"{FAULT}{type(err).__name__}", INTERNAL_ERROR) from None
         finally:
             release_memory()
 

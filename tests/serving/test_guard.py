@@ -8,9 +8,10 @@ import asyncio
 import json
 import logging
 
+import pandas
 import pytest
 
-from serving.guard import INTERNAL, RequestGuard, json_refusal
+from serving.guard import GENERIC, INTERNAL, RequestGuard, json_refusal
 from serving.limits import ServeLimits
 
 LIMITS = ServeLimits(max_rows=4, max_json_depth=6, max_number_chars=10)
@@ -95,3 +96,86 @@ def test_addresses_are_scrubbed_from_every_message():
     assert status == 400 and "0x" not in body["message"], body
     assert body["message"] == ("row 0: image: not a readable .npy array (Cannot parse header: "
                                "<ast.Call object>, id )")
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    ({"dataframe_records": [{"image": 0}]},
+     "row 0: image: expected base64 text of a JPEG, PNG, WebP or .npy file, got a number"),
+    ({"dataframe_records": [{"image": "AAAA"}, {"image": ["AAAA"]}]},
+     "row 1: image: expected base64 text of a JPEG, PNG, WebP or .npy file, got a list"),
+    ({"dataframe_split": {"columns": ["image"], "data": [["AAAA"], [{}]]}},
+     "row 1: image: expected base64 text of a JPEG, PNG, WebP or .npy file, got an object"),
+    ({"dataframe_records": [{"image": "/dev/zero"}]},
+     "row 0: image: not valid base64 (its length or padding is wrong)"),
+    ({"dataframe_records": [{"image": None}]},
+     "row 0: set exactly one of 'image' (base64 of an encoded image) and 'path' (a file "
+     "under the server's path root)"),
+    ({"dataframe_records": [{"image": None, "path": "a.jpg"}]},
+     "row 0: image: null; leave 'image' out of a row that sets 'path'"),
+    ({"dataframe_records": [{"image": "AAAA"}], "params": {"space": ["backbone"]}},
+     "params.space: expected text (projector or backbone), got a list"),
+    ({"dataframe_records": [{"image": "AAAA"}], "params": "backbone"},
+     "params: expected an object, got text"),
+], ids=["number", "list-row-1", "split-object", "bad-padding", "null", "null-beside-path",
+        "space-list", "params-text"])
+def test_a_table_mlflow_cannot_read_is_refused_naming_the_row_and_cell(body, reason):
+    reached = []
+
+    async def app(scope, receive, send) -> None:
+        reached.append(True)
+
+    status, answered = exchange(app, json.dumps(body).encode())
+    assert (status, answered["message"]) == (400, reason) and not reached
+
+
+@pytest.mark.parametrize("body", [
+    {"dataframe_records": [{"image": "AAAA", "extra": 1}]},  # MLflow drops other columns
+    {"dataframe_records": [{"path": "a.jpg"}], "params": None},
+    {"instances": [0]},  # not a table form: MLflow's to read
+])
+def test_tables_mlflow_reads_and_other_forms_reach_the_app(body):
+    assert exchange(answering(200, {"predictions": [[0.5]]}),
+                    json.dumps(body).encode())[0] == 200
+
+
+def test_a_fault_of_our_code_is_a_500_and_mlflow_s_other_refusals_a_400():
+    """``serving.pyfunc`` raises an exception of ours as MLflow's INTERNAL_ERROR (a 500):
+    the guard keeps it a 500 with its fixed line; a 400 without our mark (MLflow refusing
+    a body that is not a table) gets the fallback line."""
+    fault = answering(500, {"error_code": "INTERNAL_ERROR",
+                            "message": "encoder fault: RuntimeError"})
+    assert exchange(fault, GOOD) == (500, {"error_code": "INTERNAL_ERROR",
+                                           "message": INTERNAL})
+    refused = answering(400, {"message": "Failed to predict data '...'"})
+    assert exchange(refused, GOOD) == (400, {"error_code": "BAD_REQUEST",
+                                             "message": GENERIC[400]})
+
+
+def test_an_exception_in_the_decode_path_is_a_fault_not_a_refusal(monkeypatch, caplog):
+    """Planted in ``decode``: ``predict`` raises MLflow's INTERNAL_ERROR (its 500) with no
+    detail, and the server log holds the traceback."""
+    from mlflow.exceptions import MlflowException
+
+    from pretrain.model.encoder import Encoder, ModelConfig
+    from serving import inputs
+    from serving.model_registry import EmbeddingModel
+    from serving.pyfunc import EncoderModel
+    from tests.data_pipeline.helpers import digit_sample
+
+    def planted(*args, **kwargs):
+        raise RuntimeError("planted fault in decode")
+
+    served = EncoderModel()
+    served.model = EmbeddingModel(Encoder(ModelConfig(width=8, projector_hidden=16,
+                                                      projector_dim=8))).eval()
+    served.tree = {"data": {"resolution": 16}}
+    served.configure(ServeLimits())
+    frame = pandas.DataFrame({"image": [digit_sample(0).image]})
+    assert served.predict(None, frame).shape == (1, 8)
+    monkeypatch.setattr(inputs, "decode", planted)
+    with caplog.at_level(logging.ERROR, logger="serving"), \
+            pytest.raises(MlflowException) as raised:
+        served.predict(None, frame)
+    assert raised.value.get_http_status_code() == 500
+    assert raised.value.message == "encoder fault: RuntimeError"
+    assert "planted fault in decode" in caplog.text and "Traceback" in caplog.text
