@@ -49,7 +49,7 @@ def head_problem(cfg: ModelConfig) -> str | None:
 def folded_projector(projector: nn.Sequential) -> dict[str, Tensor]:
     """Our eval-mode projector as open_clip's ``Mlp`` (``fc1``, ``fc2``: weight and bias):
     each batch norm y = (x - mean) / sqrt(var + eps) * gamma + beta folded into the linear
-    before it, in float64."""
+    before it, in float64 (:func:`state_dict` stores them in float32)."""
     first, norm, _, second, *rest = projector
 
     def fold(linear: nn.Linear, bn: nn.BatchNorm1d | None) -> tuple[Tensor, Tensor]:
@@ -67,8 +67,7 @@ def folded_projector(projector: nn.Sequential) -> dict[str, Tensor]:
 
     w1, b1 = fold(first, norm)
     w2, b2 = fold(second, rest[0] if rest else None)
-    return {name: value.float().contiguous() for name, value in
-            {"fc1.weight": w1, "fc1.bias": b1, "fc2.weight": w2, "fc2.bias": b2}.items()}
+    return {"fc1.weight": w1, "fc1.bias": b1, "fc2.weight": w2, "fc2.bias": b2}
 
 
 def state_dict(backbone: nn.Module, projector: nn.Sequential, text: nn.Module,

@@ -7,6 +7,7 @@ refused in one line naming the setting."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 
 from core.errors import RunError
 from data_pipeline.text import BUNDLED, load_tokenizer, model_path, tokenize
@@ -23,6 +25,7 @@ from pretrain.model.encoder import Encoder, ModelConfig
 from pretrain.model.text_tower import TextTower, TextTowerConfig
 from serving.evaluation_record import EvaluationRecord
 from serving.export import BUNDLED_HUB_ID, ExportConfig, Exported, export
+from serving.open_clip_folder import folded_projector
 from serving.model_registry import EmbeddingModel
 
 CAPTIONS = ["a photo of a cat", "Two dogs   playing in the snow.", "x"]
@@ -51,8 +54,42 @@ def exported(cfg: ModelConfig, objective: dict, resolution: int) -> Exported:
     model = EmbeddingModel(Encoder(cfg), text=TextTower(cfg.text, cfg.projector_dim))
     with torch.no_grad():  # batch-norm statistics that are not the initial ones
         model.train()(torch.randn(16, 3, resolution, resolution) * 2 + 0.5)
+    far_statistics(model.encoder.projector)
     tree = {"data": {"resolution": resolution}, "objective": objective}
     return Exported(model.eval(), cfg, tree, "runs/test/checkpoints/step_00000010")
+
+
+def far_statistics(projector: torch.nn.Module, seed: int = 0) -> None:
+    """Running statistics and affine parameters far from (0, 1): variances in [1e-4, 1e-2],
+    where eps (1e-5) moves the scale by 0.05-5%, means and shifts of a few units, so a fold
+    that drops eps or misplaces a term is off by far more than any test's tolerance."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for bn in (m for m in projector.modules() if isinstance(m, torch.nn.BatchNorm1d)):
+            n = bn.num_features
+            bn.running_var.copy_(10 ** (-4 + 2 * torch.rand(n, generator=gen)))
+            bn.running_mean.copy_(3 * torch.randn(n, generator=gen))
+            if bn.affine:
+                bn.weight.copy_(1 + torch.randn(n, generator=gen))
+                bn.bias.copy_(2 * torch.randn(n, generator=gen))
+
+
+@pytest.mark.parametrize("bn_out", [True, False], ids=["bn-out", "no-bn-out"])
+def test_the_folded_projector_equals_the_projector_in_float64(bn_out):
+    """The fold against the eval-mode projector itself, in float64 on statistics far from
+    (0, 1): the error is float64 rounding only (within 1e-12), so a missing eps (a relative
+    error of 5e-4 to 5e-2 here) or a misplaced term fails."""
+    cfg = dataclasses.replace(RESNET, projector_bn_out=bn_out)
+    projector = Encoder(cfg).projector.double().eval()
+    far_statistics(projector)
+    folded = folded_projector(projector)
+    features = torch.randn(32, projector[0].in_features, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(1))
+    hidden = F.gelu(features @ folded["fc1.weight"].T + folded["fc1.bias"])
+    got = hidden @ folded["fc2.weight"].T + folded["fc2.bias"]
+    with torch.no_grad():
+        want = projector(features)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def offline_hub_cache(root: Path) -> Path:
@@ -84,7 +121,9 @@ def assert_same_embeddings(loaded: dict[str, np.ndarray], model: EmbeddingModel,
     np.testing.assert_array_equal(loaded["tokens"], ours["input_ids"].numpy())
     with torch.no_grad():
         image, text = model(images), model.text(**ours)
-    np.testing.assert_allclose(loaded["image"], image.numpy(), rtol=0, atol=1e-5)
+    # float32 in two implementations, on embeddings of up to a few hundred (the projector's
+    # statistics are far from (0, 1)): 2e-6 relative seen; a fold without eps is off by >1e-4
+    np.testing.assert_allclose(loaded["image"], image.numpy(), rtol=2e-5, atol=1e-5)
     np.testing.assert_allclose(loaded["text"], text.numpy(), rtol=0, atol=1e-5)
 
 
