@@ -167,29 +167,51 @@ def iter_verified_shard(url: str, sha256: str, retry: Retry = DEFAULT_RETRY,
 def sample_offset(path: str | Path, index: int) -> int | None:
     """The byte offset of the first member of sample ``index`` of a local tar, found by
     reading headers only (tarfile seeks over member data); None when the tar has fewer
-    samples or its headers do not read. Samples are delimited as webdataset's
-    ``tar_file_iterator`` and ``group_by_keys`` delimit them: regular members, metadata
-    names (``__*__``) left out, a new sample wherever the key changes."""
-    from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
-
-    key, seen = None, -1
+    samples or its headers do not read."""
     try:
-        with tarfile.open(path, "r:") as tar:
-            for member in tar:
-                name = member.name
-                if (not member.isreg() or META.match(name)
-                        or ("/" not in name and name.startswith(meta_prefix)
-                            and name.endswith(meta_suffix))):
-                    continue
-                prefix, _ = base_plus_ext(name)
-                if prefix is None or prefix == key:
-                    continue
-                key, seen = prefix, seen + 1
-                if seen == index:
-                    return member.offset
+        for seen, (_, offset) in enumerate(_sample_starts(path)):
+            if seen == index:
+                return offset
     except (tarfile.TarError, EOFError, OSError):
         return None
     return None
+
+
+def sample_keys(url: str | Path, retry: Retry = DEFAULT_RETRY) -> Iterator[str]:
+    """Every sample's ``__key__`` in order: a local tar's from its headers alone, a remote
+    one's by reading it; a broken tail ends the keys (as it ends the samples)."""
+    if not is_remote(str(url)):
+        try:
+            yield from (key for key, _ in _sample_starts(url))
+        except (tarfile.TarError, EOFError, OSError):
+            return
+        return
+    try:
+        yield from (str(sample["__key__"]) for sample in iter_shard(url, retry))
+    except TruncatedShard:
+        return
+
+
+def _sample_starts(path: str | Path) -> Iterator[tuple[str, int]]:
+    """(key, offset of its first member) per sample of a local tar, from headers only.
+    Samples are delimited as webdataset's ``tar_file_iterator`` and ``group_by_keys``
+    delimit them: regular members, metadata names (``__*__``) left out, a new sample
+    wherever the key changes."""
+    from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
+
+    key = None
+    with tarfile.open(path, "r:") as tar:
+        for member in tar:
+            name = member.name
+            if (not member.isreg() or META.match(name)
+                    or ("/" not in name and name.startswith(meta_prefix)
+                        and name.endswith(meta_suffix))):
+                continue
+            prefix, _ = base_plus_ext(name)
+            if prefix is None or prefix == key:
+                continue
+            key = prefix
+            yield prefix, member.offset
 
 
 def _seek_to_sample(stream: IO[bytes], url: str, index: int) -> int:

@@ -152,6 +152,13 @@ def gloo2() -> GlooGroup:
 
 
 @pytest.fixture(scope="module")
+def gloo3() -> GlooGroup:
+    group = GlooGroup(world=3)
+    yield group
+    group.close()
+
+
+@pytest.fixture(scope="module")
 def gloo4() -> GlooGroup:
     group = GlooGroup(world=4)
     yield group

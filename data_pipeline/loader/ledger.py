@@ -20,11 +20,14 @@ and appended at every report and before every checkpoint (the update flags stay 
 device until then: no host read per step), never fsynced: a killed process loses only
 lines after its last checkpoint, which the next attempt trains again.
 
-Reading (:func:`epoch_counts`, ``python -m data_pipeline.loader.ledger RUN_DIR [--json]``):
-the attempts in order, each one's ``resumed_from`` superseding the earlier attempts' lines
-of later steps; the steps after the last attempt's newest checkpoint are not committed and
-not counted. Per epoch: ``total`` samples in the shards, ``once``, ``more_than_once``,
-``skipped`` (counted) and ``unread`` (the rest).
+Reading (:func:`epoch_counts`, ``python -m data_pipeline.loader.ledger RUN_DIR [--json
+[--keys]]``): the attempts in order, each one's ``resumed_from`` superseding the earlier
+attempts' lines of later steps; the steps after the last attempt's newest checkpoint are
+not committed and not counted. Every key read is judged against the keys the shards hold,
+read from the shards themselves. Per epoch: ``total`` keys in the shards, ``once``,
+``more_than_once`` and ``unread`` (never trained on) by key, ``skipped`` (the loader's
+count), and ``unknown``: reads of keys the shards do not hold, each named with its ledger
+file and line (the command then exits 2).
 """
 
 from __future__ import annotations
@@ -36,16 +39,18 @@ import sys
 import tempfile
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 import yaml
+from tqdm import tqdm
 
 LEDGER_DIR = "ledger"
 KEYS_IN_MEMORY = 1 << 20  # the reader tallies at most about this many keys at a time
+SHARD_KEY = "S"  # the epoch field of a spilled shard key
 
 
 def attempt_name(start_ms: int, restart: int) -> str:
@@ -141,13 +146,22 @@ class LedgerWriter:
 
 @dataclass
 class EpochCount:
-    """One epoch's samples: how often each was trained on, and how many were skipped."""
+    """One epoch's samples, by key against the keys the shards hold: ``once`` and
+    ``more_than_once`` count shard keys by how often the epoch trained on them, ``unread``
+    the shard keys it never trained on (the loader's skips among them), ``skipped`` the
+    loader's skip count, ``unknown`` the reads of keys the shards do not hold (a fault: named
+    in ``unknown_examples`` with the ledger file and line). With ``keys``, the unread and
+    repeated keys themselves."""
 
     total: int
     once: int = 0
     more_than_once: int = 0
     unread: int = 0
     skipped: int = 0
+    unknown: int = 0
+    unknown_examples: list[str] = field(default_factory=list)
+    unread_keys: list[str] | None = None
+    more_keys: list[str] | None = None
 
 
 @dataclass
@@ -165,13 +179,13 @@ class Attempt:
         process, the last of its file, is left out)."""
         for path in self.files:
             with path.open(encoding="utf-8") as lines:
-                for text in lines:
+                for number, text in enumerate(lines, start=1):
                     try:
                         line = json.loads(text)
                     except json.JSONDecodeError:
                         continue  # the torn last line of a killed process
                     if "step" in line:
-                        yield line
+                        yield {**line, "where": f"{path.name} line {number}"}
 
 
 def read_attempts(run_dir: Path) -> list[Attempt]:
@@ -211,50 +225,98 @@ def committed_steps(attempts: list[Attempt]) -> Iterator[dict[str, Any]]:
         yield from (line for line in attempt.step_lines() if line["step"] <= last)
 
 
-def epoch_counts(run_dir: Path, total: int) -> dict[int, EpochCount]:
-    """Per epoch, how the ``total`` samples of the shards were trained on."""
-    return counts_of(read_attempts(run_dir), total)
+def epoch_counts(run_dir: Path, shard_keys: Sequence[str],
+                 keep_keys: bool = False) -> dict[int, EpochCount]:
+    """Per epoch, how the samples ``shard_keys`` names were trained on."""
+    return counts_of(read_attempts(run_dir), iter(shard_keys), len(shard_keys), keep_keys)
 
 
-def counts_of(attempts: list[Attempt], total: int) -> dict[int, EpochCount]:
-    """Each (epoch, key) read is spilled to one of enough bucket files (by the key's hash)
-    that a bucket's tally holds at most about :data:`KEYS_IN_MEMORY` keys; the buckets are
-    then tallied one at a time. Memory stays flat in samples x epochs."""
-    buckets = max(1, -(-sum(a.keys for a in attempts) // KEYS_IN_MEMORY))
-    skipped: Counter = Counter()
-    once: Counter = Counter()
-    more: Counter = Counter()
+def counts_of(attempts: list[Attempt], shard_keys: Iterator[str], total: int,
+              keep_keys: bool = False) -> dict[int, EpochCount]:
+    """Each (epoch, key) read, and each key the shards hold (``total`` of them, streamed
+    from ``shard_keys``), is spilled to one of enough bucket files (by the key's hash)
+    that a bucket holds at most about :data:`KEYS_IN_MEMORY` keys; the buckets are then
+    tallied one at a time, each read judged against the shard keys of its bucket. Memory
+    stays flat in samples x epochs (but for the key lists ``keep_keys`` asks for)."""
+    reads = sum(a.keys for a in attempts)
+    buckets = max(1, -(-(reads + total) // KEYS_IN_MEMORY))
+    counts: dict[int, EpochCount] = {}
     with tempfile.TemporaryDirectory(prefix="ledger-") as spill:
         paths = [Path(spill) / f"{b}.txt" for b in range(buckets)]
         files = [path.open("w", encoding="utf-8") for path in paths]
+
+        def write(epoch: str, key: str, where: str) -> None:
+            files[zlib.crc32(key.encode()) % buckets].write(f"{epoch}\t{key}\t{where}\n")
+
+        for key in shard_keys:
+            write(SHARD_KEY, key, "")
         for line in committed_steps(attempts):
             epoch = int(line["epoch"])
-            skipped[epoch] += sum(int(s["count"]) for s in line.get("skipped", []))
+            count = counts.setdefault(epoch, EpochCount(0))
+            count.skipped += sum(int(s["count"]) for s in line.get("skipped", []))
             for key in line["keys"]:
-                head = key.split("+")[0]
-                files[zlib.crc32(head.encode()) % buckets].write(f"{epoch}\t{head}\n")
+                write(str(epoch), key.split("+")[0], line["where"])
         for file in files:
             file.close()
         for path in paths:
-            with path.open(encoding="utf-8") as reads:
-                tally = Counter(reads)
-            for read, n in tally.items():
-                (once if n == 1 else more)[int(read.split("\t", 1)[0])] += 1
-    return {epoch: EpochCount(total, once[epoch], more[epoch],
-                              max(0, total - once[epoch] - more[epoch] - skipped[epoch]),
-                              skipped[epoch])
-            for epoch in sorted(set(once) | set(more) | set(skipped))}
+            tally_bucket(path, counts, keep_keys)
+    return dict(sorted(counts.items()))
 
 
-def shards_total(run_dir: Path, shards: str | None) -> int:
-    """The number of samples of ``shards``, or of the shards the run's resolved config
-    (``config.yaml``) names."""
+def tally_bucket(path: Path, counts: dict[int, EpochCount], keep_keys: bool) -> None:
+    """Add one bucket's reads to ``counts`` (every epoch's): each read key is the shards'
+    (once or more than once) or unknown; the bucket's shard keys an epoch never read are
+    its unread ones."""
+    shard: set[str] = set()
+    reads: Counter = Counter()
+    where: dict[tuple[int, str], str] = {}
+    with path.open(encoding="utf-8") as lines:
+        for text in lines:
+            epoch, key, origin = text.rstrip("\n").split("\t")
+            if epoch == SHARD_KEY:
+                shard.add(key)
+            else:
+                reads[int(epoch), key] += 1
+                where.setdefault((int(epoch), key), origin)
+    read_by_epoch: dict[int, set[str]] = defaultdict(set)
+    for (epoch, key), n in reads.items():
+        count = counts[epoch]
+        if key not in shard:
+            count.unknown += n
+            if len(count.unknown_examples) < 5:
+                count.unknown_examples.append(f"{key!r} ({where[epoch, key]})")
+            continue
+        read_by_epoch[epoch].add(key)
+        if n == 1:
+            count.once += 1
+        else:
+            count.more_than_once += 1
+            if keep_keys:
+                count.more_keys = [*(count.more_keys or []), key]
+    for epoch, count in counts.items():
+        count.total += len(shard)
+        unread = shard - read_by_epoch[epoch]
+        count.unread += len(unread)
+        if keep_keys:
+            count.unread_keys = sorted([*(count.unread_keys or []), *unread])
+            count.more_keys = sorted(count.more_keys or [])
+
+
+def shard_set_keys(run_dir: Path, shards: str | None) -> tuple[Iterator[str], int]:
+    """The keys of ``shards`` (or of the shards the run's resolved ``config.yaml`` names),
+    read from the shards themselves (a local tar's headers, a remote one's stream), and
+    how many samples the shards hold."""
     from data_pipeline.shards import ShardSet
+    from data_pipeline.tario import sample_keys
 
     if shards is None:
         config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
         shards = str(config["data"]["shards"])
-    return ShardSet.open(shards).total
+    shard_set = ShardSet.open(shards)
+    keys = (key for url in tqdm(shard_set.urls, desc="shard keys", unit="shard",
+                                disable=len(shard_set.urls) < 8)
+            for key in sample_keys(url))
+    return keys, shard_set.total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,21 +326,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="the run's directory (output_dir/name)")
     parser.add_argument("--shards", help="the training shards (default: the run's config)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--keys", action="store_true",
+                        help="with --json: list each epoch's unread and repeated keys")
     args = parser.parse_args(argv)
     try:
         attempts = read_attempts(args.run_dir)
-        counts = counts_of(attempts, shards_total(args.run_dir, args.shards))
+        keys, total = shard_set_keys(args.run_dir, args.shards)
+        counts = counts_of(attempts, keys, total, args.keys)
     except (OSError, KeyError, ValueError) as err:
         print(f"ledger: {err}", file=sys.stderr)
         return 1
+    for epoch, c in counts.items():
+        if c.unknown:
+            print(f"ledger: epoch {epoch}: {c.unknown} reads of keys the shards do not hold, "
+                  f"e.g. {', '.join(c.unknown_examples)}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"epochs": {str(e): asdict(c) for e, c in counts.items()}}))
-        return 0
-    print(f"{'epoch':>5} {'total':>9} {'once':>9} {'more':>6} {'unread':>9} {'skipped':>8}")
+        print(json.dumps({"epochs": {str(e): {k: v for k, v in asdict(c).items()
+                                               if v is not None}
+                                     for e, c in counts.items()}}))
+        return 2 if any(c.unknown for c in counts.values()) else 0
+    print(f"{'epoch':>5} {'total':>9} {'once':>9} {'more':>6} {'unread':>9} {'skipped':>8} "
+          f"{'unknown':>8}")
     for epoch, c in counts.items():
         print(f"{epoch:>5} {c.total:>9} {c.once:>9} {c.more_than_once:>6} {c.unread:>9} "
-              f"{c.skipped:>8}")
-    return 0
+              f"{c.skipped:>8} {c.unknown:>8}")
+    return 2 if any(c.unknown for c in counts.values()) else 0
 
 
 if __name__ == "__main__":

@@ -84,3 +84,48 @@ def live_loader_workers() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return found
+
+
+def webdataset_keys(shards: Path) -> list[str]:
+    """The keys of a shard folder as webdataset itself reads them (independent of the
+    project's readers)."""
+    import webdataset as wds
+
+    return [sample["__key__"] for tar in sorted(shards.glob("*.tar"))
+            for sample in wds.WebDataset(str(tar), shardshuffle=False, empty_check=False)]
+
+
+def ledger_keys_by_epoch(run_dir: Path) -> dict[int, set[str]]:
+    """Every key any step line of the run's ledger names (trained or dropped, committed or
+    superseded), per epoch, read from the JSON lines directly."""
+    import json
+
+    named: dict[int, set[str]] = {}
+    for path in (run_dir / "ledger").glob("*.jsonl"):
+        for text in path.read_text().splitlines():
+            try:
+                line = json.loads(text)
+            except ValueError:
+                continue  # a torn last line
+            if "step" in line:
+                named.setdefault(int(line["epoch"]), set()).update(
+                    key.split("+")[0] for key in [*line["keys"], *line.get("dropped", [])])
+    return named
+
+
+def assert_ledger_by_keys(epochs: dict[str, dict], run_dir: Path, shards: Path,
+                          full: int) -> None:
+    """The ledger command's ``--json --keys`` answer ``epochs`` checked against the shards'
+    own keys: no epoch reads a key the shards do not hold, every key any ledger line names
+    is the shards', and in each of the first ``full`` epochs nothing is read twice and the
+    keys trained on once are exactly the shards' keys less the unread ones listed."""
+    keys = set(webdataset_keys(shards))
+    named = ledger_keys_by_epoch(run_dir)
+    for epoch, count in epochs.items():
+        assert count["unknown"] == 0 and count["total"] == len(keys), (epoch, count)
+        assert named[int(epoch)] <= keys, (epoch, sorted(named[int(epoch)] - keys)[:5])
+    for epoch in list(epochs)[:full]:
+        count, unread = epochs[epoch], set(epochs[epoch]["unread_keys"])
+        assert count["more_than_once"] == 0 and not count["more_keys"], (epoch, count)
+        assert unread <= keys and count["once"] == len(keys - unread), (epoch, count["once"])
+        assert keys - unread <= named[int(epoch)], epoch

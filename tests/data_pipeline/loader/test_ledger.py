@@ -23,6 +23,7 @@ from data_pipeline.loader.ledger import (
 from tests import prewarmed
 
 TOTAL = 12  # samples of the toy data set: s00..s11, 4 per step of 2 ranks x 2
+SHARD_KEYS = [f"s{i:02d}" for i in range(TOTAL)]
 
 
 def keys(step: int, rank: int) -> list[str]:
@@ -55,14 +56,14 @@ def test_a_resume_supersedes_the_steps_after_its_checkpoint(tmp_path):
     every sample of both epochs is counted once."""
     write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 6), {2, 4})
     write_attempt(tmp_path, "00000000000002-r001", 1, 4, range(5, 7), {6})
-    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=12),
+    assert epoch_counts(tmp_path, SHARD_KEYS) == {0: EpochCount(TOTAL, once=12),
                                              1: EpochCount(TOTAL, once=12)}
 
 
 def test_steps_after_the_newest_checkpoint_are_not_committed(tmp_path):
     write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 6), {2, 4})
     # step 5 (epoch 1's second) follows the last checkpoint: 4 of epoch 1's samples stand
-    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=12),
+    assert epoch_counts(tmp_path, SHARD_KEYS) == {0: EpochCount(TOTAL, once=12),
                                              1: EpochCount(TOTAL, once=4, unread=8)}
 
 
@@ -71,7 +72,7 @@ def test_a_resume_from_an_older_checkpoint_reads_its_steps_again_once(tmp_path):
     ``checkpoint.resume`` path): steps 3-4 of attempt 1 are superseded, not doubled."""
     write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 5), {2, 4})
     write_attempt(tmp_path, "00000000000002-r000", 2, 2, range(3, 7), {6})
-    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=12),
+    assert epoch_counts(tmp_path, SHARD_KEYS) == {0: EpochCount(TOTAL, once=12),
                                              1: EpochCount(TOTAL, once=12)}
 
 
@@ -83,7 +84,7 @@ def test_a_sample_read_twice_in_an_epoch_is_counted(tmp_path):
         ledger.record(0, step, {"keys": keys(1, 0)}, torch.tensor(True))
     ledger.commit(2)
     ledger.close()
-    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, more_than_once=2,
+    assert epoch_counts(tmp_path, SHARD_KEYS) == {0: EpochCount(TOTAL, more_than_once=2,
                                                            unread=10)}
 
 
@@ -98,8 +99,8 @@ def test_dropped_updates_and_skipped_samples(tmp_path):
     ledger.record(0, 2, {"keys": ["s02", "s03"]}, torch.tensor(False))
     ledger.commit(2)
     ledger.close()
-    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=2, unread=9,
-                                                           skipped=1)}
+    assert epoch_counts(tmp_path, SHARD_KEYS) == {0: EpochCount(TOTAL, once=2, unread=10,
+                                                                skipped=1)}
     lines = [json.loads(t) for t in ledger.path.read_text().splitlines()]
     assert lines[0] == {"resumed_from": 0, "world": 1, "rank": 0}
     assert lines[1] == {"epoch": 0, "step": 1, "world": 1, "rank": 0, "keys": ["s00", "s01"],
@@ -118,7 +119,7 @@ def test_lines_wait_for_a_flush_and_a_torn_last_line_is_left_out(tmp_path):
     ledger.close()
     with ledger.path.open("a") as file:
         file.write('{"epoch": 0, "step": 2, "wor')  # a process killed mid-write
-    assert epoch_counts(tmp_path, TOTAL) == {0: EpochCount(TOTAL, once=1, unread=11)}
+    assert epoch_counts(tmp_path, SHARD_KEYS) == {0: EpochCount(TOTAL, once=1, unread=11)}
 
 
 def ledger_command(*args: str) -> subprocess.CompletedProcess:
@@ -128,15 +129,62 @@ def ledger_command(*args: str) -> subprocess.CompletedProcess:
                                 timeout=120)
 
 
+def digits_keys(shards: Path) -> list[str]:
+    """The keys of the digits shards as webdataset reads them (independent of the ledger's
+    header reader)."""
+    import webdataset as wds
+
+    return [sample["__key__"] for tar in sorted(shards.glob("*.tar"))
+            for sample in wds.WebDataset(str(tar), shardshuffle=False, empty_check=False)]
+
+
 def test_the_command_prints_json_and_a_table(tmp_path, digits_shards):
-    write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 4), {3})
+    """Keys read from the shards themselves: 12 of the 360 trained on once, the rest listed
+    as unread by key."""
+    shard_keys = digits_keys(digits_shards)
+    ledger = LedgerWriter(tmp_path, "00000000000001-r000", 0, 1)
+    ledger.start(0)
+    for step in (1, 2, 3):
+        ledger.record(0, step, {"keys": shard_keys[4 * step - 4:4 * step]}, torch.tensor(True))
+    ledger.commit(3)
+    ledger.close()
     (tmp_path / "config.yaml").write_text(f"data:\n  shards: {digits_shards}\n")
-    found = ledger_command(str(tmp_path), "--json")
+    found = ledger_command(str(tmp_path), "--json", "--keys")
     assert found.returncode == 0, found.stderr
     assert json.loads(found.stdout) == {"epochs": {"0": {
-        "total": 360, "once": 12, "more_than_once": 0, "unread": 348, "skipped": 0}}}
+        "total": 360, "once": 12, "more_than_once": 0, "unread": 348, "skipped": 0,
+        "unknown": 0, "unknown_examples": [], "unread_keys": sorted(shard_keys[12:]),
+        "more_keys": []}}}
     table = ledger_command(str(tmp_path), "--shards", str(digits_shards))
-    assert table.stdout.splitlines()[1].split() == ["0", "360", "12", "0", "348", "0"]
+    assert table.stdout.splitlines()[1].split() == ["0", "360", "12", "0", "348", "0", "0"]
+
+
+def test_a_key_the_shards_do_not_hold_is_reported_with_its_line(tmp_path, digits_shards):
+    """A ledger line naming a key absent from the shards (a loader that invents or renames
+    samples): counted as unknown, not as trained, named with its file and line; the command
+    says so and exits 2."""
+    shard_keys = digits_keys(digits_shards)
+    ledger = LedgerWriter(tmp_path, "00000000000001-r000", 0, 1)
+    ledger.start(0)
+    ledger.record(0, 1, {"keys": shard_keys[:3]}, torch.tensor(True))
+    ledger.record(0, 2, {"keys": [shard_keys[3], "not-a-sample"]}, torch.tensor(True))
+    ledger.commit(2)
+    ledger.close()
+    counts = epoch_counts(tmp_path, shard_keys)
+    assert counts == {0: EpochCount(360, once=4, unread=356, unknown=1, unknown_examples=[
+        f"'not-a-sample' ({ledger.path.name} line 3)"])}
+    found = ledger_command(str(tmp_path), "--json", "--shards", str(digits_shards))
+    assert found.returncode == 2
+    assert found.stderr.strip().splitlines()[-1] == (
+        f"ledger: epoch 0: 1 reads of keys the shards do not hold, e.g. 'not-a-sample' "
+        f"({ledger.path.name} line 3)")
+
+
+def test_the_header_reader_gives_webdataset_s_keys(digits_shards):
+    from data_pipeline.tario import sample_keys
+
+    assert [k for tar in sorted(digits_shards.glob("*.tar")) for k in sample_keys(tar)] \
+        == digits_keys(digits_shards)
 
 
 def test_a_run_without_a_ledger_is_told_in_one_line(tmp_path, capsys):
@@ -158,8 +206,8 @@ def test_counts_spilled_over_many_buckets_equal_counts_in_one(tmp_path, monkeypa
         doubled.record(epoch_of(step), step, {"keys": keys(1, 0)}, torch.tensor(True))
     doubled.commit(9)
     doubled.close()
-    whole = epoch_counts(tmp_path, TOTAL)
+    whole = epoch_counts(tmp_path, SHARD_KEYS)
     monkeypatch.setattr(ledger, "KEYS_IN_MEMORY", 3)
-    assert epoch_counts(tmp_path, TOTAL) == whole
+    assert epoch_counts(tmp_path, SHARD_KEYS) == whole
     assert whole == {0: EpochCount(TOTAL, once=12), 1: EpochCount(TOTAL, once=12),
                      2: EpochCount(TOTAL, once=2, more_than_once=2, unread=8)}

@@ -31,6 +31,16 @@ MODEL = ModelConfig(backbone="small_cnn", width=8, norm="group", projector_hidde
                     projector_dim=16, projector_bn_out=False)  # independent of the split
 
 
+BOUNDS = {1: [0, 19], 2: [0, SPLIT, 19], 3: [0, 4, 11, 19], 4: [0, 3, 6, 13, 19]}
+
+
+def rank_rows(rank: int, world: int) -> slice:
+    """The rows of the batch rank ``rank`` of ``world`` holds: uneven, at most
+    ``ROWS_PER_RANK`` each."""
+    bounds = BOUNDS[world]
+    return slice(bounds[rank], bounds[rank + 1])
+
+
 def training_batch() -> dict[str, Any]:
     """19 rows: 8 images x 2 views + 3 single views, labels with gaps, shuffled; float64."""
     b = make_multiview_batch(seed=3)

@@ -67,8 +67,7 @@ def train(engine_name: str, steps: range, state: dict[str, Any] | None = None,
         engine.load_sharded(Path(sharded_from))
     batch = engine_tasks.training_batch()
     if dist.is_initialized():
-        rows = slice(0, engine_tasks.SPLIT) if dist.get_rank() == 0 else slice(
-            engine_tasks.SPLIT, 19)
+        rows = engine_tasks.rank_rows(dist.get_rank(), dist.get_world_size())
         batch = {k: v[rows] for k, v in batch.items()}
     for step in steps:
         moved = {**batch, "images": batch["images"] + 0.3 * step}
@@ -131,11 +130,51 @@ def test_fsdp2_steps_equal_ddp_and_one_process(gloo2):
     assert moved.abs().max() > 1e4 * TOLERANCE  # the steps trained, far beyond the tolerance
 
 
-def test_hsdp_replicas_equal_ddp(gloo2):
-    """engine.replicate=2 on 2 ranks: two replica groups of one shard each (HSDP's
-    all-reduce across groups, reduce-scatter within)."""
+def test_hsdp_replicas_of_one_rank_equal_ddp(gloo2):
+    """engine.replicate=2 on 2 ranks: two replica groups of one shard each (the all-reduce
+    across groups alone; sharding inside a group: the 4-rank tests below)."""
     assert_same_state(gloo2.run(train, "fsdp2", range(3), None, 1, 2)[0],
                       train("ddp", range(3)))
+
+
+def hsdp_layout() -> dict[str, Any]:
+    """This rank's HSDP layout under ``engine.replicate=2`` on 4 ranks: the mesh's groups
+    and each parameter's local rows against its whole rows."""
+    from torch.distributed.tensor import DTensor
+
+    engine, _ = build("fsdp2", replicate=2)
+    params = dict(engine.module.named_parameters())
+    mesh = next(p for p in params.values() if isinstance(p, DTensor)).device_mesh
+    return {"mesh": mesh.mesh.tolist(), "names": mesh.mesh_dim_names,
+            "rows": {name: (p.to_local().shape[0] if p.dim() else 1,
+                            p.shape[0] if p.dim() else 1) for name, p in params.items()}}
+
+
+def test_hsdp_shards_inside_each_replica_group(gloo4):
+    """engine.replicate=2 on 4 ranks: 2 replica groups of 2 ranks; each parameter is cut in
+    two within a group (ranks 0 and 2 hold the first half, 1 and 3 the second)."""
+    ranks = gloo4.run(hsdp_layout)
+    assert all(r["mesh"] == [[0, 1], [2, 3]] for r in ranks)
+    assert ranks[0]["names"] == ("replicate", "shard")
+    for name, (local, whole) in ranks[0]["rows"].items():
+        assert local == -(-whole // 2), name
+        assert ranks[2]["rows"][name][0] == local, name  # the same shard in the other group
+        assert local + ranks[1]["rows"][name][0] == whole, name
+
+
+def test_hsdp_with_sharding_in_each_group_equals_ddp_and_its_checkpoint_moves(gloo4, gloo3,
+                                                                            tmp_path):
+    """3 LARS steps with clipping (the second skipped) on 4 ranks as 2 groups of 2 equal one
+    DDP process; a sharded checkpoint HSDP writes after 2 steps is read by one DDP process
+    and by FSDP2 on 3 ranks, and both continue to the uninterrupted run's state."""
+    whole = train("ddp", range(3))
+    assert_same_state(gloo4.run(train, "fsdp2", range(3), None, 1, 2)[0], whole)
+    longer = train("ddp", range(4))
+    written = str(tmp_path / "hsdp")
+    gloo4.run(train, "fsdp2", range(2), None, 1, 2, "", written)
+    assert len(list(Path(written).glob("*.distcp"))) == 4  # a file per rank
+    assert_same_state(train("ddp", range(2, 4), sharded_from=written), longer)
+    assert_same_state(gloo3.run(train, "fsdp2", range(2, 4), None, 1, 1, written)[0], longer)
 
 
 def test_a_checkpoint_moves_between_ddp_and_fsdp2_and_world_sizes(gloo2):
