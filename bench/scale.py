@@ -35,6 +35,9 @@ Parts:
 - ``evaluate_run``: the real ``evaluate`` on 2 ranks over up to 300,000 real 16 px
   JPEGs of 1,000 classes, twice into one run: the largest rank's peak memory against the
   bank's size and the run folder's growth by the second evaluation (``bench/scale_eval.py``).
+- ``ledger``: ``python -m data_pipeline.loader.ledger`` over a 2-rank epoch of tars of
+  10,000 samples (img2dataset's layout and stats), every key read from the tars' headers
+  and judged against the ledger's reads: time and peak memory.
 - ``neighbours``: the caption-neighbour graph (inverted file of lists of <= 256 rows, 16
   probed, k = 10) over a memory-mapped store of
   clustered float16 384-d embeddings (all-MiniLM-L6-v2's width): time, peak resident
@@ -160,6 +163,46 @@ def run_index(tars: int, workers: int, workdir: Path) -> dict[str, Any]:
     return {"tars": tars, "workers": workers, **result, "tars_per_s": tars / result["seconds"]}
 
 
+def run_ledger(tars: int, workdir: Path, global_batch: int = 2_048) -> dict[str, Any]:
+    """The ledger command over one epoch of ``tars`` x 10,000 samples trained by 2 ranks in
+    global batches of ``global_batch`` (the last, partial batch dropped): every key read
+    from the tars' headers and judged against the ledger's reads."""
+    import shutil
+
+    import torch
+
+    from data_pipeline.loader.ledger import LedgerWriter
+
+    folder = workdir / f"ledger-tars-{tars}"
+    img2dataset_tars(folder, tars, SHARD)
+    for t in range(tars):  # img2dataset's stats: the sample count without a counting pass
+        (folder / f"{t:05d}_stats.json").write_text(json.dumps({"successes": SHARD}))
+    run = workdir / f"ledger-run-{tars}"
+    shutil.rmtree(run, ignore_errors=True)
+    keys = [f"{t:05d}{i:05d}" for t in range(tars) for i in range(SHARD)]
+    order = np.random.default_rng(0).permutation(len(keys))
+    writers = [LedgerWriter(run, "00000000000001-r000", rank, 2) for rank in range(2)]
+    for writer in writers:
+        writer.start(0)
+    half = global_batch // 2
+    for step in range(len(keys) // global_batch):
+        for rank, writer in enumerate(writers):
+            rows = order[step * global_batch + rank * half:step * global_batch + (rank + 1) * half]
+            writer.record(0, step + 1, {"keys": [keys[i] for i in rows]}, torch.tensor(True))
+    for writer in writers:
+        writer.commit(len(keys) // global_batch)
+        writer.close()
+    spec = f"{folder}/{{00000..{tars - 1:05d}}}.tar"
+    result = run_command("data_pipeline.loader.ledger", [str(run), "--json", "--shards", spec])
+    epoch = json.loads(result.pop("printed").splitlines()[-1])["epochs"]["0"]
+    unread = len(keys) % global_batch
+    assert (epoch["once"], epoch["unread"], epoch["unknown"]) == (len(keys) - unread, unread, 0)
+    return {"samples": len(keys), "tars": tars, "seconds": result["seconds"],
+            "command_rss_mib": result["command_rss_mib"],
+            "keys_per_s": len(keys) / result["seconds"], "once": epoch["once"],
+            "unread": epoch["unread"]}
+
+
 def run_counts(shards: int, workdir: Path) -> dict[str, Any]:
     """Requests a remote list without a manifest costs, first open and later ones."""
     import os
@@ -243,12 +286,13 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["all", "captions", "index", "counts", "epochs",
                                            "resume", "tree", "graph", "neighbours",
-                                           "evaluation", "evaluate_run"],
+                                           "evaluation", "evaluate_run", "ledger"],
                         default="all")
     parser.add_argument("--worlds", nargs="+", default=["8x8", "64x8", "512x8"])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
     parser.add_argument("--tars", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--shards", type=int, nargs="+", default=[120, 1_200])
+    parser.add_argument("--ledger-tars", type=int, nargs="+", default=[13, 50, 100])
     parser.add_argument("--captions", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
     parser.add_argument("--images", type=int, nargs="+", default=[128_000, 400_000, 1_281_167])
     parser.add_argument("--graph-rows", type=int, nargs="+",
@@ -307,6 +351,12 @@ def main() -> None:
                            "worker_rss_mib"])
         print(f"exponent {slope:.2f}; at CC12M ({CC12M_SHARDS} tars, 2 workers): "
               f"{results['index']['cc12m_seconds'] / 60:.1f} min")
+    if args.part in ("all", "ledger"):
+        rows = [run_ledger(t, args.workdir) for t in args.ledger_tars]
+        sized(results, "ledger", rows, "samples", ["seconds", "command_rss_mib"], CC12M_ROWS,
+              "the ledger command over one epoch (keys from the tars' headers, 2 ranks):",
+              ["samples", "tars", "seconds", "keys_per_s", "command_rss_mib", "once",
+               "unread"])
     if args.part in ("all", "counts"):
         rows = [child("counts", s, 1, args.workdir) for s in args.shards]
         results["counts"] = {"rows": rows}
