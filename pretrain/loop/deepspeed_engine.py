@@ -71,7 +71,7 @@ class DeepSpeedEngine(Engine):
         self.stage = "3" if config["zero_optimization"]["stage"] == 3 else "1/2"  # layouts
         self.shards_parameters = self.stage == "3"
         self.round_robin = config["zero_optimization"].get("round_robin_gradients", False)
-        if self.shards_parameters:
+        if self.shards_parameters and zero3.refused_dtype(model):
             zero3.partition(model, config)
         self.ds, zero_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False)

@@ -31,6 +31,14 @@ def _own_tensors(module: nn.Module, prefix: str) -> tuple[list[tuple[str, nn.Par
     return params, buffers
 
 
+def refused_dtype(model: nn.Module) -> bool:
+    """Whether DeepSpeed's own ZeRO-3 set-up may refuse ``model``'s parameter dtype (one
+    outside half, bfloat16 and float: float64 in the equality tests); other models take
+    DeepSpeed's own path unchanged."""
+    first = next(model.parameters(), None)
+    return first is not None and first.dtype not in (torch.half, torch.bfloat16, torch.float)
+
+
 def partition(model: nn.Module, config: dict[str, Any]) -> None:
     """Partition ``model``'s parameters over the ranks (a collective), as DeepSpeed's engine
     would at ``initialize``, naming the dtype ``zero.Init`` checks.
