@@ -9,8 +9,10 @@ encoder as a new version of ``tracking.registered_model``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import shlex
 import shutil
 import sys
@@ -25,6 +27,7 @@ from app.run_config import RunConfig, parse_run
 from core.cli import reported_faults
 from core.collectives import all_ranks_agree, barrier, sum_over_ranks
 from core.config import flatten, to_yaml
+from core.elastic import agent_arguments, shared_store_warning
 from core.errors import RunError
 from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
 from data_pipeline.graph.class_graph import load_class_graph
@@ -33,13 +36,14 @@ from data_pipeline.loader.ledger import LedgerWriter, attempt_name, restart_coun
 from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
 from pretrain.loop.engine import build_engine, engine_spec
-from pretrain.loop.optim import build_optimizer, optimizer_spec, warmup_cosine
+from pretrain.loop.optim import build_optimizer, optimizer_spec, warmup_cosine_in_samples
 from pretrain.loop.step import Objective
-from pretrain.loop.trainer import Trainer
+from pretrain.loop.trainer import RunLength, Trainer
 from pretrain.losses import objective_spec
 from pretrain.model.checkpointing import check_compilable
 from pretrain.model.encoder import build_model
-from pretrain.run.checkpoint import Checkpointer, model_state_of
+from pretrain.run.batch_cut import BatchCut, recorded_global_batch
+from pretrain.run.checkpoint import Checkpointer, list_checkpoints, model_state_of
 from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
 from pretrain.run.run_lock import RunLock
 from pretrain.run.tracking import Tracker
@@ -113,10 +117,12 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
     if objective_spec(objective.name).labels and not shards.class_names:
         raise RunError(f"objective.name={objective.name} needs class labels, and "
                        f"data.shards={data.shards} lists no classes (no manifest with class names)")
-    global_batch = data.batch_size * rt.world
-    if shards.total < data.samples_per_batch * rt.world:
-        raise RunError(f"data.batch_size={data.batch_size} on {rt.world} ranks needs "
-                       f"{data.samples_per_batch * rt.world} samples per step and "
+    cut = batch_cut(config, rt, run_dir)
+    global_batch = cut.global_batch
+    per_step = global_batch * data.samples_per_batch // data.batch_size
+    if shards.total < per_step or global_batch < rt.world:
+        raise RunError(f"a global batch of {global_batch} instances on {rt.world} ranks needs "
+                       f"{per_step} samples per step (and one a rank) and "
                        f"data.shards={data.shards} holds "
                        f"{shards.total}: lower data.batch_size")
     candidates = 2 * global_batch - 2  # other views an anchor can be contrasted with
@@ -144,20 +150,40 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
     engine_spec(config.engine.name).prepare(model, config.engine, precision)
     optimizer = build_optimizer(model, config.optim, global_batch)
     engine = build_engine(model, optimizer, config.engine, rt.device, 2 * data.batch_size)
-    per_epoch = shards.total // (data.samples_per_batch * rt.world)  # the loader's epoch
-    total = config.train.max_steps or config.train.epochs * per_epoch
+    loader = TrainLoader(data, rt.rank, rt.world, text=text_for(config), device=rt.device,
+                         global_batch=global_batch)
+    length = RunLength(loader.samples_per_step, loader.samples_per_epoch,
+                       config.train.epochs, config.train.max_steps)
+    if rt.is_main:
+        log.info(cut.describe(config.train.chunk_size))
     return Trainer(
-        config.train, engine=engine,
+        dataclasses.replace(config.train, chunk_size=cut.chunk_rows(config.train.chunk_size)),
+        engine=engine,
         objective=Objective(objective, graph, len(shards.class_names) or None,
-                            2 * data.batch_size),
-        loader=TrainLoader(data, rt.rank, rt.world, text=text_for(config), device=rt.device),
+                            cut.rows_per_rank),
+        loader=loader,
         checkpointer=Checkpointer(run_dir, config.checkpoint, rt.rank, rt.world, rt.device,
                                   global_batch, engine.optimizer_sharded),
-        schedule=warmup_cosine(total, config.optim.warmup_steps), total_steps=total,
+        schedule=warmup_cosine_in_samples(length.total_samples, length.samples_per_step,
+                                          config.optim.warmup_steps),
+        length=length,
         runtime=rt, precision=precision,
         knn=knn_monitor_for(config, rt, engine.shards_parameters),
         preemption=PreemptionWatch(config.preemption, rt.device), config_yaml=to_yaml(config),
         ledger=ledger_for(config, rt, run_dir))
+
+
+def batch_cut(config: RunConfig, rt: Runtime, run_dir: Path) -> BatchCut:
+    """This world's cut of the run's global batch: the one its checkpoints record
+    (``data.global_batch=kept``), else ``data.batch_size`` on every rank."""
+    data, resume = config.data, config.checkpoint.resume
+    recorded = 0
+    if data.global_batch == "kept" and rt.is_main and resume != "never":
+        recorded = recorded_global_batch(list_checkpoints(run_dir) if resume == "auto"
+                                         else [Path(resume)])
+    recorded = int(sum_over_ranks(recorded, rt.device))  # rank 0's
+    return BatchCut(recorded or data.batch_size * rt.world, rt.world, data.batch_size,
+                    chunkable=not config.model.split_views)
 
 
 def ledger_for(config: RunConfig, rt: Runtime, run_dir: Path) -> LedgerWriter | None:
@@ -178,7 +204,7 @@ def model_card(config: RunConfig, trainer: Trainer, name: str) -> ModelCard:
         name=name, objective=flatten(config.objective),
         data={"shards": config.data.shards, "samples": shards.total,
               "classes": len(shards.class_names), "resolution": config.data.resolution,
-              "global_batch": config.data.batch_size * trainer.runtime.world},
+              "global_batch": trainer.checkpointer.global_batch},
         training={"run": config.name, "seed": config.seed, "steps": trainer.step,
                   "world_size": trainer.runtime.world, "engine": config.engine.name,
                   "optimizer": config.optim.name, "lr": config.optim.lr,
@@ -227,6 +253,9 @@ def train(config: RunConfig) -> Path:
     created = not run_dir.exists()
     lock = lock_run_dir(run_dir, rt)
     setup_logging(rt, run_dir)
+    shared_store = shared_store_warning(os.environ, agent_arguments())
+    if shared_store and rt.is_main:
+        log.warning(shared_store)
     try:
         precision = resolve_precision(config.train.precision, rt.device)
         try:
@@ -238,8 +267,7 @@ def train(config: RunConfig) -> Path:
         if rt.is_main:
             (run_dir / "config.yaml").write_text(trainer.config_yaml)
             log.info("resolved config: %s", run_dir / "config.yaml")
-            log.info("%d ranks on %s, %s, %d steps; backend %s", rt.world, rt.device,
-                     precision, trainer.total_steps,
+            log.info("%d ranks on %s, %s; backend %s", rt.world, rt.device, precision,
                      dist.get_backend() if dist.is_initialized() else "none (one process)")
             if config.tracking.enabled:
                 trainer.tracker = Tracker(config.tracking, run_dir, config.name)

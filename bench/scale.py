@@ -193,12 +193,12 @@ def run_counts(shards: int, workdir: Path) -> dict[str, Any]:
 
 
 def loader_epochs(worlds: list[Layout]) -> dict[str, Any]:
-    coverage = [epoch_coverage(CC12M_ROWS, w._replace(per_batch=256)) for w in worlds]
+    coverage = [epoch_coverage(CC12M_ROWS, w._replace(per_batch=256 * w.world)) for w in worlds]
     print("epoch coverage, CC12M (12M samples, 1,200 shards), batch 256 per rank:")
     print_table(coverage, ["world", "samples", "delivered", "twice", "left", "global_batch",
                            "batches_per_rank", "max_shard_ranges_per_stream", "seconds",
                            "ms_per_stream"])
-    mixing = [class_mixing(w._replace(per_batch=128), shuffled)
+    mixing = [class_mixing(w._replace(per_batch=128 * w.world), shuffled)
               for w in worlds for shuffled in (True, False)]
     print("distinct classes per batch of 128, ImageNet listed class by class:")
     print_table(mixing, ["world", "shards", "distinct_classes", "iid", "ratio", "batches"])

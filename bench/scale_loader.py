@@ -34,7 +34,7 @@ def rank_batches(plan: EpochPlan, rank: int) -> list[np.ndarray]:
     layout = plan.layout
     streams = [np.fromiter(plan.stream(rank, w).positions(), np.int64)
                for w in range(layout.workers)]
-    per = layout.per_batch
+    per = layout.share(rank)
     return [streams[b % layout.workers][(b // layout.workers) * per:
                                         (b // layout.workers + 1) * per]
             for b in range(plan.batches)]
@@ -54,9 +54,9 @@ def epoch_coverage(total: int, layout: Layout) -> dict[str, Any]:
         for batch in mine:
             seen[batch] += 1
     seconds = time.perf_counter() - start
-    return {"world": f"{layout.world}x{layout.workers}", "batch": layout.per_batch,
+    return {"world": f"{layout.world}x{layout.workers}", "batch": layout.share(0),
             "samples": total, "delivered": int(seen.sum()), "twice": int((seen > 1).sum()),
-            "left": int((seen == 0).sum()), "global_batch": layout.world * layout.per_batch,
+            "left": int((seen == 0).sum()), "global_batch": layout.per_batch,
             "batches_per_rank": sorted(set(batches)), "seconds": seconds,
             "max_shard_ranges_per_stream": pieces,
             "ms_per_stream": 1e3 * seconds / (layout.world * layout.workers)}
@@ -89,8 +89,8 @@ def class_mixing(layout: Layout, shuffled: bool, ranks: int = 64) -> dict[str, A
     plan = EpochPlan(total, 0, 0, LANES, BLOCK, [], layout)
     distinct = [len(np.unique(label_at[batch])) for rank in range(min(ranks, layout.world))
                 for batch in rank_batches(plan, rank)]
-    iid = iid_distinct(IMAGENET_CLASSES, IMAGENET_PER_CLASS, layout.per_batch)
-    return {"world": f"{layout.world}x{layout.workers}", "batch": layout.per_batch,
+    iid = iid_distinct(IMAGENET_CLASSES, IMAGENET_PER_CLASS, layout.share(0))
+    return {"world": f"{layout.world}x{layout.workers}", "batch": layout.share(0),
             "shards": "shuffled" if shuffled else "class-sorted",
             "distinct_classes": float(np.mean(distinct)), "iid": iid,
             "ratio": float(np.mean(distinct)) / iid, "batches": len(distinct)}

@@ -71,6 +71,10 @@ class DataConfig:
 
     shards: str = ""  # training shards: make-shards directory or URLs (docs/data_pipeline.md)
     batch_size: int = 64  # images per rank per step; each yields two views
+    # kept: the global batch the run began with, on any number of ranks (each rank its
+    # share, in chunks of batch_size); per_rank: batch_size per rank, the global batch
+    # follows the world (pretrain/run/batch_cut.py)
+    global_batch: Literal["kept", "per_rank"] = "kept"
     workers: int = 2  # loader worker processes per rank
     resolution: int = 32  # side of the square views, in pixels
     augment: Literal["simclr", "autoaugment", "none"] = "simclr"  # view augmentation recipe

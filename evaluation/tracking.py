@@ -7,7 +7,7 @@ and bank, and ``results.json`` records their paths."""
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ def evaluation_record(results: dict[str, Any], cfg: EvalConfig, run_id: str
     k = f"k{cfg.promote_k}"
     floor = results.get("untrained")
     return EvaluationRecord(
-        date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), run_id=run_id,
+        date=datetime.now(UTC).strftime("%Y-%m-%d"), run_id=run_id,
         test_shards=str(cfg.test_shards), test_samples=int(results["samples"]["test"]),
         train_samples=int(results["samples"]["train"]), k=cfg.promote_k,
         knn_top1=float(results["knn"]["backbone"][k]["top1"]),

@@ -123,9 +123,9 @@ def card_table(record: EvaluationRecord) -> list[str]:
 def model_index(record: EvaluationRecord, title: str) -> list[dict[str, Any]]:
     """The Hugging Face card's ``model-index`` block: one result per measure."""
     dataset = {"name": record.test_shards, "type": record.test_shards}
-    measures = [("kNN top-1 (backbone, k={})".format(record.k), record.knn_top1),
+    measures = [(f"kNN top-1 (backbone, k={record.k})", record.knn_top1),
                 ("linear probe top-1", record.probe_top1),
-                ("untrained kNN top-1 (backbone, k={})".format(record.k),
+                (f"untrained kNN top-1 (backbone, k={record.k})",
                  record.untrained_knn_top1),
                 ("untrained linear probe top-1", record.untrained_probe_top1)]
     metrics = [{"type": "accuracy", "name": name, "value": round(float(value), 6)}

@@ -28,9 +28,9 @@ from torch.nn import functional as F
 from bench.gpu.sizes import Sizes
 from core.runtime import Runtime, resolve_precision
 from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
-from pretrain.loop.optim import OptimConfig, build_optimizer, warmup_cosine
+from pretrain.loop.optim import OptimConfig, build_optimizer, warmup_cosine_in_samples
 from pretrain.loop.step import Objective
-from pretrain.loop.trainer import TrainConfig, Trainer
+from pretrain.loop.trainer import RunLength, TrainConfig, Trainer
 from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_spec
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.model.text_tower import TextTowerConfig, random_text_model
@@ -99,7 +99,8 @@ def project_trainer(model_cfg: ModelConfig, objective: ObjectiveConfig, images: 
                    objective=Objective(objective, graph, CLASSES, 2 * images), loader=None,
                    checkpointer=Checkpointer(run_dir, CheckpointConfig(every=0), 0, 1, device,
                                              images),
-                   schedule=warmup_cosine(10**6, 10), total_steps=10**6,
+                   schedule=warmup_cosine_in_samples(10**6 * images, images, 10),
+                   length=RunLength(images, 10**6 * images, max_steps=10**6),
                    runtime=Runtime(0, 1, 0, device), precision=precision)
 
 

@@ -132,16 +132,17 @@ def loader_options(cfg: DataConfig) -> dict[str, Any]:
 
 class TrainLoader:
     """One rank's training batches, an epoch per :meth:`epoch` call, from ``state`` on
-    (updated as batches arrive; a checkpoint saves it)."""
+    (updated as batches arrive; a checkpoint saves it). A step takes ``global_batch``
+    instances over all ranks (0: ``batch_size`` on each), this rank its share."""
 
     def __init__(self, cfg: DataConfig, rank: int = 0, world: int = 1,
                  state: LoaderState | None = None, text: TextConfig | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, global_batch: int = 0) -> None:
         backend = backend_spec(cfg.backend)
         backend.check(cfg)
         self.cfg, self.state = cfg, state or LoaderState()
         shards = ShardSet.open(cfg.shards, cfg.verify_checksums, cfg.retry)
-        self.stream = TrainStream(cfg, shards, rank, world, self.state, text)
+        self.stream = TrainStream(cfg, shards, rank, world, self.state, text, global_batch)
         # data.backend=dali: workers send encoded images, views are made on ``device``
         render = backend_spec(cfg.backend).device_views
         self.device_views = (render(cfg, device or torch.device("cpu"))
@@ -192,6 +193,25 @@ class TrainLoader:
             log.warning("data: epoch %d skipped %s (totals so far %s)", self.state.epoch,
                         dict(skips), self.state.skipped)
         self.state.next_epoch()
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples of the data set a step takes over all ranks."""
+        return self.stream.layout.per_batch
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples of the data set an epoch delivers: whole global batches."""
+        layout = self.stream.layout
+        return layout.batches(self.stream.shards.total) * layout.per_batch
+
+    def steps_left(self, epochs: int) -> int:
+        """Batches this rank delivers (as every rank does) until ``epochs`` epochs are."""
+        if self.state.epoch >= epochs:
+            return 0
+        full = self.stream.layout.batches(self.stream.shards.total)
+        return (self.stream.batches_per_epoch - self.state.batches
+                + (epochs - self.state.epoch - 1) * full)
 
     def close(self) -> None:
         """End the worker processes (they also end with the process)."""

@@ -5,20 +5,22 @@ from (seed, epoch) alone, each shard's samples in file order. Position p is samp
 ``p - start[s]`` of the shard s whose span holds p. Work is a list of ``[a, b)`` position
 ranges.
 
-Layout. ``(world, workers, per_batch)``: each rank yields ``T = work // (world * per_batch)``
-batches, worker w of a rank the batches b < T with b % workers == w. The work is dealt to
-the streams (rank-major, then worker) in consecutive slices of exactly the positions their
-batches take, so every position is read once and every rank yields T batches; the last
-``work - T * world * per_batch`` positions (less than one global batch) wait for the next
-epoch's order.
+Layout. ``(world, workers, per_batch)``: a step takes ``per_batch`` positions over all
+ranks (the global batch), rank r its share ``per_batch // world`` plus one for the first
+``per_batch % world`` ranks. Each rank yields ``T = work // per_batch`` batches, worker w of
+a rank the batches b < T with b % workers == w. The work is dealt to the streams
+(rank-major, then worker) in consecutive slices of exactly the positions their batches
+take, so every position is read once and every rank yields T batches; the last
+``work - T * per_batch`` positions (less than one global batch) wait for the next epoch's
+order.
 
 Stream order. A stream cuts its slice into ``lanes`` consecutive parts and reads them side
 by side: item t of its pre-order is item ``t // lanes`` of lane ``t % lanes`` (so its
 batches mix ``lanes`` places of the data set). The pre-order is then shuffled in blocks of
 ``block`` items, each block by its own seeded permutation; batch i of the stream is items
-``[i * per_batch, (i + 1) * per_batch)`` of the shuffled order. Where a stream stands is
-one number, the items it has delivered, and a stream resumes by reading the block that
-holds it (:meth:`StreamOrder.lane_starts`).
+``[i * share, (i + 1) * share)`` of the shuffled order (``share``: its rank's). Where a
+stream stands is one number, the items it has delivered, and a stream resumes by reading
+the block that holds it (:meth:`StreamOrder.lane_starts`).
 
 Another layout mid-epoch (a resume on another number of ranks or workers, or another batch
 size): the work left is every stream's :meth:`StreamOrder.remainder` (the undelivered
@@ -42,11 +44,15 @@ Range = tuple[int, int]  # [a, b) of epoch positions
 class Layout(NamedTuple):
     world: int
     workers: int
-    per_batch: int  # positions a batch takes
+    per_batch: int  # positions a step takes over all ranks
 
     def batches(self, work: int) -> int:
         """Batches per rank for ``work`` positions."""
-        return work // (self.world * self.per_batch)
+        return work // self.per_batch
+
+    def share(self, rank: int) -> int:
+        """Positions rank ``rank``'s batch takes."""
+        return self.per_batch // self.world + (rank < self.per_batch % self.world)
 
     def stream_batches(self, batches: int, worker: int) -> int:
         """How many of a rank's ``batches`` its worker ``worker`` yields."""
@@ -193,10 +199,11 @@ class EpochPlan:
         bounds = self._quotas(self.layout, self.batches)
         return self._stream(self.work, self.layout, self.number, bounds, rank, worker)
 
-    def _quotas(self, layout: Layout, batches: int) -> list[int]:
-        per_worker = [layout.stream_batches(batches, w) * layout.per_batch
-                      for w in range(layout.workers)]
-        return [0, *accumulate(per_worker * layout.world)]
+    @staticmethod
+    def _quotas(layout: Layout, batches: int) -> list[int]:
+        """Where each stream's slice of the work begins, rank-major, then worker."""
+        return [0, *accumulate(layout.stream_batches(batches, w) * layout.share(r)
+                               for r in range(layout.world) for w in range(layout.workers))]
 
     def _stream(self, work: Work, layout: Layout, number: int, bounds: list[int],
                 rank: int, worker: int) -> StreamOrder:
@@ -211,6 +218,6 @@ class EpochPlan:
         for rank in range(layout.world):
             for worker in range(layout.workers):
                 stream = self._stream(work, layout, number, bounds, rank, worker)
-                done = layout.stream_batches(delivered_batches, worker) * layout.per_batch
+                done = layout.stream_batches(delivered_batches, worker) * layout.share(rank)
                 left += stream.remainder(done)
         return Work(left + work.cut(bounds[-1], work.size).ranges)

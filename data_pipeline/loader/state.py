@@ -1,7 +1,8 @@
 """Where the training stream stands; saved in and restored from checkpoints.
 
 ``epoch`` and ``batches`` (batches delivered in that epoch under ``layout``, the
-``[world, workers, positions per batch]`` that delivered them) say where to continue.
+``[world, workers, positions per step over all ranks]`` that delivered them) say where to
+continue.
 ``layouts`` lists the earlier layouts of the epoch as ``[world, workers, per batch,
 batches]``: a run resumed under another layout continues with the work the earlier ones
 left (``data_pipeline/loader/plan.py``).
@@ -14,12 +15,14 @@ from typing import Any
 
 from data_pipeline.samples import MAX_EXAMPLES
 
+GLOBAL_LAYOUTS = "global_layouts"  # a state's layouts count positions per step
+
 
 @dataclass
 class LoaderState:
     epoch: int = 0
     batches: int = 0  # batches delivered in this epoch under `layout`
-    layout: list[int] = field(default_factory=list)  # [world, workers, per batch]
+    layout: list[int] = field(default_factory=list)  # [world, workers, per step]
     layouts: list[list[int]] = field(default_factory=list)  # earlier ones of the epoch
     skipped: dict[str, int] = field(default_factory=dict)  # all epochs, per reason
     skipped_places: dict[str, int] = field(default_factory=dict)  # per "reason shard"
@@ -57,10 +60,17 @@ class LoaderState:
         self.epoch, self.batches, self.layouts = self.epoch + 1, 0, []
 
     def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), GLOBAL_LAYOUTS: True}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> LoaderState:
-        """The state saved by :meth:`state_dict`; keys of older versions are dropped."""
+        """The state saved by :meth:`state_dict`; keys of older versions are dropped, and
+        their layouts (positions per rank's batch) read as positions per step."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in state.items() if k in known})
+        restored = cls(**{k: v for k, v in state.items() if k in known})
+        if not state.get(GLOBAL_LAYOUTS):
+            restored.layouts = [[w, k, w * b, n] for w, k, b, n in restored.layouts]
+            if restored.layout:
+                w, k, b = restored.layout
+                restored.layout = [w, k, w * b]
+        return restored

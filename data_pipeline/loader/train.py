@@ -50,17 +50,21 @@ class TrainStream(IterableDataset):
     """One rank's training batches from ``state`` to the end of the epoch."""
 
     def __init__(self, cfg: DataConfig, shards: ShardSet, rank: int = 0, world: int = 1,
-                 state: LoaderState | None = None, text: TextConfig | None = None) -> None:
+                 state: LoaderState | None = None, text: TextConfig | None = None,
+                 global_batch: int = 0) -> None:
         self.cfg, self.shards, self.rank, self.world = cfg, shards, rank, world
         self.state, self.text = state or LoaderState(), text
         if cfg.caption_store:  # fail at start on a broken store; workers re-open it (mmap)
             CaptionStore.open(cfg.caption_store)
         self.epochs_begun = 0  # by this copy: persistent workers count their own epochs
-        self.layout = Layout(world, max(1, cfg.workers), cfg.samples_per_batch)
+        # ``global_batch`` instances a step over all ranks (0: batch_size on each rank)
+        per_instance = cfg.samples_per_batch // cfg.batch_size
+        self.layout = Layout(world, max(1, cfg.workers),
+                             (global_batch or cfg.batch_size * world) * per_instance)
         self.state.enter(list(self.layout))
         self._resumed: tuple[tuple[int, str], int] | None = None  # (epoch, layouts) -> batches
         if self.layout.batches(shards.total) == 0:
-            raise ValueError(f"data.batch_size={cfg.batch_size} x {world} ranks exceeds the "
+            raise ValueError(f"a global batch of {self.layout.per_batch} samples exceeds the "
                              f"{shards.total} samples of {cfg.shards}")
 
     def plan(self, epoch: int, history: list[list[int]]) -> EpochPlan:
@@ -104,7 +108,7 @@ class TrainStream(IterableDataset):
         checker = SampleChecker(len(self.shards.class_names), self.cfg.max_skip_fraction)
         reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry,
                              self.cfg.verify_checksums)
-        per_batch = self.layout.per_batch
+        per_batch = self.layout.share(self.rank)
         done = self.layout.stream_batches(start, worker)
         placed = self._ordered(order, ShardOrder(self.shards.counts, self.cfg.seed, epoch),
                                reader, done * per_batch)

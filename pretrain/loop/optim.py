@@ -214,13 +214,26 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         optimizer.found_inf = None
 
 
-def warmup_cosine(total_steps: int, warmup_steps: int):
+def warmup_cosine(total_steps: float, warmup_steps: float) -> Callable[[float], float]:
     """Multiplier of the base lr at a step: linear warmup from 1/warmup, then cosine to 0."""
 
-    def factor(step: int) -> float:
+    def factor(step: float) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return factor
+
+
+def warmup_cosine_in_samples(total_samples: int, samples_per_step: int,
+                             warmup_steps: int) -> Callable[[int], float]:
+    """The multiplier of the base lr after ``samples`` samples of a run of
+    ``total_samples``: :func:`warmup_cosine` over global batches of ``samples_per_step``,
+    one curve in samples through any change of world."""
+    factor = warmup_cosine(total_samples / samples_per_step, warmup_steps)
+
+    def of_samples(samples: int) -> float:
+        return factor(samples / samples_per_step)
+
+    return of_samples

@@ -6,7 +6,7 @@ DeepSpeed or FSDP2), the ``objective``, the ``loader``, the ``checkpointer``, th
 (MLflow on rank 0), the ``monitors`` and, with ``data.ledger``, the epoch ``ledger``. One
 step (:meth:`Trainer.train_step`):
 
-1. the learning rate from the schedule;
+1. the learning rate from the schedule, a function of the samples consumed;
 2. forward under autocast: this rank's embeddings (:func:`forward_loss`);
 3. the gathering boundary: every rank's embeddings in one global batch
    (:func:`pretrain.distributed.build_global_batch`, the one place that talks to the
@@ -17,7 +17,10 @@ step (:meth:`Trainer.train_step`):
 6. the metrics, summed on the device and read every ``log_every`` steps.
 
 ``train.chunk_size`` runs steps 2-5 chunk by chunk with the cached embedding gradient
-(``chunked.py``). Checkpoints follow :mod:`pretrain.run.checkpoint`.
+(``chunked.py``), as does a rank whose share of the global batch exceeds its configured
+batch (fewer ranks than the run began with). The run is measured in samples of the data
+set (:class:`RunLength`): it ends when the loader has delivered ``train.epochs`` epochs, or
+after ``train.max_steps`` steps. Checkpoints follow :mod:`pretrain.run.checkpoint`.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ log = logging.getLogger(__name__)
 class TrainConfig:
     """``train.*``: length of the run and how it is watched."""
 
-    epochs: int = 1  # passes over the training shards
+    epochs: int = 1  # passes over the training shards: the run ends when they are delivered
     max_steps: int = 0  # > 0: stop after this many steps (overrides epochs)
     log_every: int = 10  # steps between metric rows
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU
@@ -134,6 +137,28 @@ def chunked_loss(engine: Engine, batch: dict[str, Any], objective: Objective, st
     return chunked_forward_loss(engine, batch, loss_of, chunk_size, objective.rows_per_rank)
 
 
+@dataclass(frozen=True)
+class RunLength:
+    """How far a run goes, in samples of the data set: ``epochs`` epochs of
+    ``samples_per_epoch`` (whole global batches), or ``max_steps`` steps; every step takes
+    ``samples_per_step``, the global batch, on any number of ranks."""
+
+    samples_per_step: int
+    samples_per_epoch: int
+    epochs: int = 1
+    max_steps: int = 0
+
+    @property
+    def total_samples(self) -> int:
+        if self.max_steps:
+            return self.max_steps * self.samples_per_step
+        return self.epochs * self.samples_per_epoch
+
+    def epoch(self, samples: int) -> float:
+        """Epochs delivered after ``samples`` samples."""
+        return samples / self.samples_per_epoch
+
+
 @dataclass
 class Monitors:
     """What watches the run: the metric ``window`` and the non-finite ``guard`` (both on
@@ -147,12 +172,13 @@ class Monitors:
 
 
 class Trainer:
-    """Trains ``engine.module`` for ``total_steps`` steps; see the module's docstring.
-    ``loader`` None: the caller hands :meth:`train_step` its batches (tests, benchmarks)."""
+    """Trains ``engine.module`` for ``length``; see the module's docstring. ``schedule``:
+    the learning-rate multiplier after a number of samples. ``loader`` None: the caller
+    hands :meth:`train_step` its batches (tests, benchmarks)."""
 
     def __init__(self, cfg: TrainConfig, *, engine: Engine, objective: Objective,
                  loader: TrainLoader | None, checkpointer: Checkpointer,
-                 schedule: Callable[[int], float], total_steps: int, runtime: Runtime,
+                 schedule: Callable[[int], float], length: RunLength, runtime: Runtime,
                  precision: str, tracker: Any = None,
                  knn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
                  preemption: PreemptionWatch | None = None, config_yaml: str = "",
@@ -161,10 +187,12 @@ class Trainer:
         self.ledger = ledger  # data.ledger: the samples of every step, per rank
         self.engine, self.objective, self.loader = engine, objective, loader
         self.checkpointer, self.tracker, self.preemption = checkpointer, tracker, preemption
-        self.schedule, self.total_steps, self.config_yaml = schedule, total_steps, config_yaml
+        self.schedule, self.length, self.config_yaml = schedule, length, config_yaml
+        self.total_steps = length.max_steps or -(-length.total_samples
+                                                 // length.samples_per_step)
         self.monitors = Monitors(NonFiniteGuard(cfg.max_nonfinite, runtime.device),
                                  CollapseWatch(cfg.collapse), knn)
-        self.step = 0
+        self.step = self.samples = 0  # steps done, samples of the data set consumed
         self.last_saved = -1
         self.last_row: dict[str, float] = {}  # the newest logged metrics (all ranks' mean)
         self.last_knn: dict[str, float] = {}  # the newest kNN monitor result
@@ -178,14 +206,16 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------
     def train(self) -> None:
-        """Resume if a checkpoint is there, then train to ``total_steps``."""
+        """Train from where :meth:`resume` left the run to its end."""
+        if self.loader is not None and not self.length.max_steps:  # the loader's epochs
+            self.total_steps = self.step + self.loader.steps_left(self.length.epochs)
+        if self.runtime.is_main:
+            log.info("%d steps to go of %d samples each, from epoch %.2f", self.total_steps
+                     - self.step, self.length.samples_per_step, self.length.epoch(self.samples))
         self.bar = tqdm(total=self.total_steps, initial=self.step, unit="step",
                         disable=not (self.cfg.progress and self.runtime.is_main),
                         dynamic_ncols=True)
         self.window_start = time.perf_counter()
-        if self.cfg.chunk_size and self.runtime.is_main:
-            log.info("encoder runs in chunks of at most %d rows per rank, with the cached "
-                     "embedding gradient (train.chunk_size)", self.cfg.chunk_size)
         if self.ledger is not None:
             self.ledger.start(self.step)
         try:
@@ -214,7 +244,7 @@ class Trainer:
     def train_step(self, batch: dict[str, Any]) -> None:
         placeholder = bool(batch.get("placeholder", False))  # the loader's, on the host
         batch = to_device(batch, self.runtime.device)
-        lr = self.engine.set_lr(self.schedule(self.step))  # 1
+        lr = self.engine.set_lr(self.schedule(self.samples))  # 1
         reports = self.reports_after(self.step + 1)
         with kept_buffers(self.model, placeholder):  # a placeholder leaves no statistics
             with autocast(self.precision, self.runtime.device):
@@ -228,8 +258,9 @@ class Trainer:
             flags = self.update(out, backward, placeholder)  # 5
         if self.objective.controller:
             self.objective.controller.update(mean_over_ranks_on_device(out.metrics["ess"]),
-                                             self.step / max(1, self.total_steps))
+                                             self.samples / self.length.total_samples)
         self.step += 1
+        self.samples += self.length.samples_per_step
         if self.ledger is not None:
             self.ledger.record(self.loader.state.epoch, self.step, batch, flags.update)
         self.monitors.window.add(out.metrics, flags.real)  # 6
@@ -283,6 +314,8 @@ class Trainer:
                         "no update in them", empty, self.step)
         skipped = sum(self.loader.state.skipped.values()) if self.loader else 0
         row.update(lr=lr, images_per_s=views / elapsed, memory_mib=peak_memory_mib(device),
+                   epoch=self.length.epoch(self.samples), samples=float(self.samples),
+                   global_batch=float(self.length.samples_per_step),
                    empty_steps=float(empty), skipped_samples=sum_over_ranks(skipped, device),
                    nonfinite_steps=float(nonfinite_total))
         if self.objective.controller:
@@ -291,7 +324,8 @@ class Trainer:
         warning = self.monitors.collapse.check(self.step, row)
         row["collapse"] = float(warning is not None)
         if self.runtime.is_main:
-            self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
+            self.bar.set_postfix(epoch=f"{row['epoch']:.2f}/{self.length.epochs}",
+                                 loss=f"{row.get('loss', float('nan')):.4f}",
                                  img_s=f"{row['images_per_s']:.0f}",
                                  **({"collapse": "WARNING"} if warning else {}), refresh=False)
             if warning:
@@ -350,7 +384,7 @@ class Trainer:
         what is this rank's own (its RNG streams, its loader position, and its optimiser
         partition under ZeRO)."""
         controller = self.objective.controller
-        replicated = {"step": self.step, "world": self.runtime.world,
+        replicated = {"step": self.step, "samples": self.samples, "world": self.runtime.world,
                       "global_batch": self.checkpointer.global_batch,
                       "nonfinite_total": self.monitors.guard.check(self.step),
                       "config": self.config_yaml,
@@ -424,6 +458,7 @@ class Trainer:
             raise unfit_checkpoint(path, replicated.get("config", ""), self.config_yaml,
                                    err) from None
         self.step = self.last_saved = replicated["step"]
+        self.samples = replicated.get("samples", self.step * self.length.samples_per_step)
         self.monitors.guard.total = replicated["nonfinite_total"]
         if self.objective.controller:
             self.objective.controller.load_state_dict(replicated["controller"])

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from core.errors import RunError
+from data_pipeline.loader.state import GLOBAL_LAYOUTS
 
 # Keys of DeepSpeed's ZeRO-1/2 optimizer state (deepspeed.checkpoint.constants).
 BASE_STATE, FP32_PARTITIONS = "base_optimizer_state", "single_partition_of_fp32_groups"
@@ -58,6 +59,7 @@ def loader_state_for(loaders: list[dict[str, Any]], rank: int, old_global: int,
     loader: dict[str, Any] = {"epoch": first["epoch"], "batches": first["batches"],
                               "layout": list(first.get("layout", [])),
                               "layouts": [list(x) for x in first.get("layouts", [])],
+                              GLOBAL_LAYOUTS: first.get(GLOBAL_LAYOUTS, False),
                               "skipped": {}, "skipped_places": {}, "skipped_examples": []}
     if not loader["layout"]:
         loader["batches"] = batches_done(first["batches"], old_global, new_global)

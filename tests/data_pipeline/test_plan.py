@@ -1,6 +1,8 @@
 """The epoch plan at simulated worlds up to 64 ranks x 8 workers (positions only, nothing
-read): every sample once per epoch, equal batches per rank, a seeded order, and exact
-resume at any batch, under the same layout or another one."""
+read): every sample once per epoch, as many batches on every rank (each its share of the
+global batch, uneven where the world does not divide it), a seeded order, and exact resume
+at any batch, under the same layout or another one (another world keeping the global
+batch included)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from data_pipeline.loader.plan import EpochPlan, Layout, ShardOrder, StreamOrder
 COUNTS = [random.Random(5).randrange(20, 400) for _ in range(40)]  # 40 uneven shards
 TOTAL = sum(COUNTS)
 LANES, BLOCK = 4, 32
-WORLDS = [Layout(1, 1, 16), Layout(3, 2, 8), Layout(8, 8, 4), Layout(64, 8, 2)]
+# (world, workers, samples a step over all ranks): 3 x 2 and 5 x 2 cut it unevenly
+WORLDS = [Layout(1, 1, 16), Layout(3, 2, 24), Layout(3, 2, 25), Layout(5, 2, 64),
+          Layout(8, 8, 32), Layout(64, 8, 128)]
 
 
 def plan(layout: Layout, history=(), seed: int = 0, epoch: int = 0) -> EpochPlan:
@@ -27,8 +31,9 @@ def batches(p: EpochPlan, first: int = 0, stop: int | None = None) -> list[list[
     out = []
     for rank in range(layout.world):
         streams = [list(p.stream(rank, w).positions()) for w in range(layout.workers)]
-        out.append([streams[b % layout.workers][(b // layout.workers) * layout.per_batch:
-                                                (b // layout.workers + 1) * layout.per_batch]
+        share = layout.share(rank)
+        out.append([streams[b % layout.workers][(b // layout.workers) * share:
+                                                (b // layout.workers + 1) * share]
                     for b in range(first, stop)])
     return out
 
@@ -38,20 +43,22 @@ def flat(delivered: list[list[list[int]]]) -> list[int]:
 
 
 @pytest.mark.parametrize("layout", WORLDS, ids=lambda x: f"{x.world}x{x.workers}")
-def test_an_epoch_reads_every_sample_once_with_equal_batches_per_rank(layout):
+def test_an_epoch_reads_every_sample_once_with_a_share_per_rank(layout):
     p = plan(layout)
     delivered = batches(p)
-    assert p.batches == TOTAL // (layout.world * layout.per_batch) > 0
+    assert p.batches == TOTAL // layout.per_batch > 0
     assert all(len(rank) == p.batches for rank in delivered)
-    assert all(len(b) == layout.per_batch for rank in delivered for b in rank)
+    shares = [layout.share(r) for r in range(layout.world)]
+    assert sum(shares) == layout.per_batch and max(shares) - min(shares) <= 1
+    assert all(len(b) == shares[r] for r, rank in enumerate(delivered) for b in rank)
     seen = flat(delivered)
     assert len(seen) == len(set(seen))  # nothing twice
     assert set(seen) <= set(range(TOTAL))
-    assert TOTAL - len(seen) < layout.world * layout.per_batch  # less than a global batch left
+    assert TOTAL - len(seen) < layout.per_batch  # less than a global batch left
 
 
 def test_fewer_shards_than_streams_split_shards_by_sample_ranges():
-    p = plan(Layout(64, 8, 2))  # 512 streams over 40 shards
+    p = plan(Layout(64, 8, 128))  # 512 streams over 40 shards
     order = ShardOrder(COUNTS, 0, 0)
     pieces = [list(order.pieces(p.stream(r, w).work)) for r in range(64) for w in range(8)]
     assert all(len(streams) <= 2 for streams in pieces)  # a stream reads 1-2 shard ranges
@@ -66,7 +73,7 @@ def test_fewer_shards_than_streams_split_shards_by_sample_ranges():
 
 
 def test_the_order_is_fixed_by_seed_and_epoch():
-    layout = Layout(3, 2, 8)
+    layout = Layout(3, 2, 25)
     assert batches(plan(layout)) == batches(plan(layout))
     assert batches(plan(layout, seed=1)) != batches(plan(layout))
     assert batches(plan(layout, epoch=1)) != batches(plan(layout))
@@ -76,7 +83,7 @@ def test_the_order_is_fixed_by_seed_and_epoch():
 @pytest.mark.parametrize("layout", WORLDS, ids=lambda x: f"{x.world}x{x.workers}")
 def test_every_world_deals_a_prefix_of_one_sequence(layout):
     """The world changes how the epoch's sequence is dealt, not the sequence: the streams'
-    slices, joined in order, are its first T * world * batch positions."""
+    slices, joined in order, are its first T * global batch positions."""
     p = plan(layout)
     joined = [r for rank in range(layout.world) for w in range(layout.workers)
               for r in p.stream(rank, w).work.ranges]
@@ -84,7 +91,7 @@ def test_every_world_deals_a_prefix_of_one_sequence(layout):
     for a, b in joined[1:]:
         assert a == merged[-1][1]
         merged[-1] = (merged[-1][0], b)
-    assert merged == [(0, p.batches * layout.world * layout.per_batch)]
+    assert merged == [(0, p.batches * layout.per_batch)]
 
 
 @pytest.mark.parametrize("layout", WORLDS[1:], ids=lambda x: f"{x.world}x{x.workers}")
@@ -97,12 +104,14 @@ def test_a_stream_resumes_at_any_item_exactly(layout):
 
 
 @pytest.mark.parametrize(("old", "new"), [
-    (Layout(3, 2, 8), Layout(2, 3, 8)),
-    (Layout(8, 8, 4), Layout(64, 8, 2)),
-    (Layout(64, 8, 2), Layout(8, 8, 4)),
-    (Layout(8, 8, 4), Layout(8, 2, 4)),   # another worker count
-    (Layout(8, 8, 4), Layout(8, 8, 6)),   # another batch size
-], ids=["3x2-2x3", "8x8-64x8", "64x8-8x8", "8x8-8x2", "8x8-b6"])
+    (Layout(3, 2, 24), Layout(2, 3, 24)),
+    (Layout(2, 1, 64), Layout(1, 1, 64)),  # a rank lost, the global batch kept
+    (Layout(1, 1, 64), Layout(3, 2, 64)),  # ranks gained: shares 22, 21, 21
+    (Layout(8, 8, 32), Layout(64, 8, 128)),
+    (Layout(64, 8, 128), Layout(8, 8, 32)),
+    (Layout(8, 8, 32), Layout(8, 2, 32)),   # another worker count
+    (Layout(8, 8, 32), Layout(8, 8, 48)),   # another batch size
+], ids=["3x2-2x3", "2-1-kept", "1-3-kept", "8x8-64x8", "64x8-8x8", "8x8-8x2", "8x8-b6"])
 def test_a_resume_under_another_layout_loses_and_repeats_nothing(old, new):
     first = plan(old)
     for stop in (1, first.batches // 3, first.batches - 1):
@@ -110,16 +119,16 @@ def test_a_resume_under_another_layout_loses_and_repeats_nothing(old, new):
         after = flat(batches(plan(new, [(old, stop)])))
         seen = before + after
         assert len(seen) == len(set(seen))  # nothing twice
-        assert TOTAL - len(seen) < new.world * new.per_batch  # nothing lost but the tail
+        assert TOTAL - len(seen) < new.per_batch  # nothing lost but the tail
 
 
 def test_layouts_chain_within_an_epoch():
-    a, b, c = Layout(8, 8, 4), Layout(3, 2, 8), Layout(64, 8, 2)
+    a, b, c = Layout(8, 8, 32), Layout(3, 2, 25), Layout(64, 8, 128)
     before_a = flat(batches(plan(a), 0, 5))
     before_b = flat(batches(plan(b, [(a, 5)]), 0, 11))
     after = flat(batches(plan(c, [(a, 5), (b, 11)])))
     seen = before_a + before_b + after
-    assert len(seen) == len(set(seen)) and TOTAL - len(seen) < 64 * 2
+    assert len(seen) == len(set(seen)) and TOTAL - len(seen) < 128
 
 
 def test_a_remainder_is_what_the_stream_did_not_deliver():

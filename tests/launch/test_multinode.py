@@ -3,18 +3,21 @@ c10d rendezvous (here two agents on 127.0.0.1 sharing the run directory, as node
 file system). They train, checkpoint, are killed together and resume; the weights equal a
 1-node 2-process run's bit for bit (same ranks, same streams, same reductions). And the
 elastic launch (``launch/torchrun.sh`` with ``NNODES=1:2``): a node lost and regained
-while the job runs, with the epoch ledger showing every sample trained on once."""
+while the job runs, and the run is still the one asked for: its epochs (the ledger shows
+every sample of each trained on once), its global batch and its learning-rate curve."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 from core.runtime import free_port
@@ -89,17 +92,37 @@ def wait_for(condition, seconds: float, agents: list[subprocess.Popen], log: Pat
         time.sleep(0.1)
 
 
-def test_a_node_lost_and_regained_trains_every_sample_once(digits_shards, tmp_path):
-    """Two elastic agents (``NNODES=1:2``), a ledger kept. Mid-epoch the second node and
-    every process under it are SIGKILLed, as a lost node loses them: the first continues
-    at world 1 from the newest checkpoint. The second is started again: the group grows
-    back to 2 and finishes. The ledger shows every full epoch trained on with no sample
-    twice and fewer unread than one global batch (32), through both changes."""
+ELASTIC = {"checkpoint.every": 4, "data.workers": 1, "train.epochs": 5, "data.ledger": True,
+           "train.log_every": 1}
+EPOCH_STEPS, GLOBAL_BATCH = 360 // 32, 32  # 360 digits, 16 a rank on the 2 ranks it began with
+
+
+def step_rows(log: str) -> dict[int, list[dict[str, float]]]:
+    """Rank 0's metric rows by step (a step trained again after a resume has two)."""
+    rows: dict[int, list[dict[str, float]]] = {}
+    for line in log.splitlines():
+        found = re.search(r"rank0 pretrain\.loop\.trainer INFO: step (\d+) (.*=.*)$", line)
+        if found:
+            row = dict(item.split("=") for item in found.group(2).split())
+            rows.setdefault(int(found.group(1)), []).append(
+                {k: float(v) for k, v in row.items()})
+    return rows
+
+
+def test_a_node_lost_and_regained_trains_every_epoch_once_as_asked(digits_shards, uninterrupted,
+                                                                   tmp_path):
+    """Two elastic agents (``NNODES=1:2``), a ledger kept, ``train.epochs`` asked. Mid-epoch
+    the second node and every process under it are SIGKILLed, as a lost node loses them:
+    the first continues at world 1 from the newest checkpoint, its rank taking the whole
+    global batch in two chunks. The second is started again: the group grows back to 2 and
+    finishes. The run is the one asked for: every epoch, the last included, trains on every
+    sample of the shards once (none unread beyond the last partial global batch), the
+    global batch is 32 at every step, and the learning rate at every step equals an
+    uninterrupted 2-process run's at the same sample count."""
+    reference = step_rows((uninterrupted(2, **ELASTIC) / "train.log").read_text())
     job = tmp_path / "job.yaml"
     job.write_text("name: run\n")
-    overrides = train_overrides(digits_shards, tmp_path, **{
-        "checkpoint.every": 4, "data.workers": 1, "train.max_steps": 120,
-        "data.ledger": True, "train.log_every": 4})
+    overrides = train_overrides(digits_shards, tmp_path, **ELASTIC)
     port, log_path = free_port(), tmp_path / "agents.log"
     log = open(log_path, "w")
     text = log_path.read_text
@@ -116,17 +139,27 @@ def test_a_node_lost_and_regained_trains_every_sample_once(digits_shards, tmp_pa
     second = elastic_agent(job, overrides, port, log)
     assert [a.wait(timeout=300) for a in (first, second)] == [0, 0], text()[-4000:]
     assert "written by 1 ranks, resumed on 2" in text()
+    assert "global batch 32 on 1 rank(s): 32 instances a rank, encoded in chunks of at " \
+           "most 32 rows" in text()
     final = final_model(tmp_path / "run")
-    assert final["step"] == 120 and final["world"] == 2
+    assert final["step"] == 5 * EPOCH_STEPS and final["world"] == 2
+    assert final["samples"] == 5 * EPOCH_STEPS * GLOBAL_BATCH
+
+    rows = step_rows((tmp_path / "run" / "train.log").read_text())
+    assert sorted(rows) == sorted(reference) == list(range(1, 5 * EPOCH_STEPS + 1))
+    for step, logged in rows.items():
+        for row in logged:  # before, during and after the change, and steps trained again
+            assert row["global_batch"] == GLOBAL_BATCH, (step, row)
+            assert row["samples"] == pytest.approx(step * GLOBAL_BATCH, rel=1e-3), (step, row)
+            assert row["lr"] == reference[step][0]["lr"], (step, row, reference[step])
 
     counted = subprocess.run([sys.executable, "-m", "data_pipeline.loader.ledger",
                               str(tmp_path / "run"), "--json", "--keys"], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
     assert counted.returncode == 0, counted.stderr
     epochs = json.loads(counted.stdout)["epochs"]
-    *full, last = epochs.values()
-    assert len(full) >= 2, epochs
-    for epoch in full:
-        assert epoch["skipped"] == 0 and epoch["unread"] < 32, epochs
-    assert last["more_than_once"] == 0, epochs
-    assert_ledger_by_keys(epochs, tmp_path / "run", digits_shards, full=len(full))
+    assert len(epochs) == 5, epochs
+    for epoch in epochs.values():
+        assert epoch["skipped"] == 0 and epoch["more_than_once"] == 0, epochs
+        assert epoch["unread"] == 360 - EPOCH_STEPS * GLOBAL_BATCH, epochs
+    assert_ledger_by_keys(epochs, tmp_path / "run", digits_shards, full=5)

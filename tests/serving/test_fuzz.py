@@ -3,8 +3,9 @@
 (wrong types, missing and extra keys, nested values, odd parameters, path rows). No answer
 is a 5xx (a fault of our code is one: the oracle sees it) or carries a trace, an address or
 the request; a table of one row is embedded or refused naming what was wrong, never with
-the fallback line; ``/ping`` stays up; the server's memory stays bounded. And the requests an earlier fuzz pass found answered 500, 200 with
-``NaN`` tokens or an address: each is answered 400 in one line."""
+the fallback line; ``/ping`` stays up; the server's memory stays bounded. And the requests
+an earlier fuzz pass found answered 500, 200 with ``NaN`` tokens or an address: each is
+answered 400 in one line."""
 
 from __future__ import annotations
 

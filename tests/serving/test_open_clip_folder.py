@@ -25,8 +25,8 @@ from pretrain.model.encoder import Encoder, ModelConfig
 from pretrain.model.text_tower import TextTower, TextTowerConfig
 from serving.evaluation_record import EvaluationRecord
 from serving.export import BUNDLED_HUB_ID, ExportConfig, Exported, export
-from serving.open_clip_folder import folded_projector
 from serving.model_registry import EmbeddingModel
+from serving.open_clip_folder import folded_projector
 
 CAPTIONS = ["a photo of a cat", "Two dogs   playing in the snow.", "x"]
 TEXT = TextTowerConfig(projection_bias=False, max_length=16)

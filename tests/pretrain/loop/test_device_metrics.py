@@ -19,7 +19,7 @@ from pretrain.loop.device_metrics import MetricWindow, NonFiniteGuard, NonFinite
 from pretrain.loop.engine import DDPEngine, EngineConfig
 from pretrain.loop.optim import OptimConfig, build_optimizer, step_unless
 from pretrain.loop.step import Objective
-from pretrain.loop.trainer import TrainConfig, Trainer
+from pretrain.loop.trainer import RunLength, TrainConfig, Trainer
 from pretrain.losses import EssControlConfig, ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.run.checkpoint import CheckpointConfig, Checkpointer
@@ -55,7 +55,7 @@ def trainer(tmp_path: Path, optimizer: str, objective: ObjectiveConfig,
     return Trainer(TrainConfig(log_every=4, progress=False, **train), engine=engine,
                    objective=Objective(objective), loader=None,
                    checkpointer=Checkpointer(tmp_path, CheckpointConfig(every=0), 0, 1, CPU),
-                   schedule=lambda step: 1.0, total_steps=100,
+                   schedule=lambda samples: 1.0, length=RunLength(16, 1600, max_steps=100),
                    runtime=Runtime(0, 1, 0, CPU), precision="fp32")
 
 

@@ -10,7 +10,14 @@ from torch import nn
 
 from app.run_config import RunConfig
 from core.config import ConfigError, load_config
-from pretrain.loop.optim import LARS, OptimConfig, build_optimizer, parameter_groups, warmup_cosine
+from pretrain.loop.optim import (
+    LARS,
+    OptimConfig,
+    build_optimizer,
+    parameter_groups,
+    warmup_cosine,
+    warmup_cosine_in_samples,
+)
 from pretrain.losses import ObjectiveConfig
 
 
@@ -155,3 +162,14 @@ def test_the_objective_s_parameters_train_at_their_own_lr_scale(name):
         assert lr_of[id(p)] == pytest.approx(2.0 if own else 0.2), key
     with pytest.raises(ConfigError, match="optim.loss_lr_scale"):
         load_config(RunConfig, None, ["optim.loss_lr_scale=0"])
+
+
+def test_the_schedule_in_samples_is_the_step_schedule_at_the_runs_global_batch():
+    """A run measured in samples: at a fixed global batch of 64 the multiplier after
+    ``64 * k`` samples is step k's, and between steps it is one continuous curve."""
+    by_step = warmup_cosine(110, 10)
+    by_samples = warmup_cosine_in_samples(110 * 64, 64, 10)
+    assert [by_samples(64 * k) for k in range(111)] == pytest.approx(
+        [by_step(k) for k in range(111)], abs=1e-12)
+    between = [by_samples(s) for s in range(64 * 20, 64 * 100)]
+    assert max(abs(a - b) for a, b in zip(between, between[1:], strict=False)) < 1e-3
