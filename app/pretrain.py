@@ -39,9 +39,11 @@ from pretrain.loop.engine import build_engine, engine_spec
 from pretrain.loop.optim import build_optimizer, optimizer_spec, warmup_cosine_in_samples
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import RunLength, Trainer
+from pretrain.loop.utilisation import Utilisation, device_peak_tflops
 from pretrain.losses import objective_spec
 from pretrain.model.checkpointing import check_compilable
 from pretrain.model.encoder import build_model
+from pretrain.model.flops import encoder_flops_per_view
 from pretrain.run.batch_cut import BatchCut, recorded_global_batch
 from pretrain.run.checkpoint import Checkpointer, list_checkpoints, model_state_of
 from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
@@ -119,12 +121,7 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
                        f"data.shards={data.shards} lists no classes (no manifest with class names)")
     cut = batch_cut(config, rt, run_dir)
     global_batch = cut.global_batch
-    per_step = global_batch * data.samples_per_batch // data.batch_size
-    if shards.total < per_step or global_batch < rt.world:
-        raise RunError(f"a global batch of {global_batch} instances on {rt.world} ranks needs "
-                       f"{per_step} samples per step (and one a rank) and "
-                       f"data.shards={data.shards} holds "
-                       f"{shards.total}: lower data.batch_size")
+    check_batch_cut(cut, config, shards.total)
     candidates = 2 * global_batch - 2  # other views an anchor can be contrasted with
     if objective.num_negatives is not None and objective.num_negatives >= candidates:
         log.warning("objective.num_negatives=%d is at least the %d candidates per anchor at "
@@ -170,7 +167,21 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
         runtime=rt, precision=precision,
         knn=knn_monitor_for(config, rt, engine.shards_parameters),
         preemption=PreemptionWatch(config.preemption, rt.device), config_yaml=to_yaml(config),
-        ledger=ledger_for(config, rt, run_dir))
+        ledger=ledger_for(config, rt, run_dir), utilisation=utilisation_of(config, rt, precision))
+
+
+def utilisation_of(config: RunConfig, rt: Runtime, precision: str) -> Utilisation:
+    """The encoder's FLOPs per view (counted once, on the meta device) and the peak of the
+    run's devices, for ``train/tflops`` and ``train/mfu``."""
+    peak = device_peak_tflops(rt.device, precision)
+    utilisation = Utilisation(encoder_flops_per_view(config.model),
+                              None if peak is None else peak * rt.world)
+    if rt.is_main:
+        log.info("encoder: %.4g GFLOP a view, forward and backward; peak %s",
+                 utilisation.flops_per_view / 1e9,
+                 "unknown (no train/mfu)" if peak is None else
+                 f"{peak:g} TFLOP/s a device at {precision}")
+    return utilisation
 
 
 def batch_cut(config: RunConfig, rt: Runtime, run_dir: Path) -> BatchCut:
@@ -184,6 +195,22 @@ def batch_cut(config: RunConfig, rt: Runtime, run_dir: Path) -> BatchCut:
     recorded = int(sum_over_ranks(recorded, rt.device))  # rank 0's
     return BatchCut(recorded or data.batch_size * rt.world, rt.world, data.batch_size,
                     chunkable=not config.model.split_views)
+
+
+def check_batch_cut(cut: BatchCut, config: RunConfig, samples: int) -> None:
+    """The global batch fits the data set, and every rank has a share of it."""
+    data = config.data
+    per_step = cut.global_batch * data.samples_per_batch // data.batch_size
+    kept = cut.global_batch != data.batch_size * cut.world
+    if cut.global_batch < cut.world:
+        raise RunError(f"the run's global batch of {cut.global_batch} (recorded in its "
+                       f"checkpoints) cannot be cut over {cut.world} ranks: resume it on at "
+                       f"most {cut.global_batch}, or with data.global_batch=per_rank")
+    if samples < per_step:
+        needs = (f"the run's global batch of {cut.global_batch} (recorded in its checkpoints)"
+                 if kept else f"data.batch_size={data.batch_size} on {cut.world} ranks")
+        raise RunError(f"{needs} needs {per_step} samples per step and data.shards="
+                       f"{data.shards} holds {samples}: lower data.batch_size")
 
 
 def ledger_for(config: RunConfig, rt: Runtime, run_dir: Path) -> LedgerWriter | None:

@@ -44,7 +44,7 @@ PARTS: dict[str, Part] = {
                        ("N", "tile", "loss", "fwd_bwd_ms", "peak_mib", "note")),
     "step": Part(steps.step, 0.10, "Training step, bf16, channels-last",
                  ("backbone", "precision", "views", "images_s", "plain_images_s",
-                  "vs_plain", "tflops", "plain_tflops")),
+                  "vs_plain", "tflops", "plain_tflops", "mfu")),
     "data": Part(pipeline.data, 0.08, "CPU data path: decode + two views",
                  ("loader", "workers", "resolution", "images_s", "per_core")),
     "demo": Part(pipeline.demo, 0.13, "Demo pipeline, one process, DDP, no MLflow",

@@ -31,6 +31,7 @@ from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
 from pretrain.loop.optim import OptimConfig, build_optimizer, warmup_cosine_in_samples
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import RunLength, TrainConfig, Trainer
+from pretrain.loop.utilisation import device_peak_tflops
 from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_spec
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.model.text_tower import TextTowerConfig, random_text_model
@@ -274,15 +275,18 @@ def step(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
         del model, optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        peak = device_peak_tflops(device, precision)
         rows.append({"backbone": backbone, "precision": precision, "views": views,
                      "images_s": views / ours, "plain_images_s": views / theirs,
                      "vs_plain": theirs / ours, "tflops": flops / ours / 1e12,
-                     "plain_tflops": flops / theirs / 1e12})
+                     "plain_tflops": flops / theirs / 1e12,
+                     "mfu": flops / ours / 1e12 / peak if peak else None})
         print(f"  {backbone}: {views / ours:.0f} views/s, plain {views / theirs:.0f}",
               flush=True)
     return {"rows": rows, "ok": True,
             "summary": "views/s of the project's step and a plain loop (images_s counts "
-                       "views); TFLOP/s of the encoder's matrix products and convolutions"}
+                       "views); TFLOP/s of the encoder's matrix products and convolutions, "
+                       "and MFU against the device's dense peak (pretrain/loop/utilisation.py)"}
 
 
 def compiled(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:

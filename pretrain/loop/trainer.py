@@ -59,15 +59,15 @@ from pretrain.loop.device_metrics import (
     kept_buffers,
 )
 from pretrain.loop.engine_base import Engine
+from pretrain.loop.engine_state import add_engine_state, load_engine_state
+from pretrain.loop.run_length import RunLength
 from pretrain.loop.step import Objective, model_inputs, to_device
+from pretrain.loop.utilisation import Utilisation
 from pretrain.losses import BatchRows, ObjectiveOutput
 from pretrain.model.encoder import ModelOutput
 from pretrain.run.checkpoint import Checkpointer, Unresumable, rng_state, set_rng_state
 from pretrain.run.config_drift import check_drift, unfit_checkpoint
 from pretrain.run.preemption import Preempted, PreemptionWatch
-from pretrain.run.reshard import per_parameter_state
-from pretrain.run.sharded import FORMAT as SHARDED_FORMAT
-from pretrain.run.sharded import STATE_DIR as SHARDED_STATE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -137,28 +137,6 @@ def chunked_loss(engine: Engine, batch: dict[str, Any], objective: Objective, st
     return chunked_forward_loss(engine, batch, loss_of, chunk_size, objective.rows_per_rank)
 
 
-@dataclass(frozen=True)
-class RunLength:
-    """How far a run goes, in samples of the data set: ``epochs`` epochs of
-    ``samples_per_epoch`` (whole global batches), or ``max_steps`` steps; every step takes
-    ``samples_per_step``, the global batch, on any number of ranks."""
-
-    samples_per_step: int
-    samples_per_epoch: int
-    epochs: int = 1
-    max_steps: int = 0
-
-    @property
-    def total_samples(self) -> int:
-        if self.max_steps:
-            return self.max_steps * self.samples_per_step
-        return self.epochs * self.samples_per_epoch
-
-    def epoch(self, samples: int) -> float:
-        """Epochs delivered after ``samples`` samples."""
-        return samples / self.samples_per_epoch
-
-
 @dataclass
 class Monitors:
     """What watches the run: the metric ``window`` and the non-finite ``guard`` (both on
@@ -182,9 +160,11 @@ class Trainer:
                  precision: str, tracker: Any = None,
                  knn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
                  preemption: PreemptionWatch | None = None, config_yaml: str = "",
-                 ledger: LedgerWriter | None = None) -> None:
+                 ledger: LedgerWriter | None = None,
+                 utilisation: Utilisation | None = None) -> None:
         self.cfg, self.runtime, self.precision = cfg, runtime, precision
         self.ledger = ledger  # data.ledger: the samples of every step, per rank
+        self.utilisation = utilisation  # train/tflops and train/mfu
         self.engine, self.objective, self.loader = engine, objective, loader
         self.checkpointer, self.tracker, self.preemption = checkpointer, tracker, preemption
         self.schedule, self.length, self.config_yaml = schedule, length, config_yaml
@@ -320,6 +300,8 @@ class Trainer:
                    nonfinite_steps=float(nonfinite_total))
         if self.objective.controller:
             row["temperature"] = float(self.objective.controller.temperature)
+        if self.utilisation is not None:
+            row.update(self.utilisation.metrics(row["images_per_s"]))
         self.last_row = {"step": self.step, **row}
         warning = self.monitors.collapse.check(self.step, row)
         row["collapse"] = float(warning is not None)
@@ -392,16 +374,8 @@ class Trainer:
                       "collapse": self.monitors.collapse.state_dict()}
         per_rank = {"rng": rng_state(),
                     "loader": self.loader.state_dict() if self.loader else {}}
-        write_state = None
-        if self.checkpointer.cfg.format == "sharded":  # model and optimiser: every rank, DCP
-            replicated["state"] = SHARDED_FORMAT
-            write_state = (self.engine.save_sharded_async if self.checkpointer.cfg.async_save
-                           else self.engine.save_sharded)
-        else:
-            engine = self.engine.state_dict()
-            replicated["model"] = engine["model"]
-            (per_rank if self.engine.optimizer_sharded else replicated)["optimizer"] = \
-                engine["optimizer"]
+        write_state = add_engine_state(self.engine, self.checkpointer.cfg, replicated,
+                                       per_rank)
         if self.ledger is not None:  # the lines of this checkpoint's steps, on disk first
             self.ledger.flush()
         path = self.checkpointer.save(self.step, replicated, per_rank, write_state)
@@ -422,26 +396,6 @@ class Trainer:
         if self.ledger is not None and self.checkpointer.completed >= 0:
             self.ledger.commit(self.checkpointer.completed)
 
-    def load_engine_state(self, replicated: dict[str, Any], per_rank: dict[str, Any],
-                          path: Path) -> None:
-        """The model and optimiser state of checkpoint ``path``: sharded (DCP, read by every
-        rank), or in ``shared.pt`` and, for ZeRO, the ranks' partitions (cut for this
-        rank's, or joined per parameter for a run that keeps a torch optimiser)."""
-        if replicated.get("state") == SHARDED_FORMAT:
-            self.engine.load_sharded(path / SHARDED_STATE_DIR)
-            return
-        state = {"model": replicated["model"]}
-        if "optimizer_partitions" in per_rank and not self.engine.optimizer_sharded:
-            shapes = [[p.shape for p in group["params"]]  # ZeRO's -> this run's torch one
-                      for group in self.engine.optimizer.param_groups]
-            state["optimizer"] = per_parameter_state(per_rank["optimizer_partitions"], shapes)
-        elif "optimizer_partitions" in per_rank:  # ZeRO partitions of another number of ranks
-            state["optimizer_partitions"] = per_rank["optimizer_partitions"]
-        else:
-            state["optimizer"] = (per_rank if self.engine.optimizer_sharded
-                                  else replicated)["optimizer"]
-        self.engine.load_state_dict(state)
-
     def resume(self) -> bool:
         """Continue from the newest readable checkpoint, if there is one."""
         loaded = self.checkpointer.load()
@@ -451,7 +405,7 @@ class Trainer:
         check_drift(path, replicated.get("config", ""), self.config_yaml,
                     self.checkpointer.cfg.allow_changes)
         try:
-            self.load_engine_state(replicated, per_rank, path)
+            load_engine_state(self.engine, replicated, per_rank, path)
         except Unresumable as err:  # a layout this engine does not read
             raise Unresumable(f"{path}: {err} (the checkpoint is kept)") from None
         except RuntimeError as err:  # tensors of another model: name what changed

@@ -1,0 +1,358 @@
+"""A chaos soak of the elastic launch: three agents of ``launch/torchrun.sh``
+(``NNODES=1:3``, one process each) train while a seeded schedule SIGKILLs, every 30-90 s,
+either a whole agent and every process under it (a node lost) or a single worker (a
+process lost), and starts a killed agent again 5-20 s later (the node back).
+
+    python -m bench.chaos                       # 12 kills, ~12 minutes, then the reference
+    python -m bench.chaos --kills 3 --epochs 8  # a short soak
+    python -m bench.chaos --analyse-only        # measure the soak in --workdir again
+
+The rendezvous store runs in a process of its own, as on a cluster whose endpoint is a head
+node no kill reaches; every agent joins it as a client. The run: InfoNCE on 1,600
+cluttered digits (``cluttered_digits``), the small CNN at 32 px, 16 instances a rank on the
+3 ranks it begins with (a global batch of 48, kept through every change of world),
+``train.epochs`` epochs, a checkpoint every 4 steps, the ledger kept, the encoder registered
+at the end. Then the same configuration once uninterrupted on 3 processes.
+
+Reported: kills survived; per kill, seconds from the kill to the next step trained at the
+new world and the steps trained again; the ledger of every epoch (read once, twice, unread:
+nothing may be unread beyond the last partial global batch); the final checkpoint loaded
+into the configured model and the registered version; the loss against samples beside the
+uninterrupted run's (``chaos.png``). Writes ``bench/results/chaos.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from bench.common import machine, print_table, write_json
+from core.runtime import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+SAMPLES, BATCH, NODES = 1600, 16, 3
+STEP = re.compile(r"^(\S+ \S+) rank0 pretrain\.loop\.trainer INFO: step (\d+) (.*=.*)$")
+WORLD = re.compile(r"^(\S+ \S+) rank0 pretrain INFO: (\d+) ranks on ")
+RESUMED = re.compile(r"^(\S+ \S+) rank0 .*resumed from \S+ at step (\d+)")
+
+
+@dataclass
+class Kill:
+    at: float  # time.time() of the kill
+    kind: str  # "agent" (the node and every process under it) or "worker"
+    agent: int
+    last_step: int  # the newest step logged before it
+    recovery_s: float | None = None  # to the next step logged at the new world
+    redone: int | None = None  # steps trained again after it
+    world_after: int | None = None
+
+
+def overrides(workdir: Path, name: str, epochs: int) -> list[str]:
+    return [f"output_dir={workdir}", f"name={name}", f"data.shards={workdir / 'shards'}",
+            f"data.batch_size={BATCH}", "data.workers=1", "data.resolution=32",
+            "data.ledger=true", "model.backbone=small_cnn", "model.width=16",
+            "objective.name=infonce", "objective.temperature=0.1", "optim.name=adamw",
+            "optim.lr=0.002", "optim.warmup_steps=10", f"train.epochs={epochs}",
+            "train.log_every=1", "train.progress=false", "checkpoint.every=4",
+            "checkpoint.keep=2", "tracking.log_model=true"]
+
+
+def make_shards(workdir: Path) -> None:
+    if (workdir / "shards" / "manifest.json").exists():
+        return
+    subprocess.run([sys.executable, "-m", "app.make_shards", "shards.source=cluttered_digits",
+                    f"shards.output={workdir / 'shards'}", f"shards.samples={SAMPLES}",
+                    "shards.shard_size=200", "shards.split=train"], cwd=REPO, check=True)
+
+
+def job_file(workdir: Path) -> Path:
+    job = workdir / "job.yaml"
+    job.write_text("name: chaos\n")
+    return job
+
+
+def environment(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MAX_RESTARTS": "1000", **extra}
+
+
+def uninterrupted(workdir: Path, epochs: int, log) -> float:
+    start = time.monotonic()
+    subprocess.run(["bash", "launch/torchrun.sh", str(job_file(workdir)),
+                    *overrides(workdir, "reference", epochs)], cwd=REPO,
+                   env=environment(NPROC=str(NODES)), stdout=log, stderr=subprocess.STDOUT,
+                   check=True)
+    return time.monotonic() - start
+
+
+class Soak:
+    """The store, the agents, and the kill schedule."""
+
+    def __init__(self, workdir: Path, epochs: int, seed: int, kills: int,
+                 gap: tuple[float, float], log) -> None:
+        self.workdir, self.log, self.kills_wanted, self.gap = workdir, log, kills, gap
+        self.rng = random.Random(seed)
+        self.port = free_port()
+        self.args = [str(job_file(workdir)), *overrides(workdir, "soak", epochs)]
+        self.store = subprocess.Popen(
+            [sys.executable, "-c", "import time; from torch.distributed import TCPStore; "
+             f"s = TCPStore('127.0.0.1', {self.port}, is_master=True, "
+             "wait_for_workers=False); time.sleep(10**6)"], stdout=log, stderr=log)
+        self.agents: list[subprocess.Popen | None] = [None] * NODES
+        self.kills: list[Kill] = []
+
+    def start(self, index: int) -> None:
+        env = environment(NNODES=f"1:{NODES}", RDZV_ENDPOINT=f"127.0.0.1:{self.port}",
+                          RDZV_ID="chaos", NPROC="1",
+                          RDZV_CONF="is_host=0,last_call_timeout=2,keep_alive_interval=1")
+        self.agents[index] = subprocess.Popen(["bash", "launch/torchrun.sh", *self.args],
+                                              cwd=REPO, env=env, stdout=self.log,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> list[int]:
+        return [i for i, a in enumerate(self.agents) if a is not None and a.poll() is None]
+
+    def finished(self) -> bool:
+        return any(a is not None and a.poll() == 0 for a in self.agents)
+
+    def kill(self, last_step: int) -> Kill | None:
+        """SIGKILL an agent's tree or one worker, as drawn; None when there was no worker to
+        kill (the group between two rounds)."""
+        alive = self.alive()
+        kind = self.rng.choice(["agent", "worker"]) if len(alive) > 1 else "worker"
+        index = self.rng.choice(alive)
+        agent = psutil.Process(self.agents[index].pid)
+        workers = [c for c in agent.children() if "app.pretrain" in " ".join(c.cmdline())]
+        if kind == "worker" and not workers:
+            return None
+        victims = [agent, *agent.children(recursive=True)] if kind == "agent" else workers[:1]
+        for process in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGKILL)
+        if kind == "agent":
+            self.agents[index].wait()
+        self.kills.append(Kill(time.time(), kind, index, last_step))
+        print(f"kill {len(self.kills)}: {kind} of agent {index} after step {last_step}",
+              flush=True)
+        return self.kills[-1]
+
+    def run(self, run_log: Path) -> float:
+        start = time.monotonic()
+        for index in range(NODES):
+            self.start(index)
+            time.sleep(0.5)
+        next_kill = time.monotonic() + self.rng.uniform(*self.gap)
+        back: dict[int, float] = {}  # agent -> when it starts again
+        while not self.finished():
+            now = time.monotonic()
+            if not self.alive() and not back:
+                raise RuntimeError(f"every agent ended without finishing: {self.log.name}")
+            for index, when in list(back.items()):
+                if now >= when:
+                    self.start(index)
+                    del back[index]
+            if now >= next_kill and len(self.kills) < self.kills_wanted:
+                kill = self.kill(last_logged_step(run_log))
+                if kill is not None and kill.kind == "agent":
+                    back[kill.agent] = now + self.rng.uniform(5, 20)
+                next_kill = now + self.rng.uniform(*self.gap)
+            time.sleep(0.2)
+        for agent in self.agents:
+            if agent is not None and agent.poll() is None:
+                agent.wait(timeout=600)
+        self.store.kill()
+        return time.monotonic() - start
+
+
+def stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def log_events(run_log: Path) -> list[tuple[float, str, int, dict[str, float]]]:
+    """(time, "step" | "world" | "resumed", number, metrics) of rank 0's log, in order."""
+    events = []
+    if not run_log.exists():
+        return events
+    for line in run_log.read_text().splitlines():
+        for kind, pattern in (("step", STEP), ("world", WORLD), ("resumed", RESUMED)):
+            found = pattern.match(line)
+            if found:
+                metrics = ({k: float(v) for k, v in (item.split("=") for item in
+                                                    found.group(3).split())}
+                           if kind == "step" else {})
+                events.append((stamp(found.group(1)), kind, int(found.group(2)), metrics))
+    return events
+
+
+def last_logged_step(run_log: Path) -> int:
+    steps = [number for _, kind, number, _ in log_events(run_log) if kind == "step"]
+    return steps[-1] if steps else 0
+
+
+def measure_kills(kills: list[Kill], events: list) -> None:
+    """Each kill's recovery (to the first step logged after a new world formed after it)
+    and the steps trained again (the step it reached less the step the next resume took
+    up; a resume that follows two kills counts once)."""
+    counted: set[float] = set()
+    for kill in kills:
+        after = [e for e in events if e[0] > kill.at]
+        world = next((e for e in after if e[1] == "world"), None)
+        if world is None:
+            continue
+        step = next((e for e in after if e[1] == "step" and e[0] > world[0]), None)
+        resumed = next((e for e in after if e[1] == "resumed" and e[0] > world[0]), None)
+        if step is not None:
+            kill.recovery_s = step[0] - kill.at
+        kill.world_after = world[2]
+        resumed_at = resumed[2] if resumed is not None else 0
+        # a checkpoint written after the newest step logged: nothing trained again
+        kill.redone = (0 if resumed and resumed[0] in counted
+                       else max(0, kill.last_step - resumed_at))
+        if resumed is not None:
+            counted.add(resumed[0])
+
+
+def loss_by_samples(events: list) -> tuple[np.ndarray, np.ndarray]:
+    """Loss against samples, the last time each step was trained."""
+    rows = {int(m["samples"]): m["loss"] for _, kind, _, m in events if kind == "step"}
+    samples = np.array(sorted(rows))
+    return samples, np.array([rows[s] for s in samples])
+
+
+def ledger(run_dir: Path) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "data_pipeline.loader.ledger", str(run_dir),
+                           "--json"], cwd=REPO, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)["epochs"]
+
+
+def final_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """The newest checkpoint loaded into a model built from the run's own config."""
+    import torch
+
+    from app.run_config import parse_run
+    from data_pipeline.shards import ShardSet
+    from pretrain.model.encoder import build_model
+    from pretrain.run.checkpoint import list_checkpoints, model_state_of
+
+    config, _ = parse_run("pretrain", "", ["--config", str(run_dir / "config.yaml")])
+    shared, state = model_state_of(list_checkpoints(run_dir)[0])
+    classes = len(ShardSet.open(config.data.shards).class_names)
+    model = build_model(config.model, config.objective, torch.device("cpu"), classes)
+    model.load_state_dict(state)
+    return {"step": int(shared["step"]), "samples": int(shared["samples"]),
+            "world": int(shared["world"]), "global_batch": int(shared["global_batch"])}
+
+
+def plot(path: Path, soak: tuple, reference: tuple, kills: list[Kill], events: list) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smoothed(curve: tuple[np.ndarray, np.ndarray], window: int = 25) -> tuple:
+        kernel = np.ones(window) / window
+        return curve[0][window - 1:], np.convolve(curve[1], kernel, mode="valid")
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    left.plot(*smoothed(reference), label="uninterrupted, 3 ranks", lw=1)
+    left.plot(*smoothed(soak), label=f"soak, {len(kills)} kills", lw=1, alpha=0.8)
+    left.set(xlabel="samples", ylabel="loss (mean of 25 steps)",
+             title="loss against samples")
+    left.legend()
+    start = events[0][0]
+    worlds = [(e[0] - start, e[2]) for e in events if e[1] == "world"]
+    right.step([t for t, _ in worlds], [w for _, w in worlds], where="post", label="world")
+    for kill in kills:
+        right.axvline(kill.at - start, color="red" if kill.kind == "agent" else "orange",
+                      lw=0.8, ls="--")
+    right.set(xlabel="seconds", ylabel="ranks", title="world (red: node killed, "
+              "orange: worker killed)", yticks=[1, 2, 3])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(args: argparse.Namespace, kills: list[Kill], soak_s: float,
+           reference_s: float) -> None:
+    """Measure the kills, read the ledger, load the final checkpoint, plot, and write."""
+    events = log_events(args.workdir / "soak" / "train.log")
+    for kill in kills:
+        kill.recovery_s = kill.redone = kill.world_after = None
+    measure_kills(kills, events)
+    epochs = ledger(args.workdir / "soak")
+    per_epoch = SAMPLES // (BATCH * NODES) * BATCH * NODES
+    recoveries = [k.recovery_s for k in kills if k.recovery_s is not None]
+    registered = re.findall(r"registered model (\S+) version (\d+)",
+                            (args.workdir / "soak" / "train.log").read_text())
+    summary = {
+        "kills": len(kills), "survived": sum(k.recovery_s is not None for k in kills),
+        "recovery_median_s": float(np.median(recoveries)) if recoveries else None,
+        "recovery_max_s": max(recoveries, default=None),
+        "steps_redone": sum(k.redone or 0 for k in kills),
+        "epochs": len(epochs), "epochs_asked": args.epochs,
+        "samples_twice": sum(e["more_than_once"] for e in epochs.values()),
+        "unread_beyond_last_batch": sum(max(0, e["unread"] - (SAMPLES - per_epoch))
+                                        for e in epochs.values()),
+        "final": final_checkpoint(args.workdir / "soak"),
+        "registered": registered[-1] if registered else None,
+        "soak_s": soak_s, "uninterrupted_s": reference_s,
+    }
+    soak_curve = loss_by_samples(events)
+    reference_curve = loss_by_samples(log_events(args.workdir / "reference" / "train.log"))
+    summary["final_loss"] = float(np.mean(soak_curve[1][-25:]))
+    summary["uninterrupted_final_loss"] = float(np.mean(reference_curve[1][-25:]))
+    plot(args.output.with_suffix(".png"), soak_curve, reference_curve, kills, events)
+    print_table([asdict(k) for k in kills],
+                ["kind", "agent", "last_step", "world_after", "recovery_s", "redone"])
+    print(json.dumps(summary, indent=2))
+    write_json(args.output, {"machine": machine(), "seed": args.seed, "summary": summary,
+                             "kills": [asdict(k) for k in kills]})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/chaos"))
+    parser.add_argument("--kills", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=180)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gap", type=float, nargs=2, default=(30.0, 90.0),
+                        help="seconds between kills, drawn uniformly")
+    parser.add_argument("--output", type=Path, default=RESULTS / "chaos.json")
+    parser.add_argument("--analyse-only", action="store_true",
+                        help="measure the soak already in --workdir again, from the kills "
+                             "--output recorded")
+    args = parser.parse_args(argv)
+    if args.analyse_only:
+        recorded = json.loads(args.output.read_text())
+        kills = [Kill(**kill) for kill in recorded["kills"]]
+        args.epochs = recorded["summary"]["epochs_asked"]
+        report(args, kills, recorded["summary"]["soak_s"],
+               recorded["summary"]["uninterrupted_s"])
+        return
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("soak", "reference"):
+        subprocess.run(["rm", "-rf", str(args.workdir / name)], check=True)
+    make_shards(args.workdir)
+    with open(args.workdir / "agents.log", "w") as log:
+        soak = Soak(args.workdir, args.epochs, args.seed, args.kills, tuple(args.gap), log)
+        soak_s = soak.run(args.workdir / "soak" / "train.log")
+        reference_s = uninterrupted(args.workdir, args.epochs, log)
+    report(args, soak.kills, soak_s, reference_s)
+
+
+if __name__ == "__main__":
+    main()
