@@ -43,6 +43,7 @@ import psutil
 
 from bench.common import machine, print_table, write_json
 from core.runtime import free_port
+from pretrain.run.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -199,6 +200,13 @@ def log_events(run_log: Path) -> list[tuple[float, str, int, dict[str, float]]]:
     return events
 
 
+def log_span(run_log: Path) -> float:
+    """Seconds from the first to the last line rank 0 logged with a time."""
+    stamps = [stamp(" ".join(line.split()[:2])) for line in run_log.read_text().splitlines()
+              if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ rank0 ", line)]
+    return stamps[-1] - stamps[0]
+
+
 def last_logged_step(run_log: Path) -> int:
     steps = [number for _, kind, number, _ in log_events(run_log) if kind == "step"]
     return steps[-1] if steps else 0
@@ -206,8 +214,8 @@ def last_logged_step(run_log: Path) -> int:
 
 def measure_kills(kills: list[Kill], events: list) -> None:
     """Each kill's recovery (to the first step logged after a new world formed after it)
-    and the steps trained again (the step it reached less the step the next resume took
-    up; a resume that follows two kills counts once)."""
+    and the steps trained again (the newest step logged before that world less the step
+    its resume took up; a resume that follows two kills counts once)."""
     counted: set[float] = set()
     for kill in kills:
         after = [e for e in events if e[0] > kill.at]
@@ -219,10 +227,9 @@ def measure_kills(kills: list[Kill], events: list) -> None:
         if step is not None:
             kill.recovery_s = step[0] - kill.at
         kill.world_after = world[2]
+        reached = max([e[2] for e in events if e[1] == "step" and e[0] < world[0]], default=0)
         resumed_at = resumed[2] if resumed is not None else 0
-        # a checkpoint written after the newest step logged: nothing trained again
-        kill.redone = (0 if resumed and resumed[0] in counted
-                       else max(0, kill.last_step - resumed_at))
+        kill.redone = 0 if resumed and resumed[0] in counted else max(0, reached - resumed_at)
         if resumed is not None:
             counted.add(resumed[0])
 
@@ -247,7 +254,7 @@ def final_checkpoint(run_dir: Path) -> dict[str, Any]:
     from app.run_config import parse_run
     from data_pipeline.shards import ShardSet
     from pretrain.model.encoder import build_model
-    from pretrain.run.checkpoint import list_checkpoints, model_state_of
+    from pretrain.run.checkpoint import model_state_of
 
     config, _ = parse_run("pretrain", "", ["--config", str(run_dir / "config.yaml")])
     shared, state = model_state_of(list_checkpoints(run_dir)[0])
@@ -276,6 +283,7 @@ def plot(path: Path, soak: tuple, reference: tuple, kills: list[Kill], events: l
     left.legend()
     start = events[0][0]
     worlds = [(e[0] - start, e[2]) for e in events if e[1] == "world"]
+    worlds.append((events[-1][0] - start, worlds[-1][1]))  # to the last step
     right.step([t for t, _ in worlds], [w for _, w in worlds], where="post", label="world")
     for kill in kills:
         right.axvline(kill.at - start, color="red" if kill.kind == "agent" else "orange",
@@ -332,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gap", type=float, nargs=2, default=(30.0, 90.0),
                         help="seconds between kills, drawn uniformly")
     parser.add_argument("--output", type=Path, default=RESULTS / "chaos.json")
+    parser.add_argument("--keep-reference", action="store_true",
+                        help="keep the uninterrupted run already in --workdir")
     parser.add_argument("--analyse-only", action="store_true",
                         help="measure the soak already in --workdir again, from the kills "
                              "--output recorded")
@@ -344,13 +354,17 @@ def main(argv: list[str] | None = None) -> None:
                recorded["summary"]["uninterrupted_s"])
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
-    for name in ("soak", "reference"):
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    reference = args.workdir / "reference"
+    kept = args.keep_reference and list_checkpoints(reference)
+    for name in ("soak",) if kept else ("soak", "reference"):
         subprocess.run(["rm", "-rf", str(args.workdir / name)], check=True)
     make_shards(args.workdir)
     with open(args.workdir / "agents.log", "w") as log:
         soak = Soak(args.workdir, args.epochs, args.seed, args.kills, tuple(args.gap), log)
         soak_s = soak.run(args.workdir / "soak" / "train.log")
-        reference_s = uninterrupted(args.workdir, args.epochs, log)
+        reference_s = (log_span(reference / "train.log") if kept
+                       else uninterrupted(args.workdir, args.epochs, log))
     report(args, soak.kills, soak_s, reference_s)
 
 

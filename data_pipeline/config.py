@@ -71,10 +71,9 @@ class DataConfig:
 
     shards: str = ""  # training shards: make-shards directory or URLs (docs/data_pipeline.md)
     batch_size: int = 64  # images per rank per step; each yields two views
-    # kept: the global batch the run began with, on any number of ranks (each rank its
-    # share, in chunks of batch_size); per_rank: batch_size per rank, the global batch
-    # follows the world (pretrain/run/batch_cut.py)
-    global_batch: Literal["kept", "per_rank"] = "kept"
+    # kept: the global batch the run began with on any number of ranks (shares, in chunks
+    # of batch_size); per_rank: batch_size a rank, the global batch follows the world
+    global_batch: Literal["kept", "per_rank"] = "kept"  # pretrain/run/batch_cut.py
     workers: int = 2  # loader worker processes per rank
     resolution: int = 32  # side of the square views, in pixels
     augment: Literal["simclr", "autoaugment", "none"] = "simclr"  # view augmentation recipe
@@ -93,7 +92,7 @@ class DataConfig:
     max_image_pixels: int = 89_478_485  # larger images are skipped (bombs); 0 = Pillow's 2 x this
     verify_checksums: bool = False  # local: hash every shard at start; remote: each on read
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
-    backend: str = "cpu"  # training views: CPU workers, or dali (GPU): loader/backends.py
+    backend: str = "cpu"  # training views: CPU workers, or on the device: nvjpeg, dali
     draft_decode: bool = True  # decode JPEGs at the reduced size every view allows (1/2-1/8)
     prefetch: int = 2  # batches each loader worker prepares ahead
     persistent_workers: bool = True  # training: keep the workers from one epoch to the next

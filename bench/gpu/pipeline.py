@@ -134,10 +134,10 @@ def demo(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
     stage([*common, "eval.index=exact", "eval.probe_epochs=10", "eval.compare_untrained=false",
            "eval.save_index=false"], log, "app.evaluate")
     results = json.loads(next((root / "runs").rglob("results.json")).read_text())
-    setup = re.search(r"(\d+) ranks on (\S+), (\S+), (\d+) steps; backend (\S+)", train_log)
+    setup = re.search(r"(\d+) ranks on (\S+), (\S+); backend (\S+)", train_log)
     rates = [float(r) for r in re.findall(r"images_per_s=([\d.]+)", train_log)]
     row = {"ranks": setup and int(setup[1]), "device": setup and setup[2],
-           "precision": setup and setup[3], "backend": setup and setup[5],
+           "precision": setup and setup[3], "backend": setup and setup[4],
            "steps": sizes.demo_steps, "train_s": train_s,
            "images_s": rates[-1] if rates else None,
            "knn_top1": knn_top1(results)}
@@ -178,10 +178,10 @@ def fsdp2(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str,
                "eval.compare_untrained=false", "eval.save_index=false",
                f"eval.output=runs/{name}/eval"], log, "app.evaluate")
         results = json.loads((root / "runs" / name / "eval" / "results.json").read_text())
-        setup = re.search(r"(\d+) ranks on (\S+), (\S+), (\d+) steps; backend (\S+)", sharded)
+        setup = re.search(r"(\d+) ranks on (\S+), (\S+); backend (\S+)", sharded)
         losses = [float(v) for v in re.findall(r" loss=([\d.e+-]+)", sharded + resumed)]
         rows.append({"model": name, "precision": setup and setup[3],
-                     "backend": setup and setup[5], "steps": sizes.demo_steps,
+                     "backend": setup and setup[4], "steps": sizes.demo_steps,
                      "train_s": train_s,
                      "resumed": f"at step {sizes.demo_steps}" in resumed,
                      "first_loss": losses[0] if losses else None,

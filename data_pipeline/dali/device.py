@@ -106,6 +106,7 @@ PER_INSTANCE = ("keys", "captions", "encoded_from")  # lists of B; 2B-row tensor
 
 def drop_instances(batch: dict[str, Any], encoded: list[bytes],
                    params: dict[str, Tensor], bad: list[int],
+                   why: str = "DALI cannot decode it",
                    ) -> tuple[dict[str, Any], list[bytes], dict[str, Tensor]]:
     """The batch without instances ``bad`` (both views), each counted as a skip."""
     keep = [i not in bad for i in range(len(encoded))]
@@ -125,8 +126,7 @@ def drop_instances(batch: dict[str, Any], encoded: list[bytes],
         for entry, name in ((out["skipped"], "corrupt_image"),
                             (out["skipped_places"], f"corrupt_image {shard}")):
             entry[name] = entry.get(name, 0) + 1
-        out["skipped_examples"].append(f"corrupt_image {shard} {key}: DALI cannot decode it")
-        out["skipped_samples"].append((("corrupt_image", shard, f"{key}: DALI cannot decode it"),
-                                       1))
+        out["skipped_examples"].append(f"corrupt_image {shard} {key}: {why}")
+        out["skipped_samples"].append((("corrupt_image", shard, f"{key}: {why}"), 1))
     return (out, [e for e, k in zip(encoded, keep, strict=True) if k],
             {name: value[views] for name, value in params.items()})

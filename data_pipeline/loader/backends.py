@@ -15,6 +15,7 @@ from core.tables import table_entry
 from data_pipeline.config import DataConfig
 from data_pipeline.dali import INSTALL_HINT, dali_available
 from data_pipeline.dali.device import DaliViews
+from data_pipeline.dali.nvjpeg import NvjpegViews
 from data_pipeline.transforms import view_kernel_size
 
 # (data.*, the device batches go to) -> the main process's renderer of the views
@@ -37,10 +38,15 @@ class BackendSpec:
     check: Callable[[DataConfig], None] = no_check  # its data.* keys, before any work
 
 
-def dali_check(cfg: DataConfig) -> None:
+def simclr_views_check(cfg: DataConfig) -> None:
+    """A device backend renders SimCLR views of one image."""
     if (cfg.augment, cfg.pairing) != ("simclr", "views"):
-        raise InvalidValue("backend", "dali renders SimCLR views of one image: needs "
-                                      "data.augment=simclr and data.pairing=views")
+        raise InvalidValue("backend", f"{cfg.backend} renders SimCLR views of one image: "
+                                      "needs data.augment=simclr and data.pairing=views")
+
+
+def dali_check(cfg: DataConfig) -> None:
+    simclr_views_check(cfg)
     if not dali_available():
         raise InvalidValue("backend", INSTALL_HINT)
 
@@ -51,6 +57,10 @@ BACKENDS: dict[str, BackendSpec] = {
         lambda cfg, device: DaliViews(cfg.resolution, view_kernel_size(cfg.resolution),
                                       device, max(1, cfg.workers)),
         forkserver=True, check=dali_check),
+    "nvjpeg": BackendSpec(  # torchvision: nvJPEG on CUDA (libjpeg-turbo without), roi_align
+        lambda cfg, device: NvjpegViews(cfg.resolution, view_kernel_size(cfg.resolution),
+                                        device),
+        check=simclr_views_check),
 }
 
 

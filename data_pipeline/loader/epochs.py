@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from data_pipeline.config import DataConfig
+from data_pipeline.loader.ahead import rendered_ahead
 from data_pipeline.loader.backends import backend_spec
 from data_pipeline.loader.state import LoaderState
 from data_pipeline.loader.train import TrainStream
@@ -145,8 +146,8 @@ class TrainLoader:
         self.stream = TrainStream(cfg, shards, rank, world, self.state, text, global_batch)
         # data.backend=dali: workers send encoded images, views are made on ``device``
         render = backend_spec(cfg.backend).device_views
-        self.device_views = (render(cfg, device or torch.device("cpu"))
-                             if render is not None else None)
+        self.device = device or torch.device("cpu")
+        self.device_views = render(cfg, self.device) if render is not None else None
         self.persistent = cfg.persistent_workers and cfg.workers > 0
         self.loader: DataLoader | None = None
         self.prepared: Iterator[dict[str, Any]] | None = None  # the next epoch's, started
@@ -166,10 +167,10 @@ class TrainLoader:
         self.prepared = None
         skips: Counter = Counter()
         finished = False
+        if self.device_views is not None:  # rendered one batch ahead, beside the step
+            batches = rendered_ahead(batches, self.device_views, self.device)
         try:
             for batch in batches:
-                if self.device_views is not None and not batch["placeholder"]:
-                    batch = self.device_views(batch)
                 self.state.record(batch)
                 skips.update(batch["skipped"])
                 last = self.state.batches == self.stream.batches_per_epoch

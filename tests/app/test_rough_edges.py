@@ -52,7 +52,7 @@ def test_a_batch_of_skipped_samples_is_a_placeholder_and_the_epoch_keeps_its_len
 def logged_rows(stderr: str) -> list[dict[str, float]]:
     rows = []
     for line in stderr.splitlines():
-        found = re.search(r"step \d+ ((?:[\w.]+=\S+ ?)+)$", line)
+        found = re.search(r"step \d+ ((?:[\w./]+=\S+ ?)+)$", line)
         if found:
             rows.append({k: float(v) for k, v in (kv.split("=") for kv in found[1].split())})
     return rows
