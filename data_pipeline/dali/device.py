@@ -16,6 +16,7 @@ gathering boundary accepts ranks with different row counts), so resume stays exa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -75,30 +76,37 @@ class DaliViews:
             device=self.dali_device,
             output_type=self.types.RGB, adjust_orientation=False)
 
-    def undecodable(self, encoded: list[bytes]) -> list[int]:
-        """Indices of the images DALI cannot decode, tried one at a time."""
-        bad = []
-        for i, data in enumerate(encoded):
-            try:
-                with self.context:
-                    self.decode([data]).evaluate()
-            except RuntimeError:
-                bad.append(i)
-        return bad
+    def decodes(self, data: bytes) -> bool:
+        try:
+            with self.context:
+                self.decode([data]).evaluate()
+        except RuntimeError:
+            return False
+        return True
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        encoded, params = batch.pop("encoded"), batch.pop("view_params")
-        try:
-            crops = self.crops(encoded, params["box"])
-        except RuntimeError:
-            bad = self.undecodable(encoded)
-            if not bad:
-                raise
-            batch, encoded, params = drop_instances(batch, encoded, params, bad)
-            crops = self.crops(encoded, params["box"])
-        del batch["encoded_from"]
-        batch["images"] = render_colour(crops, params, self.kernel_size)
-        return batch
+        return rendered(batch, self.crops, self.decodes, self.kernel_size,
+                        "DALI cannot decode it")
+
+
+def rendered(batch: dict[str, Any], crops: Callable[[list[bytes], Tensor], Tensor],
+             decodes: Callable[[bytes], bool], kernel_size: int, why: str) -> dict[str, Any]:
+    """``batch`` with ``images`` [2B, 3, R, R] in place of ``encoded`` and ``view_params``:
+    ``crops(encoded, boxes)`` decodes and crops; where that fails, the images ``decodes``
+    refuses one at a time are dropped (:func:`drop_instances`, counted with ``why``), and
+    the rest cropped. Then the colour steps."""
+    encoded, params = batch.pop("encoded"), batch.pop("view_params")
+    try:
+        views = crops(encoded, params["box"])
+    except RuntimeError:
+        bad = [i for i, data in enumerate(encoded) if not decodes(data)]
+        if not bad:
+            raise
+        batch, encoded, params = drop_instances(batch, encoded, params, bad, why)
+        views = crops(encoded, params["box"])
+    del batch["encoded_from"]
+    batch["images"] = render_colour(views, params, kernel_size)
+    return batch
 
 
 PER_INSTANCE = ("keys", "captions", "encoded_from")  # lists of B; 2B-row tensors: per view
@@ -106,7 +114,7 @@ PER_INSTANCE = ("keys", "captions", "encoded_from")  # lists of B; 2B-row tensor
 
 def drop_instances(batch: dict[str, Any], encoded: list[bytes],
                    params: dict[str, Tensor], bad: list[int],
-                   why: str = "DALI cannot decode it",
+                   why: str,
                    ) -> tuple[dict[str, Any], list[bytes], dict[str, Tensor]]:
     """The batch without instances ``bad`` (both views), each counted as a skip."""
     keep = [i not in bad for i in range(len(encoded))]

@@ -13,7 +13,7 @@ headers read, every view's parameters drawn (``params.py``), so resume stays exa
 
 A body that fails to decode fails the batch's call; the batch is then decoded image by
 image, and the undecodable instances are dropped with both views and counted as
-``corrupt_image`` (``device.drop_instances``), leaving the workers' stream untouched.
+``corrupt_image`` (``device.rendered``), leaving the workers' stream untouched.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.ops import roi_align
 
-from data_pipeline.dali.colour import render_colour
-from data_pipeline.dali.device import drop_instances
+from data_pipeline.dali.device import rendered
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -56,9 +55,11 @@ class NvjpegViews:
                 self.cpu_decoded += 1
         return images
 
-    def crops(self, images: list[Tensor], boxes: Tensor) -> Tensor:
-        """B decoded images and boxes [2B, 4] (top, left, height, width) of the first
-        views then the second -> the crops [2B, 3, R, R] uint8, in one batched call."""
+    def crops(self, encoded: list[bytes], boxes: Tensor) -> Tensor:
+        """B encoded images and boxes [2B, 4] (top, left, height, width) of the first
+        views then the second -> the crops [2B, 3, R, R] uint8, cut in one batched call;
+        raises when an image does not decode."""
+        images = self.decode(encoded)
         height = max(image.shape[1] for image in images)
         width = max(image.shape[2] for image in images)
         padded = torch.zeros(len(images), 3, height, width, device=self.device)
@@ -72,28 +73,13 @@ class NvjpegViews:
                           sampling_ratio=-1)
         return crops.round_().clamp_(0, 255).to(torch.uint8)
 
-    def undecodable(self, encoded: list[bytes]) -> list[int]:
-        """Indices of the images that do not decode, tried one at a time."""
-        bad = []
-        for i, data in enumerate(encoded):
-            try:
-                self.decode([data])
-            except RuntimeError:
-                bad.append(i)
-        return bad
+    def decodes(self, data: bytes) -> bool:
+        try:
+            self.decode([data])
+        except RuntimeError:
+            return False
+        return True
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        encoded, params = batch.pop("encoded"), batch.pop("view_params")
-        try:
-            images = self.decode(encoded)
-        except RuntimeError:
-            bad = self.undecodable(encoded)
-            if not bad:
-                raise
-            batch, encoded, params = drop_instances(batch, encoded, params, bad,
-                                                    "torchvision cannot decode it")
-            images = self.decode(encoded)
-        del batch["encoded_from"]
-        crops = self.crops(images, params["box"])
-        batch["images"] = render_colour(crops, params, self.kernel_size)
-        return batch
+        return rendered(batch, self.crops, self.decodes, self.kernel_size,
+                        "torchvision cannot decode it")

@@ -1,6 +1,7 @@
-"""The DALI backend end to end (DALI's CPU operators here, nvJPEG where CUDA is present):
-its crops match torchvision's, its batches match the CPU backend's, resume is exact, and an
-image that does not decode is dropped and counted."""
+"""The device backends end to end (DALI's CPU operators and torchvision's CPU decoder
+here, nvJPEG where CUDA is present): DALI's crops match torchvision's, each backend's
+batches match the CPU backend's, resume is exact, and an image that does not decode is
+dropped and counted."""
 
 from __future__ import annotations
 
@@ -69,29 +70,37 @@ def test_crops_match_torchvision_resized_crop():
     assert diff.float().mean() < 0.25 and diff.max() <= 8
 
 
-def test_batches_match_the_cpu_backend(tmp_path):
+# the device backends, and the mean pixel difference from the CPU path each is held to:
+# their resize filters' (test_crops_match_torchvision_resized_crop, here and in
+# test_nvjpeg.py), in normalised units
+DEVICE_BACKENDS = {"dali": 0.5 * LEVEL, "nvjpeg": 1.5 * LEVEL}
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_batches_match_the_cpu_backend(tmp_path, backend):
     """Same keys, ids, labels and view parameters; the pixels differ only by the resize
     filters (CPU backend without reduced decoding, so both crop the stored image)."""
     uneven_set(tmp_path, [24, 24])
     cpu = list(train_batches(config(tmp_path, backend="cpu", draft_decode=False)))
-    dali = list(train_batches(config(tmp_path)))
-    assert len(cpu) == len(dali) == 6
-    for want, got in zip(cpu, dali, strict=True):
+    device = list(train_batches(config(tmp_path, backend=backend)))
+    assert len(cpu) == len(device) == 6
+    for want, got in zip(cpu, device, strict=True):
         assert got["keys"] == want["keys"] and got["captions"] == want["captions"]
         assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["labels"],
                                                                     want["labels"])
         assert "encoded" not in got and got["images"].shape == want["images"].shape
-        assert (got["images"] - want["images"]).abs().mean() < 0.5 * LEVEL
+        assert (got["images"] - want["images"]).abs().mean() < DEVICE_BACKENDS[backend]
 
 
-def test_resume_continues_exactly_and_undecodable_images_are_dropped(tmp_path):
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_resume_continues_exactly_and_undecodable_images_are_dropped(tmp_path, backend):
     def bogus(key: str) -> Sample:
         return Sample(key, undecodable_jpeg(), "jpg", 1, "a caption")
 
     shards = [[digit_sample(i) for i in range(20)] + [bogus("bogus0")],
               [digit_sample(i) for i in range(20, 40)] + [bogus("bogus1")]]
     write_set(tmp_path, shards)
-    cfg = config(tmp_path, batch_size=4, shuffle_buffer=8)
+    cfg = config(tmp_path, batch_size=4, shuffle_buffer=8, backend=backend)
     state, full, snapshots = LoaderState(), [], []
     for batch in train_batches(cfg, state=state):
         full.append(batch)

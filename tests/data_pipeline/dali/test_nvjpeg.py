@@ -1,11 +1,11 @@
-"""The torchvision device backend (``data.backend=nvjpeg``) end to end, on the CPU decoder
-here (nvJPEG where CUDA is present): its crops match torchvision's resized crop, its
-batches match the CPU backend's, resume is exact, an image that does not decode is dropped
-and counted, and two ranks train and resume on it."""
+"""The torchvision device backend (``data.backend=nvjpeg``), on the CPU decoder here
+(nvJPEG where CUDA is present): its crops match torchvision's resized crop, formats other
+than JPEG are decoded on the CPU and counted, and two ranks train and resume on it (its
+batches against the CPU backend's, and resume across undecodable images:
+``test_device.py``)."""
 
 from __future__ import annotations
 
-import copy
 import io
 import shutil
 
@@ -17,12 +17,11 @@ from torchvision.transforms.v2 import functional as TF
 from core.config import InvalidValue
 from data_pipeline.config import DataConfig
 from data_pipeline.dali.nvjpeg import NvjpegViews
-from data_pipeline.formats import Sample
-from data_pipeline.loader import LoaderState, TrainLoader, train_batches
+from data_pipeline.loader import TrainLoader
 from data_pipeline.transforms import decode
 from tests.app.helpers import run_pretrain, train_overrides
-from tests.data_pipeline.dali.test_device import LEVEL, photo_jpeg, undecodable_jpeg
-from tests.data_pipeline.helpers import digit_sample, uneven_set, write_set
+from tests.data_pipeline.dali.test_device import photo_jpeg
+from tests.data_pipeline.helpers import digit_sample, write_set
 
 CPU = torch.device("cpu")
 
@@ -41,7 +40,7 @@ def test_crops_match_torchvision_resized_crop():
     boxes = torch.tensor([[0, 0, 90, 120], [10, 20, 40, 50], [5, 7, 80, 60],
                           [30, 0, 33, 120], [0, 60, 90, 60], [1, 1, 20, 24]] * 2)
     views = NvjpegViews(16, 3, CPU)
-    got = views.crops(views.decode(pictures), boxes)
+    got = views.crops(pictures, boxes)
     want = torch.stack([TF.resized_crop(decode(p, "p"), *box.tolist(), [16, 16], antialias=True)
                         for p, box in zip(pictures * 2, boxes, strict=True)])
     diff = (got.int() - want.int()).abs()
@@ -55,47 +54,6 @@ def test_a_png_is_decoded_on_the_cpu_and_counted():
     views = NvjpegViews(16, 3, CPU)
     images = views.decode([photo_jpeg(0), png.getvalue()])
     assert [tuple(i.shape[:1]) for i in images] == [(3,), (3,)] and views.cpu_decoded == 1
-
-
-def test_batches_match_the_cpu_backend(tmp_path):
-    """Same keys, ids, labels and view parameters; the pixels differ by the resize filters
-    only (the CPU backend without reduced decoding, so both crop the stored image)."""
-    uneven_set(tmp_path, [24, 24])
-    cpu = list(train_batches(config(tmp_path, backend="cpu", draft_decode=False)))
-    device = list(train_batches(config(tmp_path)))
-    assert len(cpu) == len(device) == 6
-    for want, got in zip(cpu, device, strict=True):
-        assert got["keys"] == want["keys"] and got["captions"] == want["captions"]
-        assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["labels"],
-                                                                    want["labels"])
-        assert "encoded" not in got and got["images"].shape == want["images"].shape
-        assert (got["images"] - want["images"]).abs().mean() < 1.5 * LEVEL
-
-
-def test_resume_continues_exactly_and_undecodable_images_are_dropped(tmp_path):
-    def bogus(key: str) -> Sample:
-        return Sample(key, undecodable_jpeg(), "jpg", 1, "a caption")
-
-    write_set(tmp_path, [[digit_sample(i) for i in range(20)] + [bogus("bogus0")],
-                         [digit_sample(i) for i in range(20, 40)] + [bogus("bogus1")]])
-    cfg = config(tmp_path, batch_size=4, shuffle_buffer=8)
-    state, full, snapshots = LoaderState(), [], []
-    for batch in train_batches(cfg, state=state):
-        full.append(batch)
-        snapshots.append(LoaderState.from_state_dict(copy.deepcopy(state.state_dict())))
-    stop = 3
-    dropped = [b for b in full[stop:] if len(b["keys"]) < 4]
-    assert dropped, "an undecodable sample is drawn after the resume point"
-    for batch in dropped:
-        assert batch["images"].shape[0] == batch["ids"].shape[0] == 2 * len(batch["keys"])
-        assert not any("bogus" in key for key in batch["keys"])
-        assert any("bogus" in e and "torchvision" in e for e in batch["skipped_examples"])
-    assert state.skipped["corrupt_image"] == sum(b["skipped"].get("corrupt_image", 0)
-                                                 for b in full) >= 1
-    resumed = list(train_batches(cfg, state=snapshots[stop - 1]))
-    assert len(resumed) == len(full) - stop
-    for got, want in zip(resumed, full[stop:], strict=True):
-        assert got["keys"] == want["keys"] and torch.equal(got["images"], want["images"])
 
 
 def test_the_backend_renders_simclr_views_of_one_image_only(tmp_path):
