@@ -1,10 +1,13 @@
 """Views rendered one batch ahead: while the trainer steps on batch n, a thread renders
 batch n + 1 (a device backend's decode, crops and colour), on a side CUDA stream when the
 device is a GPU. At most two batches are in flight: the one handed out and the one being
-rendered. The side stream's work is ordered before the trainer's use of the batch
-(``wait_stream``), and its tensors are marked as used on the trainer's stream
-(``record_stream``), so the caching allocator does not hand their memory to the side stream
-while the step still reads them. The CUDA lines have never run on a GPU."""
+rendered. A backend that renders ahead starts its loader workers by forkserver: a worker
+forked after the render thread ran torch ops crashed in a test (the thread's parallel
+runtime is not reset in the child). The side stream's work is ordered before the
+trainer's use of the batch (``wait_stream``), and its tensors are marked as used on the
+trainer's stream (``record_stream``), so the caching allocator does not hand their memory
+to the side stream while the step still reads them. The CUDA lines have never run on a
+GPU."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ BACKENDS: dict[str, BackendSpec] = {
     "nvjpeg": BackendSpec(  # torchvision: nvJPEG on CUDA (libjpeg-turbo without), roi_align
         lambda cfg, device: NvjpegViews(cfg.resolution, view_kernel_size(cfg.resolution),
                                         device),
-        check=simclr_views_check),
+        forkserver=True, check=simclr_views_check),  # its render thread (loader/ahead.py)
 }
 
 
