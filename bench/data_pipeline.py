@@ -43,10 +43,12 @@ from data_pipeline.transforms import simclr_view
 RESOLUTION = 224
 
 
-def write_jpegs(root: Path, count: int, size: tuple[int, int] = (400, 350)) -> None:
+def write_jpegs(root: Path, count: int, size: tuple[int, int] = (400, 350),
+                start: int = 0) -> None:
+    """JPEGs ``start`` to ``count - 1`` of the set under ``root``/class_<digit>/."""
     digits = DigitsSource(size=8)
-    rng = np.random.default_rng(0)
-    for i in range(count):
+    rng = np.random.default_rng(start)
+    for i in range(start, count):
         label = int(digits.labels[i % len(digits)])
         base = Image.fromarray(digits.images[i % len(digits)]).resize(size, Image.BICUBIC)
         pixels = np.asarray(base.convert("RGB"), dtype=np.int16)
@@ -91,9 +93,10 @@ def time_imagefolder(root: Path, batch: int, workers: int, stock: bool) -> float
 
 
 def time_stream(shards: Path, batch: int, workers: int, draft: bool = True,
-                backend: str = "cpu", device: torch.device | None = None) -> float:
+                backend: str = "cpu", device: torch.device | None = None,
+                resolution: int = RESOLUTION) -> float:
     cfg = DataConfig(shards=str(shards), batch_size=batch, workers=workers,
-                     resolution=RESOLUTION, augment="simclr", crop_min_scale=0.08,
+                     resolution=resolution, augment="simclr", crop_min_scale=0.08,
                      draft_decode=draft, backend=backend)
     start, images = time.perf_counter(), 0
     for b in train_batches(cfg, device=device):

@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (the suite)")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, in order")
-    parser.add_argument("--budget", type=float, default=450.0, help="seconds for all parts")
+    parser.add_argument("--budget", type=float, default=560.0, help="seconds for all parts")
     parser.add_argument("--jobs", type=int, default=1, help="parts at a time (dry run only)")
     args = parser.parse_args()
     names = args.parts.split(",")

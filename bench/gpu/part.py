@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu import losses, pipeline, sharded, steps
+from bench.gpu import feed, losses, pipeline, sharded, steps
 from bench.gpu.sizes import DRY_RUN, GPU
 
 
@@ -45,8 +45,12 @@ PARTS: dict[str, Part] = {
     "step": Part(steps.step, 0.10, "Training step, bf16, channels-last",
                  ("backbone", "precision", "views", "images_s", "plain_images_s",
                   "vs_plain", "tflops", "plain_tflops", "mfu")),
-    "data": Part(pipeline.data, 0.08, "CPU data path: decode + two views",
-                 ("loader", "workers", "resolution", "images_s", "per_core")),
+    "feed": Part(feed.feed, 0.08, "Data backends against the step rate (images/s, two views "
+                 "each)", ("source", "workers", "jpeg_kib", "images_s", "x_0", "x_1", "target",
+                           "note")),
+    "e2e": Part(feed.e2e, 0.20, "Training from JPEG shards against synthetic batches",
+                ("model", "jpeg", "jpeg_kib", "precision", "workers", "images_s",
+                 "synthetic_images_s", "vs_synthetic", "tflops", "mfu", "target")),
     "demo": Part(pipeline.demo, 0.13, "Demo pipeline, one process, DDP, no MLflow",
                  ("ranks", "device", "precision", "backend", "steps", "train_s", "images_s",
                   "knn_top1")),

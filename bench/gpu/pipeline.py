@@ -1,8 +1,6 @@
 """The kit's parts that run whole commands or the data path:
 
 - ``tests``: the CUDA-gated tests and the CUDA dry-run tests, with the GPU present;
-- ``data``: the CPU data path (JPEG decode + two SimCLR views, every core a worker), in
-  images/s, beside the training step's rate from the ``step`` part;
 - ``demo``: the demo pipeline, one process under torchrun, DDP over NCCL in bf16 (on CPU:
   gloo, fp32), without MLflow: make-shards, pretrain, evaluate from the checkpoint;
 - ``fsdp2``: the same under ``engine.name=fsdp2`` (bf16 gathers, fp32 reductions), for the
@@ -14,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import re
 import subprocess
@@ -68,26 +65,6 @@ def tests(sizes: Sizes, device: torch.device, work: Path, dry_run: bool = False,
            "cuda": torch.cuda.is_available(), "failures": "; ".join(counts["failed"][:20])}
     return {"rows": [row], "ok": result.returncode == 0,
             "summary": "; ".join([f"pytest exit {result.returncode}", *notes])}
-
-
-def data(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
-    """The loader's images/s on every core (two 224 px views per image)."""
-    from bench.data_pipeline import RESOLUTION, time_stream, write_jpegs
-    from data_pipeline.config import ShardsConfig
-    from data_pipeline.make_shards import make_shards
-
-    cores = os.cpu_count() or 1
-    tree, shards = work / "jpegs", work / "jpeg-shards"
-    write_jpegs(tree, sizes.data_images)
-    make_shards(ShardsConfig(source="imagenet", input=str(tree), output=str(shards),
-                             shard_size=max(1, math.ceil(sizes.data_images / (2 * cores))),
-                             workers=cores))
-    batch = max(1, min(32, sizes.data_images // (2 * cores)))
-    time_stream(shards, batch, cores)  # warm-up: page cache, imports in the workers
-    rate = time_stream(shards, batch, cores)
-    return {"rows": [{"loader": "WebDataset stream, CPU workers", "workers": cores,
-                      "resolution": RESOLUTION, "images_s": rate, "per_core": rate / cores}],
-            "ok": True, "summary": f"{rate:.0f} images/s on {cores} cores"}
 
 
 def stage(args: list[str], log: Path, module: str, launcher: list[str] | None = None) -> str:

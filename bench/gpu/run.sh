@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU kit on a bare, offline GPU node, with the node's own python3 and torch:
-#   bash bench/gpu/run.sh OUT_DIR                 # about 8 minutes on one GPU
+#   bash bench/gpu/run.sh OUT_DIR                 # about 9 minutes on one GPU
 #   bash bench/gpu/run.sh --dry-run OUT_DIR       # the same code on CPU, tiny sizes
 # Installs bench/gpu/wheels/ (bash bench/gpu/fetch_wheels.sh, beforehand, where there is
 # an index) into OUT_DIR/site, never over what the node has; no MLflow, no network.

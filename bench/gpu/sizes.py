@@ -18,7 +18,13 @@ class Sizes:
     step_images: int  # images per step (two views each)
     step_resolution: int
     step_steps: int  # timed steps, after three uncounted ones
-    data_images: int  # JPEGs the data path decodes, two views each
+    feed_cases: tuple[tuple[str, int], ...]  # feed: (data.backend, data.workers)
+    feed_images: int  # feed: JPEGs of ImageNet's mean size each backend decodes, two views each
+    e2e_jpeg_sizes: tuple[tuple[int, int], ...]  # e2e: JPEG sizes trained from (feed: first)
+    e2e_backbones: tuple[str, ...]  # e2e: the models trained from shards
+    e2e_steps: int  # e2e: steps of one epoch of the shards
+    e2e_window: int  # e2e: steps a metric row spans (the first row, with start-up, not counted)
+    e2e_workers: int  # e2e: data.workers of the device backend
     compile_backbone: str
     compile_backend: str  # torch.compile's backend for the compile part
     demo_samples: int  # cluttered digits for the demo pipeline's training shards
@@ -33,7 +39,11 @@ class Sizes:
 GPU = Sizes(sync_images=64, sync_resolution=32, sync_steps=3,
             dense_n=(8192,), tiled_n=(65_536, 262_144, 1_048_576), tile_bytes=2**32,
             step_backbones=("resnet50", "timm:vit_base_patch16_224"), step_images=128,
-            step_resolution=224, step_steps=10, data_images=1500,
+            step_resolution=224, step_steps=10,
+            feed_cases=(("cpu", 4), ("cpu", 8), ("cpu", 16), ("nvjpeg", 2), ("nvjpeg", 4)),
+            feed_images=1024, e2e_jpeg_sizes=((400, 350), (1000, 750)),
+            e2e_backbones=("resnet50", "timm:vit_base_patch16_224"), e2e_steps=30,
+            e2e_window=10, e2e_workers=4,
             compile_backbone="resnet50", compile_backend="inductor", demo_samples=2000,
             demo_steps=60,
             fsdp2_models=("small_cnn", "vit_hybrid"),
@@ -43,7 +53,10 @@ GPU = Sizes(sync_images=64, sync_resolution=32, sync_steps=3,
 DRY_RUN = Sizes(sync_images=4, sync_resolution=16, sync_steps=1,
                 dense_n=(64,), tiled_n=(256,), tile_bytes=2**14,
                 step_backbones=("small_cnn", "timm:test_vit"), step_images=4,
-                step_resolution=32, step_steps=1, data_images=24,
+                step_resolution=32, step_steps=1,
+                feed_cases=(("cpu", 1), ("nvjpeg", 1)), feed_images=16,
+                e2e_jpeg_sizes=((80, 60), (200, 150)), e2e_backbones=("small_cnn",),
+                e2e_steps=4, e2e_window=2, e2e_workers=1,
                 # dynamo's capture and AOT autograd without inductor's C++ codegen (30 s
                 # cold here); inductor on CPU: tests/pretrain/loop/test_compile.py
                 compile_backbone="small_cnn", compile_backend="aot_eager", demo_samples=200,

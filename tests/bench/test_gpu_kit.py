@@ -42,6 +42,14 @@ def test_the_dry_run_measures_every_part(tmp_path):
     assert all("fwd_bwd_ms" in row for row in parts["objectives"]["rows"])
     assert [(row["compiled"], row["backend"]) for row in parts["compile"]["rows"]] == [
         (False, "eager"), (True, "aot_eager")]  # inductor on CPU: tests/pretrain/loop
+    fed = {(row["source"], row.get("workers")): row for row in parts["feed"]["rows"]}
+    assert {("cpu", 1), ("nvjpeg", 1)} <= set(fed) and all(
+        row["images_s"] > 0 for row in fed.values())
+    assert fed[("nvjpeg", 1)]["target"] in ("met", "not met")
+    trained = parts["e2e"]["rows"]
+    assert [row["jpeg"] for row in trained] == ["80x60", "200x150"]
+    assert all(row["images_s"] > 0 and row["vs_synthetic"] > 0 and row["tflops"] > 0
+               for row in trained)
     demo = parts["demo"]["rows"][0]
     assert demo["backend"] == "gloo" and demo["steps"] > 0 and 0 <= demo["knn_top1"] <= 1
     sharded = parts["fsdp2"]["rows"]
