@@ -23,8 +23,8 @@ from evaluation.evaluate import EvalContext, evaluate
 
 def target_graph(config: RunConfig) -> np.ndarray | None:
     """The class graph the run trained towards, to compare the learned similarity with."""
-    path = Path(config.objective.xclr.class_graph)
-    return load_class_graph(path)[0] if config.objective.xclr.class_graph and path.is_file() \
+    path = Path(config.objective.class_graph_path)
+    return load_class_graph(path)[0] if config.objective.class_graph_path and path.is_file() \
         else None
 
 

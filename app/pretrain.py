@@ -91,12 +91,13 @@ def text_for(config: RunConfig) -> TextConfig | None:
 
 
 def class_graph_for(config: RunConfig, device: torch.device) -> torch.Tensor | None:
-    path = config.objective.xclr.class_graph
-    if not objective_spec(config.objective.name).soft_targets or not path:
+    """The class graph a soft-target objective takes its targets from, on ``device``."""
+    path = config.objective.class_graph_path
+    if not path:
         return None
     if not Path(path).is_file():
-        raise RunError(f"objective.xclr.class_graph={path}: no such file (run graph-precompute "
-                       "graph.task=class_graph)")
+        raise RunError(f"{config.objective.class_graph_key}={path}: no such file (run "
+                       "graph-precompute graph.task=class_graph)")
     return torch.from_numpy(load_class_graph(path)[0]).to(device)
 
 
@@ -262,7 +263,7 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
         name = config.tracking.registered_model or f"{config.name}-encoder"
         model = whole_model(config, trainer)
         card = model_card(config, trainer, name)
-        classes = model.loss_parameters.get("class_embeddings")  # projnce learned
+        classes = model.loss_parameters.get("class_embeddings")  # learned ones
         version = tracker.log_model(lambda uri, run_id: log_encoder(
             uri, run_id, model.encoder, name, trainer.config_yaml, card, model.text, classes))
         if version is not None:

@@ -26,7 +26,6 @@ from pretrain.loop.engine import EngineConfig
 from pretrain.loop.optim import OptimConfig
 from pretrain.loop.trainer import TrainConfig
 from pretrain.losses.config import ObjectiveConfig
-from pretrain.losses.objectives import objective_spec
 from pretrain.model.backbones import backbone_spec
 from pretrain.model.encoder import ModelConfig
 from pretrain.run.checkpoint import CheckpointConfig
@@ -112,15 +111,13 @@ def _check_training(config: RunConfig) -> None:
         raise ConfigError("key 'train.chunk_size': chunks cannot keep model.split_views' "
                           "per-view batch norm; set one of them off")
     objective = config.objective
-    soft_targets = objective_spec(objective.name).soft_targets
-    if soft_targets and not (objective.xclr.class_graph or config.data.caption_store):
-        raise ConfigError(f"key 'objective.xclr.class_graph': {objective.name} needs soft targets: "
-                          "a class graph (graph-precompute graph.task=class_graph) or "
-                          "data.caption_store")
-    if soft_targets and objective.xclr.class_graph and config.data.caption_store:
-        raise ConfigError(f"key 'objective.xclr.class_graph': {objective.name} takes its targets "
-                          "from a class graph or from data.caption_store, not both; set one "
-                          "to \"\"")
+    key, graph = objective.class_graph_key, objective.class_graph_path
+    if key and not (graph or config.data.caption_store):
+        raise ConfigError(f"key '{key}': {objective.name} needs soft targets: a class graph "
+                          "(graph-precompute graph.task=class_graph) or data.caption_store")
+    if key and graph and config.data.caption_store:
+        raise ConfigError(f"key '{key}': {objective.name} takes its targets from a class graph "
+                          "or from data.caption_store, not both; set one to \"\"")
     if config.train.knn_every:
         for key in ("eval.train_shards", "eval.test_shards"):
             if not _get(config, key):

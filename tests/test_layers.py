@@ -10,6 +10,7 @@ Every import counts, also one inside a function."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,28 @@ def test_the_name_check_sees_a_name_check(monkeypatch):
         else Path.read_bytes(self).decode()))
     assert name_checks(probe, {"deepspeed"}) == ["app/_probe.py:1 compares with 'deepspeed'",
                                                  "app/_probe.py:1 checks the timm: prefix"]
+
+
+def objective_mentions(path: Path) -> list[str]:
+    """Lines of ``path`` that name an objective of the table, in code or in words."""
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, OBJECTIVES)) + r")\b", re.IGNORECASE)
+    return [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if pattern.search(line)]
+
+
+def test_app_names_no_objective():
+    """What an objective needs from the run (labels, a class graph, a text tower, loss
+    parameters) is declared in its table entry and provided by generic code: the
+    commands in ``app/`` name no objective, not even in a comment."""
+    violations = [v for path in modules("app") for v in objective_mentions(path)]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_mention_check_sees_an_objective_in_a_comment(monkeypatch):
+    probe = REPO / "app" / "_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        "graph = cfg.own.graph  # for X-CLR, i.e. xclr\n" if self == probe
+        else Path.read_bytes(self).decode()))
+    assert objective_mentions(probe) == ["app/_probe.py:1: graph = cfg.own.graph  "
+                                         "# for X-CLR, i.e. xclr"]

@@ -63,6 +63,19 @@ class SharedObjectiveConfig:
         return cls(name=name, **keys)
 
     @property
+    def class_graph_key(self) -> str:
+        """``objective.<name>.class_graph``, the key that names a soft-target objective's
+        class graph file (its table entry's ``soft_targets``); "" for other objectives."""
+        return f"objective.{self.name}.class_graph" if objective_spec(self.name).soft_targets \
+            else ""
+
+    @property
+    def class_graph_path(self) -> str:
+        """The class graph file a soft-target objective takes its targets from; "" when it
+        takes them from ``data.caption_store``, and for other objectives."""
+        return self.own.class_graph if self.class_graph_key else ""
+
+    @property
     def own(self) -> Any:
         """The chosen objective's own section (None for an objective without keys)."""
         return getattr(self, self.name) if objective_spec(self.name).config else None

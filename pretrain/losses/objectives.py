@@ -42,7 +42,8 @@ class ObjectiveSpec:
     # (pretrain/losses/parameters.py; as open_clip's model owns logit_bias)
     parameters: tuple[LossParameter, ...] = ()
     labels: bool = False  # positives share a class label: the shards must list classes
-    soft_targets: bool = False  # targets from objective.xclr.class_graph or data.caption_store
+    # targets from a class graph (its section's class_graph key) or data.caption_store
+    soft_targets: bool = False
     text_tower: bool = False  # image-caption pairs: a text tower, captions tokenised
     softmax: bool = True  # reports a softmax's monitors (ess), which ess_control steers by
 
