@@ -37,6 +37,7 @@ from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
 from pretrain.loop.engine import build_engine, engine_spec
 from pretrain.loop.optim import build_optimizer, optimizer_spec, warmup_cosine_in_samples
+from pretrain.loop.reports import Reports
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import RunLength, Trainer
 from pretrain.loop.utilisation import Utilisation, device_peak_tflops
@@ -113,8 +114,9 @@ def knn_monitor_for(config: RunConfig, rt: Runtime, sharded: bool):
 
 
 def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str) -> Trainer:
-    """The trainer of ``config`` on this rank: model, engine, objective, loader,
-    checkpointer and monitors (the tracker joins on rank 0 in :func:`train`)."""
+    """The trainer of ``config`` on this rank, its parts built from their sections: model,
+    engine, objective, loader, checkpointer, schedule, preemption watch and reports (rank
+    0's MLflow run, started last, once every check has passed)."""
     objective, data = config.objective, config.data
     shards = ShardSet.open(data.shards, retry=data.retry)
     if objective_spec(objective.name).labels and not shards.class_names:
@@ -161,14 +163,24 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
                             cut.rows_per_rank),
         loader=loader,
         checkpointer=Checkpointer(run_dir, config.checkpoint, rt.rank, rt.world, rt.device,
-                                  global_batch, engine.optimizer_sharded),
+                                  global_batch, engine.optimizer_sharded, to_yaml(config)),
         schedule=warmup_cosine_in_samples(length.total_samples, length.samples_per_step,
                                           config.optim.warmup_steps),
-        length=length,
-        runtime=rt, precision=precision,
-        knn=knn_monitor_for(config, rt, engine.shards_parameters),
-        preemption=PreemptionWatch(config.preemption, rt.device), config_yaml=to_yaml(config),
-        ledger=ledger_for(config, rt, run_dir), utilisation=utilisation_of(config, rt, precision))
+        length=length, runtime=rt, precision=precision,
+        preemption=PreemptionWatch(config.preemption, rt.device),
+        reports=Reports(ledger=ledger_for(config, rt, run_dir),
+                        utilisation=utilisation_of(config, rt, precision),
+                        knn=knn_monitor_for(config, rt, engine.shards_parameters),
+                        tracker=tracker_for(config, rt, run_dir)))
+
+
+def tracker_for(config: RunConfig, rt: Runtime, run_dir: Path) -> Tracker | None:
+    """Rank 0's MLflow run (``tracking.enabled``), started with the run's parameters."""
+    if not (config.tracking.enabled and rt.is_main):
+        return None
+    tracker = Tracker(config.tracking, run_dir, config.name)
+    tracker.start(flatten(config))
+    return tracker
 
 
 def utilisation_of(config: RunConfig, rt: Runtime, precision: str) -> Utilisation:
@@ -265,7 +277,8 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
         card = model_card(config, trainer, name)
         classes = model.loss_parameters.get("class_embeddings")  # learned ones
         version = tracker.log_model(lambda uri, run_id: log_encoder(
-            uri, run_id, model.encoder, name, trainer.config_yaml, card, model.text, classes))
+            uri, run_id, model.encoder, name, trainer.checkpointer.config_yaml, card, model.text,
+            classes))
         if version is not None:
             log.info("registered model %s version %s", name, version)
     tracker.finish()
@@ -293,13 +306,10 @@ def train(config: RunConfig) -> Path:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
         if rt.is_main:
-            (run_dir / "config.yaml").write_text(trainer.config_yaml)
+            (run_dir / "config.yaml").write_text(trainer.checkpointer.config_yaml)
             log.info("resolved config: %s", run_dir / "config.yaml")
             log.info("%d ranks on %s, %s; backend %s", rt.world, rt.device, precision,
                      dist.get_backend() if dist.is_initialized() else "none (one process)")
-            if config.tracking.enabled:
-                trainer.tracker = Tracker(config.tracking, run_dir, config.name)
-                trainer.tracker.start(flatten(config))
         run(trainer, config, run_dir)
         barrier()
     finally:
@@ -312,7 +322,7 @@ def train(config: RunConfig) -> Path:
 def run(trainer: Trainer, config: RunConfig, run_dir: Path) -> None:
     """Resume, train and finish tracking; whatever stops the run from here on marks its
     MLflow run FAILED, or KILLED with a marker file when a signal preempted it."""
-    tracker, rt = trainer.tracker, trainer.runtime
+    tracker, rt = trainer.reports.tracker, trainer.runtime
     try:
         trainer.resume()
         if rt.is_main:

@@ -2,12 +2,13 @@
 
 Each sample draws one of scikit-learn's 1,797 real 8x8 digits at a random size and position
 on a coloured canvas, over clutter cut from other digits (in the spirit of cluttered
-MNIST, Jaderberg et al. 2015), with per-pixel noise. The label is the digit; the caption
+MNIST, Jaderberg et al. 2015), with per-pixel noise. The label is the digit. The caption
 describes its attributes (digit, stroke and background colour, position, size) in one of
-several phrasings, so a caption-similarity graph carries real but partial class structure,
-as web captions do. Everything follows from (seed, split, index): the same configuration
-gives byte-identical shards. Train and test samples are drawn from disjoint source digits
-(every 5th source digit is test).
+several phrasings, so a caption-similarity graph carries real but partial class structure;
+or (``captions="alt_text"``) it is web-like alt-text that names the digit among
+uninformative words, or names nothing (``data_pipeline/alt_text.py``). Everything follows
+from (seed, split, index): the same configuration gives byte-identical shards. Train and
+test samples are drawn from disjoint source digits (every 5th source digit is test).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from data_pipeline.alt_text import alt_text
 from data_pipeline.digits import DIGIT_NAMES
 from data_pipeline.formats import Sample, SkipSample
 from data_pipeline.samples import stable_int
@@ -28,6 +30,7 @@ COLOURS = {  # name -> RGB
     "pink": (240, 125, 185), "cyan": (50, 195, 210), "white": (240, 240, 240),
     "black": (20, 20, 20), "gray": (125, 125, 125), "brown": (125, 80, 40),
 }
+CAPTION_STYLES = ("attributes", "alt_text")
 MIN_CONTRAST = 150.0  # RGB distance between stroke and background colours
 TEMPLATES = [
     "a {size} {stroke} {digit} on a {background} background, {position}",
@@ -72,11 +75,15 @@ class ClutteredDigitsSource:
     """``len(self)`` samples of one split; ``load(i)`` renders sample i as a PNG."""
 
     def __init__(self, samples: int, canvas: int = 40, clutter: int = 2, split: str = "train",
-                 seed: int = 0) -> None:
+                 seed: int = 0, captions: str = "attributes") -> None:
         from sklearn.datasets import load_digits
 
         if split not in ("train", "test"):
             raise ValueError(f"cluttered_digits: split must be train or test, got {split!r}")
+        if captions not in CAPTION_STYLES:
+            raise ValueError(f"cluttered_digits: captions must be one of {CAPTION_STYLES}, "
+                             f"got {captions!r}")
+        self.captions = captions
         digits = load_digits()
         index = np.arange(len(digits.target))
         pool = index[(index % 5 == 0) == (split == "test")]
@@ -128,8 +135,12 @@ class ClutteredDigitsSource:
         canvas += rng.normal(0.0, 8.0, canvas.shape).astype(np.float32)
         return canvas.clip(0, 255).round().astype(np.uint8)
 
-    def caption(self, layout: Layout) -> str:
+    def caption(self, layout: Layout, i: int) -> str:
+        """Sample ``i``'s caption in this source's style (the canvas is the same in both)."""
         label = int(self.labels[layout.digit])
+        if self.captions == "alt_text":
+            return alt_text(np.random.default_rng(stable_int(self.seed, self.split,
+                                                             "alt_text", i)), label)
         return TEMPLATES[layout.template].format(**_words(layout, self.canvas, label))
 
     def load(self, i: int) -> Sample:
@@ -141,7 +152,7 @@ class ClutteredDigitsSource:
         Image.fromarray(self.render(layout, i)).save(buffer, format="PNG")
         return Sample(key=f"cluttered_{self.split}_{i:07d}", image=buffer.getvalue(),
                       ext="png", label=int(self.labels[layout.digit]),
-                      caption=self.caption(layout))
+                      caption=self.caption(layout, i))
 
 
 def _scaled(patch: np.ndarray, side: int) -> np.ndarray:

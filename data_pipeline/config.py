@@ -38,6 +38,8 @@ class ShardsConfig:
     samples: int = 0  # cluttered_digits: canvases to draw; 0 = one per source digit
     canvas_size: int = 40  # cluttered_digits: side of the canvas, pixels
     clutter: int = 2  # cluttered_digits: fragments of other digits per canvas
+    # alt_text: web-like, the digit named among uninformative words or nothing named
+    captions: Literal["attributes", "alt_text"] = "attributes"  # cluttered_digits' captions
     seed: int = 0  # the order of samples across shards; cluttered_digits' draws
     shuffle: bool = True  # write samples in a seeded random order (false: source order)
     max_image_pixels: int = 89_478_485  # larger images are skipped (bombs); 0 = Pillow's 2 x this

@@ -40,7 +40,7 @@ SOURCES: dict[str, SourceSpec] = {
                          needs_input=False),
     "cluttered_digits": SourceSpec(
         lambda cfg: ClutteredDigitsSource(cfg.samples, cfg.canvas_size, cfg.clutter,
-                                          cfg.split, cfg.seed),
+                                          cfg.split, cfg.seed, cfg.captions),
         needs_input=False, splits=("train", "test"),
         about_splits="it draws train or test canvases from disjoint digits"),
     "imagenet": SourceSpec(lambda cfg: ImageFolderSource(cfg.input, cfg.class_names,

@@ -81,6 +81,13 @@ def write(results: Results, sweep: Results, datasets: dict[str, DataSet], out: P
     if captions:
         lines += ["Caption evaluation (retrieval among the test canvases' distinct captions, "
                   "zero-shot from the digit names):", "", *captions, ""]
+    alt_names = [n for n in configs.ALT_TEXT if n in results]
+    if alt_names:
+        lines += ["## Alt-text captions", "",
+                  "Class signal of each caption set (all-MiniLM-L6-v2 embeddings of the "
+                  "training captions: mean cosine of two captions of one class and of two "
+                  "classes):", "", *report.caption_signal_table(datasets), "",
+                  *report.results_table(results, ["untrained", *alt_names]), ""]
     lines += ["## Claims", "", *report.claims_section(claims)]
     digit_names = [n for n in results if n.startswith("digits_")]
     if digit_names:
@@ -98,7 +105,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/learning"))
-    parser.add_argument("--part", choices=["all", "main", "digits", "sweep"], default="all")
+    parser.add_argument("--part", choices=["all", "main", "alt_text", "digits", "sweep"],
+                        default="all")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--only", nargs="+", help="configurations to run (names, main or sweep)")
     parser.add_argument("--sweep-seeds", type=int, nargs="+", default=[0],
@@ -118,12 +126,18 @@ def main() -> None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     datasets = {"cluttered": cluttered(out / "data", args.train_samples, args.test_samples),
+                "alt_text": cluttered(out / "data", args.train_samples, args.test_samples,
+                                      "alt_text"),
                 "digits": digits(out / "data")}
     only = set(args.only) if args.only else None
     confs: list[Configuration] = []
     if args.part in ("all", "main"):
         floor, ceiling = configs.floor_and_ceiling("cluttered", args.seeds)
         confs += floor + configs.main(args.seeds, only) + ([] if args.no_ceiling else ceiling)
+    if args.part in ("all", "alt_text"):
+        if args.part == "alt_text":
+            confs += configs.floor_and_ceiling("cluttered", args.seeds)[0]
+        confs += configs.alt_text(args.seeds, only)
     if args.part in ("all", "digits"):
         floor, ceiling = configs.floor_and_ceiling("digits", args.seeds[:1], "digits_")
         confs += floor + configs.digits(args.seeds[:1]) + ceiling

@@ -10,6 +10,7 @@ canvases:
   the instance discrimination InfoNCE trains for.
 
     python -m bench.learning.ci_check --recipe infonce --epochs 8 --seeds 0 1 2 3 4
+    python -m bench.learning.ci_check --recipe clip --captions alt_text --epochs 3
 
 Prints per seed untrained -> trained (gain) and, per measure, the gain's mean, standard
 deviation and mean - 3 sd (the highest threshold the test may assert); writes
@@ -72,12 +73,14 @@ class Scores:
     views: float  # view retrieval top-1 among the test canvases, backbone
 
 
-def cluttered(root: Path) -> tuple[Path, Path]:
-    """Train and test shards of the cluttered digits under ``root`` (made once)."""
-    common = {"source": "cluttered_digits", "shard_size": 1000, "workers": 2}
+def cluttered(root: Path, captions: str = "attributes") -> tuple[Path, Path]:
+    """Train and test shards of the cluttered digits with ``captions`` captions
+    (``shards.captions``) under ``root`` (made once)."""
+    common = {"source": "cluttered_digits", "shard_size": 1000, "workers": 2,
+              "captions": captions}
     out = []
     for split, samples in (("train", TRAIN), ("test", TEST)):
-        path = root / split
+        path = root / captions / split
         if not (path / "manifest.json").is_file():
             make_shards(ShardsConfig(**common, split=split, samples=samples,
                                      output=str(path)))
@@ -183,10 +186,11 @@ def views_of_test(recipe: str, keys: list[str], test: Path) -> list[torch.Tensor
     return [batch["images"] for batch in train_batches(views)]
 
 
-def measure(recipe: str, epochs: int, seed: int, root: Path) -> dict[str, dict[str, float]]:
+def measure(recipe: str, epochs: int, seed: int, root: Path,
+            captions: str = "attributes") -> dict[str, dict[str, float]]:
     """Untrained and trained scores of one seed (kept in the run's ``result.json``)."""
-    train, test = cluttered(root / "shards")
-    run_dir = root / "runs" / f"{recipe}-e{epochs}-s{seed}"
+    train, test = cluttered(root / "shards", captions)
+    run_dir = root / "runs" / f"{recipe}-{captions}-e{epochs}-s{seed}"
     if (run_dir / "result.json").is_file():
         return json.loads((run_dir / "result.json").read_text())
     keys = overrides(run_dir, train, epochs, seed)
@@ -213,13 +217,16 @@ def main() -> None:
     parser.add_argument("--recipe", default="infonce")
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--captions", choices=["attributes", "alt_text"], default="attributes",
+                        help="the cluttered digits' caption set (shards.captions)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ci_check")
     args = parser.parse_args()
     per_seed = {}
     for seed in args.seeds:
-        per_seed[seed] = measure(args.recipe, args.epochs, seed, args.out)
+        per_seed[seed] = measure(args.recipe, args.epochs, seed, args.out, args.captions)
         print(seed, json.dumps(per_seed[seed]), flush=True)
-    report = {"recipe": args.recipe, "epochs": args.epochs, "per_seed": per_seed}
+    report = {"recipe": args.recipe, "captions": args.captions, "epochs": args.epochs,
+              "per_seed": per_seed}
     print("| measure | per seed: untrained -> trained (gain) | gain mean ± sd | mean - 3 sd |")
     print("| --- | --- | --- | --- |")
     for name in MEASURES:
@@ -228,7 +235,7 @@ def main() -> None:
         cells = ", ".join(f"{b:.3f} -> {a:.3f} ({a - b:+.3f})" for b, a in rows)
         print(f"| {name} | {cells} | {stats['mean']:.3f} ± {stats['sd']:.3f} "
               f"| {stats['mean_minus_3sd']:.3f} |")
-    path = args.out / f"ci_check-{args.recipe}-e{args.epochs}.json"
+    path = args.out / f"ci_check-{args.recipe}-{args.captions}-e{args.epochs}.json"
     path.write_text(json.dumps(report, indent=2))
 
 

@@ -31,6 +31,12 @@ OBJECTIVES = {  # configuration name -> (recipe file, overrides)
     "clip": ("clip.yaml", ()),
     "siglip": ("siglip.yaml", ()),
 }
+ALT_TEXT = {  # on the alt-text captions (data "alt_text"), each at the X-CLR recipe's budget
+    "alt_clip": ("clip.yaml", ()),
+    "alt_siglip": ("siglip.yaml", ()),
+    "alt_xclr_captions": ("xclr_captions.yaml", ()),
+    "alt_infonce": ("infonce.yaml", ()),
+}
 SMALL_BATCH = {  # FlatNCE's claim: global batch 16 (8 per rank)
     "infonce_b16": ("infonce.yaml", ("data.batch_size=8", *TEN)),
     "flatnce_b16": ("flatnce.yaml", ("data.batch_size=8", *TEN)),
@@ -145,6 +151,18 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
 }
 
 
+ALT_SWEEP = {  # the image-text recipes' levers on the alt-text captions, one at a time
+    "sweep_alt_clip_epochs30": ("clip.yaml", ("train.epochs=30",)),
+    "sweep_alt_siglip_epochs30": ("siglip.yaml", ("train.epochs=30",)),
+    "sweep_alt_clip_text_trainable": ("clip.yaml", ("model.text.trainable=true",)),
+    # 64 pairs a step: half as many captions of the anchor's class among its negatives
+    "sweep_alt_clip_batch32": ("clip.yaml", ("data.batch_size=32",)),
+    # 16 random negatives an anchor: about 1.3 of its own class among them, not 13
+    "sweep_alt_clip_negatives16": ("clip.yaml", ("objective.num_negatives=16",)),
+    "sweep_alt_clip_tau0.1": ("clip.yaml", ("objective.temperature=0.1",)),
+}
+
+
 def _configs(table: dict, data: str, seeds: list[int], prefix: str = "") -> list[Configuration]:
     return [Configuration(f"{prefix}{name}-s{seed}", f"{RECIPES}/{recipe}", data,
                           tuple(overrides), seed, {"group": name})
@@ -165,6 +183,13 @@ def main(seeds: list[int], only: set[str] | None = None) -> list[Configuration]:
     return _configs(table, "cluttered", seeds)
 
 
+def alt_text(seeds: list[int], only: set[str] | None = None) -> list[Configuration]:
+    """The image-text comparison on the alt-text captions (its floor is the cluttered
+    digits' untrained encoder: the same canvases, the same seeds)."""
+    table = {k: v for k, v in ALT_TEXT.items() if not only or k in only}
+    return _configs(table, "alt_text", seeds)
+
+
 def digits(seeds: list[int]) -> list[Configuration]:
     """The reference on the plain digits (the self-supervised recipes at 10 epochs)."""
     table = {k: OBJECTIVES[k] for k in DIGITS_OBJECTIVES}
@@ -175,4 +200,5 @@ def digits(seeds: list[int]) -> list[Configuration]:
 
 def sweep(seeds: list[int], only: set[str] | None = None) -> list[Configuration]:
     table = {k: v for k, v in SWEEP.items() if not only or k in only}
-    return _configs(table, "cluttered", seeds)
+    alt = {k: v for k, v in ALT_SWEEP.items() if not only or k in only}
+    return _configs(table, "cluttered", seeds) + _configs(alt, "alt_text", seeds)

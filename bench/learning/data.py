@@ -1,10 +1,11 @@
 """The benchmark's data, made with the project's own stages: the cluttered digits (train
 and test canvases from disjoint source digits, their caption store and class-template
-graph, and the class-level similarity of their captions) and the plain digits for
-reference."""
+graph, and the class-level similarity of their captions), in two caption styles
+(attributes and alt-text, over the same canvases), and the plain digits for reference."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,19 +50,20 @@ def _class_graph(shards: Path, output: Path) -> Path:
     return path
 
 
-def caption_class_graph(shards: Path, store_dir: Path) -> np.ndarray:
-    """[C, C]: mean cosine between the caption embeddings of class a and class b."""
+def caption_vectors(shards: Path, store_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """([n, E] unit caption embeddings, [n] labels) of the shards' samples, in shard order."""
     store = CaptionStore.open(store_dir)
     keys, labels = [], []
-    manifest = Manifest.read(shards)
-    for shard in manifest.shards:
+    for shard in Manifest.read(shards).shards:
         for raw in iter_shard(shards / shard.name):
             keys.append(raw["__key__"])
             labels.append(int(raw["cls"]))
     rows, found = store.find(keys)
-    vectors = np.asarray(store.embeddings[rows[found]], np.float32)
-    labels = np.asarray(labels)[found]
-    classes = len(manifest.class_names)
+    return np.asarray(store.embeddings[rows[found]], np.float32), np.asarray(labels)[found]
+
+
+def caption_class_graph(vectors: np.ndarray, labels: np.ndarray, classes: int) -> np.ndarray:
+    """[C, C]: mean cosine between the caption embeddings of class a and class b."""
     means = np.stack([vectors[labels == c].mean(0) for c in range(classes)])
     sums = np.stack([vectors[labels == c].sum(0) for c in range(classes)])
     counts = np.bincount(labels, minlength=classes)
@@ -72,22 +74,57 @@ def caption_class_graph(shards: Path, store_dir: Path) -> np.ndarray:
     return graph
 
 
-def cluttered(root: Path, train_samples: int, test_samples: int) -> DataSet:
-    common = {"source": "cluttered_digits", "shard_size": 1000, "workers": 2}
+def caption_class_accuracy(vectors: np.ndarray, labels: np.ndarray, k: int = 20
+                           ) -> dict[str, float]:
+    """How well a caption's embedding names its image's class: the majority of its ``k``
+    nearest other captions (cosine), and a logistic regression fitted on the first 5/6 and
+    scored on the rest."""
+    from sklearn.linear_model import LogisticRegression
+
+    similarity = vectors @ vectors.T
+    np.fill_diagonal(similarity, -np.inf)
+    nearest = np.argpartition(-similarity, k, axis=1)[:, :k]
+    votes = np.array([np.bincount(labels[row], minlength=labels.max() + 1).argmax()
+                      for row in nearest])
+    cut = len(labels) * 5 // 6
+    linear = LogisticRegression(max_iter=2000).fit(vectors[:cut], labels[:cut])
+    return {"knn": float((votes == labels).mean()),
+            "linear": float(linear.score(vectors[cut:], labels[cut:]))}
+
+
+def caption_signal(caption_graph: np.ndarray) -> dict[str, float]:
+    """How much class signal a caption set carries by cosine: the mean cosine of two
+    captions of one class (``within``), of two classes (``between``), and their difference."""
+    classes = len(caption_graph)
+    within = float(np.trace(caption_graph) / classes)
+    between = float((caption_graph.sum() - np.trace(caption_graph)) / (classes * (classes - 1)))
+    return {"within": within, "between": between, "gap": within - between}
+
+
+def cluttered(root: Path, train_samples: int, test_samples: int,
+              captions_style: str = "attributes") -> DataSet:
+    """The cluttered digits with ``captions_style`` captions (``shards.captions``): the
+    canvases are the same in both styles."""
+    common = {"source": "cluttered_digits", "shard_size": 1000, "workers": 2,
+              "captions": captions_style}
+    name = "cluttered" if captions_style == "attributes" else "alt_text"
     train = _shards(ShardsConfig(**common, split="train", samples=train_samples,
-                                 output=str(root / "shards" / "cluttered-train")))
+                                 output=str(root / "shards" / f"{name}-train")))
     test = _shards(ShardsConfig(**common, split="test", samples=test_samples,
-                                output=str(root / "shards" / "cluttered-test")))
-    captions = root / "captions" / "cluttered-train"
+                                output=str(root / "shards" / f"{name}-test")))
+    captions = root / "captions" / f"{name}-train"
     if not (captions / "meta.json").is_file():
         run_captions(GraphConfig(shards=str(train), output=str(captions)))
     graph = _class_graph(train, captions)
     caption_graph = captions / "caption_class_graph.npz"
-    if not caption_graph.is_file():
+    accuracy = captions / "caption_class_accuracy.json"
+    if not (caption_graph.is_file() and accuracy.is_file()):
         names = load_class_graph(graph)[1]
-        np.savez(caption_graph, graph=caption_class_graph(train, captions),
+        vectors, labels = caption_vectors(train, captions)
+        np.savez(caption_graph, graph=caption_class_graph(vectors, labels, len(names)),
                  class_names=np.array(names))
-    return DataSet("cluttered", train, test, graph, captions, caption_graph)
+        accuracy.write_text(json.dumps(caption_class_accuracy(vectors, labels)))
+    return DataSet(name, train, test, graph, captions, caption_graph)
 
 
 def digits(root: Path) -> DataSet:

@@ -1,10 +1,12 @@
 """The training loop and its step, top to bottom (``docs/training.md``).
 
-A :class:`Trainer` owns named parts, built from the run configuration by
-:func:`app.pretrain.build_trainer`: the ``engine`` (the model and its optimiser, DDP,
-DeepSpeed or FSDP2), the ``objective``, the ``loader``, the ``checkpointer``, the ``tracker``
-(MLflow on rank 0), the ``monitors`` and, with ``data.ledger``, the epoch ``ledger``. One
-step (:meth:`Trainer.train_step`):
+A :class:`Trainer` receives named parts, each built from its section of the run
+configuration by :func:`app.pretrain.build_trainer`: the ``engine`` (the model and its
+optimiser, DDP, DeepSpeed or FSDP2), the ``objective``, the ``loader``, the
+``checkpointer``, the learning-rate ``schedule`` over the run's ``length``, the
+``preemption`` watch and the ``reports`` (MLflow on rank 0, the epoch ledger, the FLOP
+count, the kNN monitor); it builds its own ``monitors``. One step
+(:meth:`Trainer.train_step`):
 
 1. the learning rate from the schedule, a function of the samples consumed;
 2. forward under autocast: this rank's embeddings (:func:`forward_loss`);
@@ -41,7 +43,6 @@ from core.collectives import mean_over_ranks_on_device, sum_over_ranks, totals_o
 from core.config import InvalidValue
 from core.runtime import Runtime, autocast, peak_memory_mib
 from data_pipeline.loader import TrainLoader
-from data_pipeline.loader.ledger import LedgerWriter
 from data_pipeline.samples import SKIP_REASONS
 from pretrain.distributed import build_global_batch
 from pretrain.loop.chunked import chunked_forward_loss
@@ -52,7 +53,6 @@ from pretrain.loop.collapse import (
     effective_rank,
 )
 from pretrain.loop.device_metrics import (
-    MetricWindow,
     NonFiniteGuard,
     StepFlags,
     agreed_flags,
@@ -60,9 +60,9 @@ from pretrain.loop.device_metrics import (
 )
 from pretrain.loop.engine_base import Engine
 from pretrain.loop.engine_state import add_engine_state, load_engine_state
+from pretrain.loop.reports import Monitors, Reports
 from pretrain.loop.run_length import RunLength
 from pretrain.loop.step import Objective, model_inputs, to_device
-from pretrain.loop.utilisation import Utilisation
 from pretrain.losses import BatchRows, ObjectiveOutput
 from pretrain.model.encoder import ModelOutput
 from pretrain.run.checkpoint import Checkpointer, Unresumable, rng_state, set_rng_state
@@ -137,18 +137,6 @@ def chunked_loss(engine: Engine, batch: dict[str, Any], objective: Objective, st
     return chunked_forward_loss(engine, batch, loss_of, chunk_size, objective.rows_per_rank)
 
 
-@dataclass
-class Monitors:
-    """What watches the run: the metric ``window`` and the non-finite ``guard`` (both on
-    the device until a report), the ``collapse`` watch and the optional ``knn`` monitor
-    (encoder -> kNN top-1 on a fixed subset of the evaluation shards)."""
-
-    guard: NonFiniteGuard
-    collapse: CollapseWatch
-    knn: Callable[[torch.nn.Module], dict[str, float]] | None = None
-    window: MetricWindow = field(default_factory=MetricWindow)
-
-
 class Trainer:
     """Trains ``engine.module`` for ``length``; see the module's docstring. ``schedule``:
     the learning-rate multiplier after a number of samples. ``loader`` None: the caller
@@ -157,21 +145,17 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, engine: Engine, objective: Objective,
                  loader: TrainLoader | None, checkpointer: Checkpointer,
                  schedule: Callable[[int], float], length: RunLength, runtime: Runtime,
-                 precision: str, tracker: Any = None,
-                 knn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
-                 preemption: PreemptionWatch | None = None, config_yaml: str = "",
-                 ledger: LedgerWriter | None = None,
-                 utilisation: Utilisation | None = None) -> None:
+                 precision: str, preemption: PreemptionWatch | None = None,
+                 reports: Reports | None = None) -> None:
         self.cfg, self.runtime, self.precision = cfg, runtime, precision
-        self.ledger = ledger  # data.ledger: the samples of every step, per rank
-        self.utilisation = utilisation  # train/tflops and train/mfu
         self.engine, self.objective, self.loader = engine, objective, loader
-        self.checkpointer, self.tracker, self.preemption = checkpointer, tracker, preemption
-        self.schedule, self.length, self.config_yaml = schedule, length, config_yaml
+        self.checkpointer, self.preemption = checkpointer, preemption
+        self.schedule, self.length = schedule, length
+        self.reports = reports or Reports()
         self.total_steps = length.max_steps or -(-length.total_samples
                                                  // length.samples_per_step)
         self.monitors = Monitors(NonFiniteGuard(cfg.max_nonfinite, runtime.device),
-                                 CollapseWatch(cfg.collapse), knn)
+                                 CollapseWatch(cfg.collapse), self.reports.knn)
         self.step = self.samples = 0  # steps done, samples of the data set consumed
         self.last_saved = -1
         self.last_row: dict[str, float] = {}  # the newest logged metrics (all ranks' mean)
@@ -196,16 +180,16 @@ class Trainer:
                         disable=not (self.cfg.progress and self.runtime.is_main),
                         dynamic_ncols=True)
         self.window_start = time.perf_counter()
-        if self.ledger is not None:
-            self.ledger.start(self.step)
+        if self.reports.ledger is not None:
+            self.reports.ledger.start(self.step)
         try:
             self.run_steps()
             if self.last_saved != self.step:
                 self.save()
             self.finish_checkpoint()
         finally:
-            if self.ledger is not None:
-                self.ledger.close()
+            if self.reports.ledger is not None:
+                self.reports.ledger.close()
         self.report_skips()
 
     def run_steps(self) -> None:
@@ -241,8 +225,8 @@ class Trainer:
                                              self.samples / self.length.total_samples)
         self.step += 1
         self.samples += self.length.samples_per_step
-        if self.ledger is not None:
-            self.ledger.record(self.loader.state.epoch, self.step, batch, flags.update)
+        if self.reports.ledger is not None:
+            self.reports.ledger.record(self.loader.state.epoch, self.step, batch, flags.update)
         self.monitors.window.add(out.metrics, flags.real)  # 6
         self.views += 0 if placeholder else len(batch["images"])
         self.bar.update(1)
@@ -300,8 +284,8 @@ class Trainer:
                    nonfinite_steps=float(nonfinite_total))
         if self.objective.controller:
             row["temperature"] = float(self.objective.controller.temperature)
-        if self.utilisation is not None:
-            row.update(self.utilisation.metrics(row["images_per_s"]))
+        if self.reports.utilisation is not None:
+            row.update(self.reports.utilisation.metrics(row["images_per_s"]))
         self.last_row = {"step": self.step, **row}
         warning = self.monitors.collapse.check(self.step, row)
         row["collapse"] = float(warning is not None)
@@ -312,14 +296,14 @@ class Trainer:
                                  **({"collapse": "WARNING"} if warning else {}), refresh=False)
             if warning:
                 log.warning(warning)
-            if self.tracker is not None:
-                self.tracker.log_metrics(self.step, row)
+            if self.reports.tracker is not None:
+                self.reports.tracker.log_metrics(self.step, row)
             log.info("step %d %s", self.step,
                      " ".join(f"{k}={v:.4g}" for k, v in sorted(row.items())))
         self.views = 0
         self.window_start = time.perf_counter()
-        if self.ledger is not None:  # the host has synchronised: the update flags are in
-            self.ledger.flush()
+        if self.reports.ledger is not None:  # the host has synchronised: the flags are in
+            self.reports.ledger.flush()
         self.monitors.collapse.stop_if_spent()
 
     def run_knn_monitor(self) -> None:
@@ -328,8 +312,8 @@ class Trainer:
         self.last_knn = {"step": self.step, **result}
         if self.runtime.is_main:
             log.info("step %d knn monitor: top-1 %.4f", self.step, result["knn_top1"])
-            if self.tracker is not None:
-                self.tracker.log_metrics(self.step, result)
+            if self.reports.tracker is not None:
+                self.reports.tracker.log_metrics(self.step, result)
 
     def report_skips(self) -> None:
         """The run's skipped samples: each rank logs its own (per reason and shard, with
@@ -343,8 +327,8 @@ class Trainer:
         if self.runtime.is_main:
             log.info("data: skipped per reason over all ranks: %s",
                      {k.split(".")[1]: int(v) for k, v in totals.items() if v} or "none")
-            if self.tracker is not None:
-                self.tracker.log_metrics(self.step, totals)
+            if self.reports.tracker is not None:
+                self.reports.tracker.log_metrics(self.step, totals)
 
     def stop_if_preempted(self) -> None:
         """At the agreed step boundary: checkpoint (unless just written) and stop."""
@@ -369,15 +353,15 @@ class Trainer:
         replicated = {"step": self.step, "samples": self.samples, "world": self.runtime.world,
                       "global_batch": self.checkpointer.global_batch,
                       "nonfinite_total": self.monitors.guard.check(self.step),
-                      "config": self.config_yaml,
+                      "config": self.checkpointer.config_yaml,
                       "controller": controller.state_dict() if controller else {},
                       "collapse": self.monitors.collapse.state_dict()}
         per_rank = {"rng": rng_state(),
                     "loader": self.loader.state_dict() if self.loader else {}}
         write_state = add_engine_state(self.engine, self.checkpointer.cfg, replicated,
                                        per_rank)
-        if self.ledger is not None:  # the lines of this checkpoint's steps, on disk first
-            self.ledger.flush()
+        if self.reports.ledger is not None:  # the lines of this checkpoint's steps, on disk first
+            self.reports.ledger.flush()
         path = self.checkpointer.save(self.step, replicated, per_rank, write_state)
         self.note_commit()
         self.last_saved = self.step
@@ -393,8 +377,8 @@ class Trainer:
 
     def note_commit(self) -> None:
         """The newest complete checkpoint into the ledger."""
-        if self.ledger is not None and self.checkpointer.completed >= 0:
-            self.ledger.commit(self.checkpointer.completed)
+        if self.reports.ledger is not None and self.checkpointer.completed >= 0:
+            self.reports.ledger.commit(self.checkpointer.completed)
 
     def resume(self) -> bool:
         """Continue from the newest readable checkpoint, if there is one."""
@@ -402,15 +386,15 @@ class Trainer:
         if loaded is None:
             return False
         replicated, per_rank, path = loaded
-        check_drift(path, replicated.get("config", ""), self.config_yaml,
+        config = self.checkpointer.config_yaml
+        check_drift(path, replicated.get("config", ""), config,
                     self.checkpointer.cfg.allow_changes)
         try:
             load_engine_state(self.engine, replicated, per_rank, path)
         except Unresumable as err:  # a layout this engine does not read
             raise Unresumable(f"{path}: {err} (the checkpoint is kept)") from None
         except RuntimeError as err:  # tensors of another model: name what changed
-            raise unfit_checkpoint(path, replicated.get("config", ""), self.config_yaml,
-                                   err) from None
+            raise unfit_checkpoint(path, replicated.get("config", ""), config, err) from None
         self.step = self.last_saved = replicated["step"]
         self.samples = replicated.get("samples", self.step * self.length.samples_per_step)
         self.monitors.guard.total = replicated["nonfinite_total"]

@@ -142,13 +142,16 @@ class PendingSave(NamedTuple):
 class Checkpointer:
     """Saves and finds the checkpoints of one run for ``rank`` of ``world`` ranks training
     at ``global_batch`` images per step (0: as the checkpoint was written), with sharded
-    (ZeRO) or replicated optimizer state."""
+    (ZeRO) or replicated optimizer state; ``config_yaml``, the run's resolved
+    configuration, goes into every checkpoint and is compared at resume."""
 
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world: int,
-                 device: torch.device, global_batch: int = 0, sharded: bool = False) -> None:
+                 device: torch.device, global_batch: int = 0, sharded: bool = False,
+                 config_yaml: str = "") -> None:
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.global_batch, self.sharded = global_batch, sharded
+        self.config_yaml = config_yaml
         self.pending: PendingSave | None = None  # a checkpoint whose state is being written
         self.completed = -1  # the step of the newest checkpoint this process completed
 

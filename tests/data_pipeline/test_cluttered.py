@@ -54,3 +54,26 @@ def test_shards_of_both_splits(tmp_path):
         keys = [s["__key__"] for s in read_all(tmp_path / split)[1]]
         expected = [f"cluttered_{split}_{i:07d}" for i in range(samples)]
         assert sorted(keys) == expected and keys != expected  # all, in a seeded order
+
+
+def test_alt_text_captions_name_the_digit_or_nothing_over_the_same_canvases():
+    """The alt-text set draws the same canvases with web-like captions: about 80% name the
+    digit (a word or a numeral, among uninformative words), the rest name no digit word,
+    and none names a colour, so the digit is the captions' only signal about the image."""
+    n = 2000
+    attributes = ClutteredDigitsSource(n, seed=2)
+    alt = ClutteredDigitsSource(n, seed=2, captions="alt_text")
+    named = 0
+    for i in range(n):
+        a, b = attributes.load(i), alt.load(i)
+        assert a.image == b.image and a.label == b.label and a.caption != b.caption
+        words = b.caption.replace(",", " ").replace(":", " ").split()
+        names_it = DIGIT_NAMES[b.label] in words or str(b.label) in words
+        other_words = set(DIGIT_NAMES) - {DIGIT_NAMES[b.label]}
+        assert not other_words & set(words), b.caption  # never the wrong digit's name
+        assert not set(COLOURS) & set(words), b.caption
+        named += names_it
+    assert abs(named / n - 0.8) < 3 * (0.8 * 0.2 / n) ** 0.5 + 0.01, named / n
+    assert [alt.load(i).caption for i in range(50)] == [
+        ClutteredDigitsSource(n, seed=2, captions="alt_text").load(i).caption
+        for i in range(50)]

@@ -1,0 +1,55 @@
+"""The alt-text comparison's pieces: the class signal a caption set carries, and the claims
+(i) and (j) judged from per-seed results."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.learning.claims import claim_i, claim_j
+from bench.learning.data import caption_class_accuracy, caption_class_graph, caption_signal
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_captions_that_name_the_class_are_read_back_and_noise_is_not():
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(10), 60)
+    rng.shuffle(labels)
+    centres = rng.normal(size=(10, 32))
+    named = unit(centres[labels] + 0.3 * rng.normal(size=(600, 32)))
+    noise = unit(rng.normal(size=(600, 32)))
+    assert caption_class_accuracy(named, labels) == {"knn": 1.0, "linear": 1.0}
+    chance = caption_class_accuracy(noise, labels)
+    assert chance["knn"] < 0.2 and chance["linear"] < 0.25
+    signal = caption_signal(caption_class_graph(named, labels, 10))
+    assert signal["within"] > 0.8 and signal["gap"] > 0.5
+    assert abs(caption_signal(caption_class_graph(noise, labels, 10))["gap"]) < 0.02
+
+
+def result(knn: float, probe: float = 0.5, r1: float = 0.1, zero_shot: float = 0.1) -> dict:
+    return {"evaluation": {"knn": {"backbone": {"k20": {"top1": knn}}},
+                           "linear_probe": {"top1": probe},
+                           "retrieval": {"image_to_text": {"R@1": r1}},
+                           "zero_shot": {"accuracy": {"top1": zero_shot}}}}
+
+
+def test_claim_i_needs_30_points_for_both_and_siglip_at_0_9_of_clip():
+    untrained = [result(0.15), result(0.15), result(0.15)]
+    passing = {"untrained": untrained, "alt_clip": [result(0.55)] * 3,
+               "alt_siglip": [result(0.52)] * 3}
+    verdict = claim_i(passing)
+    assert verdict["reproduced"] and verdict["siglip_over_clip_gain"] == round(0.37 / 0.40, 3)
+    short = {**passing, "alt_siglip": [result(0.40)] * 3}  # +25 points, 0.625x CLIP's gain
+    assert not claim_i(short)["reproduced"]
+    slower = {**passing, "alt_clip": [result(0.70)] * 3}  # SigLIP's gain 0.67x CLIP's
+    assert not claim_i(slower)["reproduced"]
+
+
+def test_claim_j_needs_xclr_ahead_of_clip_and_infonce_by_knn_and_probe():
+    results = {"alt_xclr_captions": [result(0.50, 0.55)] * 3,
+               "alt_clip": [result(0.30, 0.40)] * 3, "alt_infonce": [result(0.40, 0.50)] * 3}
+    assert claim_j(results)["reproduced"]
+    probe_behind = {**results, "alt_infonce": [result(0.40, 0.60)] * 3}
+    assert not claim_j(probe_behind)["reproduced"]
