@@ -9,7 +9,7 @@ encoder and text tower, at the run's own learned temperature (and bias):
   positive (the ones retrieval counts against it).
 
 Retrieval is a ranking, so a loss that spends its gradient on the rows still ranked wrong
-improves it faster (docs/learning.md, "SigLIP beside CLIP").
+improves it faster (docs/learning.md, "Image-text recipes").
 
     python -m bench.learning.gradient_by_rank bench/results/learning/runs/sweep_clip_epochs30-s0 \\
         bench/results/learning/runs/sweep_siglip_epochs30-s0 --test data/shards/cluttered-test

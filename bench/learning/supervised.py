@@ -1,7 +1,8 @@
 """Does a backbone fit the labels at all? Supervised cross-entropy outside the pipeline:
 the training canvases held in memory as fixed evaluation views (no augmentation), batches
 drawn at random, plain AdamW, test top-1 every ``--every`` steps. Separates a backbone
-that cannot fit the data from a recipe that fails (docs/learning.md, "Supervised first").
+that cannot fit the data from a recipe that fails (docs/learning.md, "A transformer on
+the cluttered digits").
 
     python -m bench.learning.supervised --shards data/shards/cluttered --model timm:test_vit \\
         --timm-kwargs "{patch_size: 4}" --steps 2000
