@@ -22,10 +22,10 @@ from evaluation.evaluate import EvalContext, evaluate
 
 
 def target_graph(config: RunConfig) -> np.ndarray | None:
-    """The class graph the run trained towards, to compare the learned similarity with."""
-    path = Path(config.objective.class_graph_path)
-    return load_class_graph(path)[0] if config.objective.class_graph_path and path.is_file() \
-        else None
+    """The class graph to compare the learned similarity with: ``eval.class_graph``, else
+    the one the run's objective trained towards."""
+    name = config.eval.class_graph or config.objective.class_graph_path
+    return load_class_graph(Path(name))[0] if name and Path(name).is_file() else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

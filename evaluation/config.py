@@ -35,6 +35,8 @@ class EvalConfig:
     probe_lr: float = 0.1  # linear probe: AdamW learning rate
     class_groups: list[list[int]] = field(default_factory=list)  # heatmap groups; [] = all (<= 50)
     samples_per_class: int = 100  # learned vs target similarity: samples per class
+    # [C, C] class graph the learned similarity is compared with ("": the objective's own)
+    class_graph: str = ""  # graph-precompute graph.task=class_graph output (class_graph.npz)
     max_diagnostic_samples: int = 10000  # uniformity and MI estimates subsample to this
     block_mib: int = 256  # bound on each block of pairwise scores (kNN, margin, diagnostics)
     bank_block_mib: int = 64  # bank rows read, normalised and searched at a time (kNN)

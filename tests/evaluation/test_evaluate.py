@@ -32,7 +32,7 @@ def trained(digits_shards, tmp_path_factory):
     np.savez(graph, graph=vectors @ vectors.T, class_names=np.array(DIGIT_NAMES))
     overrides = train_overrides(digits_shards, root, **{
         "tracking.enabled": True, "tracking.system_metrics": False, "train.max_steps": 4,
-        "tracking.registered_model": "digits-eval-test", "objective.xclr.class_graph": graph,
+        "tracking.registered_model": "digits-eval-test", "eval.class_graph": graph,
         "eval.train_shards": digits_shards, "eval.test_shards": test_shards,
         "eval.probe_epochs": 5, "eval.class_groups": "[[0,1,2,3],[4,5,6,7,8,9]]"})
     # a caption store of the training shards: evaluation must not join it to its shards
