@@ -42,12 +42,11 @@ CLASSES = 10
 CAPTION_DIM = 32
 TEXT_TOKENS = 8
 # (objective name, objective.* keys, a class graph) of every case the sync part runs
+# (every entry of the table under each of its examples; soft targets from both sources)
 OBJECTIVE_CASES: list[tuple[str, dict[str, Any], bool]] = [
-    *((name, {}, False) for name in OBJECTIVES if name not in ("xclr", "projnce")),
-    ("xclr", {}, True), ("xclr", {}, False),
-    *(("projnce", {"projection": p}, False) for p in ("centroid", "kernel", "median",
-                                                       "learned")),
-]
+    (name, dict(example), graph) for name, spec in OBJECTIVES.items()
+    for example in spec.examples
+    for graph in ((True, False) if spec.soft_targets else (False,))]
 
 
 def case_name(name: str, keys: dict[str, Any], graph: bool) -> str:

@@ -161,6 +161,8 @@ ALT_SWEEP = {  # the image-text recipes' levers on the alt-text captions, one at
     # 16 random negatives an anchor: about 1.3 of its own class among them, not 24
     "sweep_alt_clip_negatives16": ("clip.yaml", ("objective.num_negatives=16",)),
     "sweep_alt_clip_tau0.1": ("clip.yaml", ("objective.temperature=0.1",)),
+    # the bias started at -log(128), the log-odds of one positive among a step's 128 texts
+    "sweep_alt_siglip_bias-5": ("siglip.yaml", ("objective.siglip.bias=-5.0",)),
 }
 
 

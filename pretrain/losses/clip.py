@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import BatchRows, ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
@@ -29,10 +29,11 @@ from pretrain.losses.common import (
 from pretrain.losses.rows import RowTerms, row_logsumexp, transposable
 
 
-def plain_clip(image: Tensor, text: Tensor, ids: Tensor, tau: float) -> Tensor:
-    """CLIP's loss as written: ``image``, ``text`` [N, D] paired row by row, ``ids`` [N]
-    (rows of one image, its other views, are left out of each other's softmax)."""
-    image, text = F.normalize(image, dim=1), F.normalize(text, dim=1)
+def plain_clip(rows: BatchRows, tau: Temperature) -> Tensor:
+    """CLIP's loss as written: image ``rows.z`` and ``rows.text`` [N, D] paired row by row,
+    ``rows.ids`` [N] (rows of one image, its other views, are left out of each other's
+    softmax)."""
+    image, text, ids = F.normalize(rows.z, dim=1), F.normalize(rows.text, dim=1), rows.ids
     own = torch.eye(len(image), dtype=torch.bool, device=image.device)
     other_view = (ids[:, None] == ids[None, :]) & ~own
     logits = (image @ text.T / tau).masked_fill(other_view, float("-inf"))  # [N, N] i -> j

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import BatchRows, ContrastiveBatch
 from pretrain.losses.common import ObjectiveOutput, Temperature
 from pretrain.losses.sincere import plain_sincere, sincere_family
 
 
-def plain_eps_supinfonce(z: Tensor, labels: Tensor, tau: float, eps: float) -> Tensor:
+def plain_eps_supinfonce(rows: BatchRows, tau: Temperature, eps: float) -> Tensor:
     """epsilon-SupInfoNCE as written: SINCERE's pair terms with the margin ``eps``."""
-    return plain_sincere(z, labels, tau, eps)
+    return plain_sincere(rows, tau, eps)
 
 
 @dataclass

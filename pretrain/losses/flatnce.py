@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import BatchRows, ContrastiveBatch
 from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
@@ -26,11 +26,11 @@ from pretrain.losses.common import (
 from pretrain.losses.rows import row_logsumexp
 
 
-def plain_flatnce(z: Tensor, ids: Tensor, tau: float) -> Tensor:
-    """FlatNCE as written: ``z`` [N, D], ``ids`` [N]. Value 0; gradient that of
+def plain_flatnce(rows: BatchRows, tau: Temperature) -> Tensor:
+    """FlatNCE as written: ``rows.z`` [N, D], ``rows.ids`` [N]. Value 0; gradient that of
     v_i = logsumexp over the negatives of s_ij / tau minus the mean positive s_ip / tau;
     the mean over anchors that have a positive (0 for one without a negative)."""
-    z = F.normalize(z, dim=1)
+    z, ids = F.normalize(rows.z, dim=1), rows.ids
     logits = z @ z.T / tau                                               # [N, N]
     same = ids[:, None] == ids[None, :]
     positive = same & ~torch.eye(len(z), dtype=torch.bool, device=z.device)

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import BatchRows, ContrastiveBatch
 from pretrain.losses.common import ObjectiveOutput, Temperature, as_metric, scalar
 from pretrain.losses.flatnce import flatnce, plain_flatnce
 
 
-def plain_holder_flatnce(z: Tensor, ids: Tensor, tau: float, gamma: float) -> Tensor:
+def plain_holder_flatnce(rows: BatchRows, tau: Temperature, gamma: float) -> Tensor:
     """Hoelder-FlatNCE as this project defines it: FlatNCE on gamma * s / tau."""
-    return plain_flatnce(z, ids, tau / gamma)
+    return plain_flatnce(rows, tau / gamma)
 
 
 @dataclass

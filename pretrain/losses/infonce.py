@@ -6,18 +6,20 @@ With more than two views per image the positives are averaged (SupCon with id la
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import BatchRows, ContrastiveBatch
 from pretrain.losses.common import ObjectiveOutput, Temperature
 from pretrain.losses.supcon import multi_positive_nce, plain_supcon
 
 
-def plain_infonce(z: Tensor, ids: Tensor, tau: float) -> Tensor:
-    """NT-Xent as written: ``z`` [N, D] every view's embedding, ``ids`` [N] (the views of
-    one image share an id): SupCon with the ids as labels, which for two views is
+def plain_infonce(rows: BatchRows, tau: Temperature) -> Tensor:
+    """NT-Xent as written: ``rows.z`` [N, D] every view's embedding, ``rows.ids`` [N] (the
+    views of one image share an id): SupCon with the ids as labels, which for two views is
     -log softmax_{j != i}(s_ij / tau) at the other view."""
-    return plain_supcon(z, ids, tau)
+    return plain_supcon(dataclasses.replace(rows, labels=rows.ids), tau)
 
 
 def infonce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:

@@ -13,21 +13,25 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from core.tables import table_entry
-from pretrain.losses.clip import clip
+from pretrain.losses.clip import clip, plain_clip
 from pretrain.losses.common import ObjectiveOutput
-from pretrain.losses.eps_supinfonce import EpsSupInfoNCEConfig, eps_supinfonce
-from pretrain.losses.flatnce import flatnce
-from pretrain.losses.holder_flatnce import HolderFlatNCEConfig, holder_flatnce
-from pretrain.losses.infonce import infonce
+from pretrain.losses.eps_supinfonce import EpsSupInfoNCEConfig, eps_supinfonce, plain_eps_supinfonce
+from pretrain.losses.flatnce import flatnce, plain_flatnce
+from pretrain.losses.holder_flatnce import HolderFlatNCEConfig, holder_flatnce, plain_holder_flatnce
+from pretrain.losses.infonce import infonce, plain_infonce
 from pretrain.losses.parameters import LossParameter, class_embeddings_when_learned, scalar_from
-from pretrain.losses.projnce import ProjNCEConfig, projnce
-from pretrain.losses.siglip import SigLIPConfig, siglip
-from pretrain.losses.sincere import sincere
-from pretrain.losses.supcon import supcon
-from pretrain.losses.xclr import XclrConfig, xclr
+from pretrain.losses.projnce import ProjNCEConfig, plain_projnce, projnce
+from pretrain.losses.siglip import SigLIPConfig, plain_siglip, siglip
+from pretrain.losses.sincere import plain_sincere, sincere
+from pretrain.losses.supcon import plain_supcon, supcon
+from pretrain.losses.xclr import XclrConfig, plain_xclr, xclr
 
 ObjectiveFn = Callable[..., ObjectiveOutput]
+# (rows: BatchRows, tau, **keys and loss parameters) -> the loss as its paper writes it
+PlainForm = Callable[..., Tensor]
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class ObjectiveSpec:
     """An objective and what it needs."""
 
     fn: ObjectiveFn  # (batch: ContrastiveBatch, temperature, **hparams) -> ObjectiveOutput
+    # its definition, dense and in full: what every test holds ``fn`` to, on every path
+    plain: PlainForm
     # its own keys, objective.<name>.*: a dataclass beside ``fn`` (defaults written there)
     config: type | None = None
     hparams: tuple[str, ...] = ()  # keys of ``config`` passed to ``fn`` as keywords
@@ -46,27 +52,35 @@ class ObjectiveSpec:
     soft_targets: bool = False
     text_tower: bool = False  # image-caption pairs: a text tower, captions tokenised
     softmax: bool = True  # reports a softmax's monitors (ess), which ess_control steers by
+    # the settings of its own keys every test matrix checks it under (beside the defaults)
+    examples: tuple[dict[str, object], ...] = ({},)
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {
-    "infonce": ObjectiveSpec(infonce),
-    "supcon": ObjectiveSpec(supcon, labels=True),
-    "sincere": ObjectiveSpec(sincere, labels=True),
-    "eps_supinfonce": ObjectiveSpec(eps_supinfonce, EpsSupInfoNCEConfig, ("eps",),
-                                    labels=True),
-    "flatnce": ObjectiveSpec(flatnce),
-    "holder_flatnce": ObjectiveSpec(holder_flatnce, HolderFlatNCEConfig, ("gamma",)),
-    "xclr": ObjectiveSpec(xclr, XclrConfig, ("target_temperature",), soft_targets=True),
+    "infonce": ObjectiveSpec(infonce, plain_infonce),
+    "supcon": ObjectiveSpec(supcon, plain_supcon, labels=True),
+    "sincere": ObjectiveSpec(sincere, plain_sincere, labels=True),
+    "eps_supinfonce": ObjectiveSpec(eps_supinfonce, plain_eps_supinfonce, EpsSupInfoNCEConfig,
+                                    ("eps",), labels=True, examples=({"eps": 0.3},)),
+    "flatnce": ObjectiveSpec(flatnce, plain_flatnce),
+    "holder_flatnce": ObjectiveSpec(holder_flatnce, plain_holder_flatnce, HolderFlatNCEConfig,
+                                    ("gamma",), examples=({"gamma": 1.5},)),
+    "xclr": ObjectiveSpec(xclr, plain_xclr, XclrConfig, ("target_temperature",),
+                          soft_targets=True, examples=({"target_temperature": 0.3},)),
     "projnce": ObjectiveSpec(
-        projnce, ProjNCEConfig, ("projection", "bandwidth", "kernel_metric", "neighbours"),
+        projnce, plain_projnce, ProjNCEConfig,
+        ("projection", "bandwidth", "kernel_metric", "neighbours"),
         parameters=(LossParameter("class_embeddings", class_embeddings_when_learned),),
-        labels=True),
-    "clip": ObjectiveSpec(clip, text_tower=True),
+        labels=True, examples=(
+            {"projection": "centroid"}, {"projection": "kernel", "bandwidth": 2.0},
+            {"projection": "kernel", "bandwidth": 3.0, "neighbours": 3},
+            {"projection": "median"}, {"projection": "learned"})),
+    "clip": ObjectiveSpec(clip, plain_clip, text_tower=True),
     # bias: the configured start, bound as a default; a run's model hands in its learned
     # bias (the parameter below) at every step, which takes its place
-    "siglip": ObjectiveSpec(siglip, SigLIPConfig, ("bias",),
+    "siglip": ObjectiveSpec(siglip, plain_siglip, SigLIPConfig, ("bias",),
                             parameters=(LossParameter("bias", scalar_from("bias")),),
-                            text_tower=True, softmax=False),
+                            text_tower=True, softmax=False, examples=({"bias": -2.0},)),
 }
 
 

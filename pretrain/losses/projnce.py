@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import BatchRows, ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
@@ -39,16 +39,40 @@ from pretrain.losses.projections import (
     kernel_class_means,
     learned_class_embeddings,
     median_class_embeddings,
+    plain_kernel_class_means,
+    plain_median_class_embeddings,
 )
 from pretrain.losses.rows import RowTerms, row_logsumexp
 
+Projection = Literal["centroid", "kernel", "median", "learned"]
 
-def plain_projnce(z: Tensor, labels: Tensor, tau: float, plus: Tensor,
-                  minus: Tensor) -> Tensor:
-    """ProjNCE as written: ``z`` [N, D], ``labels`` [N], and ``plus``, ``minus`` [N, D], the
-    projections g+(y_k), g-(y_k) of every sample k; the mean of I_proj + R over anchors
-    that have a positive. :func:`plain_centroid_projections` gives the centroid's."""
-    z = F.normalize(z, dim=1)
+
+def plain_projnce(rows: BatchRows, tau: Temperature, projection: Projection,
+                  bandwidth: float, kernel_metric: KernelMetric, neighbours: int,
+                  class_embeddings: Tensor | None = None,
+                  num_classes: int | None = None) -> Tensor:
+    """ProjNCE as written, with ``projection``'s g+ and g- of ``rows.labels`` [N] (classes
+    in [0, C), every one present) for ``rows.z`` [N, D]."""
+    z, labels = F.normalize(rows.z, dim=1), rows.labels
+    classes = num_classes or int(labels.max()) + 1
+    if projection == "centroid":
+        plus, minus = plain_centroid_projections(z, labels)
+        return plain_projnce_of(z, labels, tau, plus, minus)
+    if projection == "kernel":
+        k = neighbours if neighbours < len(z) - 1 else None  # k >= N - 1: every other
+        table = plain_kernel_class_means(z, labels, classes, bandwidth, kernel_metric, k)
+    elif projection == "median":
+        table = plain_median_class_embeddings(z, labels, classes)
+    else:
+        table = F.normalize(class_embeddings, dim=1)
+    return plain_projnce_of(z, labels, tau, table[labels], table[labels])
+
+
+def plain_projnce_of(z: Tensor, labels: Tensor, tau: Temperature, plus: Tensor,
+                     minus: Tensor) -> Tensor:
+    """ProjNCE as written: unit ``z`` [N, D], ``labels`` [N], and ``plus``, ``minus`` [N, D],
+    the projections g+(y_k), g-(y_k) of every sample k; the mean of I_proj + R over anchors
+    that have a positive."""
     self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)
     lse_minus = (z @ minus.T / tau).masked_fill(self_pair, float("-inf")).logsumexp(1)
     lse_plus = (z @ plus.T / tau).masked_fill(self_pair, float("-inf")).logsumexp(1)
@@ -59,16 +83,12 @@ def plain_projnce(z: Tensor, labels: Tensor, tau: float, plus: Tensor,
 
 
 def plain_centroid_projections(z: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """(g+, g-) [N, D] of ProjNCE's centroid: the mean of the other samples of y_k (z_k
-    alone in its class), and z_k."""
-    z = F.normalize(z, dim=1)
+    """(g+, g-) [N, D] of ProjNCE's centroid for unit ``z``: the mean of the other samples
+    of y_k (z_k alone in its class), and z_k."""
     mates = (labels[:, None] == labels[None, :]).to(z.dtype).fill_diagonal_(0)  # [N, N]
     count = mates.sum(1, keepdim=True)
     plus = torch.where(count > 0, mates @ z / count.clamp(min=1), z)
     return plus, z
-
-Projection = Literal["centroid", "kernel", "median", "learned"]
-
 
 @dataclass
 class ProjNCEConfig:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import BatchRows, ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
@@ -33,11 +33,10 @@ from pretrain.losses.common import (
 from pretrain.losses.sigmoid_rows import sigmoid_rows
 
 
-def plain_siglip(image: Tensor, text: Tensor, ids: Tensor, tau: Temperature,
-                 bias: Temperature) -> Tensor:
-    """SigLIP's loss as written: ``image``, ``text`` [N, D] paired row by row, ``ids`` [N]
-    (an image's other views are neither positive nor negative)."""
-    image, text = F.normalize(image, dim=1), F.normalize(text, dim=1)
+def plain_siglip(rows: BatchRows, tau: Temperature, bias: Temperature) -> Tensor:
+    """SigLIP's loss as written: image ``rows.z`` and ``rows.text`` [N, D] paired row by row,
+    ``rows.ids`` [N] (an image's other views are neither positive nor negative)."""
+    image, text, ids = F.normalize(rows.z, dim=1), F.normalize(rows.text, dim=1), rows.ids
     own = torch.eye(len(image), dtype=torch.bool, device=image.device)
     other_view = (ids[:, None] == ids[None, :]) & ~own
     sign = own.to(image.dtype) * 2 - 1                                     # z_ij: 1 or -1

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.batch import BatchRows, ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
@@ -27,10 +27,10 @@ from pretrain.losses.common import (
 from pretrain.losses.rows import row_logsumexp, row_logsumexp_and_pair_terms
 
 
-def plain_sincere(z: Tensor, labels: Tensor, tau: float, eps: float = 0.0) -> Tensor:
-    """SINCERE as written (eps > 0: epsilon-SupInfoNCE): ``z`` [N, D], ``labels`` [N]; the
-    mean over anchors that have a positive."""
-    z = F.normalize(z, dim=1)
+def plain_sincere(rows: BatchRows, tau: Temperature, eps: float = 0.0) -> Tensor:
+    """SINCERE as written (eps > 0: epsilon-SupInfoNCE): ``rows.z`` [N, D], ``rows.labels``
+    [N]; the mean over anchors that have a positive."""
+    z, labels = F.normalize(rows.z, dim=1), rows.labels
     logits = z @ z.T / tau                                               # [N, N] s_ij / tau
     same = labels[:, None] == labels[None, :]
     positive = same & ~torch.eye(len(z), dtype=torch.bool, device=z.device)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.batch import ContrastiveBatch, PositiveKind
+from pretrain.losses.batch import BatchRows, ContrastiveBatch, PositiveKind
 from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
@@ -23,11 +23,11 @@ from pretrain.losses.common import (
 from pretrain.losses.rows import row_logsumexp
 
 
-def plain_supcon(z: Tensor, labels: Tensor, tau: float) -> Tensor:
+def plain_supcon(rows: BatchRows, tau: Temperature) -> Tensor:
     """SupCon L_out as written (the definition the tests hold :func:`supcon` to):
-    ``z`` [N, D] every view's embedding, ``labels`` [N]; the mean over anchors that have a
-    positive."""
-    z = F.normalize(z, dim=1)
+    ``rows.z`` [N, D] every view's embedding, ``rows.labels`` [N]; the mean over anchors
+    that have a positive."""
+    z, labels = F.normalize(rows.z, dim=1), rows.labels
     self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)      # [N, N]
     logits = (z @ z.T / tau).masked_fill(self_pair, float("-inf"))      # s_ia / tau, a != i
     log_prob = logits.log_softmax(dim=1)                                 # [N, N]

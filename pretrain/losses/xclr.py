@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.batch import NORM_EPS, ContrastiveBatch, PositiveKind
+from pretrain.losses.batch import NORM_EPS, BatchRows, ContrastiveBatch, PositiveKind
 from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
 from pretrain.losses.common import (
     ObjectiveOutput,
@@ -43,10 +43,17 @@ from pretrain.losses.rows import ess_from_ratio, row_logsumexp, tile_plan, tiled
 from pretrain.losses.tiles import TargetLogits
 
 
-def plain_xclr(z: Tensor, similarity: Tensor, tau: float, tau_s: float) -> Tensor:
-    """X-CLR as written: ``z`` [N, D]; ``similarity`` [N, N] = c_i . c_j of unit caption
-    embeddings (or the class graph at each label pair); the mean over every anchor."""
-    z = F.normalize(z, dim=1)
+def plain_xclr(rows: BatchRows, tau: Temperature, target_temperature: float,
+               class_graph: Tensor | None = None) -> Tensor:
+    """X-CLR as written: ``rows.z`` [N, D]; c_i . c_j from the unit caption embeddings
+    ``rows.captions`` [N, E], or ``class_graph`` [C, C] at each pair of ``rows.labels``; the
+    mean over every anchor."""
+    z, tau_s = F.normalize(rows.z, dim=1), target_temperature
+    if class_graph is None:
+        captions = F.normalize(rows.captions, dim=1)
+        similarity = captions @ captions.T                                  # [N, N]
+    else:
+        similarity = class_graph[rows.labels][:, rows.labels]
     self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)
     targets = (similarity / tau_s).masked_fill(self_pair, float("-inf")).softmax(1)  # t_ij
     log_q = (z @ z.T / tau).masked_fill(self_pair, float("-inf")).log_softmax(1)     # q_ij

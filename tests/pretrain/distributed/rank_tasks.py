@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from pretrain.distributed import build_global_batch
-from pretrain.losses import BatchOptions, BatchRows, objective_function
+from pretrain.losses import BatchOptions, objective_function
+from tests.objective_cases import ObjectiveCase
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19): uneven and asymmetric
@@ -17,7 +18,7 @@ def local_rows(n: int) -> slice:
     return slice(0, SPLIT) if dist.get_rank() == 0 else slice(SPLIT, n)
 
 
-def objective_on_rank(name: str, hparams: dict, num_negatives: int | None,
+def objective_on_rank(case: ObjectiveCase, num_negatives: int | None,
                       tile_size: int | None = None) -> dict:
     """Loss, metrics and gradients of this rank's share of the fixed test batch."""
     b = make_multiview_batch(seed=4)
@@ -25,20 +26,23 @@ def objective_on_rank(name: str, hparams: dict, num_negatives: int | None,
     z = b.z.detach()[rows].clone().requires_grad_()
     text = b.text.detach()[rows].clone().requires_grad_()
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
-    params = loss_parameters(name)
-    batch = build_global_batch(BatchRows(z, b.ids[rows], b.labels[rows], b.captions[rows], text),
-                               BatchOptions(num_negatives=num_negatives, negatives_seed=7,
-                                            tile_size=tile_size, rows_per_rank=ROWS_PER_RANK))
-    out = objective_function(name, **hparams, **params)(batch, tau)
+    keywords, params = case_keywords(case)
+    batch = build_global_batch(
+        case.rows(z, b.ids[rows], b.labels[rows], b.captions[rows], text),
+        BatchOptions(keywords.pop("class_graph", None), num_negatives=num_negatives,
+                     negatives_seed=7, tile_size=tile_size, rows_per_rank=ROWS_PER_RANK))
+    out = objective_function(case.name, **keywords)(batch, tau)
     grad_z, grad_tau, grad_text, *grad_params = torch.autograd.grad(
-        out.loss, [z, tau, text, *params.values()], allow_unused=True)
+        out.loss, [z, tau, text, *params], allow_unused=True)
     return {"loss": out.loss.detach(), "grad_z": grad_z, "grad_tau": grad_tau,
             "grad_text": grad_text, "grad_params": grad_params,
             "metrics": {k: v.detach() for k, v in out.metrics.items()}}
 
 
-def loss_parameters(name: str) -> dict[str, torch.Tensor]:
-    """The objective's learnable loss parameters (siglip's bias), as leaves."""
-    if name != "siglip":
-        return {}
-    return {"bias": torch.tensor(-1.5, dtype=torch.float64, requires_grad=True)}
+def case_keywords(case: ObjectiveCase) -> tuple[dict, list[torch.Tensor]]:
+    """The case's keywords, its learnable loss parameters (siglip's bias, projnce's class
+    embeddings) made leaves that require a gradient, and those leaves."""
+    keywords = case.keywords(6, 7, torch.float64)
+    params = [keywords[p.name].requires_grad_() for p in case.spec.parameters
+              if p.name in keywords]
+    return keywords, params

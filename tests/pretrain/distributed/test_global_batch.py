@@ -7,35 +7,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.losses import OBJECTIVES, objective_function
+from pretrain.losses import objective_function
+from tests.objective_cases import case_ids, objective_cases
 from tests.pretrain.distributed import rank_tasks
 from tests.pretrain.losses.batches import batch_of
 from tests.pretrain.losses.conftest import make_multiview_batch
 
-CASES = [(name, {}) for name in OBJECTIVES if name != "projnce"] + [
-    ("projnce", {"projection": "centroid"}), ("projnce", {"projection": "median"}),
-    ("projnce", {"projection": "kernel", "bandwidth": 2.0}),
-    ("projnce", {"projection": "kernel", "bandwidth": 3.0, "neighbours": 3})]
+CASES = objective_cases()
 
 
 @pytest.mark.parametrize("tile_size", [None, 5], ids=["dense", "tiled"])
 @pytest.mark.parametrize("num_negatives", [None, 5])
-@pytest.mark.parametrize(("name", "hparams"), CASES,
-                         ids=[f"{n}-{h.get('projection', '')}".rstrip("-")
-                              + (f"-{h['neighbours']}-neighbours" if "neighbours" in h else "")
-                              for n, h in CASES])
-def test_two_ranks_equal_one_process(gloo2, name, hparams, num_negatives, tile_size):
+@pytest.mark.parametrize("case", CASES, ids=case_ids(CASES))
+def test_two_ranks_equal_one_process(gloo2, case, num_negatives, tile_size):
     """Each rank's tiles (when on) against the dense single process."""
-    ranks = gloo2.run(rank_tasks.objective_on_rank, name, hparams, num_negatives, tile_size)
+    ranks = gloo2.run(rank_tasks.objective_on_rank, case, num_negatives, tile_size)
     b = make_multiview_batch(seed=4)
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
     text = b.text.detach().clone().requires_grad_()
-    params = rank_tasks.loss_parameters(name)
-    whole = objective_function(name, **hparams, **params)(
-        batch_of(b.z, b.ids, b.labels, captions=b.captions, text=text,
-                   num_negatives=num_negatives, negatives_seed=7), tau)
+    keywords, params = rank_tasks.case_keywords(case)
+    rows = case.rows(b.z, b.ids, b.labels, b.captions, text)
+    graph = keywords.pop("class_graph", None)
+    whole = objective_function(case.name, **keywords)(
+        batch_of(rows.z, rows.ids, rows.labels, rows.captions, graph,
+                 rows.text, num_negatives=num_negatives, negatives_seed=7), tau)
     grad_z, grad_tau, grad_text, *grad_params = torch.autograd.grad(
-        whole.loss, [b.z, tau, text, *params.values()], allow_unused=True)
+        whole.loss, [b.z, tau, text, *params], allow_unused=True)
     world = len(ranks)
     if grad_text is not None:  # the second modality's gradient crosses the boundary too
         got_text = torch.cat([r["grad_text"] for r in ranks]) / world

@@ -16,8 +16,9 @@ from pretrain.loop.engine import Engine, EngineConfig, build_engine, engine_spec
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import chunked_loss, forward_loss
-from pretrain.losses import OBJECTIVES, ObjectiveConfig
+from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
+from tests.objective_cases import ObjectiveCase
 from tests.pretrain.losses.conftest import make_multiview_batch
 
 NUM_CLASSES = 6  # the batch's labels lie in [0, 6)
@@ -77,7 +78,7 @@ def full_tensor(tensor: Tensor | None) -> Tensor | None:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
+def run_step(engine_name: str, zero_config: str, case: ObjectiveCase,
              rows: slice | None = None, chunk_size: int = 0,
              checkpointing: str = "none") -> dict[str, Any]:
     """Loss and full parameter gradients of one step on ``rows`` of the batch (the
@@ -85,7 +86,7 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
     ``chunk_size``, through the cached-gradient chunks; ``checkpointing``:
     ``model.activation_checkpointing``."""
     torch.manual_seed(0)
-    cfg = objective_config(name, hparams)
+    cfg = objective_config(case.name, case.example)
     model_cfg = dataclasses.replace(MODEL, activation_checkpointing=checkpointing)
     model = build_model(model_cfg, cfg, torch.device("cpu"), NUM_CLASSES).double()
     engine_cfg = EngineConfig(name=engine_name, deepspeed_config=zero_config)
@@ -93,12 +94,15 @@ def run_step(engine_name: str, zero_config: str, name: str, hparams: dict,
     optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.1), 19)
     engine = build_engine(model, optimizer, engine_cfg, torch.device("cpu"), micro_batch=19)
     batch = training_batch()
-    if OBJECTIVES[name].text_tower:
+    if not case.needs_captions:
+        del batch["caption_embeddings"]  # the entry asks for no caption targets
+    if case.spec.text_tower:
         add_tokens(batch)
     if rows is None and dist.is_initialized():
         rows = slice(0, SPLIT) if dist.get_rank() == 0 else slice(SPLIT, 19)
     batch = {k: v[rows] for k, v in batch.items()} if rows is not None else batch
-    objective = Objective(cfg, rows_per_rank=ROWS_PER_RANK)
+    graph = case.keywords(NUM_CLASSES, 16, torch.float64).get("class_graph")
+    objective = Objective(cfg, graph, NUM_CLASSES if graph is not None else None, ROWS_PER_RANK)
     if chunk_size:
         out, backward = chunked_loss(engine, batch, objective, step=5, chunk_size=chunk_size)
         backward()

@@ -14,12 +14,15 @@ from pretrain.loop.step import Objective, model_inputs
 from pretrain.loop.trainer import chunked_loss, loss_of_outputs
 from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, ModelOutput, build_model
+from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 from tests.pretrain.loop import engine_tasks
 from tests.pretrain.loop.test_engine import ENGINES, tolerance
 
-CASES = [("infonce", {}), ("xclr", {}), ("clip", {}), ("siglip", {"bias": -2.0}),
-         ("sincere", {}), ("projnce", {"projection": "learned"})]
-IDS = [name + ("-learned" if hparams else "") for name, hparams in CASES]
+CASES = objective_cases()
+IDS = case_ids(CASES)
+# the two-rank checks: a softmax over one modality, soft targets, both image-text losses
+TWO_RANKS = [ObjectiveCase("infonce", {}), ObjectiveCase("xclr", {}), ObjectiveCase("clip", {}),
+             ObjectiveCase("siglip", {"bias": -2.0})]
 
 
 def assert_same_step(got: dict, want: dict, engine: str = "ddp") -> None:
@@ -30,13 +33,12 @@ def assert_same_step(got: dict, want: dict, engine: str = "ddp") -> None:
                                    atol=tolerance(engine, grad), msg=key)
 
 
-@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("chunk_size", [1, 4, 19])
-def test_chunked_equals_unchunked(name, hparams, chunk_size):
+def test_chunked_equals_unchunked(case, chunk_size):
     """Float64, a split-independent encoder (group norm), learnable temperature."""
-    whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
-    chunked = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None),
-                                    chunk_size=chunk_size)
+    whole = engine_tasks.run_step("ddp", "", case, rows=slice(None))
+    chunked = engine_tasks.run_step("ddp", "", case, rows=slice(None), chunk_size=chunk_size)
     assert_same_step(chunked, whole)
 
 
@@ -46,12 +48,12 @@ CHUNKED = {k: v for k, v in ENGINES.items() if k != "zero3"}
 
 
 @pytest.mark.parametrize(("engine", "zero"), list(CHUNKED.values()), ids=list(CHUNKED))
-@pytest.mark.parametrize(("name", "hparams"), CASES[:4], ids=IDS[:4])
-def test_two_ranks_chunked_equal_one_process(gloo2, engine, zero, name, hparams):
+@pytest.mark.parametrize("case", TWO_RANKS, ids=case_ids(TWO_RANKS))
+def test_two_ranks_chunked_equal_one_process(gloo2, engine, zero, case):
     """Ranks of 6 and 13 rows in chunks of 4: the engines reduce the accumulated
     gradient to the single-process full-batch one."""
-    ranks = gloo2.run(engine_tasks.run_step, engine, zero, name, hparams, None, 4)
-    whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
+    ranks = gloo2.run(engine_tasks.run_step, engine, zero, case, None, 4)
+    whole = engine_tasks.run_step("ddp", "", case, rows=slice(None))
     torch.testing.assert_close(sum(r["loss"] for r in ranks) / 2, whole["loss"], rtol=0,
                                atol=1e-12)
     for rank in ranks:
@@ -60,14 +62,13 @@ def test_two_ranks_chunked_equal_one_process(gloo2, engine, zero, name, hparams)
 
 @pytest.mark.parametrize(("engine", "zero"), [ENGINES["ddp"], ENGINES["zero3"]],
                          ids=["ddp", "zero3"])
-@pytest.mark.parametrize(("name", "hparams"), [CASES[0], CASES[2]], ids=["infonce", "clip"])
-def test_two_ranks_checkpointed_and_chunked_equal_one_process(gloo2, engine, zero, name,
-                                                              hparams):
+@pytest.mark.parametrize("case", [TWO_RANKS[0], TWO_RANKS[2]], ids=["infonce", "clip"])
+def test_two_ranks_checkpointed_and_chunked_equal_one_process(gloo2, engine, zero, case):
     """Activation checkpointing inside DDP, or ZeRO-3 (whose hooks gather a block's
     parameters again for its recomputed forward), and the cached-gradient chunks (whose
     second pass is the checkpointed forward's first): the plain single-process gradient."""
-    ranks = gloo2.run(engine_tasks.run_step, engine, zero, name, hparams, None, 4, "full")
-    whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
+    ranks = gloo2.run(engine_tasks.run_step, engine, zero, case, None, 4, "full")
+    whole = engine_tasks.run_step("ddp", "", case, rows=slice(None))
     for rank in ranks:
         assert_same_step({**rank, "loss": whole["loss"]}, whole, engine)
 
@@ -153,7 +154,7 @@ def test_a_rank_with_fewer_rows_than_chunks_keeps_the_engine_in_step(gloo2, engi
     zero-weighted copy of a real one) and both ranks reduce the same gradients in the same
     order (without the copy, ZeRO-2 pairs up the wrong gradients); under FSDP2, whose every
     forward gathers parameters, it also runs the no-gradient pass of that chunk."""
-    ranks = gloo2.run(engine_tasks.run_step, engine, zero, "infonce", {}, None, 2)
-    whole = engine_tasks.run_step("ddp", "", "infonce", {}, rows=slice(None))
+    ranks = gloo2.run(engine_tasks.run_step, engine, zero, TWO_RANKS[0], None, 2)
+    whole = engine_tasks.run_step("ddp", "", TWO_RANKS[0], rows=slice(None))
     for rank in ranks:
         assert_same_step({**rank, "loss": whole["loss"]}, whole, engine)

@@ -19,51 +19,56 @@ from core.runtime import autocast
 from pretrain.loop.device_metrics import MetricWindow, finite_on_every_rank
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import forward_loss
-from pretrain.losses import OBJECTIVES, ObjectiveConfig
+from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 from tests.cuda_dry_run import cuda_world, fake_cuda
+from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 
 CUDA = torch.device("cuda")
 IMAGES = 4  # per rank; two views each
 READS_VALUES = (DataDependentOutputException, GuardOnDataDependentSymNode)
+CLASSES = 3
+CASES = objective_cases()
 
 
-def device_batch(name: str) -> dict[str, torch.Tensor]:
+def device_batch(case: ObjectiveCase) -> dict[str, torch.Tensor]:
     """This rank's batch as ``to_device`` leaves it: every tensor on the CUDA device."""
     rows = 2 * IMAGES
     batch = {"images": torch.randn(rows, 3, 16, 16, device=CUDA),
              "ids": torch.arange(IMAGES, device=CUDA).repeat(2),
-             "labels": torch.arange(rows, device=CUDA) % 3,
-             "caption_embeddings": torch.randn(IMAGES, 12, device=CUDA).repeat(2, 1)}
-    if OBJECTIVES[name].text_tower:
+             "labels": torch.arange(rows, device=CUDA) % CLASSES}
+    if case.needs_captions:
+        batch["caption_embeddings"] = torch.randn(IMAGES, 12, device=CUDA).repeat(2, 1)
+    if case.spec.text_tower:
         batch["input_ids"] = torch.randint(0, 100, (IMAGES, 6), device=CUDA).repeat(2, 1)
         batch["attention_mask"] = torch.ones(rows, 6, dtype=torch.long, device=CUDA)
     return batch
 
 
 @pytest.mark.parametrize("tile_size,num_negatives", [(None, None), (4, None), (None, 3), (4, 3)])
-@pytest.mark.parametrize("name", list(OBJECTIVES))
+@pytest.mark.parametrize("case", CASES, ids=case_ids(CASES))
 def test_a_training_forward_on_a_cuda_group_keeps_every_tensor_on_the_device(
-        name, tile_size, num_negatives, monkeypatch, random_text):
-    cfg = ObjectiveConfig(name=name, tile_size=tile_size, num_negatives=num_negatives,
-                          learnable_temperature=OBJECTIVES[name].text_tower)
+        case, tile_size, num_negatives, monkeypatch, random_text):
+    cfg = ObjectiveConfig.of(case.name, tile_size=tile_size, num_negatives=num_negatives,
+                             learnable_temperature=case.spec.text_tower, **case.example)
     # built with real weights (CLIP's text tower loads its checkpoint), then moved;
     # build_model's own CUDA steps but SyncBatchNorm (no fake kernel) run below
     model_cfg = ModelConfig(width=8, projector_hidden=32, projector_dim=16,
                             sync_batchnorm=False, text=random_text)
-    model = build_model(model_cfg, cfg, torch.device("cpu")).train()
+    model = build_model(model_cfg, cfg, torch.device("cpu"), num_classes=CLASSES).train()
     with cuda_world(world=2, rank=0), fake_cuda() as ran:
         model = model.to(CUDA)
         model.encoder = model.encoder.to(memory_format=torch.channels_last)
-        batch = device_batch(name)
+        batch = device_batch(case)
+        graph = torch.rand(CLASSES, CLASSES, device=CUDA) if case.class_graph else None
+        objective = Objective(cfg, graph, CLASSES, rows_per_rank=2 * IMAGES)
         # autocast turns itself off without a driver; it asks only these two
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
         with autocast("bf16", CUDA):
             features, _ = model.encoder(batch["images"])
             assert features.dtype == torch.bfloat16  # autocast took effect
-            out = forward_loss(model, batch, Objective(cfg, rows_per_rank=2 * IMAGES),
-                               step=3)
+            out = forward_loss(model, batch, objective, step=3)
         finite = finite_on_every_rank(out.loss)
         window = MetricWindow()
         window.add(out.metrics)

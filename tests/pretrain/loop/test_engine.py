@@ -24,13 +24,11 @@ import torch
 
 from core.config import ConfigError, load_config
 from pretrain.loop.engine import EngineConfig, engine_spec
-from pretrain.losses import OBJECTIVES
+from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 from tests.pretrain.loop import engine_tasks
 
-# every entry of the table, with the settings each is checked under
-SETTINGS = {"siglip": [{"bias": -2.0}],
-            "projnce": [{"projection": p} for p in ("centroid", "kernel", "median", "learned")]}
-CASES = [(name, hparams) for name in OBJECTIVES for hparams in SETTINGS.get(name, [{}])]
+CASES = objective_cases()  # every entry of the table, under each of its examples
+INFONCE = ObjectiveCase("infonce", {})
 # ZeRO-3 with every parameter partitioned (DeepSpeed keeps those under 1e5 elements whole by
 # default: all of the test models' would be)
 ZERO3 = "tests/pretrain/zero3_every_parameter.json"
@@ -47,15 +45,14 @@ def tolerance(engine: str, reference: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("engine", "zero"), list(ENGINES.values()), ids=list(ENGINES))
-@pytest.mark.parametrize(("name", "hparams"), CASES,
-                         ids=[f"{n}-{h.get('projection', '')}".rstrip("-") for n, h in CASES])
-def test_two_ranks_equal_one_process(gloo2, engine, zero, name, hparams):
-    ranks = gloo2.run(engine_tasks.run_step, engine, zero, name, hparams)
-    whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
+@pytest.mark.parametrize("case", CASES, ids=case_ids(CASES))
+def test_two_ranks_equal_one_process(gloo2, engine, zero, case):
+    ranks = gloo2.run(engine_tasks.run_step, engine, zero, case)
+    whole = engine_tasks.run_step("ddp", "", case, rows=slice(None))
     loss = sum(r["loss"] for r in ranks) / len(ranks)
     torch.testing.assert_close(loss, whole["loss"], rtol=0, atol=1e-12)
     assert set(whole["grads"]) >= {"log_temperature"}
-    if hparams.get("projection") == "learned":  # the class embeddings train with the model
+    if case.example.get("projection") == "learned":  # the class embeddings train with the model
         assert whole["grads"]["loss_parameters.class_embeddings"].abs().max() > 0
     for rank in ranks:  # the engine leaves every rank with the averaged gradient
         assert set(rank["grads"]) == set(whole["grads"])
@@ -72,17 +69,16 @@ def test_the_comparison_fails_a_gather_without_the_gradient_sum(gloo2, engine, z
     is the exception that proves the rule: each row's loss depends on its own embedding and
     the shared class embeddings only (the other rows enter its no-gradient monitors), so
     no gradient crosses the gather and the broken gather must change nothing."""
-    for name, hparams in CASES:
-        ranks = gloo2.run(engine_tasks.run_step_with_local_gradients, engine, zero, name,
-                          hparams)
-        whole = engine_tasks.run_step("ddp", "", name, hparams, rows=slice(None))
+    for case in CASES:
+        ranks = gloo2.run(engine_tasks.run_step_with_local_gradients, engine, zero, case)
+        whole = engine_tasks.run_step("ddp", "", case, rows=slice(None))
         worst = max(float((ranks[0]["grads"][key] - grad).abs().max()) /
                     tolerance(engine, grad) for key, grad in whole["grads"].items()
                     if key != "log_temperature")
-        if hparams.get("projection") == "learned":
-            assert worst <= 1, f"{name} {hparams}: gradient crossed the gather ({worst:.1f}x)"
+        if case.example.get("projection") == "learned":
+            assert worst <= 1, f"{case.id}: gradient crossed the gather ({worst:.1f}x)"
             continue
-        assert worst > 100, f"{name} {hparams}: the broken gather passes ({worst:.1f}x tol)"
+        assert worst > 100, f"{case.id}: the broken gather passes ({worst:.1f}x tol)"
 
 
 def test_deepspeed_config_must_set_gradient_clipping(tmp_path):
@@ -105,8 +101,8 @@ def test_zero3_takes_float64_whether_or_not_the_cpu_has_fp16_kernels(gloo2, fp16
     (Intel AVX-512 FP16/AMX) and takes them on one without (AMD Zen); the engine names the
     dtype, so both give the single-process gradient in float64 (``zero3.partition``)."""
     ranks = gloo2.run(engine_tasks.run_step_with_cpu_fp16, fp16_kernels, *ENGINES["zero3"],
-                      "infonce", {})
-    whole = engine_tasks.run_step("ddp", "", "infonce", {}, rows=slice(None))
+                      INFONCE)
+    whole = engine_tasks.run_step("ddp", "", INFONCE, rows=slice(None))
     for rank in ranks:
         for key, grad in whole["grads"].items():
             assert rank["grads"][key].dtype == torch.float64

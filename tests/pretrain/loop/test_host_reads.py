@@ -34,10 +34,11 @@ from pretrain.loop.engine import EngineConfig, FSDP2Engine, build_engine, engine
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import chunked_loss, forward_loss
-from pretrain.losses import OBJECTIVES, ObjectiveConfig
+from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.model.text_tower import TextTowerConfig
 from tests.cuda_dry_run import cuda_world, driverless_streams, fake_cuda, fake_mesh
+from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 
 CUDA = torch.device("cuda")
 IMAGES = 3  # this rank's images (two views each): 6 rows, padded to ROWS_PER_RANK
@@ -51,26 +52,17 @@ SHARDED_VIT = ModelConfig(backbone="timm:vit_tiny_patch16_224", image_size=16, p
                           projector_dim=16, projector_bn_out=False, sync_batchnorm=False,
                           activation_checkpointing=2,
                           timm_kwargs={"depth": 3, "embed_dim": 32, "num_heads": 2})
-OBJECTIVE_CASES = [(name, {}) for name in OBJECTIVES if name not in ("xclr", "projnce")] + [
-    ("xclr", {"graph": True}), ("xclr", {})] + [
-    ("projnce", {"projection": projection})
-    for projection in ("centroid", "kernel", "median", "learned")]
+OBJECTIVE_CASES = objective_cases()
 
 
-def case_id(case: tuple[str, dict]) -> str:
-    name, extra = case
-    return "-".join([name, *(("class-graph",) if extra.get("graph") else ()),
-                     *(str(v) for k, v in extra.items() if k != "graph")])
-
-
-def device_batch(name: str, captions: bool, device: torch.device) -> dict[str, torch.Tensor]:
+def device_batch(case: ObjectiveCase, device: torch.device) -> dict[str, torch.Tensor]:
     rows = 2 * IMAGES
     batch = {"images": torch.randn(rows, 3, 16, 16, device=device),
              "ids": torch.arange(IMAGES, device=device).repeat(2),
              "labels": torch.arange(rows, device=device) % CLASSES}
-    if captions:
+    if case.needs_captions:
         batch["caption_embeddings"] = torch.randn(IMAGES, 12, device=device).repeat(2, 1)
-    if OBJECTIVES[name].text_tower:
+    if case.spec.text_tower:
         batch["input_ids"] = torch.randint(0, 100, (IMAGES, 6), device=device).repeat(2, 1)
         batch["attention_mask"] = torch.ones(rows, 6, dtype=torch.long, device=device)
     return batch
@@ -103,7 +95,7 @@ class PlainEngine(torch.nn.Module):
 class Step(NamedTuple):
     """One step's setting: the objective case, the variant, the engine and the device."""
 
-    case: tuple[str, dict]
+    case: ObjectiveCase
     variant: str
     engine: str  # "ddp" (the model as it is: DDP cannot wrap fake parameters) or "fsdp2"
     device: torch.device
@@ -123,10 +115,9 @@ def train_step(setting: Step, monkeypatch: pytest.MonkeyPatch,
     flag and metric window; on the CPU the backward too (the autograd engine wants a CUDA
     driver for CUDA tensors, fake or not), and under FSDP2 the update. Returns the
     collectives that ran."""
-    (name, extra), device = setting.case, setting.device
-    cfg = ObjectiveConfig.of(name, learnable_temperature=OBJECTIVES[name].text_tower,
-                             **VARIANTS[setting.variant], **{k: v for k, v in extra.items()
-                                                             if k != "graph"})
+    case, device = setting.case, setting.device
+    cfg = ObjectiveConfig.of(case.name, learnable_temperature=case.spec.text_tower,
+                             **VARIANTS[setting.variant], **case.example)
     model_cfg = dataclasses.replace(SHARDED_VIT if setting.engine == "fsdp2" else SMALL_CNN,
                                     text=random_text)
     model = build_model(model_cfg, cfg, torch.device("cpu"), num_classes=CLASSES).train()
@@ -139,9 +130,9 @@ def train_step(setting: Step, monkeypatch: pytest.MonkeyPatch,
             monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
             monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
         engine = build_fsdp2(model) if setting.engine == "fsdp2" else PlainEngine(model)
-        graph = torch.rand(CLASSES, CLASSES, device=device) if extra.get("graph") else None
+        graph = torch.rand(CLASSES, CLASSES, device=device) if case.class_graph else None
         objective = Objective(cfg, graph, CLASSES, ROWS_PER_RANK)
-        batch = device_batch(name, captions=graph is None, device=device)
+        batch = device_batch(case, device=device)
         with autocast("bf16", device):
             if setting.variant == "chunked":
                 out, backward = chunked_loss(engine, batch, objective, 3, chunk_size=4)
@@ -162,7 +153,7 @@ def train_step(setting: Step, monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=case_id)
+@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=case_ids(OBJECTIVE_CASES))
 def test_a_training_step_reads_no_value_back_from_the_device(case, variant, device,
                                                              monkeypatch, random_text):
     ran = train_step(Step(case, variant, "ddp", torch.device(device)), monkeypatch,
@@ -172,7 +163,7 @@ def test_a_training_step_reads_no_value_back_from_the_device(case, variant, devi
 
 @pytest.mark.parametrize("variant,device", [("dense", "cuda"), ("dense", "cpu"),
                                             ("chunked", "cpu")])
-@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=case_id)
+@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=case_ids(OBJECTIVE_CASES))
 def test_an_fsdp2_step_reads_no_value_back_from_the_device(case, variant, device,
                                                            monkeypatch, random_text):
     ran = train_step(Step(case, variant, "fsdp2", torch.device(device)), monkeypatch,

@@ -1,8 +1,8 @@
-"""Naive per-anchor loops written directly from the definitions in
-docs/objectives.md, the references of the tests.
-
-Deliberately slow and literal: Python loops over anchors and pairs, plain exp/log, float64.
-``negatives_kept(i, j)`` (optional) restricts Neg(i) to a given subset.
+"""Per-anchor loops for what the plain forms of the table do not express: a loss over a
+chosen subset of each anchor's negatives (``negatives_kept(i, j)``; the plain forms take
+every negative), the identities FlatNCE and Hoelder-FlatNCE are defined by (InfoNCE
+without the positive, the paper's m_gamma / detach(m_gamma)), and ProjNCE's adjustment R,
+a metric. Deliberately slow and literal: Python loops, plain exp/log, float64.
 """
 
 from __future__ import annotations
@@ -100,34 +100,6 @@ def xclr(z: Tensor, similarity: Tensor, tau: float, tau_s: float,
     return _mean(losses)
 
 
-def clip(image: Tensor, text: Tensor, ids: Tensor, tau: float) -> Tensor:
-    image, text, n = unit(image), unit(text), len(image)
-    losses = []
-    for i in range(n):
-        cols = [j for j in range(n) if j == i or ids[j] != ids[i]]
-        i2t = -torch.log(torch.exp(image[i] @ text[i] / tau)
-                         / sum(torch.exp(image[i] @ text[j] / tau) for j in cols))
-        t2i = -torch.log(torch.exp(text[i] @ image[i] / tau)
-                         / sum(torch.exp(text[i] @ image[j] / tau) for j in cols))
-        losses.append(0.5 * (i2t + t2i))
-    return _mean(losses)
-
-
-def siglip(image: Tensor, text: Tensor, ids: Tensor, tau: Tensor | float,
-           bias: Tensor | float) -> Tensor:
-    """Zhai et al. 2023, eq. 1, pair by pair: -1/N sum_ij log sigmoid(z_ij (x_i . y_j / tau
-    + b)); pairs of one image's other views are neither positive nor negative."""
-    image, text, n = unit(image), unit(text), len(image)
-    total = 0.0
-    for i in range(n):
-        for j in range(n):
-            if j != i and ids[j] == ids[i]:
-                continue
-            sign = 1.0 if j == i else -1.0
-            total = total - torch.log(torch.sigmoid(sign * (image[i] @ text[j] / tau + bias)))
-    return total / n
-
-
 def projnce(z: Tensor, labels: Tensor, tau: float, g_plus: list[Tensor],
             g_minus: list[Tensor]) -> tuple[Tensor, Tensor]:
     """(loss, mean R) for per-sample projections g+(y_k), g-(y_k) given as lists of [D]."""
@@ -152,41 +124,3 @@ def centroid_projections(z: Tensor, labels: Tensor) -> tuple[list[Tensor], list[
         mates = [z[m] for m in range(n) if m != k and labels[m] == labels[k]]
         plus.append(sum(mates) / len(mates) if mates else z[k])
     return plus, [z[k] for k in range(n)]
-
-
-def kernel_projections(z: Tensor, labels: Tensor, h: float, metric: str,
-                       neighbours: int | None = None) -> list[Tensor]:
-    """With ``neighbours`` = k, sample j weighs only the k others of largest z_j . z_m."""
-    z, n = unit(z), len(z)
-
-    def nearest(j: int) -> set[int]:
-        similarity = z.detach() @ z[j].detach()
-        others = sorted((m for m in range(n) if m != j), key=lambda m: -float(similarity[m]))
-        return set(others[:neighbours or n])
-
-    def weight(j: int, m: int, kept: set[int]) -> Tensor:
-        if j == m:
-            return torch.ones((), dtype=z.dtype)
-        if m not in kept:
-            return torch.zeros((), dtype=z.dtype)
-        diff = z[j] - z[m]
-        d = {"l1": diff.abs().sum(), "l2": diff.norm(),
-             "cos": 0.5 - 0.5 * (z[j] @ z[m])}[metric]
-        return torch.clamp(1 - (d / h) ** 2, min=0)
-
-    w = [[weight(j, m, nearest(j)) for m in range(n)] for j in range(n)]
-    means = {}
-    for c in set(labels.tolist()):
-        nw = [sum(w[j][m] for m in range(n) if labels[m] == c) / sum(w[j]) for j in range(n)]
-        means[c] = sum(nw[j] * z[j] for j in range(n)) / sum(nw)
-    return [means[int(labels[k])] for k in range(n)]
-
-
-def median_projections(z: Tensor, labels: Tensor) -> list[Tensor]:
-    z, n = unit(z), len(z)
-    medians = {}
-    for c in set(labels.tolist()):
-        members = torch.stack([z[m] for m in range(n) if labels[m] == c])
-        ordered = torch.sort(members, dim=0).values
-        medians[c] = ordered[(len(members) - 1) // 2]
-    return [medians[int(labels[k])] for k in range(n)]

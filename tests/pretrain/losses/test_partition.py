@@ -12,39 +12,37 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.losses import OBJECTIVES, objective_function
+from pretrain.losses import objective_function
 from pretrain.losses.batch import ContrastiveBatch
+from tests.objective_cases import case_ids, objective_cases
 from tests.pretrain.losses.batches import batch_of
 from tests.pretrain.losses.conftest import make_multiview_batch
 
-CASES = [(name, {}) for name in OBJECTIVES if name != "projnce"] + [
-    ("projnce", {"projection": p}) for p in ("centroid", "kernel", "median", "learned")]
+CASES = objective_cases()
 
 
-@pytest.mark.parametrize(("name", "hparams"), CASES,
-                         ids=[f"{n}-{h.get('projection', '')}".rstrip("-") for n, h in CASES])
+@pytest.mark.parametrize("case", CASES, ids=case_ids(CASES))
 @pytest.mark.parametrize("num_negatives", [None, 5])
-def test_ranks_average_to_the_whole_batch(name, hparams, num_negatives):
+def test_ranks_average_to_the_whole_batch(case, num_negatives):
     b = make_multiview_batch(seed=4)
-    if hparams.get("projection") == "learned":
-        hparams = {**hparams, "class_embeddings": torch.randn(6, 7, dtype=torch.float64)}
-    if hparams.get("projection") == "kernel":
-        hparams = {**hparams, "bandwidth": 2.0}
+    rows = case.rows(b.z, b.ids, b.labels, b.captions, b.text)
+    keywords = case.keywords(6, b.z.shape[1], torch.float64)
+    graph = keywords.pop("class_graph", None)
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
-    objective = objective_function(name, **hparams)
-    extras = {"labels": b.labels, "captions": b.captions, "text": b.text,
-              "num_negatives": num_negatives, "negatives_seed": 7}
-    whole = objective(batch_of(b.z, b.ids, **extras), tau)
+    objective = objective_function(case.name, **keywords)
+    whole = objective(batch_of(rows.z, rows.ids, rows.labels, rows.captions, graph, rows.text,
+                               num_negatives=num_negatives, negatives_seed=7), tau)
     want = torch.autograd.grad(whole.loss, [b.z, tau])
 
+    unit = {k: None if v is None else F.normalize(v, dim=1)
+            for k, v in (("captions", rows.captions), ("text", rows.text))}
     slices = [torch.arange(0, 6), torch.arange(6, 19)]  # uneven ranks
     losses, grads = [], [torch.zeros_like(b.z), torch.zeros_like(tau)]
-    for rows in slices:
+    for anchors in slices:
         local = ContrastiveBatch(
-            candidates=F.normalize(b.z, dim=1), anchor_index=rows, ids=b.ids,
-            labels=b.labels, captions=F.normalize(b.captions, dim=1),
-            text=F.normalize(b.text, dim=1), num_negatives=num_negatives,
-            negatives_seed=7, world_size=len(slices))
+            candidates=F.normalize(b.z, dim=1), anchor_index=anchors, ids=b.ids,
+            labels=rows.labels, class_graph=graph, num_negatives=num_negatives,
+            negatives_seed=7, world_size=len(slices), **unit)
         out = objective(local, tau)
         losses.append(out.loss)
         for acc, g in zip(grads, torch.autograd.grad(out.loss, [b.z, tau]), strict=True):
