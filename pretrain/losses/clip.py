@@ -14,19 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.columns import ColumnSet
-from pretrain.losses.common import (
+# one walk of the tiles for both directions, cross-modal monitors: beyond the vocabulary
+from pretrain.losses.common import negative_cosine_sum, scalar, summarize_metrics
+from pretrain.losses.rows import RowTerms, transposable
+from pretrain.losses.vocabulary import (
+    BatchRows,
+    ColumnSet,
+    ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
-    full_precision,
-    negative_cosine_sum,
     pair_logits,
-    scalar,
+    row_logsumexp,
     scaled,
-    summarize_metrics,
 )
-from pretrain.losses.rows import RowTerms, row_logsumexp, transposable
 
 
 def plain_clip(rows: BatchRows, tau: Temperature) -> Tensor:
@@ -62,21 +62,18 @@ def both_directions(batch: ContrastiveBatch, images: Tensor,
 
 def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """Symmetric image-text InfoNCE over ``batch.candidates`` and ``batch.text``."""
-    if batch.text is None:
-        raise ValueError("clip: needs the second modality's embeddings (text=)")
-    with full_precision(batch):
-        images = scaled(batch.anchors, temperature)  # [n, D]
-        image_to_text, text_to_image_lse = both_directions(batch, images, temperature)
-        pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n]
-        per_anchor = 0.5 * (image_to_text.lse + text_to_image_lse) - pos_logit
-        loss = batch.anchor_mean(per_anchor, None)
-        with torch.no_grad():
-            tau = scalar(temperature)
-            neg_cos = negative_cosine_sum(batch, "instance", tau,
-                                          image_to_text.negative_logit_sum, of="text")
-            metrics = summarize_metrics(
-                batch, None, infonce=(image_to_text.lse - pos_logit).detach(),
-                ess=image_to_text.ess, num_positives=torch.ones_like(pos_logit),
-                pos_cos=pos_logit.detach() * tau, neg_cos_sum=neg_cos)
-        metrics.update(loss=loss.detach(), temperature=torch.as_tensor(tau))
-        return ObjectiveOutput(loss, metrics)
+    images = scaled(batch.anchors, temperature)  # [n, D]
+    image_to_text, text_to_image_lse = both_directions(batch, images, temperature)
+    pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n]
+    per_anchor = 0.5 * (image_to_text.lse + text_to_image_lse) - pos_logit
+    loss = batch.anchor_mean(per_anchor, None)
+    with torch.no_grad():
+        tau = scalar(temperature)
+        neg_cos = negative_cosine_sum(batch, "instance", tau,
+                                      image_to_text.negative_logit_sum, of="text")
+        metrics = summarize_metrics(
+            batch, None, infonce=(image_to_text.lse - pos_logit).detach(),
+            ess=image_to_text.ess, num_positives=torch.ones_like(pos_logit),
+            pos_cos=pos_logit.detach() * tau, neg_cos_sum=neg_cos)
+    metrics.update(loss=loss.detach(), temperature=torch.as_tensor(tau))
+    return ObjectiveOutput(loss, metrics)

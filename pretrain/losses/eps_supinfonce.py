@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.common import ObjectiveOutput, Temperature
 from pretrain.losses.sincere import plain_sincere, sincere_family
+from pretrain.losses.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput, Temperature
 
 
 def plain_eps_supinfonce(rows: BatchRows, tau: Temperature, eps: float) -> Tensor:

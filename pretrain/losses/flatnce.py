@@ -13,17 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
-from pretrain.losses.common import (
+from pretrain.losses.vocabulary import (
+    BatchRows,
+    ColumnSet,
+    ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
     finish,
-    full_precision,
     positive_logit_mean,
+    row_logsumexp,
     scaled,
 )
-from pretrain.losses.rows import row_logsumexp
 
 
 def plain_flatnce(rows: BatchRows, tau: Temperature) -> Tensor:
@@ -42,13 +42,13 @@ def plain_flatnce(rows: BatchRows, tau: Temperature) -> Tensor:
     return per_anchor[count > 0].mean()
 
 
-def flat_nce(pos_logit: Tensor, lse_neg: Tensor) -> Tensor:
+def flat_nce(pos_logit: Tensor, lse_neg: Tensor, has_negative: Tensor) -> Tensor:
     """Per-anchor FlatNCE [n]: exp(v - detach v) - 1 with v = lse_neg - pos_logit.
 
     ``pos_logit`` [n] the (mean) positive logit, ``lse_neg`` [n] the logsumexp over the
-    anchor's negatives. Anchors without a negative give 0 with zero gradient.
+    anchor's negatives. Anchors without a negative (``has_negative`` [n] false) give 0
+    with zero gradient.
     """
-    has_negative = lse_neg > MASKED_LOGIT / 2
     v = torch.where(has_negative, lse_neg - pos_logit, torch.zeros_like(lse_neg))
     return torch.exp(v - v.detach()) - 1
 
@@ -56,14 +56,14 @@ def flat_nce(pos_logit: Tensor, lse_neg: Tensor) -> Tensor:
 def flatnce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """FlatNCE with instance positives (the FlatCLR objective)."""
     kind = "instance"
-    with full_precision(batch):
-        anchors = scaled(batch.anchors, temperature)  # [n, D]
-        negatives = row_logsumexp(batch, anchors, batch.candidates,
-                                  ColumnSet(kind, positives=False), monitors=True,
-                                  positive_lse=True)
-        pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
-        loss = batch.anchor_mean(flat_nce(pos_mean, negatives.lse), kind)
-        all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)
-        return finish(batch, loss, kind, temperature, report_infonce=True, pos_mean=pos_mean,
-                      infonce=all_lse - pos_mean.detach(),
-                      ess=negatives.ess, negative_logit_sum=negatives.negative_logit_sum)
+    anchors = scaled(batch.anchors, temperature)  # [n, D]
+    negatives = row_logsumexp(batch, anchors, batch.candidates,
+                              ColumnSet(kind, positives=False), monitors=True,
+                              positive_lse=True)
+    pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
+    has_negative = batch.num_negatives_per_anchor(kind) > 0
+    loss = batch.anchor_mean(flat_nce(pos_mean, negatives.lse, has_negative), kind)
+    all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)
+    return finish(batch, loss, kind, temperature, report_infonce=True, pos_mean=pos_mean,
+                  infonce=all_lse - pos_mean.detach(),
+                  ess=negatives.ess, negative_logit_sum=negatives.negative_logit_sum)

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.common import ObjectiveOutput, Temperature, as_metric, scalar
 from pretrain.losses.flatnce import flatnce, plain_flatnce
+from pretrain.losses.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput, Temperature
 
 
 def plain_holder_flatnce(rows: BatchRows, tau: Temperature, gamma: float) -> Tensor:
@@ -41,6 +40,6 @@ def holder_flatnce(batch: ContrastiveBatch, temperature: Temperature, *,
                    gamma: float) -> ObjectiveOutput:
     """FlatNCE on gamma * s / tau, i.e. at the effective temperature tau / gamma."""
     out = flatnce(batch, temperature / gamma)
-    out.metrics["effective_temperature"] = out.metrics["temperature"]
-    out.metrics["temperature"] = as_metric(scalar(temperature), out.loss)
+    effective = out.metrics["temperature"]
+    out.metrics.update(effective_temperature=effective, temperature=effective * gamma)
     return out

@@ -10,9 +10,8 @@ import dataclasses
 
 from torch import Tensor
 
-from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.common import ObjectiveOutput, Temperature
 from pretrain.losses.supcon import multi_positive_nce, plain_supcon
+from pretrain.losses.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput, Temperature
 
 
 def plain_infonce(rows: BatchRows, tau: Temperature) -> Tensor:

@@ -13,11 +13,13 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from core.tables import table_entry
+from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.clip import clip, plain_clip
-from pretrain.losses.common import ObjectiveOutput
+from pretrain.losses.common import ObjectiveOutput, Temperature
 from pretrain.losses.eps_supinfonce import EpsSupInfoNCEConfig, eps_supinfonce, plain_eps_supinfonce
 from pretrain.losses.flatnce import flatnce, plain_flatnce
 from pretrain.losses.holder_flatnce import HolderFlatNCEConfig, holder_flatnce, plain_holder_flatnce
@@ -87,10 +89,25 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
 def objective_function(name: str, **keys: object) -> Callable[..., ObjectiveOutput]:
     """Objective ``name``'s function with its own keys bound: ``keys``, else the defaults
     of its configuration (``objective.<name>.*``); called as ``(batch, temperature,
-    **loss_parameters)``."""
+    **loss_parameters)``, on a batch that holds what its entry declares, in full
+    precision."""
     spec = objective_spec(name)
     defaults = {key: getattr(spec.config(), key) for key in spec.hparams}
-    return functools.partial(spec.fn, **(defaults | keys))
+    return functools.partial(_declared_call, name, spec,
+                             functools.partial(spec.fn, **(defaults | keys)))
+
+
+def _declared_call(name: str, spec: ObjectiveSpec, fn: ObjectiveFn, batch: ContrastiveBatch,
+                   temperature: Temperature, **loss_parameters: Tensor) -> ObjectiveOutput:
+    """``fn`` on ``batch`` once the batch holds what ``spec`` declares, with autocast off
+    on its device: every loss computes in float32, or float64 when given float64."""
+    if spec.labels and batch.labels is None:
+        raise ValueError(f"{name}: needs class labels (labels=, an [N] tensor); use infonce "
+                         "for instance positives")
+    if spec.text_tower and batch.text is None:
+        raise ValueError(f"{name}: needs the second modality's embeddings (text=)")
+    with torch.autocast(device_type=batch.candidates.device.type, enabled=False):
+        return fn(batch, temperature, **loss_parameters)
 
 
 def objective_spec(name: str) -> ObjectiveSpec:

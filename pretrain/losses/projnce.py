@@ -20,20 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.columns import ColumnSet
-from pretrain.losses.common import (
-    ObjectiveOutput,
-    Temperature,
-    add_log_columns_,
-    as_float,
-    finish,
-    full_precision,
-    pair_logits,
-    positive_logit_mean,
-    require_labels,
-    scaled,
-)
+
+# per-class sums: beyond the vocabulary (docs/architecture.md)
+from pretrain.losses.common import add_log_columns_, as_float
 from pretrain.losses.projections import (
     KernelMetric,
     kernel_class_means,
@@ -42,7 +31,19 @@ from pretrain.losses.projections import (
     plain_kernel_class_means,
     plain_median_class_embeddings,
 )
-from pretrain.losses.rows import RowTerms, row_logsumexp
+from pretrain.losses.rows import RowTerms
+from pretrain.losses.vocabulary import (
+    BatchRows,
+    ColumnSet,
+    ContrastiveBatch,
+    ObjectiveOutput,
+    Temperature,
+    finish,
+    pair_logits,
+    positive_logit_mean,
+    row_logsumexp,
+    scaled,
+)
 
 Projection = Literal["centroid", "kernel", "median", "learned"]
 
@@ -147,7 +148,6 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
     """ProjNCE with the chosen projection; ``metrics["adjustment"]`` is the mean R (and
     ``metrics["kernel_truncated"]``, kernel only, the share of samples with more than
     ``neighbours`` others inside the bandwidth)."""
-    require_labels(batch, "projnce")
     if projection == "learned":
         if class_embeddings is None:
             raise ValueError("projnce learned: pass class_embeddings, a trainable [C, D] "
@@ -157,38 +157,37 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
     kind = "label"
     columns = ColumnSet(kind)
     projection_metrics: dict[str, Tensor] = {}
-    with full_precision(batch):
-        anchors = scaled(batch.anchors, temperature)  # [n, D]
-        if projection == "centroid":  # g- = z: minus logits are the similarity logits
-            plus = _centroid_plus(batch)  # [N, D]
-            plus_own = pair_logits(anchors, plus, batch.self_pairs())  # [n]
-            minus = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True)
-            lse_minus = minus.lse
-            lse_plus = row_logsumexp(batch, anchors, plus, columns).lse
-        else:  # g+ = g- per label group
-            projected, projection_metrics = _group_projection(
-                batch, projection, bandwidth, kernel_metric, neighbours,
-                class_embeddings)  # [G, D]
-            _, groups, _ = batch.group_index(kind)
-            plus_own = pair_logits(anchors, projected, (batch.self_pairs()[0],
-                                                        groups[batch.anchor_index]))
-            if batch.num_negatives is None and (batch.tile_size is None
-                                                or batch.classes is not None):
-                # [n, G] logits suffice (tiled: G the C classes, not N slots)
-                lse_minus = _group_lse(batch, anchors @ projected.T)
-            else:
-                lse_minus = row_logsumexp(batch, anchors, projected[groups], columns).lse
-            lse_plus = lse_minus  # the same projection on both sides
-            with torch.no_grad():  # the monitors read the plain similarity logits
-                minus = row_logsumexp(batch, anchors.detach(), batch.candidates.detach(),
-                                      columns, monitors=True)
-        i_proj = lse_minus - plus_own  # [n]
-        adjustment = torch.exp(lse_plus - lse_minus)  # [n]; exactly 1 when g+ = g-
-        loss = batch.anchor_mean(i_proj + adjustment, kind)
-        extra = {"adjustment": batch.anchor_mean(adjustment, kind),
-                 "i_proj": batch.anchor_mean(i_proj, kind), **projection_metrics}
-        return finish(batch, loss, kind, temperature, extra=extra, **_monitors(
-            batch, minus, temperature))
+    anchors = scaled(batch.anchors, temperature)  # [n, D]
+    if projection == "centroid":  # g- = z: minus logits are the similarity logits
+        plus = _centroid_plus(batch)  # [N, D]
+        plus_own = pair_logits(anchors, plus, batch.self_pairs())  # [n]
+        minus = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True)
+        lse_minus = minus.lse
+        lse_plus = row_logsumexp(batch, anchors, plus, columns).lse
+    else:  # g+ = g- per label group
+        projected, projection_metrics = _group_projection(
+            batch, projection, bandwidth, kernel_metric, neighbours,
+            class_embeddings)  # [G, D]
+        _, groups, _ = batch.group_index(kind)
+        plus_own = pair_logits(anchors, projected, (batch.self_pairs()[0],
+                                                    groups[batch.anchor_index]))
+        if batch.num_negatives is None and (batch.tile_size is None
+                                            or batch.classes is not None):
+            # [n, G] logits suffice (tiled: G the C classes, not N slots)
+            lse_minus = _group_lse(batch, anchors @ projected.T)
+        else:
+            lse_minus = row_logsumexp(batch, anchors, projected[groups], columns).lse
+        lse_plus = lse_minus  # the same projection on both sides
+        with torch.no_grad():  # the monitors read the plain similarity logits
+            minus = row_logsumexp(batch, anchors.detach(), batch.candidates.detach(),
+                                  columns, monitors=True)
+    i_proj = lse_minus - plus_own  # [n]
+    adjustment = torch.exp(lse_plus - lse_minus)  # [n]; exactly 1 when g+ = g-
+    loss = batch.anchor_mean(i_proj + adjustment, kind)
+    extra = {"adjustment": batch.anchor_mean(adjustment, kind),
+             "i_proj": batch.anchor_mean(i_proj, kind), **projection_metrics}
+    return finish(batch, loss, kind, temperature, extra=extra, **_monitors(
+        batch, minus, temperature))
 
 
 def _monitors(batch: ContrastiveBatch, minus: RowTerms,

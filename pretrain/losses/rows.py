@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
@@ -137,10 +138,17 @@ def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
 
 def row_logsumexp_and_pair_terms(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
                                  column_set: ColumnSet, eps: float) -> tuple[RowTerms, Tensor]:
-    """Tiled only: :func:`row_logsumexp` of SINCERE's negatives ``column_set`` with its
-    monitors and the positives' log-sum-exp, and [n] the sum over each anchor's positives
-    of softplus(lse_i - l_ip + eps) - eps, in one pass whose backward recomputes each tile
-    once (``pair_tiles.tiled_rows_and_pair_terms``)."""
+    """:func:`row_logsumexp` of SINCERE's negatives ``column_set`` with its monitors and
+    the positives' log-sum-exp, and [n] the sum over each anchor's positives of
+    softplus(lse_i - l_ip + eps) - eps. Dense, the positives' logits are taken off the
+    [n, N] logits; tiled, one pass whose backward recomputes each tile once
+    (``pair_tiles.tiled_rows_and_pair_terms``), with no [P] pair list."""
+    if batch.tile_size is None:
+        negatives = row_logsumexp(batch, anchors, columns, column_set, monitors=True,
+                                  positive_lse=True, positive_logits=True)
+        terms = F.softplus(negatives.lse[:, None] - negatives.positive_logits + eps) - eps
+        drop = batch.columns(column_set.positives_only).drop
+        return negatives, terms.masked_fill(drop, 0.0).sum(1)  # [n]
     plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
     rows, pair_sum = tiled_rows_and_pair_terms(
         anchors, as_float(columns), plan, batch.column_tiles(column_set.positives_only), eps)

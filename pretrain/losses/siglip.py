@@ -18,19 +18,18 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.columns import ColumnSet
-from pretrain.losses.common import (
+# the sigmoid's row sums and cross-modal monitors: beyond the vocabulary
+from pretrain.losses.common import as_metric, negative_cosine_sum, scalar
+from pretrain.losses.sigmoid_rows import sigmoid_rows
+from pretrain.losses.vocabulary import (
+    BatchRows,
+    ColumnSet,
+    ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
-    as_metric,
-    full_precision,
-    negative_cosine_sum,
     pair_logits,
-    scalar,
     scaled,
 )
-from pretrain.losses.sigmoid_rows import sigmoid_rows
 
 
 def plain_siglip(rows: BatchRows, tau: Temperature, bias: Temperature) -> Tensor:
@@ -56,24 +55,21 @@ class SigLIPConfig:
 def siglip(batch: ContrastiveBatch, temperature: Temperature, *,
            bias: Temperature) -> ObjectiveOutput:
     """Pairwise sigmoid loss of ``batch.anchors`` against every text in ``batch.text``."""
-    if batch.text is None:
-        raise ValueError("siglip: needs the second modality's embeddings (text=)")
-    with full_precision(batch):
-        images = scaled(batch.anchors, temperature)  # [n, D]
-        weights = batch.anchor_weights(None, like=images)  # [n]: the mean over anchors
-        negatives = sigmoid_rows(batch, images, batch.text, NEGATIVES, bias, weights)
-        pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n], without b
-        loss = (weights * F.softplus(-(pos_logit + bias))).sum() + negatives.weighted_sum
-        with torch.no_grad():
-            tau = scalar(temperature)
-            num_neg = batch.num_negatives_per_anchor("instance").to(loss.dtype).clamp(min=1)
-            neg_cos = negative_cosine_sum(batch, "instance", tau, negatives.product_sum,
-                                          of="text")
-            metrics = {
-                "loss": loss.detach(),
-                "pos_sim": batch.anchor_mean(pos_logit.detach() * tau, None),
-                "neg_sim": batch.anchor_mean(neg_cos / num_neg, None),
-                "temperature": as_metric(tau, loss),
-                "bias": as_metric(scalar(bias), loss),
-            }
-        return ObjectiveOutput(loss, metrics)
+    images = scaled(batch.anchors, temperature)  # [n, D]
+    weights = batch.anchor_weights(None, like=images)  # [n]: the mean over anchors
+    negatives = sigmoid_rows(batch, images, batch.text, NEGATIVES, bias, weights)
+    pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n], without b
+    loss = (weights * F.softplus(-(pos_logit + bias))).sum() + negatives.weighted_sum
+    with torch.no_grad():
+        tau = scalar(temperature)
+        num_neg = batch.num_negatives_per_anchor("instance").to(loss.dtype).clamp(min=1)
+        neg_cos = negative_cosine_sum(batch, "instance", tau, negatives.product_sum,
+                                      of="text")
+        metrics = {
+            "loss": loss.detach(),
+            "pos_sim": batch.anchor_mean(pos_logit.detach() * tau, None),
+            "neg_sim": batch.anchor_mean(neg_cos / num_neg, None),
+            "temperature": as_metric(tau, loss),
+            "bias": as_metric(scalar(bias), loss),
+        }
+    return ObjectiveOutput(loss, metrics)

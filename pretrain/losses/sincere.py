@@ -13,18 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.columns import ColumnSet
-from pretrain.losses.common import (
+from pretrain.losses.rows import row_logsumexp_and_pair_terms
+from pretrain.losses.vocabulary import (
+    BatchRows,
+    ColumnSet,
+    ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
     finish,
-    full_precision,
     positive_logit_mean,
-    require_labels,
     scaled,
 )
-from pretrain.losses.rows import row_logsumexp, row_logsumexp_and_pair_terms
 
 
 def plain_sincere(rows: BatchRows, tau: Temperature, eps: float = 0.0) -> Tensor:
@@ -46,25 +45,18 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
                    eps: float) -> ObjectiveOutput:
     """Per-positive-pair NCE whose denominator holds only that positive and Neg(i)."""
     kind = "label"
-    require_labels(batch, "sincere" if eps == 0 else "eps_supinfonce")
     columns = ColumnSet(kind, positives=False)
-    with full_precision(batch):
-        anchors = scaled(batch.anchors, temperature)  # [n, D]
-        if batch.tile_size is None:  # the positives' logits taken off the [n, N] logits
-            negatives = row_logsumexp(batch, anchors, batch.candidates, columns,
-                                      monitors=True, positive_lse=True, positive_logits=True)
-            terms = F.softplus(negatives.lse[:, None] - negatives.positive_logits + eps) - eps
-            drop = batch.columns(columns.positives_only).drop
-            pair_sum = terms.masked_fill(drop, 0.0).sum(1)  # [n]
-        else:  # per column tile, from masks: no [P] pair list
-            negatives, pair_sum = row_logsumexp_and_pair_terms(batch, anchors,
-                                                               batch.candidates, columns, eps)
-        pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
-        loss = batch.anchor_mean(pair_sum / num_pos.clamp(min=1), kind)
-        all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)
-        return finish(batch, loss, kind, temperature, pos_mean=pos_mean,
-                      infonce=all_lse - pos_mean.detach(), ess=negatives.ess,
-                      negative_logit_sum=negatives.negative_logit_sum)
+    anchors = scaled(batch.anchors, temperature)  # [n, D]
+    # lse_i over Neg(i), and sum_{p in P(i)} softplus(lse_i - l_ip + eps) - eps: the pair
+    # terms -log(e^{l_ip} / (e^{l_ip - eps} + e^{lse_i}))
+    negatives, pair_sum = row_logsumexp_and_pair_terms(batch, anchors, batch.candidates,
+                                                       columns, eps)
+    pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
+    loss = batch.anchor_mean(pair_sum / num_pos.clamp(min=1), kind)
+    all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)
+    return finish(batch, loss, kind, temperature, pos_mean=pos_mean,
+                  infonce=all_lse - pos_mean.detach(), ess=negatives.ess,
+                  negative_logit_sum=negatives.negative_logit_sum)
 
 
 def sincere(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:

@@ -6,21 +6,22 @@ per anchor i: -1/|P(i)| sum_{p in P(i)} log( exp(s_ip/tau) / sum_{a != i} exp(s_
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.batch import BatchRows, ContrastiveBatch, PositiveKind
-from pretrain.losses.columns import ColumnSet
-from pretrain.losses.common import (
+from pretrain.losses.vocabulary import (
+    BatchRows,
+    ColumnSet,
+    ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
     finish,
-    full_precision,
     positive_logit_mean,
-    require_labels,
+    row_logsumexp,
 )
-from pretrain.losses.rows import row_logsumexp
 
 
 def plain_supcon(rows: BatchRows, tau: Temperature) -> Tensor:
@@ -38,19 +39,18 @@ def plain_supcon(rows: BatchRows, tau: Temperature) -> Tensor:
 
 
 def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,
-                       kind: PositiveKind) -> ObjectiveOutput:
-    """Softmax cross-entropy averaged over each anchor's positives of ``kind``."""
-    with full_precision(batch):
-        rows = row_logsumexp(batch, batch.anchors, batch.candidates, ColumnSet(kind),
-                             temperature=temperature, monitors=True)  # [n]
-        pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
-        per_anchor = rows.lse - pos_mean
-        loss = batch.anchor_mean(per_anchor, kind)
-        return finish(batch, loss, kind, temperature, infonce=per_anchor, ess=rows.ess,
-                      negative_logit_sum=rows.negative_logit_sum, pos_mean=pos_mean)
+                       kind: Literal["instance", "label"]) -> ObjectiveOutput:
+    """Softmax cross-entropy averaged over each anchor's positives of ``kind``: the
+    other views of its image (instance) or the other samples of its class (label)."""
+    rows = row_logsumexp(batch, batch.anchors, batch.candidates, ColumnSet(kind),
+                         temperature=temperature, monitors=True)  # [n]
+    pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
+    per_anchor = rows.lse - pos_mean
+    loss = batch.anchor_mean(per_anchor, kind)
+    return finish(batch, loss, kind, temperature, infonce=per_anchor, ess=rows.ess,
+                  negative_logit_sum=rows.negative_logit_sum, pos_mean=pos_mean)
 
 
 def supcon(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """SupCon L_out with label positives."""
-    require_labels(batch, "supcon")
     return multi_positive_nce(batch, temperature, "label")

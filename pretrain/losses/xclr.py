@@ -27,20 +27,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.batch import NORM_EPS, BatchRows, ContrastiveBatch, PositiveKind
-from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
-from pretrain.losses.common import (
+
+# soft targets over column tiles: beyond the vocabulary (docs/architecture.md)
+from pretrain.losses.batch import NORM_EPS, PositiveKind
+from pretrain.losses.columns import MASKED_LOGIT
+from pretrain.losses.common import add_log_columns_, as_float
+from pretrain.losses.rows import ess_from_ratio, tile_plan, tiled_batch_rows
+from pretrain.losses.tiles import TargetLogits
+from pretrain.losses.vocabulary import (
+    BatchRows,
+    ColumnSet,
+    ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
-    add_log_columns_,
-    as_float,
     finish,
-    full_precision,
     positive_logit_mean,
+    row_logsumexp,
     scaled,
 )
-from pretrain.losses.rows import ess_from_ratio, row_logsumexp, tile_plan, tiled_batch_rows
-from pretrain.losses.tiles import TargetLogits
 
 
 def plain_xclr(rows: BatchRows, tau: Temperature, target_temperature: float,
@@ -196,30 +200,29 @@ def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
          target_temperature: float) -> ObjectiveOutput:
     """Soft-target contrastive loss; ``target_temperature`` is the paper's tau_s."""
     _check_targets(batch)
-    with full_precision(batch):
-        # tiles: class-graph targets stay per label group ([n, C]); captions go per tile
-        grouped = batch.num_negatives is None and (
-            batch.tile_size is None or batch.class_graph is not None)
-        if batch.tile_size is not None and not grouped:
-            plan = tile_plan(batch, COLUMNS, monitors=True,
-                             targets=target_logits(batch, target_temperature))
-            tiled = tiled_batch_rows(batch, batch.anchors, batch.candidates, plan,
-                                     temperature)
-            lse, term, entropy = tiled.lse, tiled.target_term, tiled.target_entropy
-            ess = ess_from_ratio(batch, "instance", tiled.ess_ratio)
-            negative_logit_sum = tiled.negative_logit_sum
+    # tiles: class-graph targets stay per label group ([n, C]); captions go per tile
+    grouped = batch.num_negatives is None and (
+        batch.tile_size is None or batch.class_graph is not None)
+    if batch.tile_size is not None and not grouped:
+        plan = tile_plan(batch, COLUMNS, monitors=True,
+                         targets=target_logits(batch, target_temperature))
+        tiled = tiled_batch_rows(batch, batch.anchors, batch.candidates, plan,
+                                 temperature)
+        lse, term, entropy = tiled.lse, tiled.target_term, tiled.target_entropy
+        ess = ess_from_ratio(batch, "instance", tiled.ess_ratio)
+        negative_logit_sum = tiled.negative_logit_sum
+    else:
+        anchors = scaled(batch.anchors, temperature)  # [n, D]
+        rows = row_logsumexp(batch, anchors, batch.candidates, COLUMNS, monitors=True)
+        lse, ess, negative_logit_sum = rows.lse, rows.ess, rows.negative_logit_sum
+        kind, sim = target_groups(batch, target_temperature)
+        if batch.num_negatives is None:
+            term, entropy = _grouped_target_term(batch, kind, sim, temperature)
         else:
-            anchors = scaled(batch.anchors, temperature)  # [n, D]
-            rows = row_logsumexp(batch, anchors, batch.candidates, COLUMNS, monitors=True)
-            lse, ess, negative_logit_sum = rows.lse, rows.ess, rows.negative_logit_sum
-            kind, sim = target_groups(batch, target_temperature)
-            if batch.num_negatives is None:
-                term, entropy = _grouped_target_term(batch, kind, sim, temperature)
-            else:
-                term, entropy = _dense_target_term(batch, kind, sim, anchors)
-        loss = batch.anchor_mean(lse - term, None)
-        with torch.no_grad():  # the monitors' only
-            pos_mean, _ = positive_logit_mean(batch, "instance", temperature)
-        return finish(batch, loss, None, temperature, infonce=lse - pos_mean, ess=ess,
-                      negative_logit_sum=negative_logit_sum, pos_mean=pos_mean,
-                      extra={"target_entropy": batch.anchor_mean(entropy, None)})
+            term, entropy = _dense_target_term(batch, kind, sim, anchors)
+    loss = batch.anchor_mean(lse - term, None)
+    with torch.no_grad():  # the monitors' only
+        pos_mean, _ = positive_logit_mean(batch, "instance", temperature)
+    return finish(batch, loss, None, temperature, infonce=lse - pos_mean, ess=ess,
+                  negative_logit_sum=negative_logit_sum, pos_mean=pos_mean,
+                  extra={"target_entropy": batch.anchor_mean(entropy, None)})

@@ -83,7 +83,7 @@ def test_flatnce_with_positive_among_negatives_has_infonce_gradient():
     pos_logit = logits[positives]  # exactly one positive per anchor here
     with_positive = Columns(logits.shape[1], drop=~(batch.negative_mask("instance") | positives))
     lse = torch.logsumexp(with_positive.apply(logits, float("-inf")), dim=1)
-    flat = flat_nce(pos_logit, lse)
+    flat = flat_nce(pos_logit, lse, torch.ones_like(lse, dtype=torch.bool))
     infonce = multi_positive_nce(batch_of(z, ids), TAU, "instance").loss
     torch.testing.assert_close(grad(flat.mean(), z), grad(infonce, z), rtol=1e-9, atol=1e-12)
 
