@@ -12,46 +12,26 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain.losses import OBJECTIVES, batch_loss, objective_function, tiles
+from pretrain.losses import batch_loss, objective_function, tiles
 from pretrain.losses.batch import ContrastiveBatch, auto_tile_size
+from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 from tests.pretrain.losses.batches import FreshAllocations, batch_of
 from tests.pretrain.losses.conftest import Batch, make_multiview_batch
 
-CASES = [(name, {}) for name in OBJECTIVES if name not in ("projnce", "xclr")] + [
-    ("xclr", {"targets": "captions"}), ("xclr", {"targets": "class_graph"}),
-    ("projnce", {"projection": "centroid"}), ("projnce", {"projection": "median"}),
-    ("projnce", {"projection": "kernel", "bandwidth": 1.2}),
-    ("projnce", {"projection": "kernel", "bandwidth": 3.0, "neighbours": 3}),
-    ("projnce", {"projection": "learned"})]
-IDS = [f"{n}-{h.get('projection', h.get('targets', ''))}".rstrip("-")
-       + (f"-{h['neighbours']}-neighbours" if "neighbours" in h else "") for n, h in CASES]
+CASES = objective_cases()
+IDS = case_ids(CASES)
 
 
-def inputs(b: Batch, name: str, hparams: dict) -> tuple[dict, list[torch.Tensor]]:
-    """Keyword arguments of ``batch_loss`` and the extra leaves to differentiate."""
-    hparams = dict(hparams)
-    kwargs = {"labels": b.labels, "text": b.text}
-    leaves = []
-    targets = hparams.pop("targets", "captions")
-    if name == "xclr" and targets == "class_graph":
-        graph = F.normalize(torch.randn(6, 5, dtype=torch.float64,
-                                        generator=torch.Generator().manual_seed(3)), dim=1)
-        kwargs["class_graph"] = graph @ graph.T
-    else:
-        kwargs["captions"] = b.captions
-    spec = OBJECTIVES[name]
-    if spec.text_tower:
-        kwargs["text"] = b.text.clone().requires_grad_()
-        leaves.append(kwargs["text"])
-    if name == "siglip":  # its learnable bias
-        hparams["bias"] = torch.tensor(-1.5, dtype=torch.float64, requires_grad=True)
-        leaves.append(hparams["bias"])
-    if hparams.get("projection") == "learned":
-        hparams["class_embeddings"] = torch.randn(
-            6, b.z.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(5),
-        ).requires_grad_()
-        leaves.append(hparams["class_embeddings"])
-    return {**kwargs, **hparams}, leaves
+def inputs(b: Batch, case: ObjectiveCase) -> tuple[dict, list[torch.Tensor]]:
+    """Keyword arguments of ``batch_loss`` and the extra leaves to differentiate: the
+    second modality's embeddings and the loss parameters, made leaves."""
+    rows = case.rows(b.z, b.ids, b.labels, b.captions, b.text)
+    kwargs = case.keywords(6, b.z.shape[1], torch.float64)
+    leaves = [kwargs[p.name].requires_grad_() for p in case.spec.parameters if p.name in kwargs]
+    if rows.text is not None:
+        kwargs["text"] = rows.text.clone().requires_grad_()
+        leaves.insert(0, kwargs["text"])
+    return {"labels": rows.labels, "captions": rows.captions, **kwargs}, leaves
 
 
 @pytest.fixture(params=[False, True], ids=["one-row-block", "row-blocks-of-3"])
@@ -61,16 +41,16 @@ def row_blocks(request, monkeypatch) -> None:
         monkeypatch.setattr(tiles, "CPU_BLOCK_ELEMENTS", 3 * 7)
 
 
-@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("num_negatives", [None, 5])
 @pytest.mark.parametrize("tile_size", [1, 4, 7])
-def test_tiled_equals_dense(name, hparams, num_negatives, tile_size, row_blocks):
+def test_tiled_equals_dense(case, num_negatives, tile_size, row_blocks):
     b = make_multiview_batch(seed=2)
-    kwargs, leaves = inputs(b, name, hparams)
+    kwargs, leaves = inputs(b, case)
     results = []
     for width in (None, tile_size):
         tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)  # learnable
-        loss, metrics = batch_loss(name, b.z, b.ids, temperature=tau, tile_size=width,
+        loss, metrics = batch_loss(case.name, b.z, b.ids, temperature=tau, tile_size=width,
                                    num_negatives=num_negatives, negatives_seed=3, **kwargs)
         results.append((loss, metrics, torch.autograd.grad(loss, [b.z, tau, *leaves])))
     (dense, dense_metrics, dense_grads), (tiled, tiled_metrics, tiled_grads) = results
@@ -84,20 +64,20 @@ def test_tiled_equals_dense(name, hparams, num_negatives, tile_size, row_blocks)
 
 @pytest.mark.parametrize("ranged", [False, True], ids=["gathered", "ranged"])
 @pytest.mark.parametrize("num_negatives", [None, 5])
-@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
-def test_tiled_rank_slices_average_to_the_whole_batch(name, hparams, num_negatives,
-                                                      row_blocks, ranged):
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_tiled_rank_slices_average_to_the_whole_batch(case, num_negatives, row_blocks, ranged):
     """The distributed arithmetic (rows of one rank against all columns) with tiles on;
     ``ranged``: each rank's anchors are a range of the candidates (``anchor_start``), as
     the gathering boundary makes them, so the tiled pass takes them as those rows."""
     b = make_multiview_batch(seed=4)
-    kwargs, _ = inputs(b, name, hparams)
-    objective = objective_function(name, **{k: v for k, v in kwargs.items()
+    kwargs, _ = inputs(b, case)
+    objective = objective_function(case.name, **{k: v for k, v in kwargs.items()
                                        if k not in ("labels", "text", "captions",
                                                     "class_graph")})
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
-    whole = objective(batch_of(b.z, b.ids, labels=b.labels, captions=kwargs.get("captions"),
-                                 class_graph=kwargs.get("class_graph"), text=b.text,
+    whole = objective(batch_of(b.z, b.ids, labels=kwargs["labels"],
+                               captions=kwargs.get("captions"),
+                               class_graph=kwargs.get("class_graph"), text=b.text,
                                  num_negatives=num_negatives, negatives_seed=7), tau)
     want = torch.autograd.grad(whole.loss, [b.z, tau])
     slices = [torch.arange(0, 6), torch.arange(6, 19)]
@@ -105,7 +85,8 @@ def test_tiled_rank_slices_average_to_the_whole_batch(name, hparams, num_negativ
     captions = kwargs.get("captions")
     for rows in slices:
         local = ContrastiveBatch(
-            candidates=F.normalize(b.z, dim=1), anchor_index=rows, ids=b.ids, labels=b.labels,
+            candidates=F.normalize(b.z, dim=1), anchor_index=rows, ids=b.ids,
+            labels=kwargs["labels"],
             captions=None if captions is None else F.normalize(captions, dim=1),
             class_graph=kwargs.get("class_graph"), text=F.normalize(b.text, dim=1),
             num_negatives=num_negatives, negatives_seed=7, tile_size=5, world_size=2,
@@ -135,9 +116,9 @@ class LargestOutput(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("num_negatives", [None, 9])
-def test_no_tensor_of_anchors_by_candidates(name, hparams, num_negatives):
+def test_no_tensor_of_anchors_by_candidates(case, num_negatives):
     """Forward and backward with tiles of 8 over N = 192 candidates: no operator output
     reaches n * N / 8 elements (a dense run makes [n, N] ones: the probe works). ProjNCE
     gets the number of classes, as a run gives it (its class posterior is [N, C])."""
@@ -148,17 +129,17 @@ def test_no_tensor_of_anchors_by_candidates(name, hparams, num_negatives):
               ids=ids, labels=ids % 6,
               captions=torch.randn(n // 2, 5, dtype=torch.float64, generator=gen)[ids],
               text=torch.randn(n, dim, dtype=torch.float64, generator=gen))
-    kwargs, leaves = inputs(b, name, hparams)
+    kwargs, leaves = inputs(b, case)
     if "bandwidth" in kwargs:
         kwargs["bandwidth"] = 0.3
-    if name == "projnce":  # label groups are the classes, as a run gives them
+    if kwargs["labels"] is not None:  # label groups are the classes, as a run gives them
         kwargs["num_classes"] = 6
     limit = n * n // 8
     sizes = {}
     for width in (None, 8):
         probe = LargestOutput()
         with probe:
-            loss, _ = batch_loss(name, b.z, b.ids, temperature=0.3, tile_size=width,
+            loss, _ = batch_loss(case.name, b.z, b.ids, temperature=0.3, tile_size=width,
                                  num_negatives=num_negatives, **kwargs)
             torch.autograd.grad(loss, [b.z, *leaves])
         sizes[width] = (probe.largest, probe.op)
@@ -172,11 +153,12 @@ def test_auto_tile_size_is_dense_for_small_batches():
     assert auto_tile_size(64, 512) == 64
 
 
-@pytest.mark.parametrize(("name", "hparams"), [("infonce", {}), ("supcon", {}),
-                                               ("xclr", {"targets": "captions"}),
-                                               ("sincere", {}), ("clip", {})],
-                         ids=["infonce", "supcon", "xclr-captions", "sincere", "clip"])
-def test_tile_buffers_are_allocated_once_per_pass(name, hparams):
+BUFFER_CASES = [ObjectiveCase(name, {}) for name in ("infonce", "supcon", "xclr", "sincere",
+                                                     "clip")]
+
+
+@pytest.mark.parametrize("case", BUFFER_CASES, ids=case_ids(BUFFER_CASES))
+def test_tile_buffers_are_allocated_once_per_pass(case):
     """Forward and backward with tiles of 8 allocate their [rows, 8] float tiles once per
     pass, whatever the number of tiles: a fresh tile per tile leaves freed blocks that
     glibc keeps resident (the peak memory of docs/benchmarks.md)."""
@@ -188,10 +170,11 @@ def test_tile_buffers_are_allocated_once_per_pass(name, hparams):
                   ids=ids, labels=ids % 6,
                   captions=torch.randn(n // 2, 5, dtype=torch.float64, generator=gen)[ids],
                   text=torch.randn(n, 6, dtype=torch.float64, generator=gen))
-        kwargs, _ = inputs(b, name, hparams)
+        kwargs, _ = inputs(b, case)
         probe = FreshAllocations(numel=n * 8)
         with probe:
-            loss, _ = batch_loss(name, b.z, b.ids, temperature=0.3, tile_size=8, **kwargs)
+            loss, _ = batch_loss(case.name, b.z, b.ids, temperature=0.3, tile_size=8,
+                                 **kwargs)
             loss.backward()
         counts[n] = probe.count
     # the forward's and backward's buffers (SINCERE: its pair tiles' too), each one [rows, 8]

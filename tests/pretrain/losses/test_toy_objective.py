@@ -19,6 +19,7 @@ TOY_DOCS = Path(__file__).parent / "toy_docs.md"
 # every matrix an objective goes through: file -> the tests of it the toy must appear in
 MATRICES = {
     "tests/pretrain/losses/test_plain_forms.py": "plain against fused, dense and tiled",
+    "tests/pretrain/losses/test_tiles.py": "tiled against dense, no [n, N] tensor",
     "tests/pretrain/losses/test_partition.py": "rank slices against the whole batch",
     "tests/pretrain/losses/test_precision.py": "bf16 autocast at tau 0.01",
     "tests/pretrain/distributed/test_global_batch.py": "two gloo ranks against one",
