@@ -14,17 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# one walk of the tiles for both directions, cross-modal monitors: beyond the vocabulary
-from pretrain.losses.common import negative_cosine_sum, scalar, summarize_metrics
-from pretrain.losses.rows import RowTerms, transposable
+from pretrain.losses.rows import both_directions  # beyond the vocabulary: one walk, two ways
 from pretrain.losses.vocabulary import (
     BatchRows,
     ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
+    finish_pairs,
     pair_logits,
-    row_logsumexp,
     scaled,
 )
 
@@ -44,36 +42,13 @@ def plain_clip(rows: BatchRows, tau: Temperature) -> Tensor:
 COLUMNS = ColumnSet("instance", positives=False, self_column=True)
 
 
-def both_directions(batch: ContrastiveBatch, images: Tensor,
-                    temperature: Temperature) -> tuple[RowTerms, Tensor]:
-    """(image -> text rows with their monitors, [n] text -> image log-sum-exp) for
-    ``images`` [n, D] over tau. When every row is an anchor (one rank holding the whole
-    batch) the text -> image logits are the image -> text ones transposed, and a tiled
-    pass reads both directions from one walk of the tiles; otherwise each direction has
-    its own."""
-    if transposable(batch):
-        rows = row_logsumexp(batch, images, batch.text, COLUMNS, monitors=True,
-                             column_lse=True)
-        return rows, rows.column_lse
-    texts = scaled(batch.text[batch.anchor_index], temperature)  # [n, D]
-    return (row_logsumexp(batch, images, batch.text, COLUMNS, monitors=True),
-            row_logsumexp(batch, texts, batch.candidates, COLUMNS).lse)
-
-
 def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """Symmetric image-text InfoNCE over ``batch.candidates`` and ``batch.text``."""
     images = scaled(batch.anchors, temperature)  # [n, D]
-    image_to_text, text_to_image_lse = both_directions(batch, images, temperature)
+    image_to_text, text_to_image_lse = both_directions(batch, images, COLUMNS, temperature)
     pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n]
     per_anchor = 0.5 * (image_to_text.lse + text_to_image_lse) - pos_logit
     loss = batch.anchor_mean(per_anchor, None)
-    with torch.no_grad():
-        tau = scalar(temperature)
-        neg_cos = negative_cosine_sum(batch, "instance", tau,
-                                      image_to_text.negative_logit_sum, of="text")
-        metrics = summarize_metrics(
-            batch, None, infonce=(image_to_text.lse - pos_logit).detach(),
-            ess=image_to_text.ess, num_positives=torch.ones_like(pos_logit),
-            pos_cos=pos_logit.detach() * tau, neg_cos_sum=neg_cos)
-    metrics.update(loss=loss.detach(), temperature=torch.as_tensor(tau))
-    return ObjectiveOutput(loss, metrics)
+    return finish_pairs(batch, loss, temperature, pos_logit,
+                        image_to_text.negative_logit_sum, softmax_lse=image_to_text.lse,
+                        softmax_ess=image_to_text.ess)

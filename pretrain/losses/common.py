@@ -262,3 +262,31 @@ def finish(batch: ContrastiveBatch, loss: Tensor, kind: PositiveKind | None,
     metrics["temperature"] = as_metric(tau, loss)
     metrics.update({name: value.detach() for name, value in (extra or {}).items()})
     return ObjectiveOutput(loss, metrics)
+
+
+def finish_pairs(batch: ContrastiveBatch, loss: Tensor, temperature: Temperature,
+                 pos_logit: Tensor, negative_logit_sum: Tensor | None, *,
+                 softmax_lse: Tensor | None = None, softmax_ess: Tensor | None = None,
+                 extra: dict[str, Temperature] | None = None) -> ObjectiveOutput:
+    """Bundle an image-text loss with its metrics: ``pos_sim`` from ``pos_logit`` [n] (each
+    row's own text over tau), ``neg_sim`` over its negative texts (``negative_logit_sum``
+    [n], their logits' sum, under ``num_negatives``); with ``softmax_lse`` and
+    ``softmax_ess`` [n] (image -> text) the softmax's monitors; ``extra`` scalars (a learned
+    bias) detached, beside the others."""
+    with torch.no_grad():
+        tau = scalar(temperature)
+        neg_cos = negative_cosine_sum(batch, "instance", tau, negative_logit_sum, of="text")
+        pos_cos = pos_logit.detach() * tau
+        if softmax_lse is not None:
+            metrics = summarize_metrics(
+                batch, None, infonce=(softmax_lse - pos_logit).detach(), ess=softmax_ess,
+                num_positives=torch.ones_like(pos_logit), pos_cos=pos_cos, neg_cos_sum=neg_cos)
+        else:
+            num_neg = batch.num_negatives_per_anchor("instance").to(loss.dtype).clamp(min=1)
+            metrics = {"pos_sim": batch.anchor_mean(pos_cos, None),
+                       "neg_sim": batch.anchor_mean(neg_cos / num_neg, None)}
+        metrics.update({name: as_metric(scalar(value), loss)
+                        for name, value in (extra or {}).items()})
+    metrics.update(loss=loss.detach(), temperature=as_metric(tau, loss))
+    return ObjectiveOutput(loss, metrics)
+

@@ -125,6 +125,22 @@ def transposable(batch: ContrastiveBatch) -> bool:
             and batch.valid is None and batch.anchor_rows == slice(0, batch.num_candidates))
 
 
+def both_directions(batch: ContrastiveBatch, images: Tensor, column_set: ColumnSet,
+                    temperature: Temperature) -> tuple[RowTerms, Tensor]:
+    """(image -> text rows over ``column_set`` with their monitors, [n] text -> image
+    log-sum-exp) for ``images`` [n, D] already over tau. When every row is an anchor (one
+    rank holding the whole batch) the text -> image logits are the image -> text ones
+    transposed, and a tiled pass reads both directions from one walk of the tiles;
+    otherwise each direction has its own."""
+    if transposable(batch):
+        rows = row_logsumexp(batch, images, batch.text, column_set, monitors=True,
+                             column_lse=True)
+        return rows, rows.column_lse
+    texts = scaled(batch.text[batch.anchor_index], temperature)  # [n, D]
+    return (row_logsumexp(batch, images, batch.text, column_set, monitors=True),
+            row_logsumexp(batch, texts, batch.candidates, column_set).lse)
+
+
 def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
                      plan: TilePlan, temperature: Temperature) -> TiledRows:
     """:func:`tiles.tiled_rows` of ``anchors`` / ``temperature`` against ``columns``;

@@ -18,15 +18,14 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-# the sigmoid's row sums and cross-modal monitors: beyond the vocabulary
-from pretrain.losses.common import as_metric, negative_cosine_sum, scalar
-from pretrain.losses.sigmoid_rows import sigmoid_rows
+from pretrain.losses.sigmoid_rows import sigmoid_rows  # beyond the vocabulary: its rows
 from pretrain.losses.vocabulary import (
     BatchRows,
     ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
+    finish_pairs,
     pair_logits,
     scaled,
 )
@@ -60,16 +59,5 @@ def siglip(batch: ContrastiveBatch, temperature: Temperature, *,
     negatives = sigmoid_rows(batch, images, batch.text, NEGATIVES, bias, weights)
     pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n], without b
     loss = (weights * F.softplus(-(pos_logit + bias))).sum() + negatives.weighted_sum
-    with torch.no_grad():
-        tau = scalar(temperature)
-        num_neg = batch.num_negatives_per_anchor("instance").to(loss.dtype).clamp(min=1)
-        neg_cos = negative_cosine_sum(batch, "instance", tau, negatives.product_sum,
-                                      of="text")
-        metrics = {
-            "loss": loss.detach(),
-            "pos_sim": batch.anchor_mean(pos_logit.detach() * tau, None),
-            "neg_sim": batch.anchor_mean(neg_cos / num_neg, None),
-            "temperature": as_metric(tau, loss),
-            "bias": as_metric(scalar(bias), loss),
-        }
-    return ObjectiveOutput(loss, metrics)
+    return finish_pairs(batch, loss, temperature, pos_logit, negatives.product_sum,
+                        extra={"bias": bias})

@@ -16,6 +16,7 @@ from pretrain.losses.common import (
     ObjectiveOutput,
     Temperature,
     finish,
+    finish_pairs,
     pair_logits,
     positive_logit_mean,
     scaled,
@@ -26,5 +27,6 @@ __all__ = [
     # what a loss receives and returns
     "BatchRows", "ContrastiveBatch", "ObjectiveOutput", "Temperature",
     # what it computes with
-    "ColumnSet", "finish", "pair_logits", "positive_logit_mean", "row_logsumexp", "scaled",
+    "ColumnSet", "finish", "finish_pairs", "pair_logits", "positive_logit_mean",
+    "row_logsumexp", "scaled",
 ]
