@@ -14,6 +14,7 @@ from bench.learning.runs import Configuration
 RECIPES = "launch/configs/cluttered"
 TAU01 = ("objective.temperature=0.1",)  # the supervised recipes' earlier temperature
 TEN = ("train.epochs=10",)  # the self-supervised recipes' earlier budget (their sweeps)
+PAPER_BIAS = ("objective.siglip.bias=-10.0",)  # SigLIP's earlier start, the paper's
 OBJECTIVES = {  # configuration name -> (recipe file, overrides)
     "infonce": ("infonce.yaml", ()),
     "flatnce": ("flatnce.yaml", ()),
@@ -136,14 +137,14 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
     # SigLIP's bias started near -log(texts in the batch) instead of the paper's -10
     "sweep_siglip_bias-5": ("siglip.yaml", (*TEN, "objective.siglip.bias=-5.0")),
     # the temperature and bias at 10x the lr (they move by at most lr per AdamW step)
-    "sweep_siglip_loss_lr10": ("siglip.yaml", (*TEN, "optim.loss_lr_scale=10")),
-    "sweep_siglip_tau0.05": ("siglip.yaml", (*TEN, "objective.temperature=0.05")),
+    "sweep_siglip_loss_lr10": ("siglip.yaml", (*TEN, *PAPER_BIAS, "optim.loss_lr_scale=10")),
+    "sweep_siglip_tau0.05": ("siglip.yaml", (*TEN, *PAPER_BIAS, "objective.temperature=0.05")),
     # a sharper t with b scaled so a caption at cosine 2/3 sits at probability 1/2: the
     # near-duplicate captions a batch holds are pushed away, the far ones left alone
     "sweep_siglip_t30_b-20": ("siglip.yaml", (*TEN, "objective.temperature=0.0333333",
                                               "objective.siglip.bias=-20.0")),
     # the budget: does SigLIP catch up with CLIP given 3x the epochs, or plateau?
-    "sweep_siglip_epochs10": ("siglip.yaml", TEN),
+    "sweep_siglip_epochs10": ("siglip.yaml", (*TEN, *PAPER_BIAS)),
     "sweep_clip_epochs10": ("clip.yaml", TEN),
     "sweep_siglip_t30_b-20_fixed_t": ("siglip.yaml", (
         *TEN, "objective.temperature=0.0333333", "objective.siglip.bias=-20.0",
@@ -154,7 +155,8 @@ SWEEP = {  # name -> (recipe, overrides), each varying one choice (--sweep-seeds
 ALT_SWEEP = {  # the image-text recipes' levers on the alt-text captions, one at a time
     # the budget: at 10 epochs neither leaves its plateau (docs/learning.md)
     "sweep_alt_clip_epochs10": ("clip.yaml", TEN),
-    "sweep_alt_siglip_epochs10": ("siglip.yaml", TEN),
+    "sweep_alt_siglip_epochs10": ("siglip.yaml", (*TEN, *PAPER_BIAS)),
+    "sweep_alt_siglip_bias-10": ("siglip.yaml", PAPER_BIAS),  # the paper's start, 30 epochs
     "sweep_alt_clip_text_trainable": ("clip.yaml", ("model.text.trainable=true",)),
     # 64 pairs a step: half as many captions of the anchor's class among its negatives
     "sweep_alt_clip_batch32": ("clip.yaml", ("data.batch_size=32",)),
