@@ -5,17 +5,8 @@ predictions q_ij = softmax_{j != i} (s_ij / tau)
 loss_i      = -sum_j t_ij log q_ij = logsumexp_{j != i}(s_ij/tau) - sum_j t_ij s_ij/tau.
 c_i . c_j comes from caption embeddings [N, E] or, for the ImageNet recipe, from the
 C x C class graph looked up by the label pair. Targets carry no gradient; the mean runs
-over all anchors (every anchor has a soft positive).
-
-Tiled (``batch.tile_size``): the log-sum-exp runs over column tiles (``tiles.py``). The
-class graph's targets keep their [n, C] group form (C classes); caption targets, and any
-under ``num_negatives``, are recomputed per tile in the same pass as the logits, from the
-captions or from the graph rows of the anchors' labels [n, C].
-
-Cost: with the class graph t_ij is constant over a label group, so sum_j t_ij s_ij =
-sum_c w_ic z_i . S_c with S_c the class's sum of embeddings: O(n C D) instead of another
-pass over [n, N]. Caption targets take one group per candidate ([n, N]): whether views
-share a caption is not asked of the device (docs/training.md, "Host synchronisation").
+over all anchors (every anchor has a soft positive). Dense, grouped or tiled, the two
+terms come from ``soft_targets.py``.
 """
 
 from __future__ import annotations
@@ -27,23 +18,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
-
-# soft targets over column tiles: beyond the vocabulary (docs/architecture.md)
-from pretrain.losses.batch import NORM_EPS, PositiveKind
-from pretrain.losses.columns import MASKED_LOGIT
-from pretrain.losses.common import add_log_columns_, as_float
-from pretrain.losses.rows import ess_from_ratio, tile_plan, tiled_batch_rows
-from pretrain.losses.tiles import TargetLogits
+from pretrain.losses.soft_targets import soft_target_rows  # beyond the vocabulary
 from pretrain.losses.vocabulary import (
     BatchRows,
-    ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
     finish,
     positive_logit_mean,
-    row_logsumexp,
-    scaled,
 )
 
 
@@ -64,9 +46,6 @@ def plain_xclr(rows: BatchRows, tau: Temperature, target_temperature: float,
     return -(targets * log_q.masked_fill(self_pair, 0.0)).sum(1).mean()
 
 
-COLUMNS = ColumnSet("instance")  # every candidate but the anchor itself
-
-
 def _check_targets(batch: ContrastiveBatch) -> None:
     """The targets' inputs are there; labels outside the class graph fail on the device
     (``ContrastiveBatch.group_index``), with no value read back to the host."""
@@ -81,106 +60,6 @@ def _check_targets(batch: ContrastiveBatch) -> None:
                              f"the batch {batch.num_classes}")
     elif batch.captions is None:
         raise ValueError("xclr: needs caption embeddings (captions=) or a class_graph")
-
-
-def target_groups(batch: ContrastiveBatch,
-                  target_temperature: float) -> tuple[PositiveKind | None, Tensor]:
-    """(group kind, [n, G] c_i . c_g / tau_s) for the groups within which targets are constant.
-
-    Class graph: label groups, the graph's C classes ([n, C]). Captions: one group per
-    candidate ([n, N]; kind None), whether or not the views of an image share a caption.
-    Computed in the embeddings' precision, whatever the graph's or captions' dtype.
-    """
-    dtype = as_float(batch.candidates).dtype
-    if batch.class_graph is not None:
-        graph = batch.class_graph.to(dtype)
-        batch.group_index("label")  # labels checked against the graph's classes
-        return "label", graph.index_select(0, batch.labels[batch.anchor_index]) / \
-            target_temperature
-    captions = F.normalize(batch.captions.to(dtype), dim=1)
-    return None, (captions[batch.anchor_index] / target_temperature) @ captions.T
-
-
-def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: Tensor,
-                         temperature: Temperature) -> tuple[Tensor, Tensor]:
-    """([n] sum_j t_ij s_ij / tau, [n] target entropy) when every column but self is kept.
-
-    ``sim`` [n, G] (overwritten) holds c_i . c_g / tau_s. With m_ig members of group g in
-    anchor i's columns, P_ig = softmax_g(sim_ig + log m_ig) is the target mass of group g
-    and each member gets t_ij = P_ig / m_ig.
-    """
-    if kind is None:  # one group per candidate
-        groups = torch.arange(batch.num_candidates, device=sim.device)
-        counts = torch.ones_like(groups) if batch.valid is None else batch.valid.long()
-        sums = as_float(batch.candidates)
-    else:
-        _, groups, counts = batch.group_index(kind)
-        sums = batch.group_sums(kind)
-    anchor_group = groups[batch.anchor_index]
-    rows = torch.arange(len(anchor_group), device=sim.device)
-    with torch.no_grad():
-        members = counts.clamp(min=1).to(sim.dtype)  # an empty group's mass is 0
-        own = members[anchor_group] - 1  # [n] the anchor's own group, minus itself
-        log_members = torch.log(members)
-        add_log_columns_(sim, anchor_group, counts)
-        log_mass = torch.log_softmax(sim, dim=1)  # [n, G]
-        mass = log_mass.exp()
-        own_mass = mass[rows, anchor_group]
-        entropy = (mass @ log_members - torch.linalg.vecdot(mass, log_mass, dim=1)
-                   + own_mass * (torch.log(own.clamp(min=1)) - log_members[anchor_group]))
-        weights = mass.div_(members)  # [n, G] target of each member
-        own_weight = own_mass / own.clamp(min=1)
-        weights[rows, anchor_group] = own_weight
-    anchors = as_float(batch.anchors)
-    self_sim = (anchors * as_float(batch.candidates)[batch.anchor_index]).sum(1)
-    term = (anchors * (weights @ sums)).sum(1) - own_weight * self_sim
-    return term / temperature, entropy
-
-
-def _dense_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: Tensor,
-                       anchors: Tensor) -> tuple[Tensor, Tensor]:
-    """The same for per-anchor column subsets (``num_negatives``): [n, N] targets."""
-    with torch.no_grad():
-        if kind is not None:
-            sim = sim[:, batch.group_index(kind)[1]]
-        log_targets = torch.log_softmax(batch.columns(COLUMNS).apply(sim, MASKED_LOGIT), dim=1)
-        targets = log_targets.exp()
-        entropy = -torch.linalg.vecdot(targets, log_targets, dim=1)
-    return torch.linalg.vecdot(anchors, targets @ as_float(batch.candidates)), entropy
-
-
-def target_logits(batch: ContrastiveBatch, target_temperature: float) -> TargetLogits:
-    """Per column tile [start, stop) and block of anchor rows: the [rows, T] target logits
-    c_i . c_j / tau_s."""
-    dtype = as_float(batch.candidates).dtype
-    if batch.class_graph is not None:
-        rows = batch.class_graph.to(dtype).index_select(0, batch.labels[batch.anchor_index])
-        rows = rows.div_(target_temperature)  # [n, C]
-        return lambda start, stop, block, out: torch.index_select(
-            rows[block], 1, batch.labels[start:stop], out=out)
-    return _CaptionTargets(batch.captions.to(dtype), batch.anchor_index, target_temperature)
-
-
-class _CaptionTargets:
-    """cos(c_i, c_j) / tau_s from the caption embeddings [N, E] as given: the anchors'
-    captions gathered and normalised once per block of rows (tiles come block by block),
-    each tile's columns scaled by their inverse norms [N]. No [n, E] or [N, E] copy: at
-    E = 384 one outweighs the [N, D] embeddings three times."""
-
-    def __init__(self, captions: Tensor, anchor_index: Tensor, temperature: float) -> None:
-        self.captions, self.anchor_index, self.temperature = captions, anchor_index, temperature
-        # F.normalize's clamp, so tiles equal the dense path's normalised captions
-        self.inverse_norms = torch.linalg.vector_norm(captions, dim=1).clamp_(
-            min=NORM_EPS).reciprocal_()
-        self._block, self._anchors = slice(0), captions[:0]
-
-    def __call__(self, start: int, stop: int, block: slice, out: Tensor) -> Tensor:
-        if block != self._block:
-            rows = self.anchor_index[block]
-            scale = self.inverse_norms[rows, None] / self.temperature
-            self._block, self._anchors = block, self.captions[rows].mul_(scale)
-        return torch.mm(self._anchors, self.captions[start:stop].T, out=out).mul_(
-            self.inverse_norms[start:stop])
 
 
 @dataclass
@@ -200,29 +79,10 @@ def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
          target_temperature: float) -> ObjectiveOutput:
     """Soft-target contrastive loss; ``target_temperature`` is the paper's tau_s."""
     _check_targets(batch)
-    # tiles: class-graph targets stay per label group ([n, C]); captions go per tile
-    grouped = batch.num_negatives is None and (
-        batch.tile_size is None or batch.class_graph is not None)
-    if batch.tile_size is not None and not grouped:
-        plan = tile_plan(batch, COLUMNS, monitors=True,
-                         targets=target_logits(batch, target_temperature))
-        tiled = tiled_batch_rows(batch, batch.anchors, batch.candidates, plan,
-                                 temperature)
-        lse, term, entropy = tiled.lse, tiled.target_term, tiled.target_entropy
-        ess = ess_from_ratio(batch, "instance", tiled.ess_ratio)
-        negative_logit_sum = tiled.negative_logit_sum
-    else:
-        anchors = scaled(batch.anchors, temperature)  # [n, D]
-        rows = row_logsumexp(batch, anchors, batch.candidates, COLUMNS, monitors=True)
-        lse, ess, negative_logit_sum = rows.lse, rows.ess, rows.negative_logit_sum
-        kind, sim = target_groups(batch, target_temperature)
-        if batch.num_negatives is None:
-            term, entropy = _grouped_target_term(batch, kind, sim, temperature)
-        else:
-            term, entropy = _dense_target_term(batch, kind, sim, anchors)
-    loss = batch.anchor_mean(lse - term, None)
+    rows = soft_target_rows(batch, temperature, target_temperature)  # [n] each
+    loss = batch.anchor_mean(rows.lse - rows.target_term, None)
     with torch.no_grad():  # the monitors' only
         pos_mean, _ = positive_logit_mean(batch, "instance", temperature)
-    return finish(batch, loss, None, temperature, infonce=lse - pos_mean, ess=ess,
-                  negative_logit_sum=negative_logit_sum, pos_mean=pos_mean,
-                  extra={"target_entropy": batch.anchor_mean(entropy, None)})
+    return finish(batch, loss, None, temperature, infonce=rows.lse - pos_mean, ess=rows.ess,
+                  negative_logit_sum=rows.negative_logit_sum, pos_mean=pos_mean,
+                  extra={"target_entropy": batch.anchor_mean(rows.entropy, None)})

@@ -14,11 +14,10 @@ import pretrain.losses.vocabulary as vocabulary
 from pretrain.losses import OBJECTIVES
 
 INTERNALS = {"batch", "columns", "common", "rows", "tiles", "pair_tiles", "sigmoid_rows",
-             "projections"}
+             "projections", "soft_targets"}
 # loss file -> the internal names it takes beyond the vocabulary (and why: architecture.md)
 BEYOND = {
-    "xclr": {"NORM_EPS", "PositiveKind", "MASKED_LOGIT", "add_log_columns_", "as_float",
-             "ess_from_ratio", "tile_plan", "tiled_batch_rows", "TargetLogits"},
+    "xclr": {"soft_target_rows"},
     "projnce": {"add_log_columns_", "as_float", "RowTerms", "KernelMetric",
                 "kernel_class_means", "learned_class_embeddings", "median_class_embeddings",
                 "plain_kernel_class_means", "plain_median_class_embeddings"},
