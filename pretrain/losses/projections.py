@@ -1,7 +1,8 @@
-"""Class projections g(c) for ProjNCE (Jeong & Hero, Sec. 3): one vector per label group.
+"""Class projections g(c) for ProjNCE (Jeong & Hero, Sec. 3) and the row terms they give.
 
-Each function returns [G, D] for the G label groups of ``ContrastiveBatch.group_index``
-(sorted distinct labels), computed from the *global* batch so that every rank agrees.
+Each projection is [G, D] for the G label groups of ``ContrastiveBatch.group_index``
+(sorted distinct labels), computed from the *global* batch so that every rank agrees;
+:func:`projected_rows` turns the chosen one into ProjNCE's per-anchor terms.
 """
 
 from __future__ import annotations
@@ -13,32 +14,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from pretrain.losses.batch import ContrastiveBatch
+from pretrain.losses.columns import ColumnSet
+from pretrain.losses.common import add_log_columns_, as_float, pair_logits
+from pretrain.losses.rows import RowTerms, row_logsumexp
+
 KernelMetric = Literal["l1", "l2", "cos"]
 # The most [rows, neighbours, D] elements one tile of the kernel weights gathers
 GATHER_BUDGET = 2**24
-
-
-def plain_kernel_class_means(z: Tensor, labels: Tensor, num_classes: int, bandwidth: float,
-                             metric: KernelMetric, neighbours: int | None = None) -> Tensor:
-    """The Nadaraya-Watson class means as written (eq. 16-17), K(t) = 1 - t^2 on [0, 1]:
-    ``z`` [N, D] unit rows, ``labels`` [N] in [0, C); returns [C, D] (every class present).
-    With ``neighbours`` = k, each sample weighs only its k most similar others (z_j . z_m)."""
-    distance = {"l1": lambda: torch.cdist(z, z, p=1.0), "l2": lambda: torch.cdist(z, z),
-                "cos": lambda: 0.5 - 0.5 * z @ z.T}[metric]()                # [N, N]
-    self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)
-    weight = torch.where(self_pair, 1.0, (1 - (distance / bandwidth) ** 2).clamp(min=0))
-    if neighbours is not None:  # the k nearest by cosine, and the sample itself
-        nearest = (z @ z.T).masked_fill(self_pair, float("-inf")).topk(neighbours).indices
-        weight = weight * self_pair.scatter(1, nearest, True)
-    one_hot = F.one_hot(labels, num_classes).to(z.dtype)                    # [N, C]
-    posterior = weight @ one_hot / weight.sum(1, keepdim=True)              # NW(c | z_j)
-    return posterior.T @ z / posterior.sum(0)[:, None]                      # f_hat(c)
-
-
-def plain_median_class_embeddings(z: Tensor, labels: Tensor, num_classes: int) -> Tensor:
-    """Each class's coordinate-wise lower median (eq. 33) as written: [C, D]."""
-    return torch.stack([z[labels == c].sort(dim=0).values[((labels == c).sum() - 1) // 2]
-                        for c in range(num_classes)])
 
 
 class KernelMeans(NamedTuple):
@@ -205,3 +188,84 @@ def learned_class_embeddings(class_embeddings: Tensor, group_labels: Tensor) -> 
     [G] lie in [0, C) (the batch's label groups are the C classes; checked there).
     """
     return F.normalize(class_embeddings[group_labels], dim=1)
+
+
+class ClassProjection(NamedTuple):
+    """``objective.projnce.*``: which projection g, and its keys."""
+
+    projection: str  # centroid, kernel, median or learned
+    bandwidth: float
+    kernel_metric: KernelMetric
+    neighbours: int
+    class_embeddings: Tensor | None  # learned: the [C, D] table
+
+
+class ProjectedRows(NamedTuple):
+    """Per-anchor terms [n] of ProjNCE, psi(z, v) = z . v / tau over the anchor's columns
+    j != i, and the plain similarity logits' row terms for the monitors."""
+
+    plus_own: Tensor  # psi(z_i, g+(y_i))
+    lse_minus: Tensor  # log sum_j exp psi(z_i, g-(y_j))
+    lse_plus: Tensor  # log sum_j exp psi(z_i, g+(y_j))
+    similarity: RowTerms
+    metrics: dict[str, Tensor]  # the projection's own (kernel_truncated)
+
+
+def projected_rows(batch: ContrastiveBatch, anchors: Tensor,
+                   g: ClassProjection) -> ProjectedRows:
+    """ProjNCE's row terms for ``anchors`` [n, D] already over tau: the centroid with
+    g- = z (its minus logits are the similarity logits); the others with one projected
+    vector per label group, g+ = g-."""
+    columns = ColumnSet("label")
+    if g.projection == "centroid":
+        plus = _centroid_plus(batch)  # [N, D]
+        minus = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True)
+        return ProjectedRows(pair_logits(anchors, plus, batch.self_pairs()), minus.lse,
+                             row_logsumexp(batch, anchors, plus, columns).lse, minus, {})
+    projected, metrics = _group_projection(batch, g.projection, g.bandwidth, g.kernel_metric,
+                                           g.neighbours, g.class_embeddings)  # [G, D]
+    _, groups, _ = batch.group_index("label")
+    plus_own = pair_logits(anchors, projected, (batch.self_pairs()[0],
+                                                groups[batch.anchor_index]))
+    if batch.num_negatives is None and (batch.tile_size is None or batch.classes is not None):
+        # [n, G] logits suffice (tiled: G the C classes, not N slots)
+        lse = _group_lse(batch, anchors @ projected.T)
+    else:
+        lse = row_logsumexp(batch, anchors, projected[groups], columns).lse
+    with torch.no_grad():  # the monitors read the plain similarity logits
+        similarity = row_logsumexp(batch, anchors.detach(), batch.candidates.detach(),
+                                   columns, monitors=True)
+    return ProjectedRows(plus_own, lse, lse, similarity, metrics)
+
+
+def _centroid_plus(batch: ContrastiveBatch) -> Tensor:
+    """[N, D] g+(y_k) = (S_{y_k} - z_k) / (n_{y_k} - 1) per candidate k; z_k if alone."""
+    _, groups, counts = batch.group_index("label")
+    cand = as_float(batch.candidates)
+    alone = (counts[groups] == 1)[:, None]
+    others = batch.group_sums("label")[groups] - cand
+    others = others / (counts[groups] - 1).clamp(min=1)[:, None]
+    return torch.where(alone, cand, others)
+
+
+def _group_lse(batch: ContrastiveBatch, group_logits: Tensor) -> Tensor:
+    """[n] log sum_{j != i} exp psi(z_i, g(y_j)) from [n, G] logits and group sizes."""
+    _, groups, counts = batch.group_index("label")
+    summed = add_log_columns_(group_logits.clone(), groups[batch.anchor_index], counts)
+    return torch.logsumexp(summed, dim=1)
+
+
+def _group_projection(batch: ContrastiveBatch, projection: str, bandwidth: float,
+                      kernel_metric: KernelMetric, neighbours: int,
+                      class_embeddings: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """[G, D] one projected vector per label group of the global batch, and the
+    projection's own metrics."""
+    values, groups, counts = batch.group_index("label")
+    cand = as_float(batch.candidates)
+    if projection == "kernel":  # its class posterior is [N, G]: give num_classes for G = C
+        kernel = kernel_class_means(cand, groups, counts.shape[0], bandwidth, kernel_metric,
+                                    neighbours, tile_size=batch.tile_size, valid=batch.valid)
+        return kernel.means, {"kernel_truncated": kernel.truncated}
+    if projection == "median":
+        return median_class_embeddings(cand, groups, counts, batch.valid), {}
+    return learned_class_embeddings(class_embeddings.to(cand.dtype), values), {}

@@ -21,27 +21,15 @@ from torch import Tensor
 
 from core.config import InvalidValue
 
-# per-class sums: beyond the vocabulary (docs/architecture.md)
-from pretrain.losses.common import add_log_columns_, as_float
-from pretrain.losses.projections import (
-    KernelMetric,
-    kernel_class_means,
-    learned_class_embeddings,
-    median_class_embeddings,
-    plain_kernel_class_means,
-    plain_median_class_embeddings,
-)
-from pretrain.losses.rows import RowTerms
+# beyond the vocabulary: the class projections and the rows they give
+from pretrain.losses.projections import ClassProjection, KernelMetric, projected_rows
 from pretrain.losses.vocabulary import (
     BatchRows,
-    ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
     finish,
-    pair_logits,
     positive_logit_mean,
-    row_logsumexp,
     scaled,
 )
 
@@ -67,6 +55,29 @@ def plain_projnce(rows: BatchRows, tau: Temperature, projection: Projection,
     else:
         table = F.normalize(class_embeddings, dim=1)
     return plain_projnce_of(z, labels, tau, table[labels], table[labels])
+
+
+def plain_kernel_class_means(z: Tensor, labels: Tensor, num_classes: int, bandwidth: float,
+                             metric: KernelMetric, neighbours: int | None = None) -> Tensor:
+    """The Nadaraya-Watson class means as written (eq. 16-17), K(t) = 1 - t^2 on [0, 1]:
+    ``z`` [N, D] unit rows, ``labels`` [N] in [0, C); returns [C, D] (every class present).
+    With ``neighbours`` = k, each sample weighs only its k most similar others (z_j . z_m)."""
+    distance = {"l1": lambda: torch.cdist(z, z, p=1.0), "l2": lambda: torch.cdist(z, z),
+                "cos": lambda: 0.5 - 0.5 * z @ z.T}[metric]()                # [N, N]
+    self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)
+    weight = torch.where(self_pair, 1.0, (1 - (distance / bandwidth) ** 2).clamp(min=0))
+    if neighbours is not None:  # the k nearest by cosine, and the sample itself
+        nearest = (z @ z.T).masked_fill(self_pair, float("-inf")).topk(neighbours).indices
+        weight = weight * self_pair.scatter(1, nearest, True)
+    one_hot = F.one_hot(labels, num_classes).to(z.dtype)                    # [N, C]
+    posterior = weight @ one_hot / weight.sum(1, keepdim=True)              # NW(c | z_j)
+    return posterior.T @ z / posterior.sum(0)[:, None]                      # f_hat(c)
+
+
+def plain_median_class_embeddings(z: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """Each class's coordinate-wise lower median (eq. 33) as written: [C, D]."""
+    return torch.stack([z[labels == c].sort(dim=0).values[((labels == c).sum() - 1) // 2]
+                        for c in range(num_classes)])
 
 
 def plain_projnce_of(z: Tensor, labels: Tensor, tau: Temperature, plus: Tensor,
@@ -109,39 +120,6 @@ class ProjNCEConfig:
             raise InvalidValue("neighbours", f"must be >= 1, got {self.neighbours}")
 
 
-def _centroid_plus(batch: ContrastiveBatch) -> Tensor:
-    """[N, D] g+(y_k) = (S_{y_k} - z_k) / (n_{y_k} - 1) per candidate k; z_k if alone."""
-    _, groups, counts = batch.group_index("label")
-    cand = as_float(batch.candidates)
-    alone = (counts[groups] == 1)[:, None]
-    others = batch.group_sums("label")[groups] - cand
-    others = others / (counts[groups] - 1).clamp(min=1)[:, None]
-    return torch.where(alone, cand, others)
-
-
-def _group_lse(batch: ContrastiveBatch, group_logits: Tensor) -> Tensor:
-    """[n] log sum_{j != i} exp psi(z_i, g(y_j)) from [n, G] logits and group sizes."""
-    _, groups, counts = batch.group_index("label")
-    summed = add_log_columns_(group_logits.clone(), groups[batch.anchor_index], counts)
-    return torch.logsumexp(summed, dim=1)
-
-
-def _group_projection(batch: ContrastiveBatch, projection: Projection, bandwidth: float,
-                      kernel_metric: KernelMetric, neighbours: int,
-                      class_embeddings: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-    """[G, D] one projected vector per label group of the global batch, and the
-    projection's own metrics."""
-    values, groups, counts = batch.group_index("label")
-    cand = as_float(batch.candidates)
-    if projection == "kernel":  # its class posterior is [N, G]: give num_classes for G = C
-        kernel = kernel_class_means(cand, groups, counts.shape[0], bandwidth, kernel_metric,
-                                    neighbours, tile_size=batch.tile_size, valid=batch.valid)
-        return kernel.means, {"kernel_truncated": kernel.truncated}
-    if projection == "median":
-        return median_class_embeddings(cand, groups, counts, batch.valid), {}
-    return learned_class_embeddings(class_embeddings.to(cand.dtype), values), {}
-
-
 def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
             projection: Projection, bandwidth: float, kernel_metric: KernelMetric,
             neighbours: int, class_embeddings: Tensor | None = None) -> ObjectiveOutput:
@@ -154,45 +132,16 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
                              "tensor")
         # label groups are the matrix's C classes (labels outside [0, C) fail there)
         batch = dataclasses.replace(batch, num_classes=class_embeddings.shape[0])
-    kind = "label"
-    columns = ColumnSet(kind)
-    projection_metrics: dict[str, Tensor] = {}
     anchors = scaled(batch.anchors, temperature)  # [n, D]
-    if projection == "centroid":  # g- = z: minus logits are the similarity logits
-        plus = _centroid_plus(batch)  # [N, D]
-        plus_own = pair_logits(anchors, plus, batch.self_pairs())  # [n]
-        minus = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True)
-        lse_minus = minus.lse
-        lse_plus = row_logsumexp(batch, anchors, plus, columns).lse
-    else:  # g+ = g- per label group
-        projected, projection_metrics = _group_projection(
-            batch, projection, bandwidth, kernel_metric, neighbours,
-            class_embeddings)  # [G, D]
-        _, groups, _ = batch.group_index(kind)
-        plus_own = pair_logits(anchors, projected, (batch.self_pairs()[0],
-                                                    groups[batch.anchor_index]))
-        if batch.num_negatives is None and (batch.tile_size is None
-                                            or batch.classes is not None):
-            # [n, G] logits suffice (tiled: G the C classes, not N slots)
-            lse_minus = _group_lse(batch, anchors @ projected.T)
-        else:
-            lse_minus = row_logsumexp(batch, anchors, projected[groups], columns).lse
-        lse_plus = lse_minus  # the same projection on both sides
-        with torch.no_grad():  # the monitors read the plain similarity logits
-            minus = row_logsumexp(batch, anchors.detach(), batch.candidates.detach(),
-                                  columns, monitors=True)
-    i_proj = lse_minus - plus_own  # [n]
-    adjustment = torch.exp(lse_plus - lse_minus)  # [n]; exactly 1 when g+ = g-
-    loss = batch.anchor_mean(i_proj + adjustment, kind)
-    extra = {"adjustment": batch.anchor_mean(adjustment, kind),
-             "i_proj": batch.anchor_mean(i_proj, kind), **projection_metrics}
-    return finish(batch, loss, kind, temperature, extra=extra, **_monitors(
-        batch, minus, temperature))
-
-
-def _monitors(batch: ContrastiveBatch, minus: RowTerms,
-              temperature: Temperature) -> dict[str, Tensor]:
-    """The common monitors' inputs from the plain similarity logits' row terms."""
-    pos_mean, _ = positive_logit_mean(batch, "label", temperature)
-    return {"infonce": minus.lse - pos_mean, "pos_mean": pos_mean, "ess": minus.ess,
-            "negative_logit_sum": minus.negative_logit_sum}
+    rows = projected_rows(batch, anchors, ClassProjection(
+        projection, bandwidth, kernel_metric, neighbours, class_embeddings))
+    i_proj = rows.lse_minus - rows.plus_own  # [n]
+    adjustment = torch.exp(rows.lse_plus - rows.lse_minus)  # [n]; exactly 1 when g+ = g-
+    loss = batch.anchor_mean(i_proj + adjustment, "label")
+    pos_mean, _ = positive_logit_mean(batch, "label", temperature)  # the monitors' only
+    similarity = rows.similarity  # the plain similarity logits' row terms
+    extra = {"adjustment": batch.anchor_mean(adjustment, "label"),
+             "i_proj": batch.anchor_mean(i_proj, "label"), **rows.metrics}
+    return finish(batch, loss, "label", temperature, extra=extra, pos_mean=pos_mean,
+                  infonce=similarity.lse - pos_mean, ess=similarity.ess,
+                  negative_logit_sum=similarity.negative_logit_sum)

@@ -18,9 +18,7 @@ INTERNALS = {"batch", "columns", "common", "rows", "tiles", "pair_tiles", "sigmo
 # loss file -> the internal names it takes beyond the vocabulary (and why: architecture.md)
 BEYOND = {
     "xclr": {"soft_target_rows"},
-    "projnce": {"add_log_columns_", "as_float", "RowTerms", "KernelMetric",
-                "kernel_class_means", "learned_class_embeddings", "median_class_embeddings",
-                "plain_kernel_class_means", "plain_median_class_embeddings"},
+    "projnce": {"ClassProjection", "KernelMetric", "projected_rows"},
     "clip": {"both_directions"},
     "siglip": {"sigmoid_rows"},
     "sincere": {"row_logsumexp_and_pair_terms"},
