@@ -1,4 +1,4 @@
-"""Finite losses and gradients at tau = 0.01 under bf16 autocast."""
+"""Finite float32 losses and gradients at tau = 0.01 under bf16 autocast."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def test_finite_at_tau_001_under_bf16_autocast(case):
         loss, metrics = batch_loss(case.name, z, ids, rows.labels, captions=rows.captions,
                                    text=rows.text, temperature=0.01, **keywords)
     loss.backward()
+    assert loss.dtype == torch.float32  # the loss arithmetic ran with autocast off
     assert torch.isfinite(loss)
     assert all(torch.isfinite(v) for v in metrics.values()), metrics
     assert torch.isfinite(encoder.weight.grad).all()
