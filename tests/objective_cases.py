@@ -78,6 +78,11 @@ class ObjectiveCase:
         keywords = self.keys | {k: v.to(dtype) for k, v in parameters.items()}
         return keywords | ({"class_graph": graph} if self.class_graph else {})
 
+    def parameter_leaves(self, keywords: dict[str, Any]) -> list[Tensor]:
+        """The loss parameters among ``keywords``, made leaves that require a gradient."""
+        return [keywords[p.name].requires_grad_() for p in self.spec.parameters
+                if p.name in keywords]
+
 
 def objective_cases() -> list[ObjectiveCase]:
     """Every entry of the table under each of its examples (read when called, so an entry

@@ -289,4 +289,3 @@ def finish_pairs(batch: ContrastiveBatch, loss: Tensor, temperature: Temperature
                         for name, value in (extra or {}).items()})
     metrics.update(loss=loss.detach(), temperature=as_metric(tau, loss))
     return ObjectiveOutput(loss, metrics)
-

@@ -43,6 +43,5 @@ def case_keywords(case: ObjectiveCase) -> tuple[dict, list[torch.Tensor]]:
     """The case's keywords, its learnable loss parameters (siglip's bias, projnce's class
     embeddings) made leaves that require a gradient, and those leaves."""
     keywords = case.keywords(6, 7, torch.float64)
-    params = [keywords[p.name].requires_grad_() for p in case.spec.parameters
-              if p.name in keywords]
+    params = case.parameter_leaves(keywords)
     return keywords, params

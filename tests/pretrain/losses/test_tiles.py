@@ -27,7 +27,7 @@ def inputs(b: Batch, case: ObjectiveCase) -> tuple[dict, list[torch.Tensor]]:
     second modality's embeddings and the loss parameters, made leaves."""
     rows = case.rows(b.z, b.ids, b.labels, b.captions, b.text)
     kwargs = case.keywords(6, b.z.shape[1], torch.float64)
-    leaves = [kwargs[p.name].requires_grad_() for p in case.spec.parameters if p.name in kwargs]
+    leaves = case.parameter_leaves(kwargs)
     if rows.text is not None:
         kwargs["text"] = rows.text.clone().requires_grad_()
         leaves.insert(0, kwargs["text"])
