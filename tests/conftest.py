@@ -55,8 +55,8 @@ class GlooGroup:
     rank, say): they are stopped, and the next ``run`` starts a fresh group. A rank that
     dies is a failure; a task with no answer at all fails after ``TASK_TIMEOUT_S``."""
 
-    def __init__(self, world: int = 2) -> None:
-        self.world = world
+    def __init__(self, world: int = 2, grace_s: float = FAILED_RANK_GRACE_S) -> None:
+        self.world, self.grace_s = world, grace_s
         self.procs: list[Any] = []
         self._start()
 
@@ -77,15 +77,15 @@ class GlooGroup:
             inbox.put((fn, args))
         results, failures = self._collect()
         if failures:
-            self.close()
+            self.close(silent=[r for r in range(self.world) if r not in results])
             raise RuntimeError("\n".join(f"rank {rank} failed:\n{why}"
                                          for rank, why in sorted(failures.items())))
         return [results[r] for r in range(self.world)]
 
     def _collect(self) -> tuple[dict[int, Any], dict[int, str]]:
         """Every rank's answer, or the failures: a rank's exception, a rank that died, or
-        the ranks still silent at the deadline (``FAILED_RANK_GRACE_S`` after the first
-        failure, ``TASK_TIMEOUT_S`` after the start)."""
+        the ranks still silent at the deadline (``grace_s`` after the first failure,
+        ``TASK_TIMEOUT_S`` after the start)."""
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + TASK_TIMEOUT_S
@@ -103,13 +103,18 @@ class GlooGroup:
                     failures.update({r: f"no answer (stopped after {waited})"
                                      for r in pending if r not in failures})
             if failures:
-                deadline = min(deadline, time.monotonic() + FAILED_RANK_GRACE_S)
+                deadline = min(deadline, time.monotonic() + self.grace_s)
         return results, failures
 
-    def close(self) -> None:
+    def close(self, silent: list[int] = ()) -> None:
+        """Stop every rank: those that answered the last task end their loop; ``silent``
+        ones (a task failed on them, or they wait in a collective for a rank that failed)
+        are killed."""
         for inbox in self.inboxes:
             inbox.put(None)
-        for proc in self.procs:
+        for rank, proc in enumerate(self.procs):
+            if rank in silent:
+                proc.kill()
             proc.join(timeout=5)
             if proc.is_alive():  # waiting in a collective for a rank that failed
                 proc.kill()

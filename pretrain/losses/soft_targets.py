@@ -23,7 +23,7 @@ from torch import Tensor
 
 from pretrain.losses.batch import NORM_EPS, ContrastiveBatch, PositiveKind
 from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
-from pretrain.losses.common import Temperature, add_log_columns_, as_float, scaled
+from pretrain.losses.common import Temperature, add_log_columns_, as_float, row_dot, scaled
 from pretrain.losses.rows import ess_from_ratio, row_logsumexp, tile_plan, tiled_batch_rows
 from pretrain.losses.tiles import TargetLogits
 
@@ -91,7 +91,7 @@ def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim
     anchor i's columns, P_ig = softmax_g(sim_ig + log m_ig) is the target mass of group g
     and each member gets t_ij = P_ig / m_ig.
     """
-    if kind is None:  # one group per candidate
+    if kind is None:  # one group per candidate: m_ig = 1, t_ij = P_ij
         groups = torch.arange(batch.num_candidates, device=sim.device)
         counts = torch.ones_like(groups) if batch.valid is None else batch.valid.long()
         sums = as_float(batch.candidates)
@@ -101,21 +101,26 @@ def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim
     anchor_group = groups[batch.anchor_index]
     rows = torch.arange(len(anchor_group), device=sim.device)
     with torch.no_grad():
-        members = counts.clamp(min=1).to(sim.dtype)  # an empty group's mass is 0
-        own = members[anchor_group] - 1  # [n] the anchor's own group, minus itself
-        log_members = torch.log(members)
         add_log_columns_(sim, anchor_group, counts)
         log_mass = torch.log_softmax(sim, dim=1)  # [n, G]
-        mass = log_mass.exp()
-        own_mass = mass[rows, anchor_group]
-        entropy = (mass @ log_members - torch.linalg.vecdot(mass, log_mass, dim=1)
-                   + own_mass * (torch.log(own.clamp(min=1)) - log_members[anchor_group]))
-        weights = mass.div_(members)  # [n, G] target of each member
-        own_weight = own_mass / own.clamp(min=1)
-        weights[rows, anchor_group] = own_weight
+        weights = log_mass.exp()  # [n, G] P_ig, then the target of each member
+        entropy = -row_dot(weights, log_mass)  # over groups; members below
+        own_weight = None  # per candidate the anchor's own column has no mass
+        if kind is not None:
+            members = counts.clamp(min=1).to(sim.dtype)  # an empty group's mass is 0
+            own = (members[anchor_group] - 1).clamp(min=1)  # the own group, less the anchor
+            log_members = torch.log(members)
+            own_mass = weights[rows, anchor_group]
+            entropy += weights @ log_members + own_mass * (
+                torch.log(own) - log_members[anchor_group])
+            weights.div_(members)
+            own_weight = own_mass / own
+            weights[rows, anchor_group] = own_weight
     anchors = as_float(batch.anchors)
-    self_sim = (anchors * as_float(batch.candidates)[batch.anchor_index]).sum(1)
-    term = (anchors * (weights @ sums)).sum(1) - own_weight * self_sim
+    term = (anchors * (weights @ sums)).sum(1)
+    if own_weight is not None:  # the group's sum holds the anchor itself
+        self_sim = (anchors * as_float(batch.candidates)[batch.anchor_index]).sum(1)
+        term = term - own_weight * self_sim
     return term / temperature, entropy
 
 
@@ -127,7 +132,7 @@ def _dense_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: 
             sim = sim[:, batch.group_index(kind)[1]]
         log_targets = torch.log_softmax(batch.columns(COLUMNS).apply(sim, MASKED_LOGIT), dim=1)
         targets = log_targets.exp()
-        entropy = -torch.linalg.vecdot(targets, log_targets, dim=1)
+        entropy = -row_dot(targets, log_targets)
     return torch.linalg.vecdot(anchors, targets @ as_float(batch.candidates)), entropy
 
 

@@ -47,7 +47,7 @@ def test_the_dry_run_measures_every_part(tmp_path):
         row["images_s"] > 0 for row in fed.values())
     assert fed[("nvjpeg", 1)]["target"] in ("met", "not met")
     trained = parts["e2e"]["rows"]
-    assert [row["jpeg"] for row in trained] == ["80x60", "200x150"]
+    assert [row["jpeg"] for row in trained] == ["80x60"]  # the GPU kit trains two sizes
     assert all(row["images_s"] > 0 and row["vs_synthetic"] > 0 and row["tflops"] > 0
                for row in trained)
     demo = parts["demo"]["rows"][0]
