@@ -9,7 +9,7 @@ import queue
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,7 @@ class GlooGroup:
                 deadline = min(deadline, time.monotonic() + self.grace_s)
         return results, failures
 
-    def close(self, silent: list[int] = ()) -> None:
+    def close(self, silent: Collection[int] = ()) -> None:
         """Stop every rank: those that answered the last task end their loop; ``silent``
         ones (a task failed on them, or they wait in a collective for a rank that failed)
         are killed."""

@@ -55,7 +55,7 @@ DRY_RUN = Sizes(sync_images=4, sync_resolution=16, sync_steps=1,
                 step_backbones=("small_cnn", "timm:test_vit"), step_images=4,
                 step_resolution=32, step_steps=1,
                 feed_cases=(("cpu", 1), ("nvjpeg", 1)), feed_images=16,
-                e2e_jpeg_sizes=((80, 60),), e2e_backbones=("small_cnn",),  # each size: one path
+                e2e_jpeg_sizes=((80, 60),), e2e_backbones=("small_cnn",),  # GPU: 2, same path
                 e2e_steps=4, e2e_window=2, e2e_workers=1,
                 # dynamo's capture and AOT autograd without inductor's C++ codegen (30 s
                 # cold here); inductor on CPU: tests/pretrain/loop/test_compile.py
