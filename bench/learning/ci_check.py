@@ -10,7 +10,8 @@ canvases:
   the instance discrimination InfoNCE trains for.
 
     python -m bench.learning.ci_check --recipe infonce --epochs 8 --seeds 0 1 2 3 4
-    python -m bench.learning.ci_check --recipe clip --captions alt_text --epochs 3
+    python -m bench.learning.ci_check --recipe clip --captions alt_text --epochs 3 \
+        --set data.batch_size=32
 
 Prints per seed untrained -> trained (gain) and, per measure, the gain's mean, standard
 deviation and mean - 3 sd (the highest threshold the test may assert); writes
@@ -186,14 +187,20 @@ def views_of_test(recipe: str, keys: list[str], test: Path) -> list[torch.Tensor
     return [batch["images"] for batch in train_batches(views)]
 
 
-def measure(recipe: str, epochs: int, seed: int, root: Path,
-            captions: str = "attributes") -> dict[str, dict[str, float]]:
-    """Untrained and trained scores of one seed (kept in the run's ``result.json``)."""
+def run_name(recipe: str, captions: str, epochs: int, extra: list[str]) -> str:
+    """``<recipe>-<captions>-e<epochs>``, then each extra override as ``key=value``."""
+    return "-".join([recipe, captions, f"e{epochs}", *extra])
+
+
+def measure(recipe: str, epochs: int, seed: int, root: Path, captions: str = "attributes",
+            extra: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """Untrained and trained scores of one seed (kept in the run's ``result.json``);
+    ``extra``: ``key=value`` overrides after the check's own."""
     train, test = cluttered(root / "shards", captions)
-    run_dir = root / "runs" / f"{recipe}-{captions}-e{epochs}-s{seed}"
+    run_dir = root / "runs" / f"{run_name(recipe, captions, epochs, list(extra))}-s{seed}"
     if (run_dir / "result.json").is_file():
         return json.loads((run_dir / "result.json").read_text())
-    keys = overrides(run_dir, train, epochs, seed)
+    keys = [*overrides(run_dir, train, epochs, seed), *extra]
     result = pretrain(recipe, keys, timeout=3600)
     if result.returncode != 0:
         raise SystemExit(f"{run_dir}: pretrain failed\n{result.stderr[-3000:]}")
@@ -219,14 +226,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--captions", choices=["attributes", "alt_text"], default="attributes",
                         help="the cluttered digits' caption set (shards.captions)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides of the recipe after the check's own")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ci_check")
     args = parser.parse_args()
     per_seed = {}
     for seed in args.seeds:
-        per_seed[seed] = measure(args.recipe, args.epochs, seed, args.out, args.captions)
+        per_seed[seed] = measure(args.recipe, args.epochs, seed, args.out, args.captions,
+                                 tuple(args.set))
         print(seed, json.dumps(per_seed[seed]), flush=True)
     report = {"recipe": args.recipe, "captions": args.captions, "epochs": args.epochs,
-              "per_seed": per_seed}
+              "set": args.set, "per_seed": per_seed}
     print("| measure | per seed: untrained -> trained (gain) | gain mean ± sd | mean - 3 sd |")
     print("| --- | --- | --- | --- |")
     for name in MEASURES:
@@ -235,7 +245,7 @@ def main() -> None:
         cells = ", ".join(f"{b:.3f} -> {a:.3f} ({a - b:+.3f})" for b, a in rows)
         print(f"| {name} | {cells} | {stats['mean']:.3f} ± {stats['sd']:.3f} "
               f"| {stats['mean_minus_3sd']:.3f} |")
-    path = args.out / f"ci_check-{args.recipe}-{args.captions}-e{args.epochs}.json"
+    path = args.out / f"ci_check-{run_name(args.recipe, args.captions, args.epochs, args.set)}.json"
     path.write_text(json.dumps(report, indent=2))
 
 

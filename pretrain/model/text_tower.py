@@ -42,6 +42,11 @@ class TextTower(nn.Module):
         self.transformer = AutoModel.from_pretrained(model_path(cfg.model))
         self.trainable = cfg.trainable
         self.transformer.requires_grad_(cfg.trainable)
+        # a BERT's pooler (its [CLS] head) gets no gradient under mean pooling, which DDP
+        # refuses at the second step; frozen, it stays in the state as the model has it
+        pooler = getattr(self.transformer, "pooler", None)
+        if isinstance(pooler, nn.Module):
+            pooler.requires_grad_(False)
         self.projection = nn.Linear(self.transformer.config.hidden_size, out_dim,
                                     bias=cfg.projection_bias)
 

@@ -10,6 +10,8 @@ from data_pipeline.text import load_tokenizer, tokenize
 from pretrain.loop.step import model_inputs
 from pretrain.model.encoder import ContrastiveModel, ModelConfig
 from pretrain.model.text_tower import TextTower, TextTowerConfig
+from tests.app.helpers import run_pretrain, train_overrides
+from tests.pretrain.run.test_checkpoint import final_model
 
 CAPTIONS = ["a small red seven on blue", "number 3, large and green", "a photo of a dog"]
 ROWS = [0, 1, 2, 1, 0, 2, 0]  # any order, repeats included
@@ -53,3 +55,20 @@ def test_a_step_encodes_each_caption_once_when_the_views_share_them():
     assert seen == [3, 6]  # once per caption, then once per view
     torch.testing.assert_close(shared, every_row, rtol=0, atol=1e-12)
     assert model_inputs({**batch, "text_repeated": True}, slice(0, 4))[3] == 1  # chunks
+
+
+def test_a_trainable_tower_trains_on_two_ddp_ranks(digits_shards, random_text, tmp_path):
+    """The shipped CC3M/CC12M image-text recipes fine-tune the tower under DDP, which stops a
+    run at its second step if any trainable parameter gets no gradient: the transformer's
+    pooler (the [CLS] head, unused by mean pooling) must not train. Through the real
+    command, 2 ranks, the tower's weights moved."""
+    overrides = train_overrides(digits_shards, tmp_path, **{
+        "objective.name": "clip", "model.text.trainable": True,
+        "model.text.model": random_text.model, "train.max_steps": 3})
+    result = run_pretrain(overrides, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = final_model(tmp_path / "run")["model"]
+    start = TextTower(TextTowerConfig(model=random_text.model), 16).transformer.state_dict()
+    moved = [k for k, v in start.items() if not torch.equal(state[f"text.transformer.{k}"], v)]
+    assert any(k.startswith("encoder.layer.") for k in moved), moved
+    assert not any(k.startswith("pooler.") for k in moved), moved
