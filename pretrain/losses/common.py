@@ -95,24 +95,62 @@ class _RowSoftmax(torch.autograd.Function):
     def forward(ctx, masked: Tensor) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)  # no [n, N] zeros for the probs output's grad
         ctx.spent = False
-        row_max, argmax = masked.max(dim=1)
-        log_probs = torch.log_softmax(masked, dim=1)
-        lse = row_max - log_probs.gather(1, argmax[:, None]).squeeze(1)
-        probs = log_probs.exp_()
+        lse, probs = _lse_and_softmax(masked)
         ctx.save_for_backward(probs)
         ctx.mark_non_differentiable(probs)
         return lse, probs
 
     @staticmethod
     def backward(ctx, grad_lse: Tensor | None, grad_probs: None) -> Tensor | None:
-        if ctx.spent:
-            raise RuntimeError("row_softmax: backward ran twice; retain_graph is not supported")
-        ctx.spent = True
+        _spend(ctx)
         if grad_lse is None:
             return None
         (probs,) = ctx.saved_tensors
         # in place: also, out of place a column-broadcast multiply is ~8x slower on CPU
         return probs.mul_(grad_lse[:, None])
+
+
+class _RowSoftmaxAndTargets(torch.autograd.Function):
+    """:class:`_RowSoftmax` with soft targets t [n, N] (no gradient, 0 at the left-out
+    entries): also each row's sum_j t_ij l_ij. Backward: the gradient with respect to the
+    logits, g_lse * softmax + g_term * t (for lse - term: softmax - t), formed in place in
+    the saved softmax; the targets never enter a matmul."""
+
+    @staticmethod
+    def forward(ctx, masked: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        ctx.spent = False
+        term = row_dot(targets, masked)  # 0 * MASKED_LOGIT is 0 at the left-out entries
+        lse, probs = _lse_and_softmax(masked)
+        ctx.save_for_backward(probs, targets)
+        ctx.mark_non_differentiable(probs)
+        return lse, term, probs
+
+    @staticmethod
+    def backward(ctx, grad_lse: Tensor | None, grad_term: Tensor | None,
+                 grad_probs: None) -> tuple[Tensor | None, None]:
+        _spend(ctx)
+        probs, targets = ctx.saved_tensors
+        if grad_lse is None and grad_term is None:
+            return None, None
+        grad = probs.mul_(grad_lse[:, None]) if grad_lse is not None else probs.zero_()
+        if grad_term is not None:
+            grad.addcmul_(targets, grad_term[:, None])
+        return grad, None
+
+
+def _lse_and_softmax(masked: Tensor) -> tuple[Tensor, Tensor]:
+    """([n] logsumexp of each row, [n, N] its softmax): one fused log_softmax and one exp."""
+    row_max, argmax = masked.max(dim=1)
+    log_probs = torch.log_softmax(masked, dim=1)
+    lse = row_max - log_probs.gather(1, argmax[:, None]).squeeze(1)
+    return lse, log_probs.exp_()
+
+
+def _spend(ctx) -> None:
+    if ctx.spent:
+        raise RuntimeError("row_softmax: backward ran twice; retain_graph is not supported")
+    ctx.spent = True
 
 
 def row_softmax_(logits: Tensor, columns: Columns) -> tuple[Tensor, Tensor]:
@@ -126,6 +164,16 @@ def row_softmax_(logits: Tensor, columns: Columns) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         columns.fill_(logits, MASKED_LOGIT)
     return _RowSoftmax.apply(logits)
+
+
+def row_softmax_and_targets_(logits: Tensor, columns: Columns,
+                             targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`row_softmax_` beside soft ``targets`` [n, N] (no gradient, 0 wherever
+    ``columns`` leaves an entry out): ([n] logsumexp, [n] sum_j t_ij l_ij, both with
+    gradient; [n, N] the softmax, detached). ``logits`` is overwritten as there."""
+    with torch.no_grad():
+        columns.fill_(logits, MASKED_LOGIT)
+    return _RowSoftmaxAndTargets.apply(logits, targets)
 
 
 def add_log_columns_(values: Tensor, anchor_group: Tensor, counts: Tensor) -> Tensor:

@@ -107,13 +107,19 @@ def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
     if not monitors:
         return RowTerms(lse, positive_lse=pos_lse, positive_logits=pos_logits)
     with torch.no_grad():
-        negatives = _negatives_only(batch, column_set, probs)
-        ratio = (negatives.sum(1) / torch.linalg.vector_norm(negatives, dim=1)).square()
         neg_logits = None
         if batch.num_negatives is not None:
             neg_logits = batch.columns(column_set.negatives).apply(logits, 0.0).sum(1)
-    return RowTerms(lse, ess_from_ratio(batch, column_set.kind, ratio), neg_logits, pos_lse,
+    return RowTerms(lse, softmax_ess(batch, column_set, probs), neg_logits, pos_lse,
                     pos_logits)
+
+
+@torch.no_grad()
+def softmax_ess(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tensor) -> Tensor:
+    """[n] the ESS of each row's softmax ``probs`` [n, N] over ``column_set``'s negatives."""
+    negatives = _negatives_only(batch, column_set, probs)
+    ratio = (negatives.sum(1) / torch.linalg.vector_norm(negatives, dim=1)).square()
+    return ess_from_ratio(batch, column_set.kind, ratio)
 
 
 def transposable(batch: ContrastiveBatch) -> bool:

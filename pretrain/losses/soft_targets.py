@@ -23,8 +23,21 @@ from torch import Tensor
 
 from pretrain.losses.batch import NORM_EPS, ContrastiveBatch, PositiveKind
 from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
-from pretrain.losses.common import Temperature, add_log_columns_, as_float, row_dot, scaled
-from pretrain.losses.rows import ess_from_ratio, row_logsumexp, tile_plan, tiled_batch_rows
+from pretrain.losses.common import (
+    Temperature,
+    add_log_columns_,
+    as_float,
+    row_dot,
+    row_softmax_and_targets_,
+    scaled,
+)
+from pretrain.losses.rows import (
+    ess_from_ratio,
+    row_logsumexp,
+    softmax_ess,
+    tile_plan,
+    tiled_batch_rows,
+)
 from pretrain.losses.tiles import TargetLogits
 
 COLUMNS = ColumnSet("instance")  # every candidate but the anchor itself
@@ -56,8 +69,10 @@ def soft_target_rows(batch: ContrastiveBatch, temperature: Temperature,
                               ess_from_ratio(batch, "instance", tiled.ess_ratio),
                               tiled.negative_logit_sum)
     anchors = scaled(batch.anchors, temperature)  # [n, D]
-    rows = row_logsumexp(batch, anchors, batch.candidates, COLUMNS, monitors=True)
     kind, sim = target_groups(batch, target_temperature)
+    if kind is None and batch.num_negatives is None:
+        return _caption_rows(batch, anchors, sim)
+    rows = row_logsumexp(batch, anchors, batch.candidates, COLUMNS, monitors=True)
     if batch.num_negatives is None:
         term, entropy = _grouped_target_term(batch, kind, sim, temperature)
     else:
@@ -83,7 +98,25 @@ def target_groups(batch: ContrastiveBatch,
     return None, (captions[batch.anchor_index] / target_temperature) @ captions.T
 
 
-def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: Tensor,
+def _caption_rows(batch: ContrastiveBatch, anchors: Tensor, sim: Tensor) -> SoftTargetRows:
+    """Caption targets over every column but self, dense: t_ij = softmax_j(``sim`` [n, N],
+    overwritten) and the logits ``anchors`` [n, D] (over tau) . c_j meet in one [n, N]
+    softmax, which gives the log-sum-exp and sum_j t_ij l_ij; the backward forms their
+    gradient with respect to the logits, softmax - t, in place (two matmuls fewer than a
+    target term through t @ candidates)."""
+    with torch.no_grad():
+        counts = (torch.ones(batch.num_candidates, dtype=torch.long, device=sim.device)
+                  if batch.valid is None else batch.valid.long())
+        add_log_columns_(sim, batch.anchor_index, counts)  # self and padding: no mass
+        log_targets = torch.log_softmax(sim, dim=1)
+        targets = log_targets.exp()
+        entropy = -row_dot(targets, log_targets)
+    logits = anchors @ as_float(batch.candidates).T  # [n, N]
+    lse, term, probs = row_softmax_and_targets_(logits, batch.columns(COLUMNS), targets)
+    return SoftTargetRows(lse, term, entropy, softmax_ess(batch, COLUMNS, probs), None)
+
+
+def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind, sim: Tensor,
                          temperature: Temperature) -> tuple[Tensor, Tensor]:
     """([n] sum_j t_ij s_ij / tau, [n] target entropy) when every column but self is kept.
 
@@ -91,37 +124,27 @@ def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim
     anchor i's columns, P_ig = softmax_g(sim_ig + log m_ig) is the target mass of group g
     and each member gets t_ij = P_ig / m_ig.
     """
-    if kind is None:  # one group per candidate: m_ig = 1, t_ij = P_ij
-        groups = torch.arange(batch.num_candidates, device=sim.device)
-        counts = torch.ones_like(groups) if batch.valid is None else batch.valid.long()
-        sums = as_float(batch.candidates)
-    else:
-        _, groups, counts = batch.group_index(kind)
-        sums = batch.group_sums(kind)
+    _, groups, counts = batch.group_index(kind)
     anchor_group = groups[batch.anchor_index]
     rows = torch.arange(len(anchor_group), device=sim.device)
     with torch.no_grad():
         add_log_columns_(sim, anchor_group, counts)
         log_mass = torch.log_softmax(sim, dim=1)  # [n, G]
         weights = log_mass.exp()  # [n, G] P_ig, then the target of each member
-        entropy = -row_dot(weights, log_mass)  # over groups; members below
-        own_weight = None  # per candidate the anchor's own column has no mass
-        if kind is not None:
-            members = counts.clamp(min=1).to(sim.dtype)  # an empty group's mass is 0
-            own = (members[anchor_group] - 1).clamp(min=1)  # the own group, less the anchor
-            log_members = torch.log(members)
-            own_mass = weights[rows, anchor_group]
-            entropy += weights @ log_members + own_mass * (
-                torch.log(own) - log_members[anchor_group])
-            weights.div_(members)
-            own_weight = own_mass / own
-            weights[rows, anchor_group] = own_weight
+        members = counts.clamp(min=1).to(sim.dtype)  # an empty group's mass is 0
+        own = (members[anchor_group] - 1).clamp(min=1)  # the own group, less the anchor
+        log_members = torch.log(members)
+        own_mass = weights[rows, anchor_group]
+        entropy = -row_dot(weights, log_mass) + weights @ log_members + own_mass * (
+            torch.log(own) - log_members[anchor_group])  # over groups, then their members
+        weights.div_(members)
+        own_weight = own_mass / own
+        weights[rows, anchor_group] = own_weight
     anchors = as_float(batch.anchors)
-    term = (anchors * (weights @ sums)).sum(1)
-    if own_weight is not None:  # the group's sum holds the anchor itself
-        self_sim = (anchors * as_float(batch.candidates)[batch.anchor_index]).sum(1)
-        term = term - own_weight * self_sim
-    return term / temperature, entropy
+    term = (anchors * (weights @ batch.group_sums(kind))).sum(1)
+    # the group's sum holds the anchor itself
+    self_sim = (anchors * as_float(batch.candidates)[batch.anchor_index]).sum(1)
+    return (term - own_weight * self_sim) / temperature, entropy
 
 
 def _dense_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: Tensor,
