@@ -108,9 +108,9 @@ def _caption_rows(batch: ContrastiveBatch, anchors: Tensor, sim: Tensor) -> Soft
         counts = (torch.ones(batch.num_candidates, dtype=torch.long, device=sim.device)
                   if batch.valid is None else batch.valid.long())
         add_log_columns_(sim, batch.anchor_index, counts)  # self and padding: no mass
-        log_targets = torch.log_softmax(sim, dim=1)
-        targets = log_targets.exp()
-        entropy = -row_dot(targets, log_targets)
+        log_targets = sim.sub_(sim.logsumexp(1, keepdim=True))  # in place: one [n, N] kept
+        entropy = -row_dot(log_targets.exp(), log_targets)
+        targets = log_targets.exp_()
     logits = anchors @ as_float(batch.candidates).T  # [n, N]
     lse, term, probs = row_softmax_and_targets_(logits, batch.columns(COLUMNS), targets)
     return SoftTargetRows(lse, term, entropy, softmax_ess(batch, COLUMNS, probs), None)
