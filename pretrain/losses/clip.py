@@ -21,9 +21,8 @@ from pretrain.losses.vocabulary import (
     ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
-    finish_pairs,
-    pair_logits,
-    scaled,
+    finish,
+    positive_logit_mean,
 )
 
 
@@ -44,11 +43,10 @@ COLUMNS = ColumnSet("instance", positives=False, self_column=True)
 
 def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """Symmetric image-text InfoNCE over ``batch.candidates`` and ``batch.text``."""
-    images = scaled(batch.anchors, temperature)  # [n, D]
-    image_to_text, text_to_image_lse = both_directions(batch, images, COLUMNS, temperature)
-    pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n]
+    image_to_text, text_to_image_lse = both_directions(batch, COLUMNS, temperature)  # [n]
+    pos_logit, _ = positive_logit_mean(batch, "text", temperature)  # [n]
     per_anchor = 0.5 * (image_to_text.lse + text_to_image_lse) - pos_logit
     loss = batch.anchor_mean(per_anchor, None)
-    return finish_pairs(batch, loss, temperature, pos_logit,
-                        image_to_text.negative_logit_sum, softmax_lse=image_to_text.lse,
-                        softmax_ess=image_to_text.ess)
+    return finish(batch, loss, "text", temperature, pos_mean=pos_logit,
+                  infonce=image_to_text.lse - pos_logit, ess=image_to_text.ess,
+                  negative_logit_sum=image_to_text.negative_logit_sum)

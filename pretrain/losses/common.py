@@ -23,6 +23,7 @@ from pretrain.losses.columns import MASKED_LOGIT, Columns, PositiveKind
 from pretrain.losses.tiles import divided
 
 Temperature = float | Tensor
+LossKind = PositiveKind | Literal["text"]  # "text": an image-text loss's own-text positive
 
 
 class ObjectiveOutput(NamedTuple):
@@ -193,12 +194,16 @@ def add_log_columns_(values: Tensor, anchor_group: Tensor, counts: Tensor) -> Te
     return values
 
 
-def positive_logit_mean(batch: ContrastiveBatch, kind: PositiveKind,
+def positive_logit_mean(batch: ContrastiveBatch, kind: LossKind,
                         temperature: Temperature) -> tuple[Tensor, Tensor]:
     """([n] mean over p in P(i) of s_ip / tau, [n] |P(i)|), from group sums in O(N D).
 
-    sum_{p in P(i)} z_i . z_p = z_i . (sum of the group's z) - z_i . z_i.
+    sum_{p in P(i)} z_i . z_p = z_i . (sum of the group's z) - z_i . z_i. ``kind`` "text":
+    each anchor's logit with its own text, one positive each.
     """
+    if kind == "text":
+        logit = pair_logits(scaled(batch.anchors, temperature), batch.text, batch.self_pairs())
+        return logit, torch.ones_like(logit)
     _, groups, counts = batch.group_index(kind)
     total = _PositivePairSums.apply(as_float(batch.candidates), groups, batch.anchor_index,
                                     counts.shape[0])
@@ -282,58 +287,56 @@ def negative_cosine_sum(batch: ContrastiveBatch, kind: PositiveKind, tau: Temper
     return anchors @ columns.sum(0) - same_group
 
 
-def finish(batch: ContrastiveBatch, loss: Tensor, kind: PositiveKind | None,
-           temperature: Temperature, *, infonce: Tensor, ess: Tensor,
-           negative_logit_sum: Tensor | None, pos_mean: Tensor | None = None,
-           report_infonce: bool = False,
-           extra: dict[str, Tensor] | None = None) -> ObjectiveOutput:
-    """Bundle a loss with the common metrics and objective-specific ``extra`` ones.
+def finish(batch: ContrastiveBatch, loss: Tensor, kind: LossKind | None,
+           temperature: Temperature, *, infonce: Tensor | None = None,
+           ess: Tensor | None = None, negative_logit_sum: Tensor | None = None,
+           pos_mean: Tensor | None = None, report_infonce: bool = False,
+           extra: dict[str, Temperature] | None = None) -> ObjectiveOutput:
+    """Bundle a loss with the metrics every objective reports and ``extra`` ones (a
+    0-dim tensor or a float each), all detached.
 
-    ``infonce`` [n] is the InfoNCE value of each anchor, ``ess`` [n] its ESS,
-    ``negative_logit_sum`` [n] (under ``num_negatives``) the sum of its negatives' logits,
-    all measured with positives of ``kind`` (``None``: xclr, instance positives).
-    ``metrics["loss"]`` is the value to log: the loss itself, or with ``report_infonce``
-    the InfoNCE value (FlatNCE, whose loss value is identically 0).
+    ``pos_mean`` [n] is each anchor's mean positive logit (computed when not given),
+    ``infonce`` [n] its InfoNCE value and ``ess`` [n] its ESS (a softmax's monitors),
+    ``negative_logit_sum`` [n] (under ``num_negatives``) the sum of its negatives' logits;
+    positives of ``kind`` (``None``: xclr, instance positives; ``"text"``: an image-text
+    loss, whose positive is the anchor's own text, ``pos_mean`` its logit, the negatives
+    the other texts). ``metrics["loss"]`` is the value to log: the loss itself, or with
+    ``report_infonce`` the InfoNCE value (FlatNCE, whose loss value is identically 0).
     """
-    kind = kind or "instance"
-    with torch.no_grad():
-        if pos_mean is None:
-            pos_mean, _ = positive_logit_mean(batch, kind, temperature)
-        _, groups, counts = batch.group_index(kind)
-        tau = scalar(temperature)
-        metrics = summarize_metrics(
-            batch, kind, infonce=infonce.detach(), ess=ess,
-            num_positives=counts[groups[batch.anchor_index]] - 1,
-            pos_cos=pos_mean.detach() * tau,
-            neg_cos_sum=negative_cosine_sum(batch, kind, tau, negative_logit_sum))
-    metrics["loss"] = metrics["infonce"] if report_infonce else loss.detach()
-    metrics["temperature"] = as_metric(tau, loss)
-    metrics.update({name: value.detach() for name, value in (extra or {}).items()})
-    return ObjectiveOutput(loss, metrics)
-
-
-def finish_pairs(batch: ContrastiveBatch, loss: Tensor, temperature: Temperature,
-                 pos_logit: Tensor, negative_logit_sum: Tensor | None, *,
-                 softmax_lse: Tensor | None = None, softmax_ess: Tensor | None = None,
-                 extra: dict[str, Temperature] | None = None) -> ObjectiveOutput:
-    """Bundle an image-text loss with its metrics: ``pos_sim`` from ``pos_logit`` [n] (each
-    row's own text over tau), ``neg_sim`` over its negative texts (``negative_logit_sum``
-    [n], their logits' sum, under ``num_negatives``); with ``softmax_lse`` and
-    ``softmax_ess`` [n] (image -> text) the softmax's monitors; ``extra`` scalars (a learned
-    bias) detached, beside the others."""
     with torch.no_grad():
         tau = scalar(temperature)
-        neg_cos = negative_cosine_sum(batch, "instance", tau, negative_logit_sum, of="text")
-        pos_cos = pos_logit.detach() * tau
-        if softmax_lse is not None:
-            metrics = summarize_metrics(
-                batch, None, infonce=(softmax_lse - pos_logit).detach(), ess=softmax_ess,
-                num_positives=torch.ones_like(pos_logit), pos_cos=pos_cos, neg_cos_sum=neg_cos)
+        if kind == "text":
+            metrics = _text_metrics(batch, loss, tau, pos_mean, infonce, ess,
+                                    negative_logit_sum)
         else:
-            num_neg = batch.num_negatives_per_anchor("instance").to(loss.dtype).clamp(min=1)
-            metrics = {"pos_sim": batch.anchor_mean(pos_cos, None),
-                       "neg_sim": batch.anchor_mean(neg_cos / num_neg, None)}
+            kind = kind or "instance"
+            if pos_mean is None:
+                pos_mean, _ = positive_logit_mean(batch, kind, temperature)
+            _, groups, counts = batch.group_index(kind)
+            metrics = summarize_metrics(
+                batch, kind, infonce=infonce.detach(), ess=ess,
+                num_positives=counts[groups[batch.anchor_index]] - 1,
+                pos_cos=pos_mean.detach() * tau,
+                neg_cos_sum=negative_cosine_sum(batch, kind, tau, negative_logit_sum))
         metrics.update({name: as_metric(scalar(value), loss)
                         for name, value in (extra or {}).items()})
-    metrics.update(loss=loss.detach(), temperature=as_metric(tau, loss))
+    metrics["loss"] = metrics["infonce"] if report_infonce else loss.detach()
+    metrics["temperature"] = as_metric(tau, loss)
     return ObjectiveOutput(loss, metrics)
+
+
+def _text_metrics(batch: ContrastiveBatch, loss: Tensor, tau: Temperature, pos_logit: Tensor,
+                  infonce: Tensor | None, ess: Tensor | None,
+                  negative_logit_sum: Tensor | None) -> dict[str, Tensor]:
+    """An image-text loss's metrics: ``pos_sim`` from ``pos_logit`` [n] (each row's own text
+    over tau), ``neg_sim`` over its negative texts; with ``infonce`` and ``ess`` [n] (image
+    -> text) the softmax's monitors."""
+    neg_cos = negative_cosine_sum(batch, "instance", tau, negative_logit_sum, of="text")
+    pos_cos = pos_logit.detach() * tau
+    if infonce is not None:
+        return summarize_metrics(batch, None, infonce=infonce.detach(), ess=ess,
+                                 num_positives=torch.ones_like(pos_logit), pos_cos=pos_cos,
+                                 neg_cos_sum=neg_cos)
+    num_neg = batch.num_negatives_per_anchor("instance").to(loss.dtype).clamp(min=1)
+    return {"pos_sim": batch.anchor_mean(pos_cos, None),
+            "neg_sim": batch.anchor_mean(neg_cos / num_neg, None)}

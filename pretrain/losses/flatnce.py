@@ -22,7 +22,6 @@ from pretrain.losses.vocabulary import (
     finish,
     positive_logit_mean,
     row_logsumexp,
-    scaled,
 )
 
 
@@ -56,10 +55,9 @@ def flat_nce(pos_logit: Tensor, lse_neg: Tensor, has_negative: Tensor) -> Tensor
 def flatnce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """FlatNCE with instance positives (the FlatCLR objective)."""
     kind = "instance"
-    anchors = scaled(batch.anchors, temperature)  # [n, D]
-    negatives = row_logsumexp(batch, anchors, batch.candidates,
-                              ColumnSet(kind, positives=False), monitors=True,
-                              positive_lse=True)
+    negatives = row_logsumexp(batch, batch.anchors, batch.candidates,
+                              ColumnSet(kind, positives=False), temperature=temperature,
+                              monitors=True, positive_lse=True)
     pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
     has_negative = batch.num_negatives_per_anchor(kind) > 0
     loss = batch.anchor_mean(flat_nce(pos_mean, negatives.lse, has_negative), kind)

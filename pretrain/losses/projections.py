@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
-from pretrain.losses.common import add_log_columns_, as_float, pair_logits
+from pretrain.losses.common import Temperature, add_log_columns_, as_float, pair_logits, scaled
 from pretrain.losses.rows import RowTerms, row_logsumexp
 
 KernelMetric = Literal["l1", "l2", "cos"]
@@ -211,12 +211,13 @@ class ProjectedRows(NamedTuple):
     metrics: dict[str, Tensor]  # the projection's own (kernel_truncated)
 
 
-def projected_rows(batch: ContrastiveBatch, anchors: Tensor,
+def projected_rows(batch: ContrastiveBatch, temperature: Temperature,
                    g: ClassProjection) -> ProjectedRows:
-    """ProjNCE's row terms for ``anchors`` [n, D] already over tau: the centroid with
+    """ProjNCE's row terms for the anchors over tau: the centroid with
     g- = z (its minus logits are the similarity logits); the others with one projected
     vector per label group, g+ = g-."""
     columns = ColumnSet("label")
+    anchors = scaled(batch.anchors, temperature)  # [n, D]
     if g.projection == "centroid":
         plus = _centroid_plus(batch)  # [N, D]
         minus = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True)

@@ -30,7 +30,6 @@ from pretrain.losses.vocabulary import (
     Temperature,
     finish,
     positive_logit_mean,
-    scaled,
 )
 
 Projection = Literal["centroid", "kernel", "median", "learned"]
@@ -132,8 +131,7 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
                              "tensor")
         # label groups are the matrix's C classes (labels outside [0, C) fail there)
         batch = dataclasses.replace(batch, num_classes=class_embeddings.shape[0])
-    anchors = scaled(batch.anchors, temperature)  # [n, D]
-    rows = projected_rows(batch, anchors, ClassProjection(
+    rows = projected_rows(batch, temperature, ClassProjection(
         projection, bandwidth, kernel_metric, neighbours, class_embeddings))
     i_proj = rows.lse_minus - rows.plus_own  # [n]
     adjustment = torch.exp(rows.lse_plus - rows.lse_minus)  # [n]; exactly 1 when g+ = g-

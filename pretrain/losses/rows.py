@@ -131,13 +131,14 @@ def transposable(batch: ContrastiveBatch) -> bool:
             and batch.valid is None and batch.anchor_rows == slice(0, batch.num_candidates))
 
 
-def both_directions(batch: ContrastiveBatch, images: Tensor, column_set: ColumnSet,
+def both_directions(batch: ContrastiveBatch, column_set: ColumnSet,
                     temperature: Temperature) -> tuple[RowTerms, Tensor]:
     """(image -> text rows over ``column_set`` with their monitors, [n] text -> image
-    log-sum-exp) for ``images`` [n, D] already over tau. When every row is an anchor (one
+    log-sum-exp) of the anchors over tau against ``batch.text``. When every row is an anchor (one
     rank holding the whole batch) the text -> image logits are the image -> text ones
     transposed, and a tiled pass reads both directions from one walk of the tiles;
     otherwise each direction has its own."""
+    images = scaled(batch.anchors, temperature)  # [n, D]
     if transposable(batch):
         rows = row_logsumexp(batch, images, batch.text, column_set, monitors=True,
                              column_lse=True)
@@ -158,13 +159,16 @@ def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
     return tiled_rows(as_float(anchors), as_float(columns), plan, temperature)
 
 
-def row_logsumexp_and_pair_terms(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                                 column_set: ColumnSet, eps: float) -> tuple[RowTerms, Tensor]:
-    """:func:`row_logsumexp` of SINCERE's negatives ``column_set`` with its monitors and
+def row_logsumexp_and_pair_terms(batch: ContrastiveBatch, columns: Tensor, column_set: ColumnSet,
+                                 temperature: Temperature,
+                                 eps: float) -> tuple[RowTerms, Tensor]:
+    """:func:`row_logsumexp` of the anchors over tau against ``columns`` over SINCERE's
+    negatives ``column_set``, with its monitors and
     the positives' log-sum-exp, and [n] the sum over each anchor's positives of
     softplus(lse_i - l_ip + eps) - eps. Dense, the positives' logits are taken off the
     [n, N] logits; tiled, one pass whose backward recomputes each tile once
     (``pair_tiles.tiled_rows_and_pair_terms``), with no [P] pair list."""
+    anchors = scaled(batch.anchors, temperature)  # [n, D]
     if batch.tile_size is None:
         negatives = row_logsumexp(batch, anchors, columns, column_set, monitors=True,
                                   positive_lse=True, positive_logits=True)

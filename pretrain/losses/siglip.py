@@ -25,9 +25,8 @@ from pretrain.losses.vocabulary import (
     ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
-    finish_pairs,
-    pair_logits,
-    scaled,
+    finish,
+    positive_logit_mean,
 )
 
 
@@ -54,10 +53,8 @@ class SigLIPConfig:
 def siglip(batch: ContrastiveBatch, temperature: Temperature, *,
            bias: Temperature) -> ObjectiveOutput:
     """Pairwise sigmoid loss of ``batch.anchors`` against every text in ``batch.text``."""
-    images = scaled(batch.anchors, temperature)  # [n, D]
-    weights = batch.anchor_weights(None, like=images)  # [n]: the mean over anchors
-    negatives = sigmoid_rows(batch, images, batch.text, NEGATIVES, bias, weights)
-    pos_logit = pair_logits(images, batch.text, batch.self_pairs())  # [n], without b
-    loss = (weights * F.softplus(-(pos_logit + bias))).sum() + negatives.weighted_sum
-    return finish_pairs(batch, loss, temperature, pos_logit, negatives.product_sum,
-                        extra={"bias": bias})
+    negatives = sigmoid_rows(batch, batch.text, NEGATIVES, temperature, bias)
+    pos_logit, _ = positive_logit_mean(batch, "text", temperature)  # [n], without b
+    loss = batch.anchor_mean(F.softplus(-(pos_logit + bias)), None) + negatives.weighted_sum
+    return finish(batch, loss, "text", temperature, pos_mean=pos_logit,
+                  negative_logit_sum=negatives.product_sum, extra={"bias": bias})

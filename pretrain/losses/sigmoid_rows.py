@@ -1,7 +1,7 @@
 """The row reduction of pairwise sigmoid objectives (SigLIP), dense or tiled.
 
-``sigmoid_rows(batch, anchors, columns, column_set, bias, weights)`` is
-sum_i w_i sum_j softplus(a_i . c_j + b) over the columns of ``column_set``: the weighted
+``sigmoid_rows(batch, columns, column_set, temperature, bias)`` is
+sum_i w_i sum_j softplus(a_i . c_j / tau + b) over the columns of ``column_set``: the weighted
 negative-pair terms -log sigmoid(-(l_ij + b)) of every anchor, one scalar. With
 ``batch.tile_size`` unset it materialises the [n, N] logits; with it set it walks column
 tiles as ``tiles.py`` does, in O((n + N) D + n T) memory. A sum of softplus needs no
@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from pretrain.losses.batch import ContrastiveBatch
 from pretrain.losses.columns import MASKED_LOGIT, ColumnSet, ColumnTiles
-from pretrain.losses.common import Temperature, as_float
+from pretrain.losses.common import Temperature, as_float, scaled
 from pretrain.losses.tiles import TileBuffers, row_blocks
 
 
@@ -33,17 +33,17 @@ class SigmoidRows(NamedTuple):
     product_sum: Tensor | None  # [n], under num_negatives: sum over the columns of l_ij
 
 
-def sigmoid_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                 column_set: ColumnSet, bias: Temperature, weights: Tensor) -> SigmoidRows:
-    """sum_i ``weights``_i sum over ``column_set`` of softplus(``anchors`` [n, D] .
-    ``columns`` [N, D] + ``bias``).
+def sigmoid_rows(batch: ContrastiveBatch, columns: Tensor, column_set: ColumnSet,
+                 temperature: Temperature, bias: Temperature) -> SigmoidRows:
+    """sum_i w_i sum over ``column_set`` of softplus(a_i . ``columns`` [N, D] / tau +
+    ``bias``), a_i the anchors and w_i their weights in ``batch.anchor_mean``.
 
-    ``anchors`` are already divided by the temperature; ``bias`` is a float or a 0-dim
-    tensor (learnable, with gradient); ``weights`` [n] carry no gradient. Under
+    ``bias`` is a float or a 0-dim tensor (learnable, with gradient). Under
     ``num_negatives`` the plain logit sum of each row over the same columns comes too (the
     negative-cosine monitor).
     """
-    columns = as_float(columns)
+    anchors, columns = scaled(batch.anchors, temperature), as_float(columns)  # [n, D], [N, D]
+    weights = batch.anchor_weights(None, like=anchors)  # [n], no gradient
     bias = bias.to(anchors.dtype) if isinstance(bias, Tensor) else anchors.new_tensor(bias)
     with_products = batch.num_negatives is not None
     if batch.tile_size is not None:

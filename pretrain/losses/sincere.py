@@ -22,7 +22,6 @@ from pretrain.losses.vocabulary import (
     Temperature,
     finish,
     positive_logit_mean,
-    scaled,
 )
 
 
@@ -46,11 +45,10 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
     """Per-positive-pair NCE whose denominator holds only that positive and Neg(i)."""
     kind = "label"
     columns = ColumnSet(kind, positives=False)
-    anchors = scaled(batch.anchors, temperature)  # [n, D]
     # lse_i over Neg(i), and sum_{p in P(i)} softplus(lse_i - l_ip + eps) - eps: the pair
     # terms -log(e^{l_ip} / (e^{l_ip - eps} + e^{lse_i}))
-    negatives, pair_sum = row_logsumexp_and_pair_terms(batch, anchors, batch.candidates,
-                                                       columns, eps)
+    negatives, pair_sum = row_logsumexp_and_pair_terms(batch, batch.candidates, columns,
+                                                       temperature, eps)
     pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
     loss = batch.anchor_mean(pair_sum / num_pos.clamp(min=1), kind)
     all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)

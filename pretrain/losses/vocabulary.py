@@ -12,21 +12,12 @@ from __future__ import annotations
 
 from pretrain.losses.batch import BatchRows, ContrastiveBatch
 from pretrain.losses.columns import ColumnSet
-from pretrain.losses.common import (
-    ObjectiveOutput,
-    Temperature,
-    finish,
-    finish_pairs,
-    pair_logits,
-    positive_logit_mean,
-    scaled,
-)
+from pretrain.losses.common import ObjectiveOutput, Temperature, finish, positive_logit_mean
 from pretrain.losses.rows import row_logsumexp
 
 __all__ = [
     # what a loss receives and returns
     "BatchRows", "ContrastiveBatch", "ObjectiveOutput", "Temperature",
     # what it computes with
-    "ColumnSet", "finish", "finish_pairs", "pair_logits", "positive_logit_mean",
-    "row_logsumexp", "scaled",
+    "ColumnSet", "finish", "positive_logit_mean", "row_logsumexp",
 ]
