@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
-from core.runtime import free_port
 from pretrain.model.text_tower import TextTowerConfig, random_text_model
 from tests import prewarmed
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.leftovers import lingering_threads, mark_session, remove_strays
+from tests.ports import free_port
 
 TASK_TIMEOUT_S = 300  # a task with no answer from any rank
 FAILED_RANK_GRACE_S = 20  # the other ranks' time to answer once one has failed
@@ -35,7 +35,11 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    except Exception:  # the first task's answer: the test fails with it, not at a timeout
+        outbox.put((rank, False, traceback.format_exc()))
+        return
     while (task := inbox.get()) is not None:
         fn, args = task
         try:

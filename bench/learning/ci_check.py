@@ -10,8 +10,12 @@ canvases:
   the instance discrimination InfoNCE trains for.
 
     python -m bench.learning.ci_check --recipe infonce --epochs 8 --seeds 0 1 2 3 4
+    python -m bench.learning.ci_check --recipe xclr_captions --captions alt_text --epochs 3
     python -m bench.learning.ci_check --recipe clip --captions alt_text --epochs 3 \
         --set data.batch_size=32
+
+A recipe that reads a caption store (X-CLR from captions) gets the training shards' own,
+built once beside them with ``graph-precompute``'s code.
 
 Prints per seed untrained -> trained (gain) and, per measure, the gain's mean, standard
 deviation and mean - 3 sd (the highest threshold the test may assert); writes
@@ -37,6 +41,8 @@ import torch.nn.functional as F
 from app.run_config import RunConfig
 from core.config import load_config
 from data_pipeline.config import DataConfig, ShardsConfig
+from data_pipeline.graph.config import GraphConfig
+from data_pipeline.graph.job import run_captions
 from data_pipeline.loader import eval_batches
 from data_pipeline.loader.epochs import train_batches
 from data_pipeline.make_shards import make_shards
@@ -74,29 +80,46 @@ class Scores:
     views: float  # view retrieval top-1 among the test canvases, backbone
 
 
-def cluttered(root: Path, captions: str = "attributes") -> tuple[Path, Path]:
-    """Train and test shards of the cluttered digits with ``captions`` captions
-    (``shards.captions``) under ``root`` (made once)."""
+def cluttered(root: Path, captions: str = "attributes",
+              splits: tuple[str, ...] = ("train", "test")) -> list[Path]:
+    """The ``splits`` shards (train, test) of the cluttered digits with ``captions``
+    captions (``shards.captions``) under ``root`` (made once)."""
     common = {"source": "cluttered_digits", "shard_size": 1000, "workers": 2,
               "captions": captions}
     out = []
     for split, samples in (("train", TRAIN), ("test", TEST)):
+        if split not in splits:
+            continue
         path = root / captions / split
         if not (path / "manifest.json").is_file():
             make_shards(ShardsConfig(**common, split=split, samples=samples,
                                      output=str(path)))
         out.append(path)
-    return out[0], out[1]
+    return out
+
+
+def caption_store(train: Path) -> Path:
+    """The caption store of the ``train`` shards (``graph-precompute``, task ``captions``,
+    the bundled sentence model), beside them; made once."""
+    store = train.parent / "captions"
+    if not (store / "meta.json").is_file():
+        run_captions(GraphConfig(shards=str(train), output=str(store)))
+    return store
 
 
 def recipe_path(recipe: str) -> Path:
     return REPO / "launch" / "configs" / "cluttered" / f"{recipe}.yaml"
 
 
-def overrides(run_dir: Path, train: Path, epochs: int, seed: int) -> list[str]:
-    return [f"output_dir={run_dir.parent}", f"name={run_dir.name}", f"data.shards={train}",
+def overrides(recipe: str, run_dir: Path, train: Path, epochs: int, seed: int) -> list[str]:
+    """The check's keys for ``recipe``: its shards (and their caption store where the recipe
+    reads one), epochs and seed, no tracking, one checkpoint at the end."""
+    keys = [f"output_dir={run_dir.parent}", f"name={run_dir.name}", f"data.shards={train}",
             f"train.epochs={epochs}", f"seed={seed}", f"data.seed={seed}",
             "tracking.enabled=false", "train.progress=false", "checkpoint.every=0"]
+    if load_config(RunConfig, recipe_path(recipe)).data.caption_store:
+        keys.append(f"data.caption_store={caption_store(train)}")
+    return keys
 
 
 def pretrain_args(recipe: str, keys: list[str]) -> list[str]:
@@ -181,9 +204,10 @@ def scores(model: EmbeddingModel, train: Canvases, test: Canvases,
 def views_of_test(recipe: str, keys: list[str], test: Path) -> list[torch.Tensor]:
     """The recipe's augmentation over the test shards, every canvas once, in one worker and
     a fixed order of draws: batches [2B, 3, R, R] of the B first views, then the B second.
-    Drawn once, embedded by each encoder scored."""
+    Drawn once, embedded by each encoder scored; the test canvases' captions are not read."""
     data = load_config(RunConfig, recipe_path(recipe), keys).data
-    views = dataclasses.replace(data, shards=str(test), workers=1, batch_size=250)
+    views = dataclasses.replace(data, shards=str(test), caption_store="", workers=1,
+                                batch_size=250)
     return [batch["images"] for batch in train_batches(views)]
 
 
@@ -200,7 +224,7 @@ def measure(recipe: str, epochs: int, seed: int, root: Path, captions: str = "at
     run_dir = root / "runs" / f"{run_name(recipe, captions, epochs, list(extra))}-s{seed}"
     if (run_dir / "result.json").is_file():
         return json.loads((run_dir / "result.json").read_text())
-    keys = [*overrides(run_dir, train, epochs, seed), *extra]
+    keys = [*overrides(recipe, run_dir, train, epochs, seed), *extra]
     result = pretrain(recipe, keys, timeout=3600)
     if result.returncode != 0:
         raise SystemExit(f"{run_dir}: pretrain failed\n{result.stderr[-3000:]}")
@@ -214,7 +238,8 @@ def measure(recipe: str, epochs: int, seed: int, root: Path, captions: str = "at
 
 
 def summary(gains: list[float]) -> dict[str, float]:
-    mean, sd = statistics.fmean(gains), statistics.stdev(gains)
+    mean = statistics.fmean(gains)
+    sd = statistics.stdev(gains) if len(gains) > 1 else math.nan
     return {"mean": mean, "sd": sd, "mean_minus_3sd": mean - 3 * sd,
             "threshold": math.floor(1000 * (mean - 3 * sd)) / 1000}
 

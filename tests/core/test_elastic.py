@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from core.elastic import FIX, agent_arguments, node_range, shared_store_warning
-from core.runtime import free_port
 from tests.app.helpers import REPO, train_overrides
+from tests.ports import free_port
 
 SHARED = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 

@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from core.runtime import free_port
 from tests.app.helpers import REPO
+from tests.ports import free_port
 
 RANK = """
 import os, sys, time, torch, torch.distributed as dist

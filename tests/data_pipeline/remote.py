@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,12 +16,7 @@ from pathlib import Path
 from webdataset import TarWriter
 
 from tests.data_pipeline.helpers import digit_jpeg
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.ports import free_port  # noqa: F401 (the servers' port, for their callers too)
 
 
 class ShardServer:

@@ -20,9 +20,9 @@ import psutil
 import pytest
 import torch
 
-from core.runtime import free_port
 from tests.app.helpers import REPO, sigkill, train_overrides
 from tests.data_pipeline.helpers import assert_ledger_by_keys
+from tests.ports import free_port
 from tests.pretrain.run.test_checkpoint import final_model
 
 COMMON = {"checkpoint.every": 4, "data.workers": 1, "train.max_steps": 24}

@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from core.runtime import free_port
 from tests.app.helpers import REPO, run_pretrain, train_overrides
+from tests.ports import free_port
 
 
 @dataclass

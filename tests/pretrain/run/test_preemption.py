@@ -148,7 +148,7 @@ def test_slurm_warning_signal_requeues_and_the_requeued_job_resumes(digits_shard
     """``launch/slurm.sbatch`` as slurm runs it (``srun`` and ``scontrol`` stand-ins on
     PATH): SIGUSR1 to the batch script stops both ranks with a checkpoint, the script
     requeues the job, and the requeued script resumes to the uninterrupted weights."""
-    from core.runtime import free_port
+    from tests.ports import free_port
 
     common = {"checkpoint.every": 0, "preemption.check_every": 2, "data.workers": 1,
               "train.max_steps": STEPS}

@@ -14,10 +14,10 @@ import mlflow
 import pytest
 import torch
 
-from core.runtime import free_port
 from pretrain.model.encoder import ModelConfig, encoder_from_state
 from pretrain.run.tracking import Tracker, TrackingConfig
 from tests.app.helpers import run_pretrain, train_overrides
+from tests.ports import free_port
 from tests.serving.test_inputs import array_rows
 
 
