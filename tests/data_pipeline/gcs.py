@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from gcp_storage_emulator.server import create_server
 
-from tests.data_pipeline.remote import free_port
+from tests.ports import free_port
 
 
 def self_signed(directory: Path) -> tuple[Path, Path]:

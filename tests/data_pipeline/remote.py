@@ -16,7 +16,7 @@ from pathlib import Path
 from webdataset import TarWriter
 
 from tests.data_pipeline.helpers import digit_jpeg
-from tests.ports import free_port  # noqa: F401 (the servers' port, for their callers too)
+from tests.ports import free_port
 
 
 class ShardServer:

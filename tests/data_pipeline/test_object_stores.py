@@ -22,7 +22,8 @@ from data_pipeline.shards import ShardSet
 from data_pipeline.tario import ShardUnreachable, iter_shard
 from tests.data_pipeline.gcs import GcsEndpoint
 from tests.data_pipeline.helpers import uneven_set
-from tests.data_pipeline.remote import free_port, img2dataset_shards
+from tests.data_pipeline.remote import img2dataset_shards
+from tests.ports import free_port
 
 BUCKET = "contrastive-shards"
 
