@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from pretrain.model.text_tower import TextTowerConfig, random_text_model
@@ -23,6 +24,19 @@ from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.leftovers import lingering_threads, mark_session, remove_strays
 from tests.ports import free_port
 
+
+def share_the_cores() -> None:
+    """Under pytest-xdist, intra-op threads for this worker and every process it starts:
+    the worker's share of the cores. Workers whose OpenMP regions each take every core spin
+    at their barriers for a core another worker holds (docs/architecture.md, "The test
+    suite")."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+share_the_cores()
 TASK_TIMEOUT_S = 300  # a task with no answer from any rank
 FAILED_RANK_GRACE_S = 20  # the other ranks' time to answer once one has failed
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
