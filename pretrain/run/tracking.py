@@ -10,6 +10,10 @@ The log says which of the two happened. A resumed run continues its MLflow run.
 A full disk is not an unreachable server: a store that reports it (SQLite's "database or
 disk is full", ENOSPC from an artifact copy or from the journal) stops the run with one
 line naming the store or file (:func:`core.errors.no_space`); checkpoints are kept.
+
+A Ctrl-C waits for the store call under way to end (:func:`interrupts_held`): raised
+inside a SQLite transaction it would leave the transaction open and the database locked,
+and the run could not then be marked FAILED.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from core.config import InvalidValue
@@ -59,6 +66,25 @@ class _NoStoreTracebacks(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.exc_info is None and "exception is caught" not in record.getMessage()
+
+
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """SIGINT held until the block ends, then handed to the handler it would have reached
+    (on the main thread; elsewhere no signal lands)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[FrameType | None] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(signal.SIGINT, held[0])
+        elif held and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 def quiet_store_errors() -> None:
@@ -146,7 +172,12 @@ class Tracker:
         self.params = {}
 
     def _store_full(self) -> AbstractContextManager[None]:
-        return full_disk_stops("to the MLflow tracking store", self.uri, "tracking.uri", KEPT)
+        """Around every store call: a full disk stops the run, a Ctrl-C waits for the call."""
+        stack = ExitStack()
+        stack.enter_context(interrupts_held())
+        stack.enter_context(full_disk_stops("to the MLflow tracking store", self.uri,
+                                            "tracking.uri", KEPT))
+        return stack
 
     def _contact(self, force: bool = False) -> bool:
         """Try to reach the server (at most every retry_every_s) and send the backlog."""

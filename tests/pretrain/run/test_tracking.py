@@ -4,6 +4,7 @@ real ``mlflow server`` that is down for part of the run."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -158,3 +159,32 @@ def test_a_row_cut_in_the_journal_blocks_nothing_and_a_failed_run_is_marked(tmp_
     history = client.get_metric_history(tracker.run_id, "loss")
     assert sorted(m.step for m in history) == [1, 2]
     assert not journal.exists()
+
+
+def test_ctrl_c_inside_a_store_transaction_waits_for_it_and_the_run_is_marked(tmp_path):
+    """A Ctrl-C that lands inside a store call (raised here from the store's own metric
+    statement, as a signal there would be): the call completes, the journal is sent and
+    emptied, and only then does the interrupt reach the run, which ends FAILED at once."""
+    import sqlalchemy
+
+    tracker = Tracker(TrackingConfig(system_metrics=False), tmp_path, "ctrl-c")
+    tracker.start({"objective.name": "infonce"})
+    engine = tracker.client._tracking_client.store.engine
+
+    interrupted = []
+
+    def interrupt_once(conn, cursor, statement, *args):
+        if not interrupted and statement.lstrip().upper().startswith("INSERT INTO METRICS"):
+            interrupted.append(statement)
+            signal.raise_signal(signal.SIGINT)
+
+    sqlalchemy.event.listen(engine, "after_cursor_execute", interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        tracker.log_metrics(1, {"loss": 1.0})
+    assert interrupted and not (tmp_path / "mlflow_pending.jsonl").exists()  # sent whole
+    started = time.monotonic()
+    tracker.finish("FAILED")
+    client = mlflow.MlflowClient(tracker.uri)
+    assert client.get_run(tracker.run_id).info.status == "FAILED"
+    assert time.monotonic() - started < 5  # no wait on a lock
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "loss")] == [1]
