@@ -25,10 +25,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from core.config import InvalidValue
@@ -70,20 +69,18 @@ class _NoStoreTracebacks(logging.Filter):
 
 @contextmanager
 def interrupts_held() -> Iterator[None]:
-    """SIGINT held until the block ends, then handed to the handler it would have reached
-    (on the main thread; elsewhere no signal lands)."""
+    """SIGINT held until the block ends, then raised again for the handler it would have
+    reached (on the main thread; elsewhere no signal lands)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held: list[FrameType | None] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if held and callable(previous):
-            previous(signal.SIGINT, held[0])
-        elif held and previous == signal.SIG_DFL:
+        if held:
             signal.raise_signal(signal.SIGINT)
 
 
@@ -171,13 +168,12 @@ class Tracker:
                         ", ".join(f"{k}: {v}" for k, v in changed.items()))
         self.params = {}
 
-    def _store_full(self) -> AbstractContextManager[None]:
+    @contextmanager
+    def _store_call(self) -> Iterator[None]:
         """Around every store call: a full disk stops the run, a Ctrl-C waits for the call."""
-        stack = ExitStack()
-        stack.enter_context(interrupts_held())
-        stack.enter_context(full_disk_stops("to the MLflow tracking store", self.uri,
-                                            "tracking.uri", KEPT))
-        return stack
+        with interrupts_held(), full_disk_stops("to the MLflow tracking store", self.uri,
+                                                "tracking.uri", KEPT):
+            yield
 
     def _contact(self, force: bool = False) -> bool:
         """Try to reach the server (at most every retry_every_s) and send the backlog."""
@@ -186,7 +182,7 @@ class Tracker:
             return False
         self.last_try = time.monotonic()
         try:
-            with self._store_full():
+            with self._store_call():
                 self._ensure_run()
                 sent = self._send_journal()
         except RunError:
@@ -238,7 +234,7 @@ class Tracker:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         if self._contact(force=True):
             try:
-                with self._store_full():
+                with self._store_call():
                     self.client.log_artifact(self.run_id, str(path), artifact_path)
             except RunError:
                 raise
@@ -252,7 +248,7 @@ class Tracker:
         unreachable."""
         if not self._contact(force=True):
             return None
-        with self._store_full():
+        with self._store_call():
             return register(self.uri, self.run_id)
 
     def finish(self, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
@@ -273,7 +269,7 @@ class Tracker:
             self.monitor = None
         # a run that stopped on a fault is marked even when its backlog cannot be sent
         if self._contact(force=True) or (status != "FINISHED" and self.run_id is not None):
-            with self._store_full():
+            with self._store_call():
                 for key, value in (tags or {}).items():
                     self.client.set_tag(self.run_id, key, value)
                 self.client.set_terminated(self.run_id, status)
