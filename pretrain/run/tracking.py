@@ -11,9 +11,8 @@ A full disk is not an unreachable server: a store that reports it (SQLite's "dat
 disk is full", ENOSPC from an artifact copy or from the journal) stops the run with one
 line naming the store or file (:func:`core.errors.no_space`); checkpoints are kept.
 
-A Ctrl-C waits for the store call under way to end (:func:`interrupts_held`): raised
-inside a SQLite transaction it would leave the transaction open and the database locked,
-and the run could not then be marked FAILED.
+A Ctrl-C waits for the store call under way to end (:func:`interrupts_held`): no call is
+cut part way, and the run is then marked FAILED.
 """
 
 from __future__ import annotations
