@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.rows import both_directions  # beyond the vocabulary: one walk, two ways
 from pretrain.losses.vocabulary import (
     BatchRows,
     ColumnSet,
@@ -23,6 +22,7 @@ from pretrain.losses.vocabulary import (
     Temperature,
     finish,
     positive_logit_mean,
+    row_logsumexp,
 )
 
 
@@ -43,10 +43,12 @@ COLUMNS = ColumnSet("instance", positives=False, self_column=True)
 
 def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """Symmetric image-text InfoNCE over ``batch.candidates`` and ``batch.text``."""
-    image_to_text, text_to_image_lse = both_directions(batch, COLUMNS, temperature)  # [n]
+    # image -> text over the anchor's row, text -> image down its own text's column: [n] each
+    rows = row_logsumexp(batch, batch.anchors, batch.text, COLUMNS, temperature=temperature,
+                         monitors=True, column_lse=True)
     pos_logit, _ = positive_logit_mean(batch, "text", temperature)  # [n]
-    per_anchor = 0.5 * (image_to_text.lse + text_to_image_lse) - pos_logit
+    per_anchor = 0.5 * (rows.lse + rows.column_lse) - pos_logit
     loss = batch.anchor_mean(per_anchor, None)
     return finish(batch, loss, "text", temperature, pos_mean=pos_logit,
-                  infonce=image_to_text.lse - pos_logit, ess=image_to_text.ess,
-                  negative_logit_sum=image_to_text.negative_logit_sum)
+                  infonce=rows.lse - pos_logit, ess=rows.ess,
+                  negative_logit_sum=rows.negative_logit_sum)

@@ -11,8 +11,6 @@ gradient and its metrics.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
 import torch
@@ -31,20 +29,6 @@ class ObjectiveOutput(NamedTuple):
 
     loss: Tensor
     metrics: dict[str, Tensor]
-
-
-@contextlib.contextmanager
-def full_precision(batch: ContrastiveBatch) -> Iterator[None]:
-    """Disable autocast on the batch's device so loss math runs in float32."""
-    with torch.autocast(device_type=batch.candidates.device.type, enabled=False):
-        yield
-
-
-def require_labels(batch: ContrastiveBatch, objective: str) -> None:
-    """Supervised objectives take their positives from labels and have no fallback."""
-    if batch.labels is None:
-        raise ValueError(f"{objective}: needs class labels (labels=, an [N] tensor); "
-                         "use infonce for instance positives")
 
 
 def as_float(x: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ Each projection is [G, D] for the G label groups of ``ContrastiveBatch.group_ind
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,6 @@ from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import Temperature, add_log_columns_, as_float, pair_logits, scaled
 from pretrain.losses.rows import RowTerms, row_logsumexp
 
-KernelMetric = Literal["l1", "l2", "cos"]
 # The most [rows, neighbours, D] elements one tile of the kernel weights gathers
 GATHER_BUDGET = 2**24
 
@@ -33,7 +32,7 @@ class KernelMeans(NamedTuple):
 
 
 def kernel_class_means(candidates: Tensor, groups: Tensor, num_groups: int,
-                       bandwidth: float, metric: KernelMetric, neighbours: int,
+                       bandwidth: float, metric: str, neighbours: int,
                        tile_size: int | None = None,
                        valid: Tensor | None = None) -> KernelMeans:
     """Nadaraya-Watson class means f_hat(c) (eq. 16-17) with K(t) = 1 - t^2 on [0, 1],
@@ -105,7 +104,7 @@ def _nearest(rows: Tensor, candidates: Tensor, start: int, k: int, real: Tensor,
 
 def _neighbour_votes(rows: Tensor, candidates: Tensor, nearest: Tensor, keep: Tensor,
                      groups: Tensor, num_groups: int, bandwidth: float,
-                     metric: KernelMetric) -> tuple[Tensor, Tensor]:
+                     metric: str) -> tuple[Tensor, Tensor]:
     """([R] the kernel weights of each row over its ``nearest`` [R, k] columns, summed;
     [R, G] those weights summed per group); ``keep`` [R, k] is False where the row is
     padding or the column is the row itself or padding."""
@@ -190,16 +189,6 @@ def learned_class_embeddings(class_embeddings: Tensor, group_labels: Tensor) -> 
     return F.normalize(class_embeddings[group_labels], dim=1)
 
 
-class ClassProjection(NamedTuple):
-    """``objective.projnce.*``: which projection g, and its keys."""
-
-    projection: str  # centroid, kernel, median or learned
-    bandwidth: float
-    kernel_metric: KernelMetric
-    neighbours: int
-    class_embeddings: Tensor | None  # learned: the [C, D] table
-
-
 class ProjectedRows(NamedTuple):
     """Per-anchor terms [n] of ProjNCE, psi(z, v) = z . v / tau over the anchor's columns
     j != i, and the plain similarity logits' row terms for the monitors."""
@@ -211,20 +200,22 @@ class ProjectedRows(NamedTuple):
     metrics: dict[str, Tensor]  # the projection's own (kernel_truncated)
 
 
-def projected_rows(batch: ContrastiveBatch, temperature: Temperature,
-                   g: ClassProjection) -> ProjectedRows:
-    """ProjNCE's row terms for the anchors over tau: the centroid with
-    g- = z (its minus logits are the similarity logits); the others with one projected
-    vector per label group, g+ = g-."""
+def projected_rows(batch: ContrastiveBatch, temperature: Temperature, *, projection: str,
+                   bandwidth: float, kernel_metric: str, neighbours: int,
+                   class_embeddings: Tensor | None = None) -> ProjectedRows:
+    """ProjNCE's row terms for the anchors over tau under ``objective.projnce.*``: the
+    centroid with g- = z (its minus logits are the similarity logits); the others
+    (``kernel``, ``median``, ``learned`` from the [C, D] ``class_embeddings``) with one
+    projected vector per label group, g+ = g-."""
     columns = ColumnSet("label")
     anchors = scaled(batch.anchors, temperature)  # [n, D]
-    if g.projection == "centroid":
+    if projection == "centroid":
         plus = _centroid_plus(batch)  # [N, D]
         minus = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True)
         return ProjectedRows(pair_logits(anchors, plus, batch.self_pairs()), minus.lse,
                              row_logsumexp(batch, anchors, plus, columns).lse, minus, {})
-    projected, metrics = _group_projection(batch, g.projection, g.bandwidth, g.kernel_metric,
-                                           g.neighbours, g.class_embeddings)  # [G, D]
+    projected, metrics = _group_projection(batch, projection, bandwidth, kernel_metric,
+                                           neighbours, class_embeddings)  # [G, D]
     _, groups, _ = batch.group_index("label")
     plus_own = pair_logits(anchors, projected, (batch.self_pairs()[0],
                                                 groups[batch.anchor_index]))
@@ -257,7 +248,7 @@ def _group_lse(batch: ContrastiveBatch, group_logits: Tensor) -> Tensor:
 
 
 def _group_projection(batch: ContrastiveBatch, projection: str, bandwidth: float,
-                      kernel_metric: KernelMetric, neighbours: int,
+                      kernel_metric: str, neighbours: int,
                       class_embeddings: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
     """[G, D] one projected vector per label group of the global batch, and the
     projection's own metrics."""

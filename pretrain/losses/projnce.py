@@ -20,9 +20,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
-
-# beyond the vocabulary: the class projections and the rows they give
-from pretrain.losses.projections import ClassProjection, KernelMetric, projected_rows
 from pretrain.losses.vocabulary import (
     BatchRows,
     ContrastiveBatch,
@@ -30,9 +27,11 @@ from pretrain.losses.vocabulary import (
     Temperature,
     finish,
     positive_logit_mean,
+    projected_rows,
 )
 
 Projection = Literal["centroid", "kernel", "median", "learned"]
+KernelMetric = Literal["l1", "l2", "cos"]
 
 
 def plain_projnce(rows: BatchRows, tau: Temperature, projection: Projection,
@@ -131,8 +130,9 @@ def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
                              "tensor")
         # label groups are the matrix's C classes (labels outside [0, C) fail there)
         batch = dataclasses.replace(batch, num_classes=class_embeddings.shape[0])
-    rows = projected_rows(batch, temperature, ClassProjection(
-        projection, bandwidth, kernel_metric, neighbours, class_embeddings))
+    rows = projected_rows(batch, temperature, projection=projection, bandwidth=bandwidth,
+                          kernel_metric=kernel_metric, neighbours=neighbours,
+                          class_embeddings=class_embeddings)
     i_proj = rows.lse_minus - rows.plus_own  # [n]
     adjustment = torch.exp(rows.lse_plus - rows.lse_minus)  # [n]; exactly 1 when g+ = g-
     loss = batch.anchor_mean(i_proj + adjustment, "label")

@@ -33,14 +33,14 @@ from pretrain.losses.tiles import (
 
 
 class RowTerms(NamedTuple):
-    """Per-anchor results [n]: ``lse`` with gradient; the monitors when asked for."""
+    """Per-anchor results [n]: ``lse`` with gradient; the rest when asked for."""
 
     lse: Tensor
     ess: Tensor | None = None  # ESS of the softmax restricted to the negatives
     negative_logit_sum: Tensor | None = None  # under num_negatives: sum of negatives' logits
     positive_lse: Tensor | None = None  # log-sum-exp over the anchor's positives, no grad
-    positive_logits: Tensor | None = None  # dense only: [n, N] logits, 0 off the positives
-    column_lse: Tensor | None = None  # tiled only: [N] log sum_i exp l_ij, with gradient
+    column_lse: Tensor | None = None  # the anchor's own column down the candidates, with grad
+    pair_sum: Tensor | None = None  # sum_p softplus(lse_i - l_ip + eps) - eps, with grad
 
 
 def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -> Tensor:
@@ -71,30 +71,59 @@ def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
 def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
                   column_set: ColumnSet, *, temperature: Temperature = 1.0,
                   monitors: bool = False, positive_lse: bool = False,
-                  positive_logits: bool = False, column_lse: bool = False) -> RowTerms:
+                  column_lse: bool = False, pair_terms: float | None = None) -> RowTerms:
     """log sum over ``column_set`` of exp(``anchors`` [n, D] . ``columns`` [N, D] /
     ``temperature``).
 
     ``monitors`` adds the ESS over the negatives of ``column_set.kind`` and, under
     ``num_negatives``, their logit sum; ``positive_lse`` adds the log-sum-exp over each
-    anchor's positives (without gradient; ``MASKED_LOGIT`` where an anchor has none);
-    ``positive_logits`` (dense only) the [n, N] logits with gradient at the positives and 0
-    elsewhere. Tiled, anchors that are ``batch.anchors`` among ``batch.candidates`` as
-    columns are passed as those rows: no [n, D] copy over tau, one gradient buffer.
-    ``column_lse`` (tiled, when :func:`transposable`) adds each column's log-sum-exp over
-    the anchors from the same walk of the tiles.
+    anchor's positives (without gradient; ``MASKED_LOGIT`` where an anchor has none).
+    ``column_lse`` adds each anchor's own column ``columns[anchor_index]`` read down every
+    candidate, log sum_k exp(x_k . c_i / tau) over ``column_set`` (CLIP's text -> image
+    direction; the anchors must be ``batch.anchors``): from the same walk of the tiles when
+    every candidate is an anchor (:func:`transposable`), else from a second reduction.
+    ``pair_terms`` = eps adds, with the positives' log-sum-exp, the sum over each anchor's
+    positives p of softplus(lse_i - l_ip + eps) - eps (SINCERE's pair terms; tiled, one
+    pass whose backward recomputes each tile once, with no [P] pair list).
     """
+    if pair_terms is not None:
+        if column_lse:
+            raise ValueError("row_logsumexp: pair_terms and column_lse are not asked together")
+        return _with_pair_terms(batch, scaled(anchors, temperature), columns, column_set,
+                                pair_terms)
+    if not column_lse:
+        return _rows(batch, anchors, columns, column_set, temperature, monitors, positive_lse)
+    if anchors is not batch.anchors:
+        raise ValueError("row_logsumexp: column_lse reads the columns down batch.candidates, "
+                         "so the anchors must be batch.anchors")
+    if transposable(batch):
+        return _rows(batch, anchors, columns, column_set, temperature, monitors, positive_lse,
+                     column_lse=True)
+    rows = _rows(batch, anchors, columns, column_set, temperature, monitors, positive_lse)
+    own = columns[batch.anchor_index]  # [n, D] each anchor's own column
+    down = _rows(batch, own, batch.candidates, column_set, temperature, False, False)
+    return rows._replace(column_lse=down.lse)
+
+
+def _rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor, column_set: ColumnSet,
+          temperature: Temperature, monitors: bool, positive_lse: bool,
+          column_lse: bool = False) -> RowTerms:
+    """:func:`row_logsumexp` over column tiles when ``batch.tile_size`` is set, else over
+    the [n, N] logits (``column_lse``: tiled and :func:`transposable` only)."""
     if batch.tile_size is not None:
-        if column_lse and not transposable(batch):
-            raise ValueError("column_lse: needs every column's own row as its anchor, all "
-                             "negatives and a symmetric column set")
         plan = tile_plan(batch, column_set, monitors=monitors, positive_lse=positive_lse,
                          column_lse=column_lse)
         tiled = tiled_batch_rows(batch, anchors, columns, plan, temperature)
         return _terms(batch, column_set, tiled, monitors)
-    if column_lse:
-        raise ValueError("column_lse: tiled passes only")
     logits = scaled(anchors, temperature) @ as_float(columns).T  # [n, N]
+    return _dense_rows(batch, logits, column_set, monitors, positive_lse)[0]
+
+
+def _dense_rows(batch: ContrastiveBatch, logits: Tensor, column_set: ColumnSet,
+                monitors: bool, positive_lse: bool,
+                positive_logits: bool = False) -> tuple[RowTerms, Tensor | None]:
+    """The row terms of [n, N] ``logits`` (masked and softmaxed in place), and with
+    ``positive_logits`` the logits with gradient at the positives, 0 elsewhere."""
     pos_lse = pos_logits = None
     positives = batch.columns(column_set.positives_only) if positive_lse or positive_logits \
         else None
@@ -105,13 +134,12 @@ def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
             pos_lse = masked_logsumexp(logits, positives.drop)
     lse, probs = row_softmax_(logits, batch.columns(column_set))
     if not monitors:
-        return RowTerms(lse, positive_lse=pos_lse, positive_logits=pos_logits)
+        return RowTerms(lse, positive_lse=pos_lse), pos_logits
     with torch.no_grad():
         neg_logits = None
         if batch.num_negatives is not None:
             neg_logits = batch.columns(column_set.negatives).apply(logits, 0.0).sum(1)
-    return RowTerms(lse, softmax_ess(batch, column_set, probs), neg_logits, pos_lse,
-                    pos_logits)
+    return RowTerms(lse, softmax_ess(batch, column_set, probs), neg_logits, pos_lse), pos_logits
 
 
 @torch.no_grad()
@@ -131,23 +159,6 @@ def transposable(batch: ContrastiveBatch) -> bool:
             and batch.valid is None and batch.anchor_rows == slice(0, batch.num_candidates))
 
 
-def both_directions(batch: ContrastiveBatch, column_set: ColumnSet,
-                    temperature: Temperature) -> tuple[RowTerms, Tensor]:
-    """(image -> text rows over ``column_set`` with their monitors, [n] text -> image
-    log-sum-exp) of the anchors over tau against ``batch.text``. When every row is an anchor (one
-    rank holding the whole batch) the text -> image logits are the image -> text ones
-    transposed, and a tiled pass reads both directions from one walk of the tiles;
-    otherwise each direction has its own."""
-    images = scaled(batch.anchors, temperature)  # [n, D]
-    if transposable(batch):
-        rows = row_logsumexp(batch, images, batch.text, column_set, monitors=True,
-                             column_lse=True)
-        return rows, rows.column_lse
-    texts = scaled(batch.text[batch.anchor_index], temperature)  # [n, D]
-    return (row_logsumexp(batch, images, batch.text, column_set, monitors=True),
-            row_logsumexp(batch, texts, batch.candidates, column_set).lse)
-
-
 def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
                      plan: TilePlan, temperature: Temperature) -> TiledRows:
     """:func:`tiles.tiled_rows` of ``anchors`` / ``temperature`` against ``columns``;
@@ -159,26 +170,22 @@ def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
     return tiled_rows(as_float(anchors), as_float(columns), plan, temperature)
 
 
-def row_logsumexp_and_pair_terms(batch: ContrastiveBatch, columns: Tensor, column_set: ColumnSet,
-                                 temperature: Temperature,
-                                 eps: float) -> tuple[RowTerms, Tensor]:
-    """:func:`row_logsumexp` of the anchors over tau against ``columns`` over SINCERE's
-    negatives ``column_set``, with its monitors and
-    the positives' log-sum-exp, and [n] the sum over each anchor's positives of
-    softplus(lse_i - l_ip + eps) - eps. Dense, the positives' logits are taken off the
-    [n, N] logits; tiled, one pass whose backward recomputes each tile once
-    (``pair_tiles.tiled_rows_and_pair_terms``), with no [P] pair list."""
-    anchors = scaled(batch.anchors, temperature)  # [n, D]
+def _with_pair_terms(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
+                     column_set: ColumnSet, eps: float) -> RowTerms:
+    """:func:`row_logsumexp` of ``anchors`` (over tau) with its monitors, the positives'
+    log-sum-exp and the pair terms. Dense, the positives' logits are taken off the [n, N]
+    logits; tiled, ``pair_tiles.tiled_rows_and_pair_terms``."""
     if batch.tile_size is None:
-        negatives = row_logsumexp(batch, anchors, columns, column_set, monitors=True,
-                                  positive_lse=True, positive_logits=True)
-        terms = F.softplus(negatives.lse[:, None] - negatives.positive_logits + eps) - eps
+        logits = anchors @ as_float(columns).T  # [n, N]
+        rows, positive_logits = _dense_rows(batch, logits, column_set, monitors=True,
+                                            positive_lse=True, positive_logits=True)
+        terms = F.softplus(rows.lse[:, None] - positive_logits + eps) - eps
         drop = batch.columns(column_set.positives_only).drop
-        return negatives, terms.masked_fill(drop, 0.0).sum(1)  # [n]
+        return rows._replace(pair_sum=terms.masked_fill(drop, 0.0).sum(1))  # [n]
     plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
-    rows, pair_sum = tiled_rows_and_pair_terms(
+    tiled, pair_sum = tiled_rows_and_pair_terms(
         anchors, as_float(columns), plan, batch.column_tiles(column_set.positives_only), eps)
-    return _terms(batch, column_set, rows, monitors=True), pair_sum
+    return _terms(batch, column_set, tiled, monitors=True)._replace(pair_sum=pair_sum)
 
 
 def masked_logsumexp(values: Tensor, drop: Tensor) -> Tensor:

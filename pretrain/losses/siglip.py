@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from pretrain.losses.sigmoid_rows import sigmoid_rows  # beyond the vocabulary: its rows
 from pretrain.losses.vocabulary import (
     BatchRows,
     ColumnSet,
@@ -27,6 +26,7 @@ from pretrain.losses.vocabulary import (
     Temperature,
     finish,
     positive_logit_mean,
+    sigmoid_rows,
 )
 
 

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.rows import row_logsumexp_and_pair_terms
 from pretrain.losses.vocabulary import (
     BatchRows,
     ColumnSet,
@@ -22,6 +21,7 @@ from pretrain.losses.vocabulary import (
     Temperature,
     finish,
     positive_logit_mean,
+    row_logsumexp,
 )
 
 
@@ -47,10 +47,10 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
     columns = ColumnSet(kind, positives=False)
     # lse_i over Neg(i), and sum_{p in P(i)} softplus(lse_i - l_ip + eps) - eps: the pair
     # terms -log(e^{l_ip} / (e^{l_ip - eps} + e^{lse_i}))
-    negatives, pair_sum = row_logsumexp_and_pair_terms(batch, batch.candidates, columns,
-                                                       temperature, eps)
+    negatives = row_logsumexp(batch, batch.anchors, batch.candidates, columns,
+                              temperature=temperature, monitors=True, pair_terms=eps)
     pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
-    loss = batch.anchor_mean(pair_sum / num_pos.clamp(min=1), kind)
+    loss = batch.anchor_mean(negatives.pair_sum / num_pos.clamp(min=1), kind)
     all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)
     return finish(batch, loss, kind, temperature, pos_mean=pos_mean,
                   infonce=all_lse - pos_mean.detach(), ess=negatives.ess,

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
-from pretrain.losses.soft_targets import soft_target_rows  # beyond the vocabulary
 from pretrain.losses.vocabulary import (
     BatchRows,
     ContrastiveBatch,
@@ -26,6 +25,7 @@ from pretrain.losses.vocabulary import (
     Temperature,
     finish,
     positive_logit_mean,
+    soft_target_rows,
 )
 
 

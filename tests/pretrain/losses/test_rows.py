@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,44 +38,48 @@ def row_blocks(request, monkeypatch) -> None:
         monkeypatch.setattr(tiles, "CPU_BLOCK_ELEMENTS", 3 * 4)
 
 
-@pytest.mark.parametrize("tile_size", [1, 4, 7])
-def test_column_lse_equals_the_transposed_rows_logsumexp(tile_size, row_blocks):
-    """A tiled pass asked for each column's log-sum-exp over the anchors gives, in float64,
-    the dense logsumexp down the kept entries of every column (views of one instance left
-    out), and the same gradients for the anchors, the columns and a learnable tau, with
-    the rows' own log-sum-exp also carrying gradient."""
+@pytest.mark.parametrize("anchors", ["every-row", "rows-4-to-11"])
+@pytest.mark.parametrize("tile_size", [None, 1, 4, 7])
+def test_column_lse_equals_the_transposed_rows_logsumexp(tile_size, anchors, row_blocks):
+    """Each anchor's own column read down every candidate, in float64, equals the dense
+    logsumexp down the kept entries of that column of the plain logits (views of one
+    instance left out), with the same gradients for the embeddings, the texts and a
+    learnable tau, the rows' own log-sum-exp also carrying gradient: from one walk of the
+    tiles when every row is an anchor, from a second reduction when the batch is dense or
+    the anchors are a rank's share."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.arange(8).repeat_interleave(2)[torch.randperm(16, generator=gen)]
     z = F.normalize(torch.randn(16, 5, dtype=torch.float64, generator=gen), dim=1)
     text = F.normalize(torch.randn(16, 5, dtype=torch.float64, generator=gen), dim=1)
     row_weight, column_weight = torch.rand(2, 16, dtype=torch.float64, generator=gen)
+    own = slice(0, 16) if anchors == "every-row" else slice(4, 12)
     columns = ColumnSet("instance", positives=False, self_column=True)
     results = []
-    for width in (None, tile_size):
+    for plain in (True, False):
         leaves = (z.clone().requires_grad_(), text.clone().requires_grad_(),
                   torch.tensor(0.3, dtype=torch.float64, requires_grad=True))
-        batch = batch_of(leaves[0], ids, text=leaves[1], tile_size=width)
-        if width is None:
-            logits = batch.columns(columns).apply(batch.anchors @ batch.text.T / leaves[2],
-                                                  float("-inf"))
-            lse, column_lse = logits.logsumexp(1), logits.logsumexp(0)
+        if plain:
+            other_view = (ids[:, None] == ids[None, :]) & ~torch.eye(16, dtype=torch.bool)
+            image, texts = F.normalize(leaves[0], dim=1), F.normalize(leaves[1], dim=1)
+            logits = (image @ texts.T / leaves[2]).masked_fill(other_view, float("-inf"))
+            lse, column_lse = logits.logsumexp(1)[own], logits.logsumexp(0)[own]
         else:
+            batch = dataclasses.replace(
+                batch_of(leaves[0], ids, text=leaves[1], tile_size=tile_size),
+                anchor_index=torch.arange(16)[own], anchor_start=own.start)
             rows = row_logsumexp(batch, batch.anchors, batch.text, columns,
                                  temperature=leaves[2], column_lse=True)
             lse, column_lse = rows.lse, rows.column_lse
-        total = (row_weight * lse).sum() + (column_weight * column_lse).sum()
+        total = (row_weight[own] * lse).sum() + (column_weight[own] * column_lse).sum()
         results.append((lse, column_lse, torch.autograd.grad(total, leaves)))
-    (*dense, dense_grads), (*tiled, tiled_grads) = results
-    for got, want in zip([*tiled, *tiled_grads], [*dense, *dense_grads], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (*want, want_grads), (*got, got_grads) = results
+    for got_value, want_value in zip([*got, *got_grads], [*want, *want_grads], strict=True):
+        torch.testing.assert_close(got_value, want_value, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("options", [{"num_negatives": 3}, {"tile_size": None}],
-                         ids=["negatives-subset", "dense"])
-def test_column_lse_is_refused_where_columns_are_not_transposed_rows(options):
-    gen = torch.Generator().manual_seed(2)
-    z = torch.randn(8, 4, dtype=torch.float64, generator=gen)
-    batch = batch_of(z, torch.arange(8), text=z.flip(0), **{"tile_size": 4, **options})
+def test_column_lse_needs_the_batch_anchors():
+    z = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    batch = batch_of(z, torch.arange(8), text=z.flip(0), tile_size=4)
     with pytest.raises(ValueError, match="column_lse"):
-        row_logsumexp(batch, batch.anchors, batch.text,
+        row_logsumexp(batch, batch.anchors * 2, batch.text,
                       ColumnSet("instance", positives=False, self_column=True), column_lse=True)

@@ -11,16 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.columns import ColumnSet
-from pretrain.losses.common import (
+from pretrain.losses.vocabulary import (
+    BatchRows,
+    ColumnSet,
+    ContrastiveBatch,
     ObjectiveOutput,
     Temperature,
     finish,
-    full_precision,
     positive_logit_mean,
+    row_logsumexp,
 )
-from pretrain.losses.rows import row_logsumexp
 
 
 def plain_decoupled(rows: BatchRows, tau: Temperature) -> Tensor:
@@ -39,12 +39,11 @@ def plain_decoupled(rows: BatchRows, tau: Temperature) -> Tensor:
 def decoupled(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
     """DCL with instance positives."""
     kind = "instance"
-    with full_precision(batch):
-        negatives = row_logsumexp(batch, batch.anchors, batch.candidates,
-                                  ColumnSet(kind, positives=False), temperature=temperature,
-                                  monitors=True)                        # [n]
-        pos_mean, _ = positive_logit_mean(batch, kind, temperature)      # [n]
-        per_anchor = negatives.lse - pos_mean
-        loss = batch.anchor_mean(per_anchor, kind)
-        return finish(batch, loss, kind, temperature, infonce=per_anchor, ess=negatives.ess,
-                      negative_logit_sum=negatives.negative_logit_sum, pos_mean=pos_mean)
+    negatives = row_logsumexp(batch, batch.anchors, batch.candidates,
+                              ColumnSet(kind, positives=False), temperature=temperature,
+                              monitors=True)                            # [n]
+    pos_mean, _ = positive_logit_mean(batch, kind, temperature)          # [n]
+    per_anchor = negatives.lse - pos_mean
+    loss = batch.anchor_mean(per_anchor, kind)
+    return finish(batch, loss, kind, temperature, infonce=per_anchor, ess=negatives.ess,
+                  negative_logit_sum=negatives.negative_logit_sum, pos_mean=pos_mean)
