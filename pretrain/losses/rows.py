@@ -24,6 +24,7 @@ from pretrain.losses.columns import (
 )
 from pretrain.losses.common import Temperature, as_float, row_softmax_, scaled
 from pretrain.losses.pair_tiles import tiled_rows_and_pair_terms
+from pretrain.losses.symmetric_tiles import symmetric_rows
 from pretrain.losses.tiles import (
     TargetLogits,
     TiledRows,
@@ -50,9 +51,11 @@ def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -
 
 def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
               targets: TargetLogits | None = None, positive_lse: bool = False,
-              column_lse: bool = False) -> TilePlan:
+              column_lse: bool = False, symmetric: bool = False) -> TilePlan:
     """The :class:`TilePlan` of ``column_set`` (and its negatives' monitors, the
-    positives' log-sum-exp and the columns' log-sum-exp) on ``batch``."""
+    positives' log-sum-exp and the columns' log-sum-exp) on ``batch``; ``symmetric``
+    (symmetric targets, if any) walks each pair of tiles once where the batch is
+    :func:`transposable` on a CPU."""
     columns = batch.column_tiles(column_set)
     negatives = None
     if monitors:  # the columns' own tiles when they are the negatives: one mask serves both
@@ -65,7 +68,8 @@ def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
         negatives=negatives,
         negative_logit_sum=monitors and batch.num_negatives is not None,
         positives=batch.column_tiles(column_set.positives_only) if positive_lse else None,
-        column_lse=column_lse)
+        column_lse=column_lse,
+        symmetric=symmetric and transposable(batch) and batch.candidates.device.type == "cpu")
 
 
 def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
@@ -166,6 +170,8 @@ def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
     candidates' rows they are."""
     rows = batch.anchor_rows if anchors is batch.anchors else None
     if rows is not None and columns is batch.candidates and as_float(columns) is columns:
+        if plan.symmetric:
+            return symmetric_rows(columns, plan, temperature)
         return tiled_rows(None, columns, plan, temperature, rows)
     return tiled_rows(as_float(anchors), as_float(columns), plan, temperature)
 

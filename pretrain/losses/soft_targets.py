@@ -63,7 +63,8 @@ def soft_target_rows(batch: ContrastiveBatch, temperature: Temperature,
         batch.tile_size is None or batch.class_graph is not None)
     if batch.tile_size is not None and not grouped:
         plan = tile_plan(batch, COLUMNS, monitors=True,
-                         targets=target_logits(batch, target_temperature))
+                         targets=target_logits(batch, target_temperature),
+                         symmetric=batch.class_graph is None)  # cosines: u_ij = u_ji
         tiled = tiled_batch_rows(batch, batch.anchors, batch.candidates, plan, temperature)
         return SoftTargetRows(tiled.lse, tiled.target_term, tiled.target_entropy,
                               ess_from_ratio(batch, "instance", tiled.ess_ratio),

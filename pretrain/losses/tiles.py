@@ -46,6 +46,9 @@ class TilePlan:
     # also log sum_i exp l_ij per column j (with gradient): the anchors must be the N
     # columns' own rows in order and ``columns`` symmetric (kept (i, j) iff kept (j, i))
     column_lse: bool = False
+    # the problem is its own transpose (every column's own row an anchor, symmetric masks
+    # and targets): one walk of the tile pairs r <= c serves both (``symmetric_tiles.py``)
+    symmetric: bool = False
 
 
 class TiledRows(NamedTuple):
@@ -80,9 +83,11 @@ class TileBuffers:
     allocated again hundreds of times, leave blocks that glibc keeps resident
     (``docs/benchmarks.md``, tiled memory)."""
 
-    def __init__(self, anchors: Tensor, tile_size: int) -> None:
+    def __init__(self, anchors: Tensor, tile_size: int, elements: int | None = None) -> None:
+        """Buffers of [rows, T] for ``anchors`` walked in tiles of ``tile_size`` columns, or
+        of ``elements`` each."""
         rows = min(len(anchors), _block_rows(len(anchors), tile_size, anchors.device))
-        self._like, self._numel = anchors, rows * tile_size
+        self._like, self._numel = anchors, elements or rows * tile_size
         self._buffers: dict[str, Tensor] = {}
 
     def __getitem__(self, name: str) -> Buffer:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pretrain.losses import batch_loss, objective_function, tiles
+from pretrain.losses import rows as row_reductions
 from pretrain.losses.batch import ContrastiveBatch, auto_tile_size
 from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 from tests.pretrain.losses.batches import FreshAllocations, batch_of
@@ -181,12 +182,18 @@ def test_tile_buffers_are_allocated_once_per_pass(case):
     assert counts[96] == counts[192] <= 14, counts
 
 
-def test_tiled_xclr_copies_no_more_than_a_row_block_of_captions():
+@pytest.mark.parametrize("walk", ["row-walk", "symmetric"])
+def test_tiled_xclr_copies_no_more_than_a_row_block_of_captions(walk, monkeypatch):
     """Caption targets normalise the anchors' captions a block of rows at a time and scale
     each tile's columns by their inverse norms: no [n, E] or [N, E] copy (at E = 384 one
-    outweighs the [N, D] embeddings three times, docs/negatives.md)."""
+    outweighs the [N, D] embeddings three times, docs/negatives.md). Every row an anchor,
+    the pairs of tiles are walked once (``symmetric_tiles.py``); a rank's share of the
+    rows walks its rows against every column."""
     n, width = 64, 7
-    tile_size = tiles.CPU_BLOCK_ELEMENTS // 16  # row blocks of 16 rows
+    monkeypatch.setattr(tiles, "CPU_BLOCK_ELEMENTS", 16 * 16)
+    tile_size = 16  # row blocks of 16 rows; square tiles of 16 x 16
+    if walk == "row-walk":
+        monkeypatch.setattr(row_reductions, "transposable", lambda batch: False)
     gen = torch.Generator().manual_seed(0)
     ids = torch.arange(n // 2).repeat(2)
     z = torch.randn(n, 3, dtype=torch.float64, generator=gen).requires_grad_()
