@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
@@ -85,7 +86,11 @@ def one_line(err: BaseException) -> str:
 def reported_faults(prog: str) -> Iterator[None]:
     """A :class:`RunError` inside becomes one line on stderr and exit status 1; so does a
     full disk wherever a write met it (the places that know their file raise a
-    :class:`RunError` naming it and its key, :func:`core.errors.no_space`)."""
+    :class:`RunError` naming it and its key, :func:`core.errors.no_space`). A crash in
+    native code (a segfault in a collective or a kernel) prints every thread's Python
+    stack on stderr before the process dies, where torchrun would report only its signal."""
+    with suppress(OSError, ValueError, AttributeError):  # stderr without a file: no stacks
+        faulthandler.enable(sys.stderr)
     try:
         yield
     except RunError as err:

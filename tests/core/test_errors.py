@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +101,16 @@ def test_free_space_of_a_path_removed_while_asked_reads_its_parent(tmp_path, mon
 
     monkeypatch.setattr(errors.shutil, "disk_usage", removed_meanwhile)
     assert free_space(partial).endswith(" MiB free")
+
+
+def test_a_crash_in_native_code_prints_the_python_stack():
+    """A segfault inside an entry point's ``reported_faults`` (a fresh interpreter, no
+    PYTHONFAULTHANDLER) leaves the Python stack on stderr, where torchrun would report
+    only signal 11."""
+    code = ("import ctypes\nfrom core.cli import reported_faults\n"
+            "with reported_faults('pretrain'):\n    ctypes.string_at(0)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGSEGV
+    assert "Segmentation fault" in result.stderr and 'File "<string>", line 4' in result.stderr
