@@ -75,6 +75,8 @@ class DeepSpeedEngine(Engine):
             zero3.partition(model, config)
         self.ds, zero_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False)
+        if self.shards_parameters:
+            zero3.zero_padding(zero_optimizer)
         super().__init__(model, zero_optimizer)
         self.wrapped = self.ds
 
@@ -134,11 +136,11 @@ class DeepSpeedEngine(Engine):
         return {**live, **state["optimizer"]}
 
     def _zero3_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """ZeRO-3: the model loaded module by module and the fp32 partitions refreshed from
-        it; this rank's optimizer state, its own, or cut from the partitions of another
-        number of ranks joined per parameter."""
+        """ZeRO-3: the model loaded module by module, the partitions' padding zeroed and the
+        fp32 partitions refreshed from them; this rank's optimizer state, its own, or cut
+        from the partitions of another number of ranks joined per parameter."""
         zero3.load_model_state(self.module, state["model"])
-        self.optimizer.refresh_fp32_params()
+        zero3.zero_padding(self.optimizer)  # and the fp32 partitions refreshed
         live = self.optimizer.state_dict()
         if "optimizer_partitions" not in state:
             return {**live, **state["optimizer"]}

@@ -104,6 +104,33 @@ def _check_fits(state: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -
         raise RunError(f"the checkpoint's model holds keys this model has not: {extra[:5]}")
 
 
+def zero_padding(optimizer: Any) -> None:
+    """Set to 0 what this rank's flat partitions hold beyond its parameters' elements, and
+    refresh the fp32 master partitions from them.
+
+    ZeRO-3 pads every parameter of m elements to W * S (S = ceil(m / W)), so the last ranks'
+    pieces end in padding, and DeepSpeed allocates the partitions uninitialised. An
+    optimizer whose rule reads a whole flat partition (LARS's trust ratio, taken over each
+    rank's flat sub-group) reads that padding too: a stray large or non-finite value there
+    scaled the rank's whole update (a 2 -> 3 rank resume turned it NaN now and then). Zero
+    padding stays zero: its gradient is zero and so is its update."""
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for params, flat in zip(optimizer.fp16_groups, optimizer.fp16_partitioned_groups_flat,
+                                strict=True):
+            offset = 0
+            for p in params:
+                size = p.partition_numel()
+                real = min(max(p.ds_numel - rank * size, 0), size)  # this rank's own elements
+                p.ds_tensor.data.view(-1)[real:].zero_()
+                if flat is not None:
+                    flat[offset + real:offset + size].zero_()
+                offset += size
+            if flat is not None:
+                flat[offset:].zero_()
+    optimizer.refresh_fp32_params()
+
+
 def sub_groups(optimizer: Any) -> list[list[int]]:
     """Per ZeRO-3 sub-group of ``optimizer`` (DeepSpeed's stage 3 optimizer), in order:
     [its param group, how many parameters it holds] (``reshard.SUB_GROUPS``)."""

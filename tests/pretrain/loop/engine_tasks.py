@@ -140,3 +140,49 @@ def run_step_with_cpu_fp16(fp16_kernels: bool, *args: Any) -> dict[str, Any]:
         return run_step(*args)
     finally:
         del accelerator.is_fp16_supported
+
+
+def zero3_padding(zero_config: str) -> dict[str, Any]:
+    """A ZeRO-3 engine with LARS built while ``torch.empty`` hands out NaN (uninitialised
+    memory at its worst), then resumed from its own state read as every rank's partitions
+    (the path of a checkpoint of another number of ranks) after each partition's padding
+    was set to NaN: after each, whether the padding of this rank's partitions is 0 and its
+    fp32 master partitions (what LARS's trust ratio reads whole) are finite, and how many
+    padding elements the rank holds."""
+    def report() -> dict[str, Any]:
+        tails = [p.ds_tensor.data.view(-1)[own_elements(p):] for p in engine.module.parameters()]
+        flats = engine.optimizer.fp32_partitioned_groups_flat
+        return {"padding": sum(t.numel() for t in tails),
+                "zero": all(bool((t == 0).all()) for t in tails),
+                "finite": all(bool(torch.isfinite(f).all()) for f in flats)}
+
+    torch.manual_seed(0)
+    model = build_model(MODEL, objective_config("infonce", {}), torch.device("cpu"), NUM_CLASSES)
+    cfg = EngineConfig(name="deepspeed", deepspeed_config=zero_config)
+    optimizer = build_optimizer(model, OptimConfig(name="lars", lr=0.1), 16)
+    original = torch.empty
+    torch.empty = lambda *a, **k: _filled(original(*a, **k))
+    try:
+        engine = build_engine(model, optimizer, cfg, torch.device("cpu"), micro_batch=8)
+    finally:
+        torch.empty = original
+    built = report()
+    state = engine.state_dict()  # a collective: the model on rank 0
+    model_state = [state["model"]]
+    dist.broadcast_object_list(model_state, src=0)
+    partitions = [None] * dist.get_world_size()
+    dist.all_gather_object(partitions, state["optimizer"])
+    for p in engine.module.parameters():
+        p.ds_tensor.data.view(-1)[own_elements(p):].fill_(float("nan"))
+    engine.load_state_dict({"model": model_state[0], "optimizer_partitions": partitions})
+    return {"built": built, "resumed": report()}
+
+
+def own_elements(p: torch.nn.Parameter) -> int:
+    """How many elements of its ZeRO-3 partition belong to the parameter on this rank."""
+    size = p.partition_numel()
+    return min(max(p.ds_numel - dist.get_rank() * size, 0), size)
+
+
+def _filled(tensor: Tensor) -> Tensor:
+    return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor

@@ -129,3 +129,18 @@ def test_the_run_reads_what_an_engine_needs_from_its_entry():
     ddp, zero = engine_spec("ddp"), engine_spec("deepspeed")
     assert (ddp.process_group, ddp.flat_partitions) == (False, False)
     assert (zero.process_group, zero.flat_partitions) == (True, True)
+
+
+def test_zero3_partitions_hold_no_stray_padding_on_three_ranks(gloo3):
+    """ZeRO-3 pads each parameter to a multiple of the ranks and DeepSpeed allocates the
+    partitions uninitialised; LARS's trust ratio reads a rank's flat partition whole, so a
+    stray value in the padding scaled that rank's update (non-finite now and then after a
+    2 -> 3 rank resume, ``test_reshard.py``). Built while ``torch.empty`` gives NaN, and
+    resumed after the padding was set to NaN, every rank's padding is 0 and its fp32
+    master partitions finite; the last ranks hold padding (the test model's parameters do
+    not divide by 3)."""
+    ranks = gloo3.run(engine_tasks.zero3_padding, ZERO3)
+    assert sum(rank["built"]["padding"] for rank in ranks) > 0
+    for rank in ranks:
+        assert rank["built"]["zero"] and rank["built"]["finite"], ranks
+        assert rank["resumed"]["zero"] and rank["resumed"]["finite"], ranks
