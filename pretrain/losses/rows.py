@@ -119,15 +119,17 @@ def _rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor, column_set:
                          column_lse=column_lse)
         tiled = tiled_batch_rows(batch, anchors, columns, plan, temperature)
         return _terms(batch, column_set, tiled, monitors)
-    logits = scaled(anchors, temperature) @ as_float(columns).T  # [n, N]
-    return _dense_rows(batch, logits, column_set, monitors, positive_lse)[0]
+    return _dense_rows(batch, scaled(anchors, temperature), columns, column_set, monitors,
+                       positive_lse)[0]
 
 
-def _dense_rows(batch: ContrastiveBatch, logits: Tensor, column_set: ColumnSet,
-                monitors: bool, positive_lse: bool,
+def _dense_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
+                column_set: ColumnSet, monitors: bool, positive_lse: bool,
                 positive_logits: bool = False) -> tuple[RowTerms, Tensor | None]:
-    """The row terms of [n, N] ``logits`` (masked and softmaxed in place), and with
-    ``positive_logits`` the logits with gradient at the positives, 0 elsewhere."""
+    """The row terms of the [n, N] logits ``anchors`` (over tau) . ``columns`` (masked and
+    softmaxed in place, held by nothing after), and with ``positive_logits`` the logits
+    with gradient at the positives, 0 elsewhere."""
+    logits = anchors @ as_float(columns).T  # [n, N]
     pos_lse = pos_logits = None
     positives = batch.columns(column_set.positives_only) if positive_lse or positive_logits \
         else None
@@ -182,8 +184,7 @@ def _with_pair_terms(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
     log-sum-exp and the pair terms. Dense, the positives' logits are taken off the [n, N]
     logits; tiled, ``pair_tiles.tiled_rows_and_pair_terms``."""
     if batch.tile_size is None:
-        logits = anchors @ as_float(columns).T  # [n, N]
-        rows, positive_logits = _dense_rows(batch, logits, column_set, monitors=True,
+        rows, positive_logits = _dense_rows(batch, anchors, columns, column_set, monitors=True,
                                             positive_lse=True, positive_logits=True)
         terms = F.softplus(rows.lse[:, None] - positive_logits + eps) - eps
         drop = batch.columns(column_set.positives_only).drop
