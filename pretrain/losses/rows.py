@@ -69,7 +69,7 @@ def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
         negative_logit_sum=monitors and batch.num_negatives is not None,
         positives=batch.column_tiles(column_set.positives_only) if positive_lse else None,
         column_lse=column_lse,
-        symmetric=symmetric and transposable(batch) and batch.candidates.device.type == "cpu")
+        symmetric=symmetric and transposable(batch) and not batch.candidates.is_cuda)
 
 
 def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from pretrain.losses import tiles
 from pretrain.losses.columns import MASKED_LOGIT, Columns
 from pretrain.losses.tiles import (
     TileBuffers,
@@ -31,13 +30,14 @@ from pretrain.losses.tiles import (
     _PassSums,
     _tiled_rows,
     divided,
+    row_blocks,
 )
 
 
 def square_blocks(n: int, tile_size: int) -> list[slice]:
     """The rows in blocks whose square tiles hold no more than the row walk's [rows, T]
     tiles (``tiles.row_blocks``): the memory ``objective.tile_size`` bounds stays bounded."""
-    rows = min(n, tiles.row_blocks(n, tile_size, torch.device("cpu"))[0].stop)
+    rows = min(n, row_blocks(n, tile_size, torch.device("cpu"))[0].stop)
     side = max(1, min(n, math.isqrt(rows * min(tile_size, n))))
     return [slice(start, min(start + side, n)) for start in range(0, n, side)]
 
