@@ -16,17 +16,15 @@ from torch import Tensor
 
 from pretrain.losses.vocabulary import (
     BatchRows,
-    ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
-    Temperature,
     finish,
     positive_logit_mean,
     row_logsumexp,
 )
 
 
-def plain_clip(rows: BatchRows, tau: Temperature) -> Tensor:
+def plain_clip(rows: BatchRows, tau: float | Tensor) -> Tensor:
     """CLIP's loss as written: image ``rows.z`` and ``rows.text`` [N, D] paired row by row,
     ``rows.ids`` [N] (rows of one image, its other views, are left out of each other's
     softmax)."""
@@ -37,15 +35,13 @@ def plain_clip(rows: BatchRows, tau: Temperature) -> Tensor:
     target = torch.arange(len(image), device=image.device)
     return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
 
-# a row's own text (image) and the negatives; the other views of its image are left out
-COLUMNS = ColumnSet("instance", positives=False, self_column=True)
-
-
-def clip(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
+def clip(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
     """Symmetric image-text InfoNCE over ``batch.candidates`` and ``batch.text``."""
-    # image -> text over the anchor's row, text -> image down its own text's column: [n] each
-    rows = row_logsumexp(batch, batch.anchors, batch.text, COLUMNS, temperature=temperature,
-                         monitors=True, column_lse=True)
+    # image -> text over the anchor's row, text -> image down its own text's column: [n]
+    # each, over its own pair and the negatives (the other views of its image left out)
+    rows = row_logsumexp(batch, batch.anchors, batch.text, "instance",
+                         over="negatives_and_self", temperature=temperature, monitors=True,
+                         column_lse=True)
     pos_logit, _ = positive_logit_mean(batch, "text", temperature)  # [n]
     per_anchor = 0.5 * (rows.lse + rows.column_lse) - pos_logit
     loss = batch.anchor_mean(per_anchor, None)

@@ -12,10 +12,10 @@ from torch import Tensor
 
 from core.config import InvalidValue
 from pretrain.losses.sincere import plain_sincere, sincere_family
-from pretrain.losses.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput, Temperature
+from pretrain.losses.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput
 
 
-def plain_eps_supinfonce(rows: BatchRows, tau: Temperature, eps: float) -> Tensor:
+def plain_eps_supinfonce(rows: BatchRows, tau: float | Tensor, eps: float) -> Tensor:
     """epsilon-SupInfoNCE as written: SINCERE's pair terms with the margin ``eps``."""
     return plain_sincere(rows, tau, eps)
 
@@ -31,7 +31,7 @@ class EpsSupInfoNCEConfig:
             raise InvalidValue("eps", f"must be >= 0, got {self.eps}")
 
 
-def eps_supinfonce(batch: ContrastiveBatch, temperature: Temperature, *,
+def eps_supinfonce(batch: ContrastiveBatch, temperature: float | Tensor, *,
                    eps: float) -> ObjectiveOutput:
     """SINCERE with margin ``eps`` on the positive's denominator term."""
     return sincere_family(batch, temperature, eps=eps)

@@ -15,17 +15,15 @@ from torch import Tensor
 
 from pretrain.losses.vocabulary import (
     BatchRows,
-    ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
-    Temperature,
     finish,
     positive_logit_mean,
     row_logsumexp,
 )
 
 
-def plain_flatnce(rows: BatchRows, tau: Temperature) -> Tensor:
+def plain_flatnce(rows: BatchRows, tau: float | Tensor) -> Tensor:
     """FlatNCE as written: ``rows.z`` [N, D], ``rows.ids`` [N]. Value 0; gradient that of
     v_i = logsumexp over the negatives of s_ij / tau minus the mean positive s_ip / tau;
     the mean over anchors that have a positive (0 for one without a negative)."""
@@ -52,12 +50,12 @@ def flat_nce(pos_logit: Tensor, lse_neg: Tensor, has_negative: Tensor) -> Tensor
     return torch.exp(v - v.detach()) - 1
 
 
-def flatnce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
+def flatnce(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
     """FlatNCE with instance positives (the FlatCLR objective)."""
     kind = "instance"
-    negatives = row_logsumexp(batch, batch.anchors, batch.candidates,
-                              ColumnSet(kind, positives=False), temperature=temperature,
-                              monitors=True, positive_lse=True)
+    negatives = row_logsumexp(batch, batch.anchors, batch.candidates, kind,
+                              over="negatives", temperature=temperature, monitors=True,
+                              positive_lse=True)
     pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
     has_negative = batch.num_negatives_per_anchor(kind) > 0
     loss = batch.anchor_mean(flat_nce(pos_mean, negatives.lse, has_negative), kind)

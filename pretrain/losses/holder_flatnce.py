@@ -17,10 +17,10 @@ from torch import Tensor
 
 from core.config import InvalidValue
 from pretrain.losses.flatnce import flatnce, plain_flatnce
-from pretrain.losses.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput, Temperature
+from pretrain.losses.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput
 
 
-def plain_holder_flatnce(rows: BatchRows, tau: Temperature, gamma: float) -> Tensor:
+def plain_holder_flatnce(rows: BatchRows, tau: float | Tensor, gamma: float) -> Tensor:
     """Hoelder-FlatNCE as this project defines it: FlatNCE on gamma * s / tau."""
     return plain_flatnce(rows, tau / gamma)
 
@@ -36,7 +36,7 @@ class HolderFlatNCEConfig:
             raise InvalidValue("gamma", f"must be > 0, got {self.gamma}")
 
 
-def holder_flatnce(batch: ContrastiveBatch, temperature: Temperature, *,
+def holder_flatnce(batch: ContrastiveBatch, temperature: float | Tensor, *,
                    gamma: float) -> ObjectiveOutput:
     """FlatNCE on gamma * s / tau, i.e. at the effective temperature tau / gamma."""
     out = flatnce(batch, temperature / gamma)

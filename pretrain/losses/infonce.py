@@ -11,16 +11,16 @@ import dataclasses
 from torch import Tensor
 
 from pretrain.losses.supcon import multi_positive_nce, plain_supcon
-from pretrain.losses.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput, Temperature
+from pretrain.losses.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput
 
 
-def plain_infonce(rows: BatchRows, tau: Temperature) -> Tensor:
+def plain_infonce(rows: BatchRows, tau: float | Tensor) -> Tensor:
     """NT-Xent as written: ``rows.z`` [N, D] every view's embedding, ``rows.ids`` [N] (the
     views of one image share an id): SupCon with the ids as labels, which for two views is
     -log softmax_{j != i}(s_ij / tau) at the other view."""
     return plain_supcon(dataclasses.replace(rows, labels=rows.ids), tau)
 
 
-def infonce(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
+def infonce(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
     """NT-Xent over instance positives; labels are ignored."""
     return multi_positive_nce(batch, temperature, "instance")

@@ -15,7 +15,6 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from pretrain.losses.batch import ContrastiveBatch
-from pretrain.losses.columns import ColumnSet
 from pretrain.losses.common import Temperature, add_log_columns_, as_float, pair_logits, scaled
 from pretrain.losses.rows import RowTerms, row_logsumexp
 
@@ -207,13 +206,14 @@ def projected_rows(batch: ContrastiveBatch, temperature: Temperature, *, project
     centroid with g- = z (its minus logits are the similarity logits); the others
     (``kernel``, ``median``, ``learned`` from the [C, D] ``class_embeddings``) with one
     projected vector per label group, g+ = g-."""
-    columns = ColumnSet("label")
     anchors = scaled(batch.anchors, temperature)  # [n, D]
     if projection == "centroid":
         plus = _centroid_plus(batch)  # [N, D]
-        minus = row_logsumexp(batch, anchors, batch.candidates, columns, monitors=True)
+        minus = row_logsumexp(batch, anchors, batch.candidates, "label", over="others",
+                              monitors=True)
+        plus_lse = row_logsumexp(batch, anchors, plus, "label", over="others").lse
         return ProjectedRows(pair_logits(anchors, plus, batch.self_pairs()), minus.lse,
-                             row_logsumexp(batch, anchors, plus, columns).lse, minus, {})
+                             plus_lse, minus, {})
     projected, metrics = _group_projection(batch, projection, bandwidth, kernel_metric,
                                            neighbours, class_embeddings)  # [G, D]
     _, groups, _ = batch.group_index("label")
@@ -223,10 +223,10 @@ def projected_rows(batch: ContrastiveBatch, temperature: Temperature, *, project
         # [n, G] logits suffice (tiled: G the C classes, not N slots)
         lse = _group_lse(batch, anchors @ projected.T)
     else:
-        lse = row_logsumexp(batch, anchors, projected[groups], columns).lse
+        lse = row_logsumexp(batch, anchors, projected[groups], "label", over="others").lse
     with torch.no_grad():  # the monitors read the plain similarity logits
         similarity = row_logsumexp(batch, anchors.detach(), batch.candidates.detach(),
-                                   columns, monitors=True)
+                                   "label", over="others", monitors=True)
     return ProjectedRows(plus_own, lse, lse, similarity, metrics)
 
 

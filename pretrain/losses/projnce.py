@@ -24,7 +24,6 @@ from pretrain.losses.vocabulary import (
     BatchRows,
     ContrastiveBatch,
     ObjectiveOutput,
-    Temperature,
     finish,
     positive_logit_mean,
     projected_rows,
@@ -34,7 +33,7 @@ Projection = Literal["centroid", "kernel", "median", "learned"]
 KernelMetric = Literal["l1", "l2", "cos"]
 
 
-def plain_projnce(rows: BatchRows, tau: Temperature, projection: Projection,
+def plain_projnce(rows: BatchRows, tau: float | Tensor, projection: Projection,
                   bandwidth: float, kernel_metric: KernelMetric, neighbours: int,
                   class_embeddings: Tensor | None = None,
                   num_classes: int | None = None) -> Tensor:
@@ -78,7 +77,7 @@ def plain_median_class_embeddings(z: Tensor, labels: Tensor, num_classes: int) -
                         for c in range(num_classes)])
 
 
-def plain_projnce_of(z: Tensor, labels: Tensor, tau: Temperature, plus: Tensor,
+def plain_projnce_of(z: Tensor, labels: Tensor, tau: float | Tensor, plus: Tensor,
                      minus: Tensor) -> Tensor:
     """ProjNCE as written: unit ``z`` [N, D], ``labels`` [N], and ``plus``, ``minus`` [N, D],
     the projections g+(y_k), g-(y_k) of every sample k; the mean of I_proj + R over anchors
@@ -118,7 +117,7 @@ class ProjNCEConfig:
             raise InvalidValue("neighbours", f"must be >= 1, got {self.neighbours}")
 
 
-def projnce(batch: ContrastiveBatch, temperature: Temperature, *,
+def projnce(batch: ContrastiveBatch, temperature: float | Tensor, *,
             projection: Projection, bandwidth: float, kernel_metric: KernelMetric,
             neighbours: int, class_embeddings: Tensor | None = None) -> ObjectiveOutput:
     """ProjNCE with the chosen projection; ``metrics["adjustment"]`` is the mean R (and

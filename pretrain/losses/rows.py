@@ -1,15 +1,15 @@
 """The one row reduction every objective needs, dense or tiled.
 
-``row_logsumexp(batch, anchors, columns, column_set)`` is log sum_j exp(a_i . c_j) over the
-columns of ``column_set``, with the monitors over the negatives. With ``batch.tile_size``
-unset it materialises the [n, N] logits (fastest while they fit); with it set it walks
-column tiles (``tiles.py``) and no [n, N] tensor exists. Both give the same values and
-gradients (``tests/pretrain/losses/test_tiles.py``).
+``row_logsumexp(batch, anchors, columns, kind, over=...)`` is log sum_j exp(a_i . c_j) over
+the columns ``over`` names, with the monitors over the negatives of ``kind``. With
+``batch.tile_size`` unset it materialises the [n, N] logits (fastest while they fit); with
+it set it walks column tiles (``tiles.py``) and no [n, N] tensor exists. Both give the same
+values and gradients (``tests/pretrain/losses/test_tiles.py``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,20 @@ from pretrain.losses.tiles import (
     TilePlan,
     tiled_rows,
 )
+
+Over = Literal["others", "negatives", "negatives_and_self"]
+OVER: dict[str, dict[str, bool]] = {
+    "others": {"positives": True},  # every candidate but the anchor itself: j != i
+    "negatives": {"positives": False},  # the anchor's negatives alone
+    "negatives_and_self": {"positives": False, "self_column": True},  # and column j = i
+}
+
+
+def columns_over(kind: PositiveKind, over: Over) -> ColumnSet:
+    """The :class:`ColumnSet` a reduction ``over`` the columns of an anchor's row reads."""
+    if over not in OVER:
+        raise ValueError(f"row_logsumexp: over={over!r}; one of {', '.join(OVER)}")
+    return ColumnSet(kind, **OVER[over])
 
 
 class RowTerms(NamedTuple):
@@ -73,23 +87,26 @@ def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
 
 
 def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                  column_set: ColumnSet, *, temperature: Temperature = 1.0,
+                  kind: PositiveKind, *, over: Over, temperature: Temperature = 1.0,
                   monitors: bool = False, positive_lse: bool = False,
                   column_lse: bool = False, pair_terms: float | None = None) -> RowTerms:
-    """log sum over ``column_set`` of exp(``anchors`` [n, D] . ``columns`` [N, D] /
-    ``temperature``).
+    """log sum_j exp(``anchors`` [n, D] . ``columns`` [N, D] / ``temperature``), j ``over``:
+    ``"others"`` every column but the anchor's own (its other positives of ``kind`` and
+    its negatives), ``"negatives"`` the columns of another ``kind`` key alone, or
+    ``"negatives_and_self"`` those and the anchor's own column.
 
-    ``monitors`` adds the ESS over the negatives of ``column_set.kind`` and, under
+    ``monitors`` adds the ESS over the negatives of ``kind`` and, under
     ``num_negatives``, their logit sum; ``positive_lse`` adds the log-sum-exp over each
     anchor's positives (without gradient; ``MASKED_LOGIT`` where an anchor has none).
     ``column_lse`` adds each anchor's own column ``columns[anchor_index]`` read down every
-    candidate, log sum_k exp(x_k . c_i / tau) over ``column_set`` (CLIP's text -> image
+    candidate, log sum_k exp(x_k . c_i / tau) over the same columns (CLIP's text -> image
     direction; the anchors must be ``batch.anchors``): from the same walk of the tiles when
     every candidate is an anchor (:func:`transposable`), else from a second reduction.
     ``pair_terms`` = eps adds, with the positives' log-sum-exp, the sum over each anchor's
     positives p of softplus(lse_i - l_ip + eps) - eps (SINCERE's pair terms; tiled, one
     pass whose backward recomputes each tile once, with no [P] pair list).
     """
+    column_set = columns_over(kind, over)
     if pair_terms is not None:
         if column_lse:
             raise ValueError("row_logsumexp: pair_terms and column_lse are not asked together")

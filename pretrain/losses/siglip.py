@@ -20,17 +20,15 @@ from torch.nn import functional as F
 
 from pretrain.losses.vocabulary import (
     BatchRows,
-    ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
-    Temperature,
     finish,
     positive_logit_mean,
     sigmoid_rows,
 )
 
 
-def plain_siglip(rows: BatchRows, tau: Temperature, bias: Temperature) -> Tensor:
+def plain_siglip(rows: BatchRows, tau: float | Tensor, bias: float | Tensor) -> Tensor:
     """SigLIP's loss as written: image ``rows.z`` and ``rows.text`` [N, D] paired row by row,
     ``rows.ids`` [N] (an image's other views are neither positive nor negative)."""
     image, text, ids = F.normalize(rows.z, dim=1), F.normalize(rows.text, dim=1), rows.ids
@@ -40,9 +38,6 @@ def plain_siglip(rows: BatchRows, tau: Temperature, bias: Temperature) -> Tensor
     pair_loss = -F.logsigmoid(sign * (image @ text.T / tau + bias))        # [N, N]
     return pair_loss.masked_fill(other_view, 0.0).sum() / len(image)
 
-NEGATIVES = ColumnSet("instance", positives=False, self_column=False)
-
-
 @dataclass
 class SigLIPConfig:
     """``objective.siglip.*``."""
@@ -50,10 +45,10 @@ class SigLIPConfig:
     bias: float = -10.0  # initial value of the learned logit bias b (Zhai et al.)
 
 
-def siglip(batch: ContrastiveBatch, temperature: Temperature, *,
-           bias: Temperature) -> ObjectiveOutput:
+def siglip(batch: ContrastiveBatch, temperature: float | Tensor, *,
+           bias: float | Tensor) -> ObjectiveOutput:
     """Pairwise sigmoid loss of ``batch.anchors`` against every text in ``batch.text``."""
-    negatives = sigmoid_rows(batch, batch.text, NEGATIVES, temperature, bias)
+    negatives = sigmoid_rows(batch, batch.text, temperature, bias)
     pos_logit, _ = positive_logit_mean(batch, "text", temperature)  # [n], without b
     loss = batch.anchor_mean(F.softplus(-(pos_logit + bias)), None) + negatives.weighted_sum
     return finish(batch, loss, "text", temperature, pos_mean=pos_logit,

@@ -1,7 +1,7 @@
 """The row reduction of pairwise sigmoid objectives (SigLIP), dense or tiled.
 
-``sigmoid_rows(batch, columns, column_set, temperature, bias)`` is
-sum_i w_i sum_j softplus(a_i . c_j / tau + b) over the columns of ``column_set``: the weighted
+``sigmoid_rows(batch, columns, temperature, bias)`` is
+sum_i w_i sum_j softplus(a_i . c_j / tau + b) over each anchor's negatives j: the weighted
 negative-pair terms -log sigmoid(-(l_ij + b)) of every anchor, one scalar. With
 ``batch.tile_size`` unset it materialises the [n, N] logits; with it set it walks column
 tiles as ``tiles.py`` does, in O((n + N) D + n T) memory. A sum of softplus needs no
@@ -25,6 +25,8 @@ from pretrain.losses.columns import MASKED_LOGIT, ColumnSet, ColumnTiles
 from pretrain.losses.common import Temperature, as_float, scaled
 from pretrain.losses.tiles import TileBuffers, row_blocks
 
+NEGATIVES = ColumnSet("instance", positives=False)  # all but the columns of the row's image
+
 
 class SigmoidRows(NamedTuple):
     """The negative-pair terms of a batch's anchors."""
@@ -33,10 +35,11 @@ class SigmoidRows(NamedTuple):
     product_sum: Tensor | None  # [n], under num_negatives: sum over the columns of l_ij
 
 
-def sigmoid_rows(batch: ContrastiveBatch, columns: Tensor, column_set: ColumnSet,
-                 temperature: Temperature, bias: Temperature) -> SigmoidRows:
-    """sum_i w_i sum over ``column_set`` of softplus(a_i . ``columns`` [N, D] / tau +
-    ``bias``), a_i the anchors and w_i their weights in ``batch.anchor_mean``.
+def sigmoid_rows(batch: ContrastiveBatch, columns: Tensor, temperature: Temperature,
+                 bias: Temperature) -> SigmoidRows:
+    """sum_i w_i sum over the negatives j of softplus(a_i . ``columns[j]`` / tau +
+    ``bias``), a_i the anchors, w_i their weights in ``batch.anchor_mean``, ``columns``
+    [N, D] and j every column but those of the anchor's image (its own among them).
 
     ``bias`` is a float or a 0-dim tensor (learnable, with gradient). Under
     ``num_negatives`` the plain logit sum of each row over the same columns comes too (the
@@ -49,9 +52,9 @@ def sigmoid_rows(batch: ContrastiveBatch, columns: Tensor, column_set: ColumnSet
     if batch.tile_size is not None:
         total, products = _TiledSoftplus.apply(
             anchors, columns, bias, weights.detach(),
-            _Plan(batch.tile_size, batch.column_tiles(column_set), with_products))
+            _Plan(batch.tile_size, batch.column_tiles(NEGATIVES), with_products))
         return SigmoidRows(total, products if with_products else None)
-    kept = batch.columns(column_set)
+    kept = batch.columns(NEGATIVES)
     products = anchors @ columns.T  # [n, N]
     product_sum = kept.apply(products.detach(), 0.0).sum(1) if with_products else None
     logits = products + bias

@@ -15,17 +15,15 @@ from torch import Tensor
 
 from pretrain.losses.vocabulary import (
     BatchRows,
-    ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
-    Temperature,
     finish,
     positive_logit_mean,
     row_logsumexp,
 )
 
 
-def plain_sincere(rows: BatchRows, tau: Temperature, eps: float = 0.0) -> Tensor:
+def plain_sincere(rows: BatchRows, tau: float | Tensor, eps: float = 0.0) -> Tensor:
     """SINCERE as written (eps > 0: epsilon-SupInfoNCE): ``rows.z`` [N, D], ``rows.labels``
     [N]; the mean over anchors that have a positive."""
     z, labels = F.normalize(rows.z, dim=1), rows.labels
@@ -40,15 +38,15 @@ def plain_sincere(rows: BatchRows, tau: Temperature, eps: float = 0.0) -> Tensor
     return per_anchor[count > 0].mean()
 
 
-def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
+def sincere_family(batch: ContrastiveBatch, temperature: float | Tensor,
                    eps: float) -> ObjectiveOutput:
     """Per-positive-pair NCE whose denominator holds only that positive and Neg(i)."""
     kind = "label"
-    columns = ColumnSet(kind, positives=False)
     # lse_i over Neg(i), and sum_{p in P(i)} softplus(lse_i - l_ip + eps) - eps: the pair
     # terms -log(e^{l_ip} / (e^{l_ip - eps} + e^{lse_i}))
-    negatives = row_logsumexp(batch, batch.anchors, batch.candidates, columns,
-                              temperature=temperature, monitors=True, pair_terms=eps)
+    negatives = row_logsumexp(batch, batch.anchors, batch.candidates, kind,
+                              over="negatives", temperature=temperature, monitors=True,
+                              pair_terms=eps)
     pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
     loss = batch.anchor_mean(negatives.pair_sum / num_pos.clamp(min=1), kind)
     all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)
@@ -57,6 +55,6 @@ def sincere_family(batch: ContrastiveBatch, temperature: Temperature,
                   negative_logit_sum=negatives.negative_logit_sum)
 
 
-def sincere(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
+def sincere(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
     """SINCERE: supervised InfoNCE with same-class samples removed from each denominator."""
     return sincere_family(batch, temperature, eps=0.0)

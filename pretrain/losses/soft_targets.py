@@ -73,7 +73,8 @@ def soft_target_rows(batch: ContrastiveBatch, temperature: Temperature,
     kind, sim = target_groups(batch, target_temperature)
     if kind is None and batch.num_negatives is None:
         return _caption_rows(batch, anchors, sim)
-    rows = row_logsumexp(batch, anchors, batch.candidates, COLUMNS, monitors=True)
+    rows = row_logsumexp(batch, anchors, batch.candidates, "instance", over="others",
+                         monitors=True)
     if batch.num_negatives is None:
         term, entropy = _grouped_target_term(batch, kind, sim, temperature)
     else:

@@ -14,17 +14,15 @@ from torch import Tensor
 
 from pretrain.losses.vocabulary import (
     BatchRows,
-    ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
-    Temperature,
     finish,
     positive_logit_mean,
     row_logsumexp,
 )
 
 
-def plain_supcon(rows: BatchRows, tau: Temperature) -> Tensor:
+def plain_supcon(rows: BatchRows, tau: float | Tensor) -> Tensor:
     """SupCon L_out as written (the definition the tests hold :func:`supcon` to):
     ``rows.z`` [N, D] every view's embedding, ``rows.labels`` [N]; the mean over anchors
     that have a positive."""
@@ -38,11 +36,11 @@ def plain_supcon(rows: BatchRows, tau: Temperature) -> Tensor:
     return per_anchor[count > 0].mean()
 
 
-def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,
+def multi_positive_nce(batch: ContrastiveBatch, temperature: float | Tensor,
                        kind: Literal["instance", "label"]) -> ObjectiveOutput:
     """Softmax cross-entropy averaged over each anchor's positives of ``kind``: the
     other views of its image (instance) or the other samples of its class (label)."""
-    rows = row_logsumexp(batch, batch.anchors, batch.candidates, ColumnSet(kind),
+    rows = row_logsumexp(batch, batch.anchors, batch.candidates, kind, over="others",
                          temperature=temperature, monitors=True)  # [n]
     pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
     per_anchor = rows.lse - pos_mean
@@ -51,6 +49,6 @@ def multi_positive_nce(batch: ContrastiveBatch, temperature: Temperature,
                   negative_logit_sum=rows.negative_logit_sum, pos_mean=pos_mean)
 
 
-def supcon(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
+def supcon(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
     """SupCon L_out with label positives."""
     return multi_positive_nce(batch, temperature, "label")

@@ -1,13 +1,14 @@
 """The vocabulary a loss is written in (``docs/architecture.md``, "Writing a loss").
 
 A loss is ``fn(batch: ContrastiveBatch, temperature, **keys) -> ObjectiveOutput`` beside its
-plain form ``plain(rows: BatchRows, tau, **keys) -> Tensor``. Between the two sit the
-operations below: each one the same whether the batch is dense or walked in column tiles,
-keeps every negative or a seeded subset, lives in one process or was gathered from many;
-the loss never asks which. The table's generic call checks what the entry declares
-(labels, text) and turns autocast off around the loss.
+plain form ``plain(rows: BatchRows, tau, **keys) -> Tensor``; a temperature is a float or a
+0-dim tensor (learnable). Between the two sit the operations below: each one the same
+whether the batch is dense or walked in column tiles, keeps every negative or a seeded
+subset, lives in one process or was gathered from many; the loss never asks which. The
+table's generic call checks what the entry declares (labels, text) and turns autocast off
+around the loss.
 
-Eight names serve every loss. Three reductions beside them each serve one objective whose
+Six names serve every loss. Three reductions beside them each serve one objective whose
 terms are not a softmax over a row: X-CLR's soft targets, SigLIP's sigmoid pairs and
 ProjNCE's class projections.
 """
@@ -15,8 +16,7 @@ ProjNCE's class projections.
 from __future__ import annotations
 
 from pretrain.losses.batch import BatchRows, ContrastiveBatch
-from pretrain.losses.columns import ColumnSet
-from pretrain.losses.common import ObjectiveOutput, Temperature, finish, positive_logit_mean
+from pretrain.losses.common import ObjectiveOutput, finish, positive_logit_mean
 from pretrain.losses.projections import projected_rows
 from pretrain.losses.rows import row_logsumexp
 from pretrain.losses.sigmoid_rows import sigmoid_rows
@@ -24,9 +24,9 @@ from pretrain.losses.soft_targets import soft_target_rows
 
 __all__ = [
     # what a loss receives and returns
-    "BatchRows", "ContrastiveBatch", "ObjectiveOutput", "Temperature",
+    "BatchRows", "ContrastiveBatch", "ObjectiveOutput",
     # what it computes with
-    "ColumnSet", "finish", "positive_logit_mean", "row_logsumexp",
+    "finish", "positive_logit_mean", "row_logsumexp",
     # the reductions of one objective each: xclr, siglip, projnce
     "soft_target_rows", "sigmoid_rows", "projected_rows",
 ]

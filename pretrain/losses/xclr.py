@@ -22,14 +22,13 @@ from pretrain.losses.vocabulary import (
     BatchRows,
     ContrastiveBatch,
     ObjectiveOutput,
-    Temperature,
     finish,
     positive_logit_mean,
     soft_target_rows,
 )
 
 
-def plain_xclr(rows: BatchRows, tau: Temperature, target_temperature: float,
+def plain_xclr(rows: BatchRows, tau: float | Tensor, target_temperature: float,
                class_graph: Tensor | None = None) -> Tensor:
     """X-CLR as written: ``rows.z`` [N, D]; c_i . c_j from the unit caption embeddings
     ``rows.captions`` [N, E], or ``class_graph`` [C, C] at each pair of ``rows.labels``; the
@@ -75,7 +74,7 @@ class XclrConfig:
                                f"must be > 0, got {self.target_temperature}")
 
 
-def xclr(batch: ContrastiveBatch, temperature: Temperature, *,
+def xclr(batch: ContrastiveBatch, temperature: float | Tensor, *,
          target_temperature: float) -> ObjectiveOutput:
     """Soft-target contrastive loss; ``target_temperature`` is the paper's tau_s."""
     _check_targets(batch)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.losses import tiles
-from pretrain.losses.columns import MASKED_LOGIT, ColumnSet
+from pretrain.losses.columns import MASKED_LOGIT
 from pretrain.losses.rows import masked_logsumexp, row_logsumexp
 from tests.pretrain.losses.batches import batch_of
 
@@ -53,7 +53,6 @@ def test_column_lse_equals_the_transposed_rows_logsumexp(tile_size, anchors, row
     text = F.normalize(torch.randn(16, 5, dtype=torch.float64, generator=gen), dim=1)
     row_weight, column_weight = torch.rand(2, 16, dtype=torch.float64, generator=gen)
     own = slice(0, 16) if anchors == "every-row" else slice(4, 12)
-    columns = ColumnSet("instance", positives=False, self_column=True)
     results = []
     for plain in (True, False):
         leaves = (z.clone().requires_grad_(), text.clone().requires_grad_(),
@@ -67,8 +66,9 @@ def test_column_lse_equals_the_transposed_rows_logsumexp(tile_size, anchors, row
             batch = dataclasses.replace(
                 batch_of(leaves[0], ids, text=leaves[1], tile_size=tile_size),
                 anchor_index=torch.arange(16)[own], anchor_start=own.start)
-            rows = row_logsumexp(batch, batch.anchors, batch.text, columns,
-                                 temperature=leaves[2], column_lse=True)
+            rows = row_logsumexp(batch, batch.anchors, batch.text, "instance",
+                                 over="negatives_and_self", temperature=leaves[2],
+                                 column_lse=True)
             lse, column_lse = rows.lse, rows.column_lse
         total = (row_weight[own] * lse).sum() + (column_weight[own] * column_lse).sum()
         results.append((lse, column_lse, torch.autograd.grad(total, leaves)))
@@ -81,5 +81,42 @@ def test_column_lse_needs_the_batch_anchors():
     z = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     batch = batch_of(z, torch.arange(8), text=z.flip(0), tile_size=4)
     with pytest.raises(ValueError, match="column_lse"):
-        row_logsumexp(batch, batch.anchors * 2, batch.text,
-                      ColumnSet("instance", positives=False, self_column=True), column_lse=True)
+        row_logsumexp(batch, batch.anchors * 2, batch.text, "instance",
+                      over="negatives_and_self", column_lse=True)
+
+
+def _kept_columns(over: str, labels: torch.Tensor) -> torch.Tensor:
+    """[N, N] the columns each row's reduction keeps, as ``over`` is documented."""
+    same = labels[:, None] == labels[None, :]
+    own = torch.eye(len(labels), dtype=torch.bool)
+    return {"others": ~own, "negatives": ~same, "negatives_and_self": ~same | own}[over]
+
+
+@pytest.mark.parametrize("over", ["others", "negatives", "negatives_and_self"])
+@pytest.mark.parametrize("tile_size", [None, 3])
+def test_over_names_the_columns_of_each_row(over, tile_size):
+    """float64: each ``over`` equals the plain logsumexp over the columns its docstring
+    names, with label keys, dense and tiled, values and gradients."""
+    gen = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 4, (12,), generator=gen)
+    z = torch.randn(12, 5, dtype=torch.float64, generator=gen)
+    grads = []
+    for plain in (True, False):
+        leaf = z.clone().requires_grad_()
+        if plain:
+            unit = F.normalize(leaf, dim=1)
+            logits = unit @ unit.T / 0.5
+            lse = logits.masked_fill(~_kept_columns(over, labels), float("-inf")).logsumexp(1)
+        else:
+            batch = batch_of(leaf, torch.arange(12), labels=labels, tile_size=tile_size)
+            lse = row_logsumexp(batch, batch.anchors, batch.candidates, "label", over=over,
+                                temperature=0.5).lse
+        grads.append((lse, *torch.autograd.grad(lse.square().sum(), leaf)))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_over_rejects_an_unknown_set_of_columns():
+    batch = batch_of(torch.randn(4, 3), torch.arange(4))
+    with pytest.raises(ValueError, match="over='positives'"):
+        row_logsumexp(batch, batch.anchors, batch.candidates, "instance", over="positives")

@@ -13,17 +13,15 @@ from torch import Tensor
 
 from pretrain.losses.vocabulary import (
     BatchRows,
-    ColumnSet,
     ContrastiveBatch,
     ObjectiveOutput,
-    Temperature,
     finish,
     positive_logit_mean,
     row_logsumexp,
 )
 
 
-def plain_decoupled(rows: BatchRows, tau: Temperature) -> Tensor:
+def plain_decoupled(rows: BatchRows, tau: float | Tensor) -> Tensor:
     """DCL as written: ``rows.z`` [N, D], ``rows.ids`` [N]; the mean over anchors that
     have a positive."""
     z, ids = F.normalize(rows.z, dim=1), rows.ids
@@ -36,11 +34,11 @@ def plain_decoupled(rows: BatchRows, tau: Temperature) -> Tensor:
     return (lse_neg - pos_mean)[count > 0].mean()
 
 
-def decoupled(batch: ContrastiveBatch, temperature: Temperature) -> ObjectiveOutput:
+def decoupled(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
     """DCL with instance positives."""
     kind = "instance"
-    negatives = row_logsumexp(batch, batch.anchors, batch.candidates,
-                              ColumnSet(kind, positives=False), temperature=temperature,
+    negatives = row_logsumexp(batch, batch.anchors, batch.candidates, kind,
+                              over="negatives", temperature=temperature,
                               monitors=True)                            # [n]
     pos_mean, _ = positive_logit_mean(batch, kind, temperature)          # [n]
     per_anchor = negatives.lse - pos_mean
