@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from pretrain.losses.batch import ContrastiveBatch
@@ -23,7 +22,7 @@ from pretrain.losses.columns import (
     PositiveKind,
 )
 from pretrain.losses.common import Temperature, as_float, row_softmax_, scaled
-from pretrain.losses.pair_tiles import tiled_rows_and_pair_terms
+from pretrain.losses.pair_terms import dense_rows_and_pair_terms, tiled_rows_and_pair_terms
 from pretrain.losses.symmetric_tiles import symmetric_rows
 from pretrain.losses.tiles import (
     TargetLogits,
@@ -137,38 +136,38 @@ def _rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor, column_set:
         tiled = tiled_batch_rows(batch, anchors, columns, plan, temperature)
         return _terms(batch, column_set, tiled, monitors)
     return _dense_rows(batch, scaled(anchors, temperature), columns, column_set, monitors,
-                       positive_lse)[0]
+                       positive_lse)
 
 
 def _dense_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                column_set: ColumnSet, monitors: bool, positive_lse: bool,
-                positive_logits: bool = False) -> tuple[RowTerms, Tensor | None]:
-    """The row terms of the [n, N] logits ``anchors`` (over tau) . ``columns`` (masked and
-    softmaxed in place, held by nothing after), and with ``positive_logits`` the logits
-    with gradient at the positives, 0 elsewhere."""
+                column_set: ColumnSet, monitors: bool, positive_lse: bool) -> RowTerms:
+    """The row terms of the [n, N] logits ``anchors`` (over tau) . ``columns``, masked and
+    softmaxed in place; the monitors then use them as scratch."""
     logits = anchors @ as_float(columns).T  # [n, N]
-    pos_lse = pos_logits = None
-    positives = batch.columns(column_set.positives_only) if positive_lse or positive_logits \
-        else None
-    if positive_logits:  # out of place: the fill below does not touch it
-        pos_logits = logits.masked_fill(positives.drop, 0.0)
+    pos_lse = None
     if positive_lse:  # before the softmax masks the positives' entries
         with torch.no_grad():
-            pos_lse = masked_logsumexp(logits, positives.drop)
+            pos_lse = masked_logsumexp(logits, batch.columns(column_set.positives_only).drop)
     lse, probs = row_softmax_(logits, batch.columns(column_set))
     if not monitors:
-        return RowTerms(lse, positive_lse=pos_lse), pos_logits
+        return RowTerms(lse, positive_lse=pos_lse)
     with torch.no_grad():
         neg_logits = None
         if batch.num_negatives is not None:
             neg_logits = batch.columns(column_set.negatives).apply(logits, 0.0).sum(1)
-    return RowTerms(lse, softmax_ess(batch, column_set, probs), neg_logits, pos_lse), pos_logits
+    return RowTerms(lse, softmax_ess(batch, column_set, probs, scratch=logits), neg_logits,
+                    pos_lse)
 
 
 @torch.no_grad()
-def softmax_ess(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tensor) -> Tensor:
-    """[n] the ESS of each row's softmax ``probs`` [n, N] over ``column_set``'s negatives."""
-    negatives = _negatives_only(batch, column_set, probs)
+def softmax_ess(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tensor,
+                scratch: Tensor | None = None) -> Tensor:
+    """[n] the ESS of each row's softmax ``probs`` [n, N] over ``column_set``'s negatives;
+    ``scratch`` [n, N], if given, is overwritten instead of allocating a copy."""
+    negatives = probs
+    if column_set != column_set.negatives:  # zero the columns that are not negatives
+        negatives = probs.clone() if scratch is None else scratch.copy_(probs)
+        batch.columns(column_set.negatives).fill_(negatives, 0.0)
     ratio = (negatives.sum(1) / torch.linalg.vector_norm(negatives, dim=1)).square()
     return ess_from_ratio(batch, column_set.kind, ratio)
 
@@ -198,18 +197,22 @@ def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
 def _with_pair_terms(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
                      column_set: ColumnSet, eps: float) -> RowTerms:
     """:func:`row_logsumexp` of ``anchors`` (over tau) with its monitors, the positives'
-    log-sum-exp and the pair terms. Dense, the positives' logits are taken off the [n, N]
-    logits; tiled, ``pair_tiles.tiled_rows_and_pair_terms``."""
+    log-sum-exp and the pair terms (``pair_terms.py``), dense or tiled."""
+    positives = column_set.positives_only
     if batch.tile_size is None:
-        rows, positive_logits = _dense_rows(batch, anchors, columns, column_set, monitors=True,
-                                            positive_lse=True, positive_logits=True)
-        terms = F.softplus(rows.lse[:, None] - positive_logits + eps) - eps
-        drop = batch.columns(column_set.positives_only).drop
-        return rows._replace(pair_sum=terms.masked_fill(drop, 0.0).sum(1))  # [n]
-    plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
-    tiled, pair_sum = tiled_rows_and_pair_terms(
-        anchors, as_float(columns), plan, batch.column_tiles(column_set.positives_only), eps)
-    return _terms(batch, column_set, tiled, monitors=True)._replace(pair_sum=pair_sum)
+        dense = dense_rows_and_pair_terms(
+            anchors @ as_float(columns).T, batch.columns(column_set),
+            batch.columns(positives), eps, logit_sum=batch.num_negatives is not None)
+        rows = RowTerms(dense.lse, softmax_ess(batch, column_set, dense.probs),
+                        dense.logit_sum, dense.positive_lse, pair_sum=dense.pair_sum)
+    else:
+        plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
+        tiled, pair_sum = tiled_rows_and_pair_terms(
+            anchors, as_float(columns), plan, batch.column_tiles(positives), eps)
+        rows = _terms(batch, column_set, tiled, monitors=True)._replace(pair_sum=pair_sum)
+    _, groups, counts = batch.group_index(column_set.kind)
+    num_positives = (counts[groups[batch.anchor_index]] - 1).to(rows.pair_sum.dtype)
+    return rows._replace(pair_sum=rows.pair_sum - eps * num_positives)
 
 
 def masked_logsumexp(values: Tensor, drop: Tensor) -> Tensor:
@@ -234,10 +237,3 @@ def _terms(batch: ContrastiveBatch, column_set: ColumnSet, rows: TiledRows,
         return RowTerms(rows.lse, positive_lse=rows.positive_lse, column_lse=rows.column_lse)
     return RowTerms(rows.lse, ess_from_ratio(batch, column_set.kind, rows.ess_ratio),
                     rows.negative_logit_sum, rows.positive_lse, column_lse=rows.column_lse)
-
-
-def _negatives_only(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tensor) -> Tensor:
-    """[n, N] ``probs`` with every column that is not a negative set to 0."""
-    if column_set == column_set.negatives:
-        return probs
-    return batch.columns(column_set.negatives).apply(probs, 0.0)

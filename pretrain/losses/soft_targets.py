@@ -70,9 +70,9 @@ def soft_target_rows(batch: ContrastiveBatch, temperature: Temperature,
                               ess_from_ratio(batch, "instance", tiled.ess_ratio),
                               tiled.negative_logit_sum)
     anchors = scaled(batch.anchors, temperature)  # [n, D]
+    if batch.class_graph is None and batch.num_negatives is None:
+        return _caption_rows(batch, anchors, target_temperature)
     kind, sim = target_groups(batch, target_temperature)
-    if kind is None and batch.num_negatives is None:
-        return _caption_rows(batch, anchors, sim)
     rows = row_logsumexp(batch, anchors, batch.candidates, "instance", over="others",
                          monitors=True)
     if batch.num_negatives is None:
@@ -100,22 +100,26 @@ def target_groups(batch: ContrastiveBatch,
     return None, (captions[batch.anchor_index] / target_temperature) @ captions.T
 
 
-def _caption_rows(batch: ContrastiveBatch, anchors: Tensor, sim: Tensor) -> SoftTargetRows:
-    """Caption targets over every column but self, dense: t_ij = softmax_j(``sim`` [n, N],
-    overwritten) and the logits ``anchors`` [n, D] (over tau) . c_j meet in one [n, N]
+def _caption_rows(batch: ContrastiveBatch, anchors: Tensor,
+                  target_temperature: float) -> SoftTargetRows:
+    """Caption targets over every column but self, dense: t_ij = softmax_j(c_i . c_j /
+    tau_s) and the logits ``anchors`` [n, D] (over tau) . c_j meet in one [n, N]
     softmax, which gives the log-sum-exp and sum_j t_ij l_ij; the backward forms their
     gradient with respect to the logits, softmax - t, in place (two matmuls fewer than a
     target term through t @ candidates)."""
     with torch.no_grad():
+        _, sim = target_groups(batch, target_temperature)  # [n, N], held here alone
         counts = (torch.ones(batch.num_candidates, dtype=torch.long, device=sim.device)
                   if batch.valid is None else batch.valid.long())
         add_log_columns_(sim, batch.anchor_index, counts)  # self and padding: no mass
-        log_targets = sim.sub_(sim.logsumexp(1, keepdim=True))  # in place: one [n, N] kept
-        entropy = -row_dot(log_targets.exp(), log_targets)
-        targets = log_targets.exp_()
+        log_targets = torch.log_softmax(sim, dim=1)
+        targets = torch.exp(log_targets, out=sim)  # sim's buffer
+        entropy = -row_dot(targets, log_targets)
+        del sim, log_targets  # one [n, N] kept
     logits = anchors @ as_float(batch.candidates).T  # [n, N]
     lse, term, probs = row_softmax_and_targets_(logits, batch.columns(COLUMNS), targets)
-    return SoftTargetRows(lse, term, entropy, softmax_ess(batch, COLUMNS, probs), None)
+    ess = softmax_ess(batch, COLUMNS, probs, scratch=logits)
+    return SoftTargetRows(lse, term, entropy, ess, None)
 
 
 def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind, sim: Tensor,
