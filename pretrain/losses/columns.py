@@ -125,9 +125,13 @@ class Columns:
                                                 torch.full_like(current, fill), current))
         return logits
 
-    def apply(self, logits: Tensor, fill: float) -> Tensor:
-        """A copy of ``logits`` [n, T] with the left-out entries set to ``fill``."""
-        return self.fill_(logits.clone(), fill)
+    def apply(self, logits: Tensor, fill: float, out: Tensor | None = None) -> Tensor:
+        """A copy of ``logits`` [n, T] (into ``out``, if given) with the left-out entries
+        set to ``fill``: one pass where a bool mask is all there is to apply."""
+        if self.self_cols is None and self.drop is not None and not \
+                self.drop.is_floating_point():
+            return torch.where(self.drop, logits.new_full((), fill), logits, out=out)
+        return self.fill_(logits.clone() if out is None else out.copy_(logits), fill)
 
 
 def column_mask(columns: ColumnSet, anchor_index: Tensor, anchor_keys: Tensor, keys: Tensor,

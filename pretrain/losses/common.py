@@ -97,16 +97,17 @@ class _RowSoftmax(torch.autograd.Function):
 
 class _RowSoftmaxAndTargets(torch.autograd.Function):
     """:class:`_RowSoftmax` with soft targets t [n, N] (no gradient, 0 at the left-out
-    entries): also each row's sum_j t_ij l_ij. Backward: the gradient with respect to the
-    logits, g_lse * softmax + g_term * t (for lse - term: softmax - t), formed in place in
-    the saved softmax; the targets never enter a matmul."""
+    entries): also each row's sum_j t_ij l_ij, made in ``masked``'s buffer. Backward: the
+    gradient with respect to the logits, g_lse * softmax + g_term * t (for lse - term:
+    softmax - t), formed in place in the saved softmax; the targets never enter a matmul."""
 
     @staticmethod
     def forward(ctx, masked: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         ctx.spent = False
-        term = row_dot(targets, masked)  # 0 * MASKED_LOGIT is 0 at the left-out entries
         lse, probs = _lse_and_softmax(masked)
+        # masked is spent: 0 * MASKED_LOGIT is 0 at the left-out entries
+        term = masked.mul_(targets).sum(1)
         ctx.save_for_backward(probs, targets)
         ctx.mark_non_differentiable(probs)
         return lse, term, probs
@@ -155,7 +156,8 @@ def row_softmax_and_targets_(logits: Tensor, columns: Columns,
                              targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`row_softmax_` beside soft ``targets`` [n, N] (no gradient, 0 wherever
     ``columns`` leaves an entry out): ([n] logsumexp, [n] sum_j t_ij l_ij, both with
-    gradient; [n, N] the softmax, detached). ``logits`` is overwritten as there."""
+    gradient; [n, N] the softmax, detached). ``logits`` is overwritten, and left as
+    scratch."""
     with torch.no_grad():
         columns.fill_(logits, MASKED_LOGIT)
     return _RowSoftmaxAndTargets.apply(logits, targets)

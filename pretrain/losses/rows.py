@@ -166,8 +166,7 @@ def softmax_ess(batch: ContrastiveBatch, column_set: ColumnSet, probs: Tensor,
     ``scratch`` [n, N], if given, is overwritten instead of allocating a copy."""
     negatives = probs
     if column_set != column_set.negatives:  # zero the columns that are not negatives
-        negatives = probs.clone() if scratch is None else scratch.copy_(probs)
-        batch.columns(column_set.negatives).fill_(negatives, 0.0)
+        negatives = batch.columns(column_set.negatives).apply(probs, 0.0, out=scratch)
     ratio = (negatives.sum(1) / torch.linalg.vector_norm(negatives, dim=1)).square()
     return ess_from_ratio(batch, column_set.kind, ratio)
 

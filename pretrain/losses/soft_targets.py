@@ -114,7 +114,7 @@ def _caption_rows(batch: ContrastiveBatch, anchors: Tensor,
         add_log_columns_(sim, batch.anchor_index, counts)  # self and padding: no mass
         log_targets = torch.log_softmax(sim, dim=1)
         targets = torch.exp(log_targets, out=sim)  # sim's buffer
-        entropy = -row_dot(targets, log_targets)
+        entropy = -log_targets.mul_(targets).sum(1)  # 0 at the masked entries (t = 0)
         del sim, log_targets  # one [n, N] kept
     logits = anchors @ as_float(batch.candidates).T  # [n, N]
     lse, term, probs = row_softmax_and_targets_(logits, batch.columns(COLUMNS), targets)
