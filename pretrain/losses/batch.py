@@ -212,6 +212,11 @@ class ContrastiveBatch:
                            threshold, self.negatives_seed, self.valid, self.positions,
                            self.anchor_start)
 
+    def num_positives_per_anchor(self, kind: PositiveKind) -> Tensor:
+        """[n] long: each anchor's positives of ``kind``, itself left out."""
+        _, groups, counts = self.group_index(kind)
+        return counts[groups[self.anchor_index]] - 1
+
     def num_negatives_per_anchor(self, kind: PositiveKind) -> Tensor:
         """[n] how many negatives each anchor's softmax holds: min(k, all of them)."""
         _, groups, counts = self.group_index(kind)

@@ -193,7 +193,7 @@ def positive_logit_mean(batch: ContrastiveBatch, kind: LossKind,
     _, groups, counts = batch.group_index(kind)
     total = _PositivePairSums.apply(as_float(batch.candidates), groups, batch.anchor_index,
                                     counts.shape[0])
-    num_pos = (counts[groups[batch.anchor_index]] - 1).to(total.dtype)
+    num_pos = batch.num_positives_per_anchor(kind).to(total.dtype)
     return total / num_pos.clamp(min=1) / temperature, num_pos
 
 
@@ -298,10 +298,9 @@ def finish(batch: ContrastiveBatch, loss: Tensor, kind: LossKind | None,
             kind = kind or "instance"
             if pos_mean is None:
                 pos_mean, _ = positive_logit_mean(batch, kind, temperature)
-            _, groups, counts = batch.group_index(kind)
             metrics = summarize_metrics(
                 batch, kind, infonce=infonce.detach(), ess=ess,
-                num_positives=counts[groups[batch.anchor_index]] - 1,
+                num_positives=batch.num_positives_per_anchor(kind),
                 pos_cos=pos_mean.detach() * tau,
                 neg_cos_sum=negative_cosine_sum(batch, kind, tau, negative_logit_sum))
         metrics.update({name: as_metric(scalar(value), loss)

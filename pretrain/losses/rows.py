@@ -209,8 +209,7 @@ def _with_pair_terms(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
         tiled, pair_sum = tiled_rows_and_pair_terms(
             anchors, as_float(columns), plan, batch.column_tiles(positives), eps)
         rows = _terms(batch, column_set, tiled, monitors=True)._replace(pair_sum=pair_sum)
-    _, groups, counts = batch.group_index(column_set.kind)
-    num_positives = (counts[groups[batch.anchor_index]] - 1).to(rows.pair_sum.dtype)
+    num_positives = batch.num_positives_per_anchor(column_set.kind).to(rows.pair_sum.dtype)
     return rows._replace(pair_sum=rows.pair_sum - eps * num_positives)
 
 
