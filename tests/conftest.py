@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -186,6 +187,16 @@ def gloo4() -> GlooGroup:
     group = GlooGroup(world=4)
     yield group
     group.close()
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Python's own Ctrl-C handler for the test, whatever launched pytest: a shell's
+    background job (``cmd &``, ``nohup``) starts with SIGINT ignored, and then a SIGINT the
+    test raises would never become a KeyboardInterrupt."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")

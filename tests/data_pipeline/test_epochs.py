@@ -140,13 +140,6 @@ def interrupting(presses: int, delivered: list[int]):
         yield {"index": index}
 
 
-@pytest.fixture
-def ctrl_c_raises():
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 def test_a_ctrl_c_while_a_batch_arrives_is_raised_once_it_has_arrived(ctrl_c_raises):
     delivered: list[int] = []
     batches = arriving_whole(interrupting(1, delivered))

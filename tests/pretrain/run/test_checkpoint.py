@@ -65,7 +65,7 @@ class SigintOnSecondWrite(io.FileIO):
 
 
 def test_ctrl_c_while_a_checkpoint_is_written_is_an_interrupt_not_a_failed_write(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, ctrl_c_raises):
     ckpt = Checkpointer(tmp_path, CheckpointConfig(every=2, keep=2), 0, 1, torch.device("cpu"))
     ckpt.save(2, *saved(2))
 
@@ -74,14 +74,8 @@ def test_ctrl_c_while_a_checkpoint_is_written_is_an_interrupt_not_a_failed_write
             torch.save(obj, f)
 
     monkeypatch.setattr(checkpoint, "_save", save_with_sigint)
-    # Python's own Ctrl-C handler, whatever launched pytest: a shell's background job
-    # (``cmd &``) starts with SIGINT ignored, and then no KeyboardInterrupt would come
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            ckpt.save(4, *saved(4))
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(4, *saved(4))
     assert [p.name for p in ckpt.checkpoints()] == ["step_00000002"]
 
 

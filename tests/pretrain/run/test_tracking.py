@@ -161,7 +161,8 @@ def test_a_row_cut_in_the_journal_blocks_nothing_and_a_failed_run_is_marked(tmp_
     assert not journal.exists()
 
 
-def test_ctrl_c_inside_a_store_transaction_waits_for_it_and_the_run_is_marked(tmp_path):
+def test_ctrl_c_inside_a_store_transaction_waits_for_it_and_the_run_is_marked(tmp_path,
+                                                                           ctrl_c_raises):
     """A Ctrl-C that lands inside a store call (raised here from the store's own metric
     statement, as a signal there would be): the call completes, the journal is sent and
     emptied, and only then does the interrupt reach the run, which ends FAILED at once."""
