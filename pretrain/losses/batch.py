@@ -219,8 +219,7 @@ class ContrastiveBatch:
 
     def num_negatives_per_anchor(self, kind: PositiveKind) -> Tensor:
         """[n] how many negatives each anchor's softmax holds: min(k, all of them)."""
-        _, groups, counts = self.group_index(kind)
-        available = self.num_valid - counts[groups[self.anchor_index]]
+        available = self.num_valid - 1 - self.num_positives_per_anchor(kind)
         if self.num_negatives is not None:
             available = available.clamp(max=self.num_negatives)
         return available
