@@ -44,7 +44,7 @@ from pretrain.loop.utilisation import Utilisation, device_peak_tflops
 from pretrain.losses import objective_spec
 from pretrain.model.checkpointing import check_compilable
 from pretrain.model.encoder import build_model
-from pretrain.model.flops import encoder_flops_per_view
+from pretrain.model.flops import encoder_flops
 from pretrain.run.batch_cut import BatchCut, recorded_global_batch
 from pretrain.run.checkpoint import Checkpointer, list_checkpoints, model_state_of
 from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
@@ -186,13 +186,12 @@ def tracker_for(config: RunConfig, rt: Runtime, run_dir: Path) -> Tracker | None
 def utilisation_of(config: RunConfig, rt: Runtime, precision: str) -> Utilisation:
     """The encoder's FLOPs per view (counted once, on the meta device) and the peak of the
     run's devices, for ``train/tflops`` and ``train/mfu``."""
-    peak = device_peak_tflops(rt.device, precision)
-    utilisation = Utilisation(encoder_flops_per_view(config.model),
-                              None if peak is None else peak * rt.world)
+    flops = encoder_flops(config.model)
+    peak = device_peak_tflops(rt.device, precision, flops)
+    utilisation = Utilisation(flops.total, None if peak is None else peak * rt.world)
     if rt.is_main:
         log.info("encoder: %.4g GFLOP a view, forward and backward; peak %s",
-                 utilisation.flops_per_view / 1e9,
-                 "unknown (no train/mfu)" if peak is None else
+                 flops.total / 1e9, "unknown (no train/mfu)" if peak is None else
                  f"{peak:g} TFLOP/s a device at {precision}")
     return utilisation
 

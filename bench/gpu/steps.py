@@ -34,6 +34,7 @@ from pretrain.loop.trainer import RunLength, TrainConfig, Trainer
 from pretrain.loop.utilisation import device_peak_tflops
 from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_spec
 from pretrain.model.encoder import ModelConfig, build_model
+from pretrain.model.flops import Flops
 from pretrain.model.text_tower import TextTowerConfig, random_text_model
 from pretrain.run.checkpoint import CheckpointConfig, Checkpointer
 
@@ -235,9 +236,9 @@ def timed(step: Callable[[], None], steps: int, device: torch.device) -> tuple[f
     return first, statistics.median(times)
 
 
-def step_flops(model: torch.nn.Module, images: torch.Tensor, precision: str) -> float:
+def step_flops(model: torch.nn.Module, images: torch.Tensor, precision: str) -> Flops:
     """Floating-point operations of one forward and backward of the encoder on ``images``
-    (torch's flop counter: matrix products and convolutions)."""
+    (torch's flop counter: matrix products and convolutions), all views together."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
@@ -246,7 +247,7 @@ def step_flops(model: torch.nn.Module, images: torch.Tensor, precision: str) -> 
         _, z = model.encoder(images)
         z.float().sum().backward()
     model.zero_grad(set_to_none=True)
-    return float(counter.get_total_flops())
+    return Flops.counted(counter, views=1)
 
 
 def step(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
@@ -274,12 +275,12 @@ def step(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
         del model, optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        peak = device_peak_tflops(device, precision)
+        peak = device_peak_tflops(device, precision, flops)
         rows.append({"backbone": backbone, "precision": precision, "views": views,
                      "images_s": views / ours, "plain_images_s": views / theirs,
-                     "vs_plain": theirs / ours, "tflops": flops / ours / 1e12,
-                     "plain_tflops": flops / theirs / 1e12,
-                     "mfu": flops / ours / 1e12 / peak if peak else None})
+                     "vs_plain": theirs / ours, "tflops": flops.total / ours / 1e12,
+                     "plain_tflops": flops.total / theirs / 1e12,
+                     "mfu": flops.total / ours / 1e12 / peak if peak else None})
         print(f"  {backbone}: {views / ours:.0f} views/s, plain {views / theirs:.0f}",
               flush=True)
     return {"rows": rows, "ok": True,

@@ -41,17 +41,18 @@ def refused_dtype(model: nn.Module) -> bool:
 
 def partition(model: nn.Module, config: dict[str, Any]) -> None:
     """Partition ``model``'s parameters over the ranks (a collective), as DeepSpeed's engine
-    would at ``initialize``, naming the dtype ``zero.Init`` checks.
+    would at ``initialize``; the parameters keep their own dtype (float64 in the equality
+    tests).
 
-    That dtype is the one ``zero.Init`` would give tensors created inside its context; a
-    built model creates none, so it changes no value here. Left to DeepSpeed 0.19.8 it is
-    the first parameter's dtype on a CPU with fp16 kernels (Intel AVX-512 FP16/AMX), where
-    float64 parameters are refused, and bfloat16 on one without (AMD Zen), an operator
-    precedence slip in ``Init._set_dtype``. Naming float32 makes both CPUs take the same
-    path; the parameters keep their own dtype (float64 in the equality tests)."""
+    ``zero.Init`` also picks a dtype for tensors created inside its context (a built model
+    creates none, so it changes no value here). No dtype is named: DeepSpeed 0.19.8's
+    ``Init._set_dtype`` then takes the config's (float32: it enables neither bf16 nor
+    fp16) on every CPU. A named one goes through ``dtype or float16 if fp16 else bfloat16
+    ...``, which reads as ``(dtype or float16) if fp16 else ...``: the named dtype on a CPU
+    with fp16 kernels (Intel AVX-512 FP16/AMX), bfloat16 on one without (AMD Zen)."""
     import deepspeed
 
-    deepspeed.zero.Init(module=model, config_dict_or_path=config, dtype=torch.float32)
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)
 
 
 def gathered_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

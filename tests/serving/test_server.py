@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 from pathlib import Path
 
@@ -41,15 +42,33 @@ def encoded(fmt: str, size: tuple[int, int] = (40, 28), colour: tuple = (20, 200
     return out.getvalue()
 
 
-def assert_clean(status: int, body: dict, raw: bytes, sent: bytes = b"") -> str:
-    """The answer is one JSON line with no trace, no address and no echo of the request."""
+ECHO_LIMIT = 40  # the most characters of a bad value a refusal may quote
+
+
+def longest_echo(sent: bytes, raw: bytes) -> int:
+    """The length of the longest run of bytes of ``sent`` found anywhere in ``raw``."""
+    def shared(length: int) -> bool:
+        runs = {raw[i:i + length] for i in range(len(raw) - length + 1)}
+        return any(sent[i:i + length] in runs for i in range(len(sent) - length + 1))
+    low, high = 0, min(len(sent), len(raw))  # shared(low) holds; shared(high + 1) does not
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if shared(middle) else (low, middle - 1)
+    return low
+
+
+def assert_clean(status: int, body: dict, raw: bytes, sent: bytes | dict = b"") -> str:
+    """The answer is one JSON line with no trace, no address and no run of more than
+    :data:`ECHO_LIMIT` characters of the request (``sent``: its body, or the payload
+    :func:`send` encoded) anywhere in it."""
     assert status < 500 or status == 503, (status, raw[:500])
     message = body.get("message", "")
     assert set(body) == {"error_code", "message"}, raw[:500]
     assert "\n" not in message and len(message) <= 400, message
     assert not any(mark in raw.decode("latin-1") for mark in TRACE_MARKS), raw[:500]
-    if len(sent) > 16:
-        assert sent[:64] not in raw, raw[:500]
+    sent = sent if isinstance(sent, bytes) else json.dumps(sent).encode()
+    echoed = longest_echo(sent, raw)
+    assert echoed <= ECHO_LIMIT, (f"{echoed} characters of the request echoed", raw[:500])
     return message
 
 
@@ -85,9 +104,10 @@ def test_every_path_outside_the_root_or_not_a_regular_file_gets_one_answer(serve
               "folder", "to_hostname", "to_zero", "a\x00b.jpg", str(store),
               "runs/run/mlflow.db", "/proc/self/fd/0"]
     for probe in probes:
-        status, body, raw = send(server.port, {"dataframe_records": [{"path": probe}]})
+        request = {"dataframe_records": [{"path": probe}]}
+        status, body, raw = send(server.port, request)
         assert status == 400, (probe, raw[:300])
-        assert assert_clean(status, body, raw).startswith(REFUSED), (probe, body)
+        assert assert_clean(status, body, raw, request).startswith(REFUSED), (probe, body)
     answers = {send(server.port, {"dataframe_records": [{"path": p}]})[2] for p in probes}
     assert len(answers) == 1  # byte for byte: nothing tells an existing file from another
 
@@ -125,12 +145,14 @@ def test_an_oversized_body_is_refused_before_it_is_read(server):
 
 def test_rows_and_pixels_are_bounded_from_the_headers(server):
     tiny = b64(encoded("PNG", (2, 2)))
-    status, body, raw = send(server.port, {"dataframe_records": [{"image": tiny}] * 257})
-    assert status == 400 and "257 rows, over the limit of 256" in assert_clean(status, body, raw)
+    request = {"dataframe_records": [{"image": tiny}] * 257}
+    status, body, raw = send(server.port, request)
+    assert status == 400
+    assert "257 rows, over the limit of 256" in assert_clean(status, body, raw, request)
     bomb = bomb_png(9_400, 9_400)  # 88.4M pixels: under the run's per-image cap
-    status, body, raw = send(server.port, {"dataframe_records": [{"image": b64(bomb)}]},
-                             timeout=10)
-    message = assert_clean(status, body, raw)
+    request = {"dataframe_records": [{"image": b64(bomb)}]}
+    status, body, raw = send(server.port, request, timeout=10)
+    message = assert_clean(status, body, raw, request)
     assert status == 400 and "decode to more than 33554432 pixels" in message, message
 
 
@@ -182,10 +204,9 @@ def npy_header(shape: tuple[int, ...]) -> bytes:
 ])
 def test_errors_are_one_line_without_trace_address_or_echo(server, payload, content_type,
                                                             status, starts):
-    sent = payload if isinstance(payload, bytes) else str(payload).encode()
     got, body, raw = send(server.port, payload, content_type)
     assert got == status, raw[:500]
-    assert assert_clean(got, body, raw, sent).startswith(starts), body
+    assert assert_clean(got, body, raw, payload).startswith(starts), body
     log = server.log.read_text()
     assert "refused 127.0.0.1:" in log and f": {status} {body['message']}" in log
 
@@ -207,8 +228,9 @@ def test_a_tampered_artifact_stops_the_server_naming_the_file(digits_shards, tmp
 
 def test_path_rows_are_off_without_a_root(store, tmp_path):
     with serving(store, "models:/served/1", tmp_path) as plain:
-        status, body, raw = send(plain.port, {"dataframe_records": [{"path": "/etc/shadow"}]})
+        request = {"dataframe_records": [{"path": "/etc/shadow"}]}
+        status, body, raw = send(plain.port, request)
         assert status == 400
-        assert assert_clean(status, body, raw) == (
+        assert assert_clean(status, body, raw, request) == (
             "row 0: path: path rows are off on this server; send the image's bytes in "
             "'image'")

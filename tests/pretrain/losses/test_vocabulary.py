@@ -1,11 +1,13 @@
 """Every loss is written in one vocabulary (``pretrain/losses/vocabulary.py``) and imports
-nothing else of the losses package but the loss it is a case of; each name of it is
+nothing else of the losses package but the loss it is a case of, in any import form
+(absolute, relative, ``importlib``); each name of it is
 documented on "Writing a loss" (docs/architecture.md). Its six core names serve every
 loss; each of its three objective-specific reductions serves exactly one."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -18,20 +20,54 @@ LOSS_FILES = sorted({Path(inspect.getfile(spec.fn)).stem for spec in OBJECTIVES.
 TOY = Path("tests/pretrain/losses/toy_decoupled.py")  # test_toy_objective.py's new loss
 
 
-def imports(stem: str) -> dict[str, set[str]]:
-    """{module of pretrain.losses: names} that ``pretrain/losses/<stem>.py`` (or the toy's
-    file) imports."""
-    path = TOY if stem == TOY.stem else Path(f"pretrain/losses/{stem}.py")
-    tree = ast.parse(path.read_text())
+PACKAGE = "pretrain.losses"
+
+
+def imported_modules(tree: ast.AST, package: str) -> dict[str, set[str]]:
+    """{module: names} for every import form in ``tree`` of a module in ``package``:
+    ``import a.b``, ``from a.b import c`` (a submodule ``c`` counted as a module), relative
+    ``from .b import c`` and ``from . import b``, and ``importlib.import_module`` /
+    ``__import__`` of a constant name."""
     found: dict[str, set[str]] = {}
+
+    def add(module: str, name: str) -> None:
+        found.setdefault(module, set()).add(name)
+
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module.startswith("pretrain.losses"):
-            found.setdefault(node.module, set()).update(alias.name for alias in node.names)
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith("pretrain.losses"):
-                    found.setdefault(alias.name, set()).add("*")
+                add(alias.name, "*")
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] \
+                if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            for alias in node.names:
+                add(module, alias.name)
+                add(f"{module}.{alias.name}", "*")  # the name may be a submodule
+        elif isinstance(node, ast.Call) and node.args \
+                and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) \
+                and ast.unparse(node.func) in {"importlib.import_module", "import_module",
+                                               "__import__"}:
+            add(node.args[0].value, "*")
     return found
+
+
+def imports(stem: str) -> dict[str, set[str]]:
+    """{module of pretrain.losses: names} that ``pretrain/losses/<stem>.py`` (or the toy's
+    file) imports, in any form; a name that is not a module of the package is dropped."""
+    path = TOY if stem == TOY.stem else Path(f"pretrain/losses/{stem}.py")
+    found = imported_modules(ast.parse(path.read_text()), ".".join(path.parent.parts))
+    return {module: names for module, names in found.items()
+            if module == PACKAGE or (module.startswith(PACKAGE + ".")
+                                     and is_module(module))}
+
+
+def is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a name inside a module, not a submodule
+        return False
 
 
 def test_the_vocabulary_is_small_and_every_name_is_on_the_page():
