@@ -166,7 +166,23 @@ def run_module(module: str, args: list[str], env: dict[str, str],
             raise subprocess.TimeoutExpired(command, timeout, read(out), read(err)) from None
         if not status:
             raise RuntimeError(f"tests.prewarmed: the server lost run {pid} of {command}")
-        return subprocess.CompletedProcess(command, int(status), read(out), read(err))
+        errors = read(err)
+        return subprocess.CompletedProcess(command, int(status), read(out),
+                                           errors + native_crash(errors))
+
+
+def native_crash(stderr: str) -> str:
+    """The fault handler's report of a crash in native code (the fatal error and the
+    crashing thread's Python stack), repeated at the end of ``stderr``, where a test's
+    failure message (its last few thousand characters) shows it: the report itself is
+    followed by the extension modules' list and torchrun's summary; "" without one."""
+    start = stderr.rfind("Fatal Python error:")
+    if start < 0:
+        return ""
+    report = stderr[start:]
+    current = report.find("Current thread")
+    stack = report[current:report.find("\n\n", current)] if current >= 0 else ""
+    return f"\n[native crash, repeated]\n{report.splitlines()[0]}\n{stack[:2000]}\n"
 
 
 def run_torchrun(module: str, args: list[str], nproc: int, env: dict[str, str],

@@ -44,3 +44,12 @@ if __name__ == "__main__":
         os.kill(os.getpid(), signal.SIGTERM)
     if ending == "sleep":
         time.sleep(600)
+    if ending == "segfault":  # as an entry point's reported_faults reports one
+        import ctypes
+        import faulthandler
+
+        late.join()
+        faulthandler.enable()
+        say("extension modules and a launcher's summary follow a crash report\n" * 80,
+            sys.stderr)
+        ctypes.string_at(0)

@@ -53,6 +53,18 @@ def test_a_forked_run_shows_what_a_fresh_interpreter_shows(ending):
     assert "probe=value" in got.stdout or ending == "sigterm"
 
 
+def test_a_crash_in_native_code_is_repeated_where_a_failure_message_shows_it():
+    """The fault handler's report sits above thousands of characters of what follows it (a
+    launcher's summary here); the run's stderr ends with it again."""
+    got = prewarmed.run_module("tests.prewarmed_probe", ["segfault"],
+                               {**os.environ, "PROBE": "value"}, timeout=120)
+    assert got.returncode == -signal.SIGSEGV
+    tail = got.stderr[-3000:]
+    assert "[native crash, repeated]\nFatal Python error: Segmentation fault" in tail, tail
+    assert "Current thread" in tail and "prewarmed_probe.py" in tail, tail
+    assert prewarmed.native_crash("no crash here\n") == ""
+
+
 def test_a_run_past_its_timeout_is_killed_and_reported():
     with pytest.raises(subprocess.TimeoutExpired) as caught:
         prewarmed.run_module("tests.prewarmed_probe", ["sleep"], {**os.environ, "PROBE": "value"},

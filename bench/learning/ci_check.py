@@ -7,12 +7,14 @@ canvases:
 - weighted kNN top-1 (k = 20) and linear-probe top-1 (50 epochs): class structure;
 - view retrieval top-1: each test canvas's first augmented view (the recipe's own
   augmentation) finds its second view among all 1,000 second views by cosine similarity,
-  the instance discrimination InfoNCE trains for.
+  the instance discrimination InfoNCE trains for;
+- caption retrieval R@1, for a recipe with a text tower (CLIP): each test canvas's
+  projection finds its own caption among the test canvases' distinct captions, embedded
+  by the run's text tower; what only the captions can teach.
 
     python -m bench.learning.ci_check --recipe infonce --epochs 8 --seeds 0 1 2 3 4
     python -m bench.learning.ci_check --recipe xclr_captions --captions alt_text --epochs 3
-    python -m bench.learning.ci_check --recipe clip --captions alt_text --epochs 3 \
-        --set data.batch_size=32
+    python -m bench.learning.ci_check --recipe clip --epochs 2
 
 A recipe that reads a caption store (X-CLR from captions) gets the training shards' own,
 built once beside them with ``graph-precompute``'s code.
@@ -50,6 +52,7 @@ from data_pipeline.shards import ShardSet
 from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import from_checkpoint
 from evaluation.probe import linear_probe
+from evaluation.retrieval import embed_texts, retrieval_recall
 from pretrain.model.encoder import build_model
 from pretrain.run.checkpoint import list_checkpoints
 from serving.model_registry import EmbeddingModel
@@ -57,7 +60,7 @@ from serving.model_registry import EmbeddingModel
 REPO = Path(__file__).resolve().parents[2]
 TRAIN, TEST = 6000, 1000  # canvases, as in the learning benchmark
 PROBE_EPOCHS, PROBE_LR = 50, 0.1  # the learning benchmark's probe
-MEASURES = ("knn", "probe", "views")
+MEASURES = ("knn", "probe", "views", "captions")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Canvases:
     order: torch.Tensor  # [n] the rows in key order
     labels: torch.Tensor  # [n] in key order
     classes: int
+    captions: list[str]  # [n] in key order
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Scores:
     knn: float  # weighted kNN top-1, k = 20, backbone
     probe: float  # linear probe top-1, backbone
     views: float  # view retrieval top-1 among the test canvases, backbone
+    captions: float | None = None  # caption retrieval R@1 (projector, text tower), or None
 
 
 def cluttered(root: Path, captions: str = "attributes",
@@ -140,8 +145,8 @@ def untrained(recipe: str, keys: list[str]) -> EmbeddingModel:
     """The encoder the run started from: the same seed, the same construction."""
     config = load_config(RunConfig, recipe_path(recipe), keys)
     torch.manual_seed(config.seed)
-    return EmbeddingModel(build_model(config.model, config.objective,
-                                      torch.device("cpu")).encoder)
+    model = build_model(config.model, config.objective, torch.device("cpu"))
+    return EmbeddingModel(model.encoder, model.text)
 
 
 def trained(run_dir: Path) -> EmbeddingModel:
@@ -149,15 +154,17 @@ def trained(run_dir: Path) -> EmbeddingModel:
 
 
 def canvases(shards: Path) -> Canvases:
-    batches, keys, labels = [], [], []
+    batches, keys, labels, captions = [], [], [], []
     for batch in eval_batches(DataConfig(shards=str(shards), batch_size=256, workers=1,
                                          resolution=32)):
         batches.append(batch["images"])
         keys += batch["keys"]
         labels.append(batch["labels"])
+        captions += batch["captions"]
     order = torch.tensor(sorted(range(len(keys)), key=keys.__getitem__), dtype=torch.long)
     return Canvases(batches, order, torch.cat(labels)[order],
-                    len(ShardSet.open(str(shards)).class_names))
+                    len(ShardSet.open(str(shards)).class_names),
+                    [captions[i] for i in order.tolist()])
 
 
 @torch.no_grad()
@@ -195,10 +202,27 @@ def view_retrieval(model: EmbeddingModel, views: list[torch.Tensor]) -> float:
     return (similarity.argmax(1) == torch.arange(similarity.shape[0])).float().mean().item()
 
 
+@torch.no_grad()
+def caption_retrieval(model: EmbeddingModel, test: Canvases) -> float | None:
+    """Image-to-text R@1 of the test canvases' projections among their distinct captions
+    embedded by ``model``'s text tower (``evaluation.retrieval``); None without a tower."""
+    if model.text is None:
+        return None
+    model = model.eval()
+    images = F.normalize(torch.cat([model(batch).float() for batch in test.batches]),
+                         dim=1)[test.order]
+    distinct = sorted(set(test.captions))
+    row = {caption: i for i, caption in enumerate(distinct)}
+    texts = embed_texts(model, distinct, torch.device("cpu"), batch_size=256)
+    caption_of_image = torch.tensor([row[caption] for caption in test.captions])
+    return retrieval_recall(images, texts, caption_of_image, [1])["image_to_text"]["R@1"]
+
+
 def scores(model: EmbeddingModel, train: Canvases, test: Canvases,
            views: list[torch.Tensor]) -> Scores:
-    """The three measures of ``model``'s backbone features."""
-    return Scores(*class_structure(model, train, test), view_retrieval(model, views))
+    """The measures of ``model``: its backbone features' three, and caption retrieval."""
+    return Scores(*class_structure(model, train, test), view_retrieval(model, views),
+                  caption_retrieval(model, test))
 
 
 def views_of_test(recipe: str, keys: list[str], test: Path) -> list[torch.Tensor]:
@@ -240,8 +264,9 @@ def measure(recipe: str, epochs: int, seed: int, root: Path, captions: str = "at
 def summary(gains: list[float]) -> dict[str, float]:
     mean = statistics.fmean(gains)
     sd = statistics.stdev(gains) if len(gains) > 1 else math.nan
-    return {"mean": mean, "sd": sd, "mean_minus_3sd": mean - 3 * sd,
-            "threshold": math.floor(1000 * (mean - 3 * sd)) / 1000}
+    least = mean - 3 * sd
+    return {"mean": mean, "sd": sd, "mean_minus_3sd": least,
+            "threshold": math.floor(1000 * least) / 1000 if math.isfinite(least) else least}
 
 
 def main() -> None:
@@ -265,7 +290,10 @@ def main() -> None:
     print("| measure | per seed: untrained -> trained (gain) | gain mean ± sd | mean - 3 sd |")
     print("| --- | --- | --- | --- |")
     for name in MEASURES:
-        rows = [(r["untrained"][name], r["trained"][name]) for r in per_seed.values()]
+        rows = [(r["untrained"][name], r["trained"][name]) for r in per_seed.values()
+                if r["trained"].get(name) is not None]
+        if not rows:
+            continue
         stats = report[name] = summary([after - before for before, after in rows])
         cells = ", ".join(f"{b:.3f} -> {a:.3f} ({a - b:+.3f})" for b, a in rows)
         print(f"| {name} | {cells} | {stats['mean']:.3f} ± {stats['sd']:.3f} "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,19 @@ from pretrain.run.reshard import (
     zero_partition_for,
     zero_stage_of,
 )
+
+
+def own_extension_cache() -> Path:
+    """The folder DeepSpeed builds its CPU communication op in (``TORCH_EXTENSIONS_DIR``),
+    set to one beside this environment's packages unless the user named one.
+
+    torch's default, ``~/.cache/torch_extensions``, is shared by every checkout of a user,
+    and the op's build file holds the absolute paths of the environment that built it: a
+    second environment rebuilds it (about 30 s of compiling on 2 cores, while every rank of
+    the run waits on the build's file lock), and the first rebuilds it again the next time
+    it runs."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
 
 
 def read_deepspeed_config(path: str) -> dict[str, Any]:
@@ -64,6 +79,7 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  config_path: str, micro_batch: int) -> None:
+        own_extension_cache()
         import deepspeed
 
         config = read_deepspeed_config(config_path)

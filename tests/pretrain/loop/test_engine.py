@@ -17,12 +17,15 @@ A 2-rank bug is O(|g|): dropping the gather's all-reduce fails every case
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from core.config import ConfigError, load_config
+from pretrain.loop.deepspeed_engine import own_extension_cache
 from pretrain.loop.engine import EngineConfig, engine_spec
 from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 from tests.pretrain.loop import engine_tasks
@@ -98,8 +101,9 @@ def test_deepspeed_config_must_set_gradient_clipping(tmp_path):
 @pytest.mark.parametrize("fp16_kernels", [True, False], ids=["intel-amx", "amd-zen"])
 def test_zero3_takes_float64_whether_or_not_the_cpu_has_fp16_kernels(gloo2, fp16_kernels):
     """DeepSpeed's own ZeRO-3 set-up refuses float64 parameters on a CPU with fp16 kernels
-    (Intel AVX-512 FP16/AMX) and takes them on one without (AMD Zen); the engine names the
-    dtype, so both give the single-process gradient in float64 (``zero3.partition``)."""
+    (Intel AVX-512 FP16/AMX) and takes them on one without (AMD Zen); the engine partitions
+    the model itself, with the config's dtype on both, so both give the single-process
+    gradient in float64 (``zero3.partition``)."""
     ranks = gloo2.run(engine_tasks.run_step_with_cpu_fp16, fp16_kernels, *ENGINES["zero3"],
                       INFONCE)
     whole = engine_tasks.run_step("ddp", "", INFONCE, rows=slice(None))
@@ -108,6 +112,18 @@ def test_zero3_takes_float64_whether_or_not_the_cpu_has_fp16_kernels(gloo2, fp16
             assert rank["grads"][key].dtype == torch.float64
             torch.testing.assert_close(rank["grads"][key], grad, rtol=0,
                                        atol=tolerance("zero3", grad), msg=key)
+
+
+def test_deepspeed_builds_its_cpu_op_beside_this_environment(monkeypatch, tmp_path):
+    """Not in the user's shared ~/.cache/torch_extensions, whose build file another
+    checkout's environment would rewrite (a 30 s rebuild that every rank waits for); a
+    folder the user names stays theirs."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "")  # restored after the test
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert own_extension_cache() == Path(sys.prefix) / "torch_extensions"
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert own_extension_cache() == tmp_path
 
 
 def test_the_zero3_test_config_is_the_shipped_one_with_every_parameter_partitioned():
