@@ -4,11 +4,14 @@
 
 Each part runs in a process of its own (forked from a server that imported the kit once)
 with its share of ``--budget`` (time a part leaves unused passes to the next); a part that
-fails or runs out of time is recorded as such and the others go on. The dry run may run
+fails or runs out of time is recorded as such, its whole process tree killed (pytest,
+torchrun and loader processes included), and the others go on. The default budget leaves
+60 s of a 600 s command for start-up and the report. The dry run may run
 ``--jobs`` parts at a time, each with the whole budget as its limit (it measures nothing; on
 a GPU each part runs alone, so that its timings are its own). Writes ``OUT_DIR/gpu.json``
 (the machine, every part's rows, status and log tail), ``OUT_DIR/gpu.md`` (a table per part,
-also printed) and ``OUT_DIR/logs/``.
+also printed) and ``OUT_DIR/logs/``; both are rewritten as each part ends, so a command cut
+short keeps what its finished parts measured.
 Exits 1 if any part failed.
 """
 
@@ -20,9 +23,10 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ from bench.gpu import part
 from bench.gpu.part import PARTS
 
 MARGIN = 0.85  # of its time limit, a part plans its own work to end within
+BUDGET_S = 540.0  # the default budget: 60 s of a 600 s command left for start-up and report
 # Each part is forked from a server that imported torch and the kit once (a fresh
 # interpreter would pay ~3 s of imports and its teardown per part); the server never
 # touches CUDA, so each part initialises it afresh. Started at the first part, after
@@ -59,7 +64,7 @@ def run_part(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, A
     process.start()
     process.join(seconds)
     if process.exitcode is None:
-        process.kill()
+        kill_tree(process.pid)
         process.join()
         status = f"out of time ({seconds:.0f} s)"
     else:
@@ -70,6 +75,37 @@ def run_part(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, A
         status = "failed (its check)"
     return {"status": status, "seconds": time.perf_counter() - start, **result,
             "log_tail": log.read_text()[-4000:]}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from /proc (a part's pytest, torchrun agent and
+    ranks, loader workers), children before their own children."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:  # the field after the parenthesised name is the state, then the parent
+                stat = (entry / "stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found, queue = [], [pid]
+    while queue:
+        children = [child for child, parent in parents.items() if parent == queue[0]]
+        found += children
+        queue = queue[1:] + children
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it. The tree is read before any is killed
+    (a killed parent's children go to init and out of reach), twice, for a child started
+    meanwhile."""
+    for _ in range(2):
+        for member in [pid, *descendants(pid)]:
+            try:
+                os.kill(member, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def reported(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, Any]:
@@ -95,12 +131,33 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value).replace("|", "/")
 
 
+def write_report(report: dict[str, Any], out: Path) -> str:
+    """``gpu.json`` and ``gpu.md`` of the parts finished so far; the tables, for printing."""
+    _replace(out / "gpu.json", json.dumps(report, indent=2))
+    m = report["machine"]
+    header = (f"# GPU kit, {m['date']}: {m['gpu'] or 'CPU dry run'}, torch {m['torch']} "
+              f"(CUDA {m['cuda']}), Python {m['python']}, {m['cpu_cores']} CPU cores\n\n")
+    tables = [table(PARTS[n].title, f"{r['status']}, {r['seconds']:.0f} s; "
+                    f"{r.get('summary', '')}", r.get("rows", []), PARTS[n].columns)
+              for n, r in report["parts"].items()]
+    _replace(out / "gpu.md", header + "\n".join(tables))
+    return header + "\n".join(tables)
+
+
+def _replace(path: Path, text: str) -> None:
+    """``path`` holds ``text``, or what it held before: never half of it (a kit killed, or
+    a reader, mid-write)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (the suite)")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, in order")
-    parser.add_argument("--budget", type=float, default=560.0, help="seconds for all parts")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all parts")
     parser.add_argument("--jobs", type=int, default=1, help="parts at a time (dry run only)")
     args = parser.parse_args()
     names = args.parts.split(",")
@@ -120,8 +177,12 @@ def main() -> None:
         # each other's cores (the dry run's sync part took 63 s beside another part, 8 s so)
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
         with ThreadPoolExecutor(args.jobs) as pool:
-            results = pool.map(lambda n: reported(n, args.out, args.budget, args.dry_run), names)
-            report["parts"] = dict(zip(names, results, strict=True))
+            started = {pool.submit(reported, n, args.out, args.budget, args.dry_run): n
+                       for n in names}
+            for done in as_completed(started):
+                report["parts"][started[done]] = done.result()
+                write_report(report, args.out)
+        report["parts"] = {n: report["parts"][n] for n in names}  # in the asked order
     else:
         shares = sum(PARTS[n].share for n in names)
         spare = 0.0
@@ -129,15 +190,8 @@ def main() -> None:
             allowed = args.budget * PARTS[name].share / shares + spare
             report["parts"][name] = reported(name, args.out, allowed, args.dry_run)
             spare = max(0.0, allowed - report["parts"][name]["seconds"])
-    (args.out / "gpu.json").write_text(json.dumps(report, indent=2))
-    m = report["machine"]
-    header = (f"# GPU kit, {m['date']}: {m['gpu'] or 'CPU dry run'}, torch {m['torch']} "
-              f"(CUDA {m['cuda']}), Python {m['python']}, {m['cpu_cores']} CPU cores\n\n")
-    tables = [table(PARTS[n].title, f"{r['status']}, {r['seconds']:.0f} s; "
-                    f"{r.get('summary', '')}", r.get("rows", []), PARTS[n].columns)
-              for n, r in report["parts"].items()]
-    (args.out / "gpu.md").write_text(header + "\n".join(tables))
-    print("\n" + header + "\n".join(tables))
+            write_report(report, args.out)
+    print("\n" + write_report(report, args.out))
     sys.exit(0 if all(r["status"] == "ok" for r in report["parts"].values()) else 1)
 
 

@@ -14,8 +14,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 
+import psutil
 import torch
 
 from bench.gpu import steps
@@ -59,16 +61,38 @@ def test_the_dry_run_measures_every_part(tmp_path):
     assert table.count("\n### ") + table.startswith("### ") == len(PARTS)
 
 
-def test_a_part_out_of_time_is_stopped_and_recorded(tmp_path):
-    """A part past its share of the budget is killed, recorded as out of time with what it
-    printed, and the kit exits 1."""
-    result = subprocess.run([sys.executable, "-m", "bench.gpu", str(tmp_path), "--dry-run",
-                             "--parts", "sync", "--budget", "1"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
-    part = json.loads((tmp_path / "gpu.json").read_text())["parts"]["sync"]
-    assert part["status"] == "out of time (1 s)" and part["seconds"] < 30, part
-    assert "### Host synchronisations per training step: out of time" in result.stdout
+def test_a_part_out_of_time_is_killed_with_its_processes_and_the_others_are_kept(tmp_path):
+    """A part past its share of the budget (planted: it starts a child process, then never
+    ends) is killed with everything it started, recorded as out of time with what it
+    printed, and the kit goes on: the next part's rows are in ``gpu.json`` and ``gpu.md``,
+    which are written after each part, and the kit exits 1."""
+    code = ("import sys\n"
+            "import bench.gpu.__main__ as kit\n"
+            "kit.FORKS.set_forkserver_preload(['bench.gpu.part', 'tests.bench.planted_part'])\n"
+            "import tests.bench.planted_part\n"
+            "kit.main()\n")
+    kit = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), "--dry-run",
+                            "--parts", "planted,objectives", "--budget", "260"],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    report, seen_early = tmp_path / "gpu.json", None
+    while kit.poll() is None and seen_early is None:  # the report, before the kit ends
+        if report.is_file():
+            seen_early = list(json.loads(report.read_text())["parts"])
+        time.sleep(0.1)
+    output, _ = kit.communicate(timeout=300)
+    assert kit.returncode == 1, output[-4000:]
+    assert seen_early == ["planted"], seen_early
+    parts = json.loads(report.read_text())["parts"]
+    assert list(parts) == ["planted", "objectives"]
+    assert parts["planted"]["status"] == "out of time (10 s)", parts["planted"]
+    assert "planted: a child started" in parts["planted"]["log_tail"]
+    child = int((tmp_path / "parts" / "planted" / "child.pid").read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    kept = parts["objectives"]
+    assert kept["status"] == "ok" and kept["rows"], kept
+    table = (tmp_path / "gpu.md").read_text()
+    assert "### Planted overrun: out of time" in table
+    assert "### Objectives: forward + backward: ok" in table
 
 
 def test_a_synchronising_call_is_named_by_the_project_line_that_made_it(monkeypatch):
