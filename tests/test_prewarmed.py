@@ -61,7 +61,8 @@ def test_a_crash_in_native_code_is_repeated_where_a_failure_message_shows_it():
     assert got.returncode == -signal.SIGSEGV
     tail = got.stderr[-3000:]
     assert "[native crash, repeated]\nFatal Python error: Segmentation fault" in tail, tail
-    assert "Current thread" in tail and "prewarmed_probe.py" in tail, tail
+    repeated = tail.split("[native crash, repeated]")[-1]
+    assert "Current thread" in repeated and "prewarmed_probe.py" in repeated, tail
     assert prewarmed.native_crash("no crash here\n") == ""
 
 

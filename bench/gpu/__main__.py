@@ -97,15 +97,26 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it. The tree is read before any is killed
-    (a killed parent's children go to init and out of reach), twice, for a child started
-    meanwhile."""
-    for _ in range(2):
-        for member in [pid, *descendants(pid)]:
-            try:
-                os.kill(member, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    """SIGKILL ``pid`` and every process below it. Each is first stopped (SIGSTOP), parents
+    before their children, until a fresh read of /proc finds no new one: a stopped process
+    starts nothing more and keeps its children below it, where a killed one would hand
+    them to init, out of reach."""
+    stopped: list[int] = []
+    found = [pid]
+    while found:
+        for member in found:
+            _signal(member, signal.SIGSTOP)
+        stopped += found
+        found = [child for child in descendants(pid) if child not in stopped]
+    for member in stopped:
+        _signal(member, signal.SIGKILL)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # ended meanwhile
+        pass
 
 
 def reported(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, Any]:

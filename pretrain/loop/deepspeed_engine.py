@@ -30,17 +30,21 @@ from pretrain.run.reshard import (
 )
 
 
-def own_extension_cache() -> Path:
+def own_extension_cache() -> Path | None:
     """The folder DeepSpeed builds its CPU communication op in (``TORCH_EXTENSIONS_DIR``),
-    set to one beside this environment's packages unless the user named one.
+    set to one inside this virtual environment unless the user named one; None (torch's
+    default) outside a virtual environment, whose prefix may not be writable.
 
     torch's default, ``~/.cache/torch_extensions``, is shared by every checkout of a user,
     and the op's build file holds the absolute paths of the environment that built it: a
     second environment rebuilds it (about 30 s of compiling on 2 cores, while every rank of
     the run waits on the build's file lock), and the first rebuilds it again the next time
     it runs."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if sys.prefix != sys.base_prefix:
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR",
+                              str(Path(sys.prefix) / "torch_extensions"))
+    named = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(named) if named else None
 
 
 def read_deepspeed_config(path: str) -> dict[str, Any]:

@@ -23,8 +23,10 @@ TEXTS = ["date", "run_id", "test_shards"]
 # (field, bad value, what it is): each field of each kind with each kind of wrong value
 BAD = ([(name, value, why) for name in ACCURACIES for value, why in (
             (7, "range: above 1"), (1.0001, "range: above 1"), (-0.01, "range: below 0"),
+            (float("nan"), "range: NaN"), (float("inf"), "range: Infinity"),
             ("0.9", "type: a string"), (True, "type: a boolean"), ([0.5], "type: a list"),
             ({"top1": 0.5}, "type: an object"))]
+       + [(name, None, "type: missing") for name in ACCURACIES[:2]]  # the required ones
        + [(name, value, why) for name in COUNTS for value, why in (
             (-1, "range: negative"), (2.5, "type: a float"), ("360", "type: a string"),
             (False, "type: a boolean"), (None, "type: missing"))]

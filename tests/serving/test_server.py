@@ -177,10 +177,10 @@ def test_memory_returns_near_idle_after_a_burst_of_large_images(server):
 
 @pytest.mark.parametrize("fmt", ["EPS", "GIF", "BMP", "TIFF"])
 def test_only_jpeg_png_and_webp_are_decoded(server, fmt):
-    data = encoded(fmt, (16, 16))
-    status, body, raw = send(server.port, {"dataframe_records": [{"image": b64(data)}]})
+    request = {"dataframe_records": [{"image": b64(encoded(fmt, (16, 16)))}]}
+    status, body, raw = send(server.port, request)
     assert status == 400
-    assert assert_clean(status, body, raw, data) == (
+    assert assert_clean(status, body, raw, request) == (
         f"row 0: image: format {fmt} is not accepted (send JPEG, PNG or WebP)")
 
 

@@ -120,10 +120,14 @@ def test_deepspeed_builds_its_cpu_op_beside_this_environment(monkeypatch, tmp_pa
     folder the user names stays theirs."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "")  # restored after the test
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert sys.prefix != sys.base_prefix  # the suite runs in launch/setup.sh's .venv
     assert own_extension_cache() == Path(sys.prefix) / "torch_extensions"
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert own_extension_cache() == tmp_path
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setattr(sys, "prefix", sys.base_prefix)  # a system interpreter: torch's own
+    assert own_extension_cache() is None and "TORCH_EXTENSIONS_DIR" not in os.environ
 
 
 def test_the_zero3_test_config_is_the_shipped_one_with_every_parameter_partitioned():

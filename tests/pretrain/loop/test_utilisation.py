@@ -76,10 +76,11 @@ def test_the_peak_is_looked_up_by_the_exact_device_name(name, precision, paths, 
     assert peak_tflops(name, precision, ALL_CONV, paths) == peak
 
 
-def test_every_listed_name_is_distinct_from_its_neighbours():
+def test_every_listed_device_is_a_tensor_core_part_with_ordered_peaks():
+    """A data-sheet typo (a sparse figure, a swapped column) breaks this order."""
     for name, peak in PEAK_TFLOPS.items():
-        assert peak_tflops(name, "bf16", ALL_CONV, FP32) == peak.bf16
-        assert peak.bf16 > peak.tf32 > 0 and peak.fp32 > 0
+        assert name.startswith("NVIDIA ") and peak.bf16 > peak.tf32 > 0 and peak.fp32 > 0
+        assert 1.9 < peak.bf16 / peak.tf32 < 2.1, name  # a tensor core's bf16 is 2x TF32
 
 
 def test_float32_counts_each_kind_of_kernel_at_its_own_peak():

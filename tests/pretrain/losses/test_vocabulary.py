@@ -29,6 +29,10 @@ def imported_modules(tree: ast.AST, package: str) -> dict[str, set[str]]:
     ``from .b import c`` and ``from . import b``, and ``importlib.import_module`` /
     ``__import__`` of a constant name."""
     found: dict[str, set[str]] = {}
+    loaders = {"import_module", "__import__"} | {  # and import_module under another name
+        alias.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+        and node.module == "importlib" for alias in node.names
+        if alias.name == "import_module" and alias.asname}
 
     def add(module: str, name: str) -> None:
         found.setdefault(module, set()).add(name)
@@ -47,10 +51,20 @@ def imported_modules(tree: ast.AST, package: str) -> dict[str, set[str]]:
         elif isinstance(node, ast.Call) and node.args \
                 and isinstance(node.args[0], ast.Constant) \
                 and isinstance(node.args[0].value, str) \
-                and ast.unparse(node.func) in {"importlib.import_module", "import_module",
-                                               "__import__"}:
-            add(node.args[0].value, "*")
+                and ast.unparse(node.func).split(".")[-1] in loaders:
+            add(dynamic_target(node), "*")
     return found
+
+
+def dynamic_target(call: ast.Call) -> str:
+    """The module an ``import_module(name, package)`` or ``__import__`` call names, a
+    relative name resolved against a constant package."""
+    name = call.args[0].value
+    package = call.args[1] if len(call.args) > 1 else next(
+        (k.value for k in call.keywords if k.arg == "package"), None)
+    if name.startswith(".") and isinstance(package, ast.Constant):
+        return importlib.util.resolve_name(name, package.value)
+    return name
 
 
 def imports(stem: str) -> dict[str, set[str]]:
