@@ -49,8 +49,12 @@ def load_tokenizer(name: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path(name))
 
 
-def tokenize(tokenizer: Any, captions: list[str], max_length: int) -> dict[str, Tensor]:
-    """captions -> {"input_ids", "attention_mask"}: [B, max_length] int64 each."""
-    tokens = tokenizer(captions, padding="max_length", truncation=True,
-                       max_length=max_length, return_tensors="pt")
+def tokenize(tokenizer: Any, captions: list[str], max_length: int,
+             to_longest: bool = False) -> dict[str, Tensor]:
+    """captions -> {"input_ids", "attention_mask"}: [B, L] int64 each, L = ``max_length``
+    (a fixed context, as open_clip's tokenizers give it), or with ``to_longest`` the
+    longest caption's tokens, at most ``max_length``: what a training batch carries, since
+    a padding token changes no caption's embedding and costs the tower as much as a word."""
+    tokens = tokenizer(captions, padding="longest" if to_longest else "max_length",
+                       truncation=True, max_length=max_length, return_tensors="pt")
     return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}

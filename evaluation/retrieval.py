@@ -108,6 +108,19 @@ def no_captions(shards: str) -> RunError:
                     "retrieval needs held-out caption shards")
 
 
+def caption_recall(model: EmbeddingModel, images: Tensor, captions: list[str],
+                   device: torch.device, batch_size: int,
+                   ks: list[int]) -> tuple[dict[str, dict[str, float]], int]:
+    """Recall@k both ways between ``images`` [n, D] (normalised projections) and their
+    ``captions`` [n], each distinct caption embedded once by the model's text tower; and
+    how many distinct captions there are."""
+    distinct = sorted(set(captions))
+    row = {caption: index for index, caption in enumerate(distinct)}
+    caption_of_image = torch.tensor([row[caption] for caption in captions])
+    texts = embed_texts(model, distinct, device, batch_size)
+    return retrieval_recall(images, texts, caption_of_image, ks), len(distinct)
+
+
 def caption_evaluation(model: EmbeddingModel, retrieval: Features, labelled: Features,
                        cfg: EvalConfig, shards: str, device: torch.device) -> dict[str, Any]:
     """Retrieval on the captioned samples of ``retrieval`` and zero-shot classification of
@@ -115,14 +128,11 @@ def caption_evaluation(model: EmbeddingModel, retrieval: Features, labelled: Fea
     captioned = [i for i, caption in enumerate(retrieval.captions) if caption]
     if not captioned:
         raise no_captions(shards)
-    distinct = sorted({retrieval.captions[i] for i in captioned})
-    row = {caption: index for index, caption in enumerate(distinct)}
-    caption_of_image = torch.tensor([row[retrieval.captions[i]] for i in captioned])
-    texts = embed_texts(model, distinct, device, cfg.text_batch_size)
     images = F.normalize(retrieval.projector[captioned], dim=1)
+    recall, distinct = caption_recall(model, images, [retrieval.captions[i] for i in captioned],
+                                      device, cfg.text_batch_size, cfg.recall_ks)
     results: dict[str, Any] = {"retrieval": {
-        "shards": shards, "images": len(captioned), "captions": len(distinct),
-        **retrieval_recall(images, texts, caption_of_image, cfg.recall_ks)}}
+        "shards": shards, "images": len(captioned), "captions": distinct, **recall}}
     if labelled.class_names:
         classes = class_embeddings(model, labelled.class_names, cfg.zero_shot_templates,
                                    device, cfg.text_batch_size)

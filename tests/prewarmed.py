@@ -99,9 +99,9 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(self.address):
             if self.process.poll() is not None or time.monotonic() > deadline:
+                said = self.log.read_text()[-3000:]  # before close() removes the folder
                 self.close()
-                raise RuntimeError(f"tests.prewarmed: the server did not start:\n"
-                                   f"{self.log.read_text()[-3000:]}")
+                raise RuntimeError(f"tests.prewarmed: the server did not start:\n{said}")
             time.sleep(0.05)
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ from data_pipeline.shards import ShardSet
 from evaluation.knn import build_index, knn_accuracy
 from evaluation.load import from_checkpoint
 from evaluation.probe import linear_probe
-from evaluation.retrieval import embed_texts, retrieval_recall
+from evaluation.retrieval import caption_recall
 from pretrain.model.encoder import build_model
 from pretrain.run.checkpoint import list_checkpoints
 from serving.model_registry import EmbeddingModel
@@ -79,10 +80,12 @@ class Canvases:
 
 @dataclass(frozen=True)
 class Scores:
-    knn: float  # weighted kNN top-1, k = 20, backbone
-    probe: float  # linear probe top-1, backbone
-    views: float  # view retrieval top-1 among the test canvases, backbone
-    captions: float | None = None  # caption retrieval R@1 (projector, text tower), or None
+    """An encoder's measures; None: not measured (or, for captions, no text tower)."""
+
+    knn: float | None  # weighted kNN top-1, k = 20, backbone
+    probe: float | None  # linear probe top-1, backbone
+    views: float | None  # view retrieval top-1 among the test canvases, backbone
+    captions: float | None = None  # caption retrieval R@1 (projector, text tower)
 
 
 def cluttered(root: Path, captions: str = "attributes",
@@ -211,18 +214,19 @@ def caption_retrieval(model: EmbeddingModel, test: Canvases) -> float | None:
     model = model.eval()
     images = F.normalize(torch.cat([model(batch).float() for batch in test.batches]),
                          dim=1)[test.order]
-    distinct = sorted(set(test.captions))
-    row = {caption: i for i, caption in enumerate(distinct)}
-    texts = embed_texts(model, distinct, torch.device("cpu"), batch_size=256)
-    caption_of_image = torch.tensor([row[caption] for caption in test.captions])
-    return retrieval_recall(images, texts, caption_of_image, [1])["image_to_text"]["R@1"]
+    recall, _ = caption_recall(model, images, test.captions, torch.device("cpu"), 256, [1])
+    return recall["image_to_text"]["R@1"]
 
 
 def scores(model: EmbeddingModel, train: Canvases, test: Canvases,
-           views: list[torch.Tensor]) -> Scores:
-    """The measures of ``model``: its backbone features' three, and caption retrieval."""
-    return Scores(*class_structure(model, train, test), view_retrieval(model, views),
-                  caption_retrieval(model, test))
+           views: list[torch.Tensor] | None, measures: Collection[str] = MEASURES) -> Scores:
+    """``measures`` of ``model`` (:data:`MEASURES`: its backbone features' three, and
+    caption retrieval), the others None; ``views`` (:func:`views_of_test`) for "views"."""
+    knn = probe = None
+    if {"knn", "probe"} & set(measures):
+        knn, probe = class_structure(model, train, test)
+    return Scores(knn, probe, view_retrieval(model, views) if "views" in measures else None,
+                  caption_retrieval(model, test) if "captions" in measures else None)
 
 
 def views_of_test(recipe: str, keys: list[str], test: Path) -> list[torch.Tensor]:

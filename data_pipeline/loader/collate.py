@@ -88,7 +88,7 @@ class TrainCollator:
         if self.text is not None:
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.text.model)
-            tokens = tokenize(self.tokenizer, [""], self.text.max_length)
+            tokens = tokenize(self.tokenizer, [""], self.text.max_length, to_longest=True)
             batch.update({k: v.repeat(2, 1) for k, v in tokens.items()})
             batch["text_repeated"] = True
         if self.store is not None:
@@ -103,4 +103,5 @@ class TrainCollator:
             if sample.caption is None:
                 raise ValueError(f"CLIP needs captions; {sample.key} in {sample.shard} has "
                                  "none")
-        return tokenize(self.tokenizer, [s.caption for s in heads], self.text.max_length)
+        return tokenize(self.tokenizer, [s.caption for s in heads], self.text.max_length,
+                        to_longest=True)

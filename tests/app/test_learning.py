@@ -32,7 +32,7 @@ asserts", with the command that measured them); the run here is seed 0.
   size besides the digit) against the frozen sentence model. What this proves: the
   captions themselves, through the shards, the text tower and the gathering boundary, teach
   the image projection to find each unseen canvas's own caption among the test set's
-  distinct captions (caption retrieval R@1, a gain 8 standard deviations from zero over
+  distinct captions (caption retrieval R@1, a gain 11 standard deviations from zero over
   seeds; the untrained encoder sits at chance, 0.001). With every training canvas given
   another canvas's caption (planted in the shards) the same run stays at chance, so this
   check fails: the captions, not the views, carry it. On the alt-text captions CLIP and
@@ -41,6 +41,7 @@ asserts", with the command that measured them); the run here is seed 0.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +49,9 @@ from pathlib import Path
 import pytest
 
 from bench.learning.ci_check import (
+    MEASURES,
     Canvases,
-    Scores,
     canvases,
-    caption_retrieval,
     class_structure,
     cluttered,
     overrides,
@@ -59,7 +59,6 @@ from bench.learning.ci_check import (
     scores,
     trained,
     untrained,
-    view_retrieval,
     views_of_test,
 )
 from evaluation.identity import model_digest
@@ -89,7 +88,7 @@ CHECKS = [Check("infonce", 3, knn_gain=None, probe_gain=0.040,  # 0.080 +- 0.013
           Check("xclr_captions", 3, knn_gain=None, probe_gain=0.039,  # 0.099 +- 0.020
                 views_gain=0.022, captions="alt_text"),  # 0.036 +- 0.005
           Check("clip", 2, knn_gain=None, probe_gain=None, views_gain=None,
-                captions_gain=0.051)]  # 0.080 +- 0.010
+                captions_gain=0.060)]  # 0.082 +- 0.007
 
 
 @pytest.fixture(scope="module")
@@ -136,20 +135,20 @@ def test_recipe_learns_beyond_the_untrained_encoder(shards, training_shards, dec
                      check.epochs, seed=0)
     result = run_pretrain(pretrain_args(check.recipe, keys), nproc=2, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
-    views = views_of_test(check.recipe, keys, test)
+    asserted = [m for m in MEASURES if getattr(check, f"{m}_gain") is not None]
+    views = views_of_test(check.recipe, keys, test) if "views" in asserted else None
     start = untrained(check.recipe, keys)
-    fingerprint = model_digest(start)
-    if fingerprint not in untrained_class_structure:
+    fingerprint, classes = model_digest(start), {"knn", "probe"} & set(asserted)
+    if classes and fingerprint not in untrained_class_structure:
         untrained_class_structure[fingerprint] = class_structure(start, *decoded)
-    before = Scores(*untrained_class_structure[fingerprint], view_retrieval(start, views),
-                    caption_retrieval(start, decoded[1]))
-    after = scores(trained(tmp_path / "run"), *decoded, views)
-    report = (f"kNN top-1 {before.knn:.3f} -> {after.knn:.3f}, "
-              f"probe {before.probe:.3f} -> {after.probe:.3f}, "
-              f"views {before.views:.3f} -> {after.views:.3f}, "
-              f"captions {before.captions} -> {after.captions}; asserted gains {check}")
+    before = scores(start, *decoded, views, set(asserted) - classes)
+    if classes:
+        knn, probe = untrained_class_structure[fingerprint]
+        before = dataclasses.replace(before, knn=knn, probe=probe)
+    after = scores(trained(tmp_path / "run"), *decoded, views, asserted)
+    report = ", ".join(f"{m} {getattr(before, m):.3f} -> {getattr(after, m):.3f}"
+                       for m in asserted) + f"; asserted gains {check}"
     print(report)
-    for measure in ("knn", "probe", "views", "captions"):
-        least = getattr(check, f"{measure}_gain")
-        if least is not None:
-            assert getattr(after, measure) - getattr(before, measure) >= least, report
+    for measure in asserted:
+        assert getattr(after, measure) - getattr(before, measure) >= getattr(
+            check, f"{measure}_gain"), report

@@ -1,12 +1,16 @@
 """CLIP's text tower: each row's result equals encoding it on its own (float64), gradients
-included; and a training step hands the tower each caption once when the loader says the
-views share their captions (``text_repeated``), with the same result per view."""
+included; a training batch, padded only to its longest caption, embeds each caption as a
+fixed context does; and a training step hands the tower each caption once when the loader
+says the views share their captions (``text_repeated``), with the same result per view."""
 
 from __future__ import annotations
 
 import torch
 
-from data_pipeline.text import load_tokenizer, tokenize
+from data_pipeline.config import DataConfig
+from data_pipeline.loader.collate import TrainCollator
+from data_pipeline.samples import RawSample, SkipLog
+from data_pipeline.text import TextConfig, load_tokenizer, tokenize
 from pretrain.loop.step import model_inputs
 from pretrain.model.encoder import ContrastiveModel, ModelConfig
 from pretrain.model.text_tower import TextTower, TextTowerConfig
@@ -38,6 +42,30 @@ def test_every_row_equals_its_own_encoding():
     expected = torch.autograd.grad((reference * weights).sum(), params)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_training_batch_is_padded_to_its_longest_caption_and_embeds_as_a_fixed_context():
+    """The loader's token rows are as wide as the batch's longest caption (counted by the
+    tokenizer alone, one caption at a time), at most ``max_length``; the tower gives each
+    caption what the fixed 32-token context gives it (float64: padding is masked out of
+    attention and pooling, so it changes nothing but the work)."""
+    tokenizer = load_tokenizer("bundled")
+    lengths = [len(tokenizer(caption)["input_ids"]) for caption in CAPTIONS]
+    group = [[(RawSample(f"k{i}", "s", b"", None, caption), torch.zeros(3, 8, 8))]
+             for i, caption in enumerate(CAPTIONS)]
+    collate = TrainCollator(DataConfig(resolution=8), TextConfig(max_length=32), None)
+    batch = collate(group, [0, 1, 2], SkipLog())
+    assert batch["input_ids"].shape == (6, max(lengths)) and max(lengths) < 32
+    assert batch["attention_mask"][:3].sum(1).tolist() == lengths
+    truncated = TrainCollator(DataConfig(resolution=8), TextConfig(max_length=4), None)
+    assert truncated(group, [0, 1, 2], SkipLog())["input_ids"].shape == (6, 4)
+
+    torch.manual_seed(0)
+    tower = TextTower(TextTowerConfig(), 16).double()
+    fixed = tokenize(tokenizer, CAPTIONS, 32)
+    torch.testing.assert_close(tower(batch["input_ids"][:3], batch["attention_mask"][:3]),
+                               tower(fixed["input_ids"], fixed["attention_mask"]),
+                               rtol=0, atol=1e-12)
 
 
 def test_a_step_encodes_each_caption_once_when_the_views_share_them():
