@@ -187,7 +187,7 @@ def text_tower_times(batch_images: int, rounds: int) -> list[dict]:
     captions = [f"a small red digit {i} on a blue background, top left"
                 for i in range(2 * batch_images)]
     shared = {**tokenize(tokenizer, captions[:batch_images] * 2, 32),
-              "text_repeated": True}  # as the loader builds it
+              "text_repeated": True}  # the views share captions, as the loader marks it
     batches = {"shared_by_views": shared, "one_per_view": tokenize(tokenizer, captions, 32)}
 
     def case(tokens: dict) -> Callable[[], None]:

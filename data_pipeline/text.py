@@ -46,7 +46,10 @@ def load_tokenizer(name: str) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path(name))
+    tokenizer = AutoTokenizer.from_pretrained(model_path(name))
+    # padding after the caption keeps each token's position, however wide the batch
+    tokenizer.padding_side = "right"
+    return tokenizer
 
 
 def tokenize(tokenizer: Any, captions: list[str], max_length: int,

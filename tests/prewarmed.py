@@ -99,7 +99,7 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(self.address):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                said = self.log.read_text()[-3000:]  # before close() removes the folder
+                said = self.log.read_text(errors="replace")[-3000:]  # before close() removes it
                 self.close()
                 raise RuntimeError(f"tests.prewarmed: the server did not start:\n{said}")
             time.sleep(0.05)

@@ -68,6 +68,17 @@ def test_a_training_batch_is_padded_to_its_longest_caption_and_embeds_as_a_fixed
                                rtol=0, atol=1e-12)
 
 
+def test_a_tokenizer_saved_padding_on_the_left_pads_on_the_right(tmp_path):
+    """A caption keeps its tokens' positions however wide its batch: a model directory
+    whose tokenizer pads on the left is loaded padding on the right."""
+    saved = load_tokenizer("bundled")
+    saved.padding_side = "left"
+    saved.save_pretrained(tmp_path)
+    tokens = tokenize(load_tokenizer(str(tmp_path)), CAPTIONS, 32, to_longest=True)
+    assert tokens["attention_mask"][:, 0].tolist() == [1, 1, 1]
+    assert tokens["attention_mask"][:, -1].tolist() != [1, 1, 1]
+
+
 def test_a_step_encodes_each_caption_once_when_the_views_share_them():
     torch.manual_seed(0)
     model = ContrastiveModel(ModelConfig(width=8, projector_hidden=16, projector_dim=16),
