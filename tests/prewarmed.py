@@ -27,8 +27,13 @@ whose environment differs from every server's in anything but :data:`READ_AT_RUN
 a server started with its own; a rank may differ only in what torchrun sets,
 :data:`SET_BY_TORCHRUN`, which is read when the process group starts).
 
-A server is one process, single-threaded when it forks (it refuses to serve otherwise);
-each run is a grandchild (the middle process waits for it and reports its status), so
+A server is one process, single-threaded when it forks, as the kernel counts threads (it
+refuses to serve otherwise): a forked run holds only the thread that forked it, and a lock
+another thread held stays held there. Imports start two kinds of native threads, which the
+server's environment turns off before it imports (:data:`NO_NATIVE_THREADS`), so its runs
+do without them: Arrow's jemalloc purger (MLflow imports pandas, pandas pyarrow) and
+OpenBLAS's pools (numpy, scipy; numpy's BLAS runs on one thread in a forked run). Each run
+is a grandchild (the middle process waits for it and reports its status), so
 the server never waits on anyone.
 """
 
@@ -67,6 +72,9 @@ READ_AT_RUN_TIME = frozenset({"PYTEST_CURRENT_TEST", "PYTHON_EXEC",
                               "PYTHON", "DEMO_DIR",
                               # what bash exports to each command it starts
                               "_", "SHLVL", "PWD", "OLDPWD"})
+# the native threads the imports would start, turned off (the module's docstring)
+NO_NATIVE_THREADS = {"JE_ARROW_MALLOC_CONF": "background_thread:false",
+                     "OPENBLAS_NUM_THREADS": "1"}
 SET_BY_TORCHRUN = frozenset({  # for each rank, by torch.distributed.run's agent
     "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
     "MASTER_PORT", "RANK", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE",
@@ -258,11 +266,12 @@ def read(file: io.BufferedRandom) -> str:
 
 def serve(address: str) -> NoReturn:
     own = dict(os.environ)  # before the imports, which may set variables of their own
+    os.environ.update(NO_NATIVE_THREADS)
     for module in PRELOADED:
         __import__(module)
-    if threading.active_count() != 1:  # a fork would copy a thread's locks half-held
+    if len(threads()) != 1:  # a fork would copy another thread's locks half-held
         raise SystemExit(f"tests.prewarmed: importing {PRELOADED} started threads "
-                         f"{threading.enumerate()}")
+                         f"{threads()}")
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the middle processes reap themselves
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address + ".new")
@@ -281,6 +290,15 @@ def serve(address: str) -> NoReturn:
         connection.close()
         for fd in fds:
             os.close(fd)
+
+
+def threads() -> list[str]:
+    """The names of this process's threads as the kernel lists them (Python's own where
+    there is no ``/proc``)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return [thread.name for thread in threading.enumerate()]
+    return [(tasks / task / "comm").read_text().strip() for task in os.listdir(tasks)]
 
 
 def differences(own: dict[str, str], request: dict) -> list[str]:

@@ -88,6 +88,13 @@ def test_an_environment_read_at_import_gets_its_own_server():
     assert prewarmed.server_for(env) is first
 
 
+def test_the_server_forks_from_its_only_thread():
+    """Not one native library's thread beside the one that forks (the module's docstring
+    names the imports that start them)."""
+    server = prewarmed.server_for({**os.environ, "PROBE": "value"})
+    assert psutil.Process(server.process.pid).num_threads() == 1
+
+
 def agent_report(stderr: str) -> list[str]:
     """The exit codes torchrun's agent reports, its root cause first."""
     root_cause = stderr.split("Root Cause", 1)[-1]
