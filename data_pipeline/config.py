@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from core.config import InvalidValue
+from data_pipeline.dali.jpeg import check_decoder
 from data_pipeline.images import PILLOW_HARD_LIMIT
 
 
@@ -95,6 +96,9 @@ class DataConfig:
     verify_checksums: bool = False  # local: hash every shard at start; remote: each on read
     caption_store: str = ""  # graph-precompute output: joins caption embeddings by key
     backend: str = "cpu"  # training views: CPU workers, or on the device: nvjpeg, dali
+    decoder: str = "auto"  # nvjpeg: torchcodec, torchvision or auto (the first installed)
+    # a batch's memory follows this, not its largest image (docs/data_pipeline.md)
+    device_decode_pixels: int = 100_000_000  # device backends: pixels decoded at a time
     draft_decode: bool = True  # decode JPEGs at the reduced size every view allows (1/2-1/8)
     prefetch: int = 2  # batches each loader worker prepares ahead
     persistent_workers: bool = True  # training: keep the workers from one epoch to the next
@@ -117,6 +121,10 @@ class DataConfig:
         for key in ("batch_size", "resolution", "shuffle_buffer", "lanes"):
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
+        check_decoder(self.decoder)
+        if self.device_decode_pixels < 1:
+            raise InvalidValue("device_decode_pixels",
+                               f"must be >= 1, got {self.device_decode_pixels}")
         if self.prefetch < 1:
             raise InvalidValue("prefetch", f"must be >= 1, got {self.prefetch}")
         if self.workers < 0:

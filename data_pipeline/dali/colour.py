@@ -6,13 +6,15 @@ The same arithmetic as torchvision's uint8 kernels (``adjust_brightness``,
 of a Python number, so a view rendered here equals ``simclr_view`` applied to the same
 crop (tests compare them). Each step runs on the views that take it at that point of their
 jitter order, gathered into one batch: the view parameters stay on the host, so choosing
-the rows never waits for the device, and the expensive hue step runs once per view that
-jitters rather than once per view and position.
+the rows never waits for the device, every step's rows and values reach it in one pinned,
+non-blocking copy, and the expensive hue step runs once per view that jitters rather than
+once per view and position.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -72,35 +74,68 @@ def blur(images: Tensor, kernel_size: int, sigmas: Tensor) -> Tensor:
     return out.view_as(images).round_().clamp_(0, 255).to(torch.uint8)
 
 
-def _on_rows(images: Tensor, take: Tensor, step: Callable[[Tensor, Tensor], Tensor]) -> None:
-    """Apply ``step`` in place to the rows ``take`` [N] bool (on the host) selects: only
-    those rows are computed, and choosing them needs no device synchronisation."""
-    rows = take.nonzero().squeeze(1)
-    if len(rows) > 0:
-        index = rows.to(images.device, non_blocking=True)
-        images.index_copy_(0, index, step(images.index_select(0, index), rows))
+Step = Callable[[Tensor, Tensor | None], Tensor]  # (views, their values or None) -> views
+
+
+class ColourPlan(NamedTuple):
+    """The colour steps a batch takes, in order: each step, the rows [n] that take it and
+    their values [n] (None: the step has none), on the host."""
+
+    steps: list[Step]
+    host: list[Tensor]  # per step: its rows, then its values if it has any
+    has_values: list[bool]
 
 
 def render_colour(crops: Tensor, params: dict[str, Tensor], kernel_size: int) -> Tensor:
     """[N, 3, R, R] uint8 crops on their device and the host tensors ``view_params``
     (:class:`SimCLRParams`) -> the views [N, 3, R, R] float32, normalised: flip, the colour
     jitter in each view's order, grayscale, blur, as ``simclr_view`` (flip commutes with
-    the rest). Each step computes only the views that take it."""
-    device = crops.device
-    factors, order = params["factors"], params["order"]
+    the rest). Each step computes only the views that take it, chosen on the host
+    (:func:`colour_plan`); the rows and values of every step reach the device in one copy
+    (:func:`apply_colour`)."""
+    return apply_colour(crops, colour_plan(params, kernel_size))
 
-    def jitter(step: int) -> Callable[[Tensor, Tensor], Tensor]:
-        return lambda views, rows: STEPS[step](views, factors[rows, step].to(device))
 
-    images = crops.clone()
-    _on_rows(images, params["flip"], lambda views, _: views.flip(-1))
+def colour_plan(params: dict[str, Tensor], kernel_size: int) -> ColourPlan:
+    factors, order, sigmas = params["factors"], params["order"], params["sigma"]
+    candidates: list[tuple[Step, Tensor, Tensor | None]] = [
+        (lambda views, _: views.flip(-1), params["flip"], None)]
     for position in range(4):
         for step in STEPS:
             take = (order[:, position] == step) & ~factors[:, step].isnan()
-            _on_rows(images, take, jitter(step))
-    _on_rows(images, params["grayscale"],
-             lambda views, _: F.rgb_to_grayscale(views, num_output_channels=3))
-    sigmas = params["sigma"]
-    _on_rows(images, ~sigmas.isnan(),
-             lambda views, rows: blur(views, kernel_size, sigmas[rows].to(device)))
+            candidates.append((STEPS[step], take, factors[:, step]))
+    candidates.append((lambda views, _: F.rgb_to_grayscale(views, num_output_channels=3),
+                       params["grayscale"], None))
+    candidates.append((lambda views, sigma: blur(views, kernel_size, sigma), ~sigmas.isnan(),
+                       sigmas))
+    plan = ColourPlan([], [], [])
+    for step, take, values in candidates:
+        if take.any():
+            rows = take.nonzero().squeeze(1)
+            plan.steps.append(step)
+            plan.host.extend([rows] if values is None else [rows, values[rows]])
+            plan.has_values.append(values is not None)
+    return plan
+
+
+def apply_colour(crops: Tensor, plan: ColourPlan) -> Tensor:
+    moved = iter(on_device(plan.host, crops.device))
+    images = crops.clone()
+    for step, has_values in zip(plan.steps, plan.has_values, strict=True):
+        index = next(moved)
+        values = next(moved) if has_values else None
+        images.index_copy_(0, index, step(images.index_select(0, index), values))
     return F.normalize(F.to_dtype(images, torch.float32, scale=True), MEAN, STD)
+
+
+def on_device(host: list[Tensor], device: torch.device) -> list[Tensor]:
+    """1-D host tensors (int64 rows, float64 values) on ``device`` in one copy: joined as
+    float64 (exact for row indices), on CUDA pinned and copied without waiting, then split
+    and cast back there."""
+    if not host:
+        return []
+    joined = torch.cat([part.to(torch.float64) for part in host])
+    if device.type == "cuda":
+        joined = joined.pin_memory().to(device, non_blocking=True)
+    parts = joined.split([len(part) for part in host])
+    return [moved.to(part.dtype) for moved, part in zip(parts, host, strict=True)]

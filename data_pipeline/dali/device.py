@@ -9,18 +9,21 @@ the CPU path's batch contract: ``images`` [2B, 3, R, R] float32 normalised, firs
 then second views, beside the unchanged ids, labels, captions and caption rows.
 
 A body that fails to decode (the workers only read headers) fails the batch's DALI call;
-the batch is then decoded image by image, and the undecodable instances are dropped from it
-and counted as ``corrupt_image`` skips. The workers' stream is unchanged by the drop (the
-gathering boundary accepts ranks with different row counts), so resume stays exact.
+the batch is then decoded image by image, and an image that fails alone, and on the CPU
+decoder too, is dropped from it and counted as a ``corrupt_image`` skip (:func:`rendered`).
+The workers' stream is unchanged by the drop (the gathering boundary accepts ranks with
+different row counts), so resume stays exact. Running out of device memory, or failing an
+image the CPU decodes (a device error), stops the run in one line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import io
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
 from data_pipeline.dali import INSTALL_HINT, dali_available
@@ -39,6 +42,7 @@ class DaliViews:
         from nvidia.dali import types
 
         self.ndd, self.types = ndd, types
+        self.undecodable, self.memory_setting = "DALI cannot decode it", "data.batch_size"
         self.resolution, self.kernel_size, self.device = resolution, kernel_size, device
         if device.type == "cuda":
             index = torch.cuda.current_device() if device.index is None else device.index
@@ -50,9 +54,11 @@ class DaliViews:
             self.dali_device = "cpu"
             self.context = ndd.EvalContext(num_threads=threads)
 
-    def crops(self, encoded: list[bytes], boxes: Tensor) -> Tensor:
+    def crops(self, encoded: list[bytes], boxes: Tensor,
+              sizes: list[tuple[int, int]] | None = None) -> Tensor:
         """B encoded images and boxes [2B, 4] (top, left, height, width) -> the crops
-        [2B, 3, R, R] uint8 on the device; raises when an image does not decode."""
+        [2B, 3, R, R] uint8 on the device, the batch decoded at once (``sizes`` unused);
+        raises when an image does not decode."""
         ndd = self.ndd
         with self.context:
             images = self.decode(encoded)
@@ -85,28 +91,80 @@ class DaliViews:
         return True
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return rendered(batch, self.crops, self.decodes, self.kernel_size,
-                        "DALI cannot decode it")
+        return rendered(batch, self)
 
 
-def rendered(batch: dict[str, Any], crops: Callable[[list[bytes], Tensor], Tensor],
-             decodes: Callable[[bytes], bool], kernel_size: int, why: str) -> dict[str, Any]:
+class Renderer(Protocol):
+    """What :func:`rendered` needs of a device backend."""
+
+    kernel_size: int  # of the blur
+    undecodable: str  # why a body it cannot decode is dropped
+    memory_setting: str  # the data.* keys that bound a render's memory
+
+    def crops(self, encoded: list[bytes], boxes: Tensor,
+              sizes: list[tuple[int, int]]) -> Tensor: ...
+
+    def decodes(self, data: bytes) -> bool: ...
+
+
+class RenderError(RuntimeError):
+    """The device failed a batch for a reason of its own (out of memory, or a device error
+    on images the CPU decodes): the run stops, in one line."""
+
+
+def rendered(batch: dict[str, Any], renderer: Renderer) -> dict[str, Any]:
     """``batch`` with ``images`` [2B, 3, R, R] in place of ``encoded`` and ``view_params``:
-    ``crops(encoded, boxes)`` decodes and crops; where that fails, the images ``decodes``
-    refuses one at a time are dropped (:func:`drop_instances`, counted with ``why``), and
-    the rest cropped. Then the colour steps."""
+    the renderer decodes and crops; where that fails, each image is tried alone, and an
+    image is dropped (:func:`drop_instances`) only when it fails alone on the device and
+    on the CPU decoder too. Running out of memory, or failing images the CPU decodes, stops
+    the run (:class:`RenderError`) naming the batch's image sizes. Then the colour steps."""
     encoded, params = batch.pop("encoded"), batch.pop("view_params")
+    sizes = batch.pop("encoded_sizes")
     try:
-        views = crops(encoded, params["box"])
-    except RuntimeError:
-        bad = [i for i, data in enumerate(encoded) if not decodes(data)]
+        views = renderer.crops(encoded, params["box"], sizes)
+    except torch.OutOfMemoryError as error:
+        raise RenderError(f"rendering {described(sizes)} ran out of device memory: lower "
+                          f"{renderer.memory_setting}") from error
+    except RuntimeError as error:
+        bad = [i for i, data in enumerate(encoded) if not renderer.decodes(data)]
         if not bad:
             raise
-        batch, encoded, params = drop_instances(batch, encoded, params, bad, why)
-        views = crops(encoded, params["box"])
+        healthy = [i for i in bad if cpu_decodes(encoded[i])]
+        if healthy:
+            shard, key = batch["encoded_from"][healthy[0]]
+            raise RenderError(f"the device failed {len(healthy)} image(s) of {described(sizes)} "
+                              f"that the CPU decodes (first: {shard} {key}): "
+                              f"{first_line(error)}") from error
+        batch, encoded, params = drop_instances(batch, encoded, params, bad,
+                                                renderer.undecodable)
+        sizes = [size for i, size in enumerate(sizes) if i not in bad]
+        views = renderer.crops(encoded, params["box"], sizes)
     del batch["encoded_from"]
-    batch["images"] = render_colour(views, params, kernel_size)
+    batch["images"] = render_colour(views, params, renderer.kernel_size)
     return batch
+
+
+def described(sizes: list[tuple[int, int]]) -> str:
+    """'a batch of 8 images (14.2 MP; largest 4000x3000)'."""
+    largest = max(sizes, key=lambda size: size[0] * size[1])
+    pixels = sum(height * width for height, width in sizes)
+    return (f"a batch of {len(sizes)} images ({pixels / 1e6:.1f} MP; largest "
+            f"{largest[0]}x{largest[1]})")
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def cpu_decodes(data: bytes) -> bool:
+    """Whether Pillow decodes the body (what the CPU backend's workers do)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+    except Exception:  # noqa: BLE001 - any failure of the decoder is an undecodable body
+        return False
+    return True
 
 
 PER_INSTANCE = ("keys", "captions", "encoded_from")  # lists of B; 2B-row tensors: per view

@@ -1,31 +1,37 @@
 """The main process's half of the torchvision device backend (``data.backend=nvjpeg``):
-decode, crop and colour on the run's device with torchvision alone.
+decode, crop and colour on the run's device.
 
-Each batch's JPEGs are decoded in one call of ``torchvision.io.decode_jpeg`` on the run's
-device (nvJPEG, batched, on CUDA; libjpeg-turbo on the CPU); other formats (PNG, WebP) are
-decoded on the CPU and moved, and counted (:attr:`NvjpegViews.cpu_decoded`). Every view's
-crop box is resized to ``R x R`` in one batched call: the decoded images are stacked into
-one zero-padded tensor and ``torchvision.ops.roi_align`` samples each box on an ``R x R``
-grid of bins, averaging ``ceil(box / R)`` bilinear samples a bin on each axis (an area
-filter when it shrinks, bilinear when it grows). The colour steps then run batched in
-torch (``colour.py``), as for the DALI backend. The workers' side is the DALI backend's:
-headers read, every view's parameters drawn (``params.py``), so resume stays exact.
+A batch's images are decoded a chunk at a time, each chunk at most
+``data.device_decode_pixels`` pixels (or one image larger than that): its JPEGs in one call
+of the JPEG decoder (``data.decoder``, :mod:`.jpeg`: nvJPEG, batched, on CUDA; libjpeg-turbo
+on the CPU), other formats (PNG, WebP) on the CPU and moved, and counted
+(:attr:`NvjpegViews.cpu_decoded`). Each image's two crop boxes are resized to ``R x R`` by
+``torchvision.ops.roi_align`` on the part of the image they span, in float32: it samples
+each box on an ``R x R`` grid of bins, averaging ``ceil(box / R)`` bilinear samples a bin on
+each axis (an area filter when it shrinks, bilinear when it grows). So a batch's memory on
+the device is at most 3 bytes a pixel of one chunk, 12 bytes a pixel of the largest span of
+one image's boxes, and the crops, whatever the mix of sizes and orientations (no image is
+padded to another's size). The colour steps then run batched in torch (``colour.py``), as
+for the DALI backend. The workers' side is the DALI backend's: headers read, every view's
+parameters drawn (``params.py``), so resume stays exact.
 
-A body that fails to decode fails the batch's call; the batch is then decoded image by
-image, and the undecodable instances are dropped with both views and counted as
-``corrupt_image`` (``device.rendered``), leaving the workers' stream untouched.
+A body that fails to decode fails its chunk's call; the batch is then tried image by image,
+and an image that fails alone (and on the CPU decoder) is dropped with both views and
+counted as ``corrupt_image`` (``device.rendered``), leaving the workers' stream untouched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torchvision.io import ImageReadMode, decode_image
 from torchvision.ops import roi_align
 
 from data_pipeline.dali.device import rendered
+from data_pipeline.dali.jpeg import decoder_name, jpeg_decoder
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -34,8 +40,15 @@ class NvjpegViews:
     """``views(batch) -> batch`` with ``images`` on ``device`` in place of ``encoded`` and
     ``view_params``."""
 
-    def __init__(self, resolution: int, kernel_size: int, device: torch.device) -> None:
+    undecodable = "the decoder cannot decode it"
+    memory_setting = "data.device_decode_pixels or data.batch_size"
+
+    def __init__(self, resolution: int, kernel_size: int, device: torch.device,
+                 decoder: str = "auto", decode_pixels: int = 100_000_000) -> None:
         self.resolution, self.kernel_size, self.device = resolution, kernel_size, device
+        self.decoder = decoder_name(decoder)
+        self.decode_jpegs = jpeg_decoder(decoder).decode
+        self.decode_pixels = decode_pixels
         self.cpu_decoded = 0  # images not decoded on the device (not JPEG)
 
     def decode(self, encoded: list[bytes]) -> list[Tensor]:
@@ -45,8 +58,7 @@ class NvjpegViews:
         jpeg = [i for i, item in enumerate(encoded) if item[:3] == JPEG_MAGIC]
         images: list[Tensor | None] = [None] * len(encoded)
         if jpeg:
-            decoded = decode_jpeg([data[i] for i in jpeg], mode=ImageReadMode.RGB,
-                                  device=self.device)
+            decoded = self.decode_jpegs([data[i] for i in jpeg], self.device)
             for i, image in zip(jpeg, decoded, strict=True):
                 images[i] = image
         for i, image in enumerate(images):
@@ -55,23 +67,20 @@ class NvjpegViews:
                 self.cpu_decoded += 1
         return images
 
-    def crops(self, encoded: list[bytes], boxes: Tensor) -> Tensor:
-        """B encoded images and boxes [2B, 4] (top, left, height, width) of the first
-        views then the second -> the crops [2B, 3, R, R] uint8, cut in one batched call;
-        raises when an image does not decode."""
-        images = self.decode(encoded)
-        height = max(image.shape[1] for image in images)
-        width = max(image.shape[2] for image in images)
-        padded = torch.zeros(len(images), 3, height, width, device=self.device)
-        for i, image in enumerate(images):
-            padded[i, :, :image.shape[1], :image.shape[2]] = image
-        boxes = boxes.to(torch.float32)
-        top, left, tall, wide = boxes.unbind(1)
-        index = torch.arange(len(images), dtype=torch.float32).repeat(2)
-        rois = torch.stack([index, left, top, left + wide, top + tall], dim=1)
-        crops = roi_align(padded, rois.to(self.device), self.resolution, aligned=True,
-                          sampling_ratio=-1)
-        return crops.round_().clamp_(0, 255).to(torch.uint8)
+    def crops(self, encoded: list[bytes], boxes: Tensor,
+              sizes: list[tuple[int, int]]) -> Tensor:
+        """B encoded images of ``sizes`` (height, width, from their headers) and boxes
+        [2B, 4] (top, left, height, width) of the first views then the second -> the crops
+        [2B, 3, R, R] uint8; raises when an image does not decode."""
+        half, r = len(encoded), self.resolution
+        spans, rois = box_spans(boxes.view(2, half, 4).transpose(0, 1), sizes)
+        rois = to_device(rois, self.device)  # [B, 2, 5]: one copy for the batch
+        out = torch.empty(2, half, 3, r, r, dtype=torch.uint8, device=self.device)
+        for chunk in pixel_chunks(sizes, self.decode_pixels):
+            for i, image in zip(chunk, self.decode([encoded[i] for i in chunk]), strict=True):
+                out[:, i] = span_crops(image, spans[i], rois[i], r)
+            del image  # the chunk's last image, before the next chunk is decoded
+        return out.view(2 * half, 3, r, r)
 
     def decodes(self, data: bytes) -> bool:
         try:
@@ -81,5 +90,56 @@ class NvjpegViews:
         return True
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return rendered(batch, self.crops, self.decodes, self.kernel_size,
-                        "torchvision cannot decode it")
+        return rendered(batch, self)
+
+
+def pixel_chunks(sizes: list[tuple[int, int]], pixels: int) -> Iterator[list[int]]:
+    """Consecutive runs of image indices, each at most ``pixels`` pixels in all or a
+    single image."""
+    chunk: list[int] = []
+    held = 0
+    for i, (height, width) in enumerate(sizes):
+        if chunk and held + height * width > pixels:
+            yield chunk
+            chunk, held = [], 0
+        chunk.append(i)
+        held += height * width
+    if chunk:
+        yield chunk
+
+
+def box_spans(boxes: Tensor, sizes: list[tuple[int, int]]
+              ) -> tuple[list[tuple[int, int, int, int]], Tensor]:
+    """Each image's boxes [B, K, 4] (top, left, height, width) -> the part of the image
+    they span, with a pixel of margin (a bin's bilinear samples read up to one pixel past
+    its box), as (y0, y1, x0, x1); and the boxes as ``roi_align`` takes them on that part,
+    [B, K, 5] float32 (batch index 0, x1, y1, x2, y2). So ``roi_align`` on the part equals
+    ``roi_align`` on the whole image, up to the float rounding of its sample positions."""
+    boxes = boxes.to(torch.float32)
+    spans, rois = [], torch.zeros(*boxes.shape[:2], 5)
+    for i, ((height, width), own) in enumerate(zip(sizes, boxes, strict=True)):
+        top, left, tall, wide = own.unbind(1)
+        y0, x0 = max(0, int(top.min()) - 1), max(0, int(left.min()) - 1)
+        y1 = min(height, int((top + tall).max()) + 1)
+        x1 = min(width, int((left + wide).max()) + 1)
+        spans.append((y0, y1, x0, x1))
+        rois[i, :, 1:] = torch.stack([left - x0, top - y0, left - x0 + wide, top - y0 + tall],
+                                     dim=1)
+    return spans, rois
+
+
+def span_crops(image: Tensor, span: tuple[int, int, int, int], rois: Tensor,
+               resolution: int) -> Tensor:
+    """[3, H, W] uint8, the part its boxes span and the boxes there [K, 5] -> [K, 3, R, R]
+    uint8 (the part in float32 only while it is sampled)."""
+    y0, y1, x0, x1 = span
+    part = image[None, :, y0:y1, x0:x1].to(torch.float32)
+    crops = roi_align(part, rois, resolution, aligned=True, sampling_ratio=-1)
+    return crops.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device``: on CUDA through pinned memory, without waiting."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

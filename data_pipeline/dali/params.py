@@ -60,8 +60,9 @@ class ViewParams:
 
 class SimCLRParams:
     """``draw(image)`` per view under the view's seed, ``render(views)`` once per batch ->
-    the batch entries ``encoded`` (the B images of the first views) and ``view_params``
-    (tensors over the 2B views, first views then second views)."""
+    the batch entries ``encoded`` (the B images of the first views), ``encoded_from`` (their
+    shards and keys), ``encoded_sizes`` (their stored heights and widths, from the headers)
+    and ``view_params`` (tensors over the 2B views, first views then second views)."""
 
     def __init__(self, resolution: int, min_scale: float = 0.08, color_strength: float = 0.5,
                  grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
@@ -98,7 +99,9 @@ class SimCLRParams:
         half = len(views) // 2
         assert all(a.image is b.image for a, b in zip(views[:half], views[half:], strict=True))
         return {"encoded": [v.image.data for v in views[:half]],
-                "encoded_from": [v.image.source for v in views[:half]], "view_params": {
+                "encoded_from": [v.image.source for v in views[:half]],
+                "encoded_sizes": [(v.image.height, v.image.width) for v in views[:half]],
+                "view_params": {
             "box": torch.tensor([v.box for v in views], dtype=torch.int64),  # [2B, 4]
             "flip": torch.tensor([v.flip for v in views]),  # [2B] bool
             "order": torch.tensor([v.order for v in views], dtype=torch.int64),  # [2B, 4]

@@ -3,7 +3,8 @@ batch n + 1 (a device backend's decode, crops and colour), on a side CUDA stream
 device is a GPU. At most two batches are in flight: the one handed out and the one being
 rendered. A backend that renders ahead starts its loader workers by forkserver: a worker
 forked after the render thread ran torch ops crashed in a test (the thread's parallel
-runtime is not reset in the child). The side stream's work is ordered before the
+runtime is not reset in the child). The thread's current device is the rank's, and
+its stream has high priority. The side stream's work is ordered before the
 trainer's use of the batch (``wait_stream``), and its tensors are marked as used on the
 trainer's stream (``record_stream``), so the caching allocator does not hand their memory
 to the side stream while the step still reads them. The CUDA lines have never run on a
@@ -27,7 +28,9 @@ class SideStream:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # high priority: the trainer's next step waits on it, and it is short
+        self.stream = (torch.cuda.Stream(device, priority=-1) if device.type == "cuda"
+                       else None)
 
     def run(self, render: Callable[[Batch], Batch], batch: Batch) -> Batch:
         if self.stream is None:
@@ -52,7 +55,8 @@ def rendered_ahead(batches: Iterator[Batch], render: Callable[[Batch], Batch],
     """``batches`` with ``render`` applied to each that is not a placeholder, the next one
     rendered while the caller works on the current one."""
     side = SideStream(device)
-    with ThreadPoolExecutor(1, thread_name_prefix="views") as pool:
+    with ThreadPoolExecutor(1, thread_name_prefix="views", initializer=bind_device,
+                            initargs=(device,)) as pool:
         pending: Future | Batch | None = None
         for batch in batches:
             ahead = (batch if batch["placeholder"]
@@ -62,6 +66,13 @@ def rendered_ahead(batches: Iterator[Batch], render: Callable[[Batch], Batch],
             pending = ahead
         if pending is not None:
             yield _ready(pending, side)
+
+
+def bind_device(device: torch.device) -> None:
+    """The render thread's current CUDA device is its rank's (a thread starts on GPU 0,
+    where its first CUDA call would open a context)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _ready(pending: Future | Batch, side: SideStream) -> Batch:

@@ -15,6 +15,7 @@ from core.tables import table_entry
 from data_pipeline.config import DataConfig
 from data_pipeline.dali import INSTALL_HINT, dali_available
 from data_pipeline.dali.device import DaliViews
+from data_pipeline.dali.jpeg import JPEG_DECODERS, check_decoder, decoder_name
 from data_pipeline.dali.nvjpeg import NvjpegViews
 from data_pipeline.transforms import view_kernel_size
 
@@ -45,6 +46,14 @@ def simclr_views_check(cfg: DataConfig) -> None:
                                       "needs data.augment=simclr and data.pairing=views")
 
 
+def nvjpeg_check(cfg: DataConfig) -> None:
+    simclr_views_check(cfg)
+    check_decoder(cfg.decoder)
+    decoder = JPEG_DECODERS[decoder_name(cfg.decoder)]
+    if not decoder.available():
+        raise InvalidValue("decoder", f"{cfg.decoder} is not installed: {decoder.install_hint}")
+
+
 def dali_check(cfg: DataConfig) -> None:
     simclr_views_check(cfg)
     if not dali_available():
@@ -57,10 +66,10 @@ BACKENDS: dict[str, BackendSpec] = {
         lambda cfg, device: DaliViews(cfg.resolution, view_kernel_size(cfg.resolution),
                                       device, max(1, cfg.workers)),
         forkserver=True, check=dali_check),
-    "nvjpeg": BackendSpec(  # torchvision: nvJPEG on CUDA (libjpeg-turbo without), roi_align
+    "nvjpeg": BackendSpec(  # TorchCodec or torchvision: nvJPEG on CUDA (libjpeg-turbo without)
         lambda cfg, device: NvjpegViews(cfg.resolution, view_kernel_size(cfg.resolution),
-                                        device),
-        forkserver=True, check=simclr_views_check),  # its render thread (loader/ahead.py)
+                                        device, cfg.decoder, cfg.device_decode_pixels),
+        forkserver=True, check=nvjpeg_check),  # its render thread (loader/ahead.py)
 }
 
 

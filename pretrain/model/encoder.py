@@ -49,8 +49,7 @@ class ModelConfig:
     norm: Literal["batch", "group"] = "batch"  # group: independent of the batch split
     sync_batchnorm: bool = True  # batch norm over the global batch on multi-GPU runs
     split_views: bool = False  # batch-norm statistics per view set (first views, second views)
-    # channels-last memory format: the images everywhere, the encoder's weights on GPU
-    channels_last: bool = True
+    channels_last: bool = True  # channels-last images everywhere, and weights on GPU
     # blocks recomputed in the backward instead of held (pretrain/model/checkpointing.py)
     activation_checkpointing: Literal["none", "full"] | int = "none"  # none, full, or every k
     text: TextTowerConfig = field(default_factory=TextTowerConfig)  # clip's text tower

@@ -1,8 +1,10 @@
-"""The torchvision device backend (``data.backend=nvjpeg``), on the CPU decoder here
-(nvJPEG where CUDA is present): its crops match torchvision's resized crop, formats other
-than JPEG are decoded on the CPU and counted, and two ranks train and resume on it (its
-batches against the CPU backend's, and resume across undecodable images:
-``test_device.py``)."""
+"""The torchvision device backend (``data.backend=nvjpeg``), on the CPU decoders here
+(nvJPEG where CUDA is present): each JPEG decoder gives the CPU path's pixels, torchvision's
+waits for the caller's stream, its crops match torchvision's resized crop whatever the chunks
+of decoding, a batch of mixed 12 MP photos stays under its memory bound, running out of
+memory or failing on images the CPU decodes stops the batch in one line, formats other than
+JPEG are decoded on the CPU and counted, and two ranks train and resume on it (its batches
+against the CPU backend's, and resume across undecodable images: ``test_device.py``)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,14 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
+from bench.common import peak_memory_bytes
 from core.config import InvalidValue
 from data_pipeline.config import DataConfig
+from data_pipeline.dali import jpeg
+from data_pipeline.dali.device import RenderError, rendered
+from data_pipeline.dali.jpeg import JPEG_DECODERS
 from data_pipeline.dali.nvjpeg import NvjpegViews
+from data_pipeline.dali.params import SimCLRParams, encoded_image
 from data_pipeline.loader import TrainLoader
 from data_pipeline.transforms import decode
 from tests.app.helpers import run_pretrain, train_overrides
@@ -40,12 +47,128 @@ def test_crops_match_torchvision_resized_crop():
     boxes = torch.tensor([[0, 0, 90, 120], [10, 20, 40, 50], [5, 7, 80, 60],
                           [30, 0, 33, 120], [0, 60, 90, 60], [1, 1, 20, 24]] * 2)
     views = NvjpegViews(16, 3, CPU)
-    got = views.crops(pictures, boxes)
+    got = views.crops(pictures, boxes, [(90, 120)] * 6)
     want = torch.stack([TF.resized_crop(decode(p, "p"), *box.tolist(), [16, 16], antialias=True)
                         for p, box in zip(pictures * 2, boxes, strict=True)])
     diff = (got.int() - want.int()).abs()
     assert got.shape == (12, 3, 16, 16) and got.dtype == torch.uint8
     assert diff.float().mean() < 1.0 and diff.max() <= 8
+
+
+@pytest.mark.parametrize("name", JPEG_DECODERS)
+def test_each_jpeg_decoder_gives_the_cpu_paths_pixels(name):
+    """Against Pillow's decode (the CPU backend's): equal here (libjpeg-turbo everywhere);
+    one level allowed for another build's IDCT."""
+    if not JPEG_DECODERS[name].available():
+        pytest.skip(f"{name} is not installed")
+    pictures = [photo_jpeg(i, size) for i, size in enumerate([(333, 251), (120, 90), (64, 97)])]
+    data = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in pictures]
+    for got, picture in zip(JPEG_DECODERS[name].decode(data, CPU), pictures, strict=True):
+        want = decode(picture, "p")
+        assert got.shape == want.shape and got.dtype == torch.uint8
+        assert (got.int() - want.int()).abs().max() <= 1
+
+
+def test_torchvisions_decoder_waits_for_the_callers_stream_first(monkeypatch):
+    """The device logic on the CPU: on a CUDA device the caller's stream is synchronised
+    before torchvision's decoder is called (it writes from a stream of its own)."""
+    calls = []
+
+    class Stream:
+        def synchronize(self):
+            calls.append("synchronize")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream())
+    monkeypatch.setattr("torchvision.io.decode_jpeg",
+                        lambda data, mode, device: calls.append("decode") or data)
+    jpeg.torchvision_jpegs([torch.zeros(4, dtype=torch.uint8)], torch.device("cuda", 1))
+    assert calls == ["synchronize", "decode"]
+    calls.clear()
+    jpeg.torchvision_jpegs([torch.zeros(4, dtype=torch.uint8)], CPU)
+    assert calls == ["decode"]
+
+
+def test_a_decoder_that_is_not_installed_or_unknown_is_refused_in_one_line(tmp_path,
+                                                                         monkeypatch):
+    write_set(tmp_path, [[digit_sample(i) for i in range(8)]])
+    with pytest.raises(InvalidValue, match="unknown decoder 'pillow'; choose one of auto, "
+                                           "torchcodec, torchvision"):
+        TrainLoader(config(tmp_path, decoder="pillow"))
+    monkeypatch.setitem(JPEG_DECODERS, "torchcodec", jpeg.JpegDecoder(
+        jpeg.torchcodec_jpegs, lambda: False, "pip install torchcodec"))
+    with pytest.raises(InvalidValue, match="torchcodec is not installed: pip install"):
+        TrainLoader(config(tmp_path, decoder="torchcodec"))
+    assert jpeg.decoder_name("auto") == "torchvision"
+
+
+def test_crops_do_not_depend_on_how_the_batch_is_decoded_in_chunks():
+    """One image a chunk against the whole batch in one: the same crops (each image is
+    sampled on its own, never padded to another's size)."""
+    sizes = [(90, 120), (200, 60), (64, 64), (150, 150)]
+    pictures = [photo_jpeg(i, (w, h)) for i, (h, w) in enumerate(sizes)]
+    boxes = torch.tensor([[0, 0, 90, 120], [10, 5, 150, 50], [0, 0, 64, 64], [20, 30, 90, 100],
+                          [40, 60, 50, 60], [0, 0, 200, 60], [3, 3, 20, 20], [100, 99, 50, 51]])
+    whole = NvjpegViews(16, 3, CPU, decode_pixels=10**9).crops(pictures, boxes, sizes)
+    single = NvjpegViews(16, 3, CPU, decode_pixels=1).crops(pictures, boxes, sizes)
+    assert torch.equal(whole, single)
+
+
+def test_a_batch_of_mixed_12_megapixel_photos_stays_under_its_memory_bound():
+    """Two 12 MP photos (one portrait, one landscape) among small ones, boxes spanning the
+    large ones whole: the CPU's tensor memory while cropping (the profiler's allocations)
+    stays under the bound docs/data_pipeline.md states: 3 bytes a pixel of a chunk (here
+    one 12 MP image), 12 of the largest span (a 12 MP image), and the crops, with 5% over
+    for the small temporaries. Padding every image to the batch's largest height and width
+    would take 4 x 3 x 4000 x 4000 x 4 bytes, 768 MB."""
+    sizes = [(3000, 4000), (480, 640), (4000, 3000), (500, 300)]
+    pictures = [photo_jpeg(i, (w, h)) for i, (h, w) in enumerate(sizes)]
+    boxes = torch.tensor([[0, 0, h, w] for h, w in sizes] + [[10, 10, 100, 100]] * 4)
+    views = NvjpegViews(32, 3, CPU, decode_pixels=1_000_000)
+    largest = 12_000_000
+    bound = 1.05 * (3 * largest + 12 * largest + 8 * 3 * 32 * 32)
+    peak = peak_memory_bytes(lambda: views.crops(pictures, boxes, sizes), CPU)
+    assert peak <= bound, f"{peak / 2**20:.0f} MiB over {bound / 2**20:.0f} MiB"
+
+
+def batch_of(pictures: list[bytes]) -> dict:
+    """A device backend's batch of ``pictures`` as the loader workers send it."""
+    draw = SimCLRParams(16)
+    images = [encoded_image(p, "shard-000", f"key{i}") for i, p in enumerate(pictures)]
+    batch = draw.render([draw.draw(image) for image in images] * 2)
+    return {**batch, "keys": [f"key{i}" for i in range(len(pictures))], "skipped": {},
+            "skipped_places": {}, "skipped_examples": []}
+
+
+def test_running_out_of_device_memory_stops_in_one_line_naming_the_sizes(monkeypatch):
+    views = NvjpegViews(16, 3, CPU)
+
+    def out_of_memory(data, device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 46.00 GiB")
+
+    monkeypatch.setattr(views, "decode_jpegs", out_of_memory)
+    with pytest.raises(RenderError) as caught:
+        rendered(batch_of([photo_jpeg(0, (400, 300)), photo_jpeg(1, (64, 97))]), views)
+    said = str(caught.value)
+    assert "\n" not in said and "ran out of device memory" in said
+    assert "2 images" in said and "largest 300x400" in said, said
+    assert "data.device_decode_pixels" in said and "data.batch_size" in said
+
+
+def test_a_device_error_on_images_the_cpu_decodes_stops_and_drops_nothing(monkeypatch):
+    """A persistent device error fails every image alone too; the CPU decodes them, so the
+    batch stops naming the first, instead of dropping every image as corrupt."""
+    views = NvjpegViews(16, 3, CPU)
+
+    def device_error(data, device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+
+    monkeypatch.setattr(views, "decode_jpegs", device_error)
+    with pytest.raises(RenderError) as caught:
+        rendered(batch_of([photo_jpeg(0), photo_jpeg(1), photo_jpeg(2)]), views)
+    said = str(caught.value)
+    assert said.startswith("the device failed 3 image(s) of a batch of 3 images"), said
+    assert "(first: shard-000 key0): CUDA error: an illegal memory access" in said
+    assert "\n" not in said
 
 
 def test_a_png_is_decoded_on_the_cpu_and_counted():

@@ -1,14 +1,17 @@
 """Views rendered one batch ahead (``data_pipeline/loader/ahead.py``): the same batches in
 the same order as rendering each in turn, placeholders passed through unrendered, the next
-batch rendered while the caller holds the current one, and never more than two in flight."""
+batch rendered while the caller holds the current one, never more than two in flight, and
+the render thread on its rank's device."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import torch
 
+from data_pipeline.loader import ahead
 from data_pipeline.loader.ahead import rendered_ahead
 
 CPU = torch.device("cpu")
@@ -58,3 +61,30 @@ def test_the_next_batch_is_rendered_while_the_caller_holds_one_and_no_further():
             assert render.started[-1] <= batch["i"] + 1  # one ahead at most
             render.handed += 1
     assert beside == [True] * 5 and render.most_ahead <= 2
+
+
+def test_the_render_thread_runs_on_the_ranks_device_on_a_high_priority_stream(monkeypatch):
+    """The device logic on the CPU: on a CUDA device the render thread sets its rank's device
+    before its first render, and the side stream is made at high priority."""
+    seen: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: seen.append((threading.current_thread().name, device)))
+
+    class Stream:
+        def __init__(self, device, priority=0):
+            seen.append(("stream", priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(ahead.SideStream, "hand_over", lambda self, batch: batch)
+    device = torch.device("cuda", 3)
+
+    def render(batch: dict) -> dict:
+        seen.append((threading.current_thread().name, "render"))
+        return batch
+
+    assert [b["i"] for b in ahead.rendered_ahead(stream(2), render, device)] == [0, 1]
+    assert seen[0] == ("stream", -1)
+    thread = seen[1][0]
+    assert thread.startswith("views") and seen[1:] == [(thread, device), (thread, "render"),
+                                                       (thread, "render")], seen
