@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bench.gpu import part
-from bench.gpu.part import PARTS
+from bench.gpu.part import PARTS, write_atomically
 
 MARGIN = 0.85  # of its time limit, a part plans its own work to end within
 BUDGET_S = 540.0  # the default budget: 60 s of a 600 s command left for start-up and report
@@ -144,23 +144,15 @@ def _cell(value: Any) -> str:
 
 def write_report(report: dict[str, Any], out: Path) -> str:
     """``gpu.json`` and ``gpu.md`` of the parts finished so far; the tables, for printing."""
-    _replace(out / "gpu.json", json.dumps(report, indent=2))
+    write_atomically(out / "gpu.json", json.dumps(report, indent=2))
     m = report["machine"]
     header = (f"# GPU kit, {m['date']}: {m['gpu'] or 'CPU dry run'}, torch {m['torch']} "
               f"(CUDA {m['cuda']}), Python {m['python']}, {m['cpu_cores']} CPU cores\n\n")
     tables = [table(PARTS[n].title, f"{r['status']}, {r['seconds']:.0f} s; "
                     f"{r.get('summary', '')}", r.get("rows", []), PARTS[n].columns)
               for n, r in report["parts"].items()]
-    _replace(out / "gpu.md", header + "\n".join(tables))
+    write_atomically(out / "gpu.md", header + "\n".join(tables))
     return header + "\n".join(tables)
-
-
-def _replace(path: Path, text: str) -> None:
-    """``path`` holds ``text``, or what it held before: never half of it (a kit killed, or
-    a reader, mid-write)."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 def main() -> None:

@@ -1,14 +1,17 @@
 """The kit's parts that ask whether the data path feeds the training step:
 
 - ``feed``: images/s each data backend delivers from shards of JPEGs of ImageNet's mean
-  size, two views each at the step's resolution (CPU workers at 4, 8 and 16 where the node
-  has the cores; ``data.backend=nvjpeg`` with 2 and 4 workers), beside the images/s of the
-  project's step for each backbone on synthetic batches already on the device. Target on
-  one GPU: nvjpeg with at most 4 workers delivers >= 2x ResNet-50's step rate;
-- ``e2e``: ``python -m app.pretrain`` trained from shards of full-size JPEGs (ImageNet's
-  mean size and 1000 x 750) with ``data.backend=nvjpeg``, against the same step on
-  synthetic data already on the device. Target: >= 0.9x for both models; the run's own
-  ``train/tflops`` and ``train/mfu`` (``pretrain/loop/utilisation.py``) reported.
+  size once its workers have each delivered a batch, two views each at the step's
+  resolution (CPU workers at 4, 8 and 16 where the node has the cores;
+  ``data.backend=nvjpeg`` with 2 and 4 workers), beside the images/s of the project's step
+  for each backbone on synthetic batches already on the device. Target on one GPU: nvjpeg
+  with at most 4 workers delivers >= 2x ResNet-50's step rate;
+- ``e2e``: ``python -m app.pretrain`` under the ImageNet SimCLR recipe trained from shards
+  of full-size JPEGs (ImageNet's mean size and 1000 x 750, landscape and portrait) with
+  ``data.backend=nvjpeg``, against the same step on synthetic data already on the device.
+  Target: >= 0.9x for both models; the run's own ``train/tflops`` and ``train/mfu``
+  (``pretrain/loop/utilisation.py``), its non-finite steps and its loss at start and end
+  reported.
 
 The JPEGs are ``bench.data_pipeline``'s (digits upsampled with film-grain noise, so they
 compress like photographs), written by every core.
@@ -22,6 +25,7 @@ import os
 import re
 import statistics
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,9 @@ import torch
 
 from bench.gpu.pipeline import REPO, stage
 from bench.gpu.sizes import Sizes
-from bench.gpu.steps import project_trainer, synthetic_batch, timed
+from bench.gpu.steps import project_trainer, synchronize, synthetic_batch, timed
+from data_pipeline.config import DataConfig
+from data_pipeline.loader import train_batches
 from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig
 
@@ -39,25 +45,38 @@ E2E_TARGET = 0.9  # training from shards over the same step on synthetic data
 TARGET_WORKERS = 4  # the device backend meets FEED_TARGET with at most this many workers
 
 
-def jpeg_shards(work: Path, count: int, size: tuple[int, int]) -> tuple[Path, float]:
-    """``count`` JPEGs of ``size`` written by every core, made into shards; the shards'
-    folder and the JPEGs' mean size in KiB."""
+Jpegs = tuple[tuple[tuple[int, int], int], ...]  # ((width, height), how many), ...
+
+
+def jpeg_shards(work: Path, jpegs: Jpegs, name: str) -> tuple[Path, float]:
+    """The JPEGs ``jpegs`` lists, written by every core and made into shards under
+    ``work``/``name``; the shards' folder and the JPEGs' mean size in KiB."""
     from bench.data_pipeline import write_jpegs
     from data_pipeline.config import ShardsConfig
     from data_pipeline.make_shards import make_shards
 
     cores = os.cpu_count() or 1
-    tree, shards = work / f"jpegs-{size[0]}x{size[1]}", work / f"shards-{size[0]}x{size[1]}"
-    chunk = math.ceil(count / cores)
+    tree, shards = work / f"jpegs-{name}", work / f"shards-{name}"
+    jobs, total = [], 0  # (first index, end, size): each size's indices after the last's
+    for size, count in jpegs:
+        chunk = math.ceil(count / cores)
+        jobs += [(total + start, total + min(count, start + chunk), size)
+                 for start in range(0, count, chunk)]
+        total += count
     with ProcessPoolExecutor(cores) as pool:
-        for written in [pool.submit(write_jpegs, tree, min(count, start + chunk), size, start)
-                        for start in range(0, count, chunk)]:
+        for written in [pool.submit(write_jpegs, tree, end, size, start)
+                        for start, end, size in jobs]:
             written.result()
     files = list(tree.rglob("*.JPEG"))
     kib = sum(f.stat().st_size for f in files) / len(files) / 1024
     make_shards(ShardsConfig(source="imagenet", input=str(tree), output=str(shards),
-                             shard_size=max(1, math.ceil(count / (2 * cores))), workers=cores))
+                             shard_size=max(1, math.ceil(total / (2 * cores))), workers=cores))
     return shards, kib
+
+
+def both_orientations(size: tuple[int, int], count: int) -> Jpegs:
+    """``count`` JPEGs, half of ``size`` (width, height), half turned (portrait)."""
+    return ((size, count - count // 2), ((size[1], size[0]), count // 2))
 
 
 def model_config(backbone: str, resolution: int) -> ModelConfig:
@@ -82,25 +101,47 @@ def synthetic_rate(backbone: str, sizes: Sizes, device: torch.device, work: Path
     return sizes.step_images / seconds, precision
 
 
-def feed(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
-    """Each backend's images/s against each backbone's step rate."""
-    from bench.data_pipeline import time_stream
+def steady_rate(shards: Path, sizes: Sizes, workers: int, backend: str,
+                device: torch.device) -> float:
+    """Images/s (two views each) one loader delivers once every worker has delivered a
+    batch (started, imports done, the decoder set up, the page cache warm), to the epoch's
+    end."""
+    cfg = DataConfig(shards=str(shards), batch_size=sizes.step_images, workers=workers,
+                     resolution=sizes.step_resolution, augment="simclr", crop_min_scale=0.08,
+                     backend=backend)
+    warm, images, start = workers + 1, 0, 0.0
+    for index, batch in enumerate(train_batches(cfg, device=device)):
+        if index == warm:
+            synchronize(device)
+            start = time.perf_counter()
+        elif index > warm:
+            images += batch["images"].shape[0] // 2
+    synchronize(device)
+    if not images:
+        raise ValueError(f"feed: {sizes.feed_images} JPEGs leave no batch after {warm} "
+                         "warm-up batches: raise feed_images")
+    return images / (time.perf_counter() - start)
 
-    shards, kib = jpeg_shards(work, sizes.feed_images, sizes.e2e_jpeg_sizes[0])
+
+def feed(sizes: Sizes, device: torch.device, work: Path, deadline: float, rows: list,
+         **_: Any) -> dict[str, Any]:
+    """Each backend's images/s against each backbone's step rate."""
+    size = sizes.e2e_jpeg_sizes[0]
+    shards, kib = jpeg_shards(work, ((size, sizes.feed_images),), "feed")
     steps = {backbone: synthetic_rate(backbone, sizes, device, work)[0]
              for backbone in sizes.step_backbones}
-    rows = [{"source": f"step: {backbone}", "images_s": rate} for backbone, rate in steps.items()]
+    rows.extend({"source": f"step: {backbone}", "images_s": rate}
+                for backbone, rate in steps.items())
     cores = os.cpu_count() or 1
     first = sizes.step_backbones[0]
     for backend, workers in sizes.feed_cases:
         if workers > cores:
             rows.append({"source": backend, "workers": workers, "note": f"{cores} cores"})
             continue
-        stream = functools.partial(time_stream, shards, sizes.step_images, workers,
-                                   backend=backend, device=device,
-                                   resolution=sizes.step_resolution)
-        stream()  # warm-up: page cache, imports in the workers, the decoder's set-up
-        rate = stream()
+        if time.monotonic() > deadline:
+            rows.append({"source": backend, "workers": workers, "note": "past the deadline"})
+            continue
+        rate = steady_rate(shards, sizes, workers, backend, device)
         row = {"source": backend, "workers": workers, "jpeg_kib": kib, "images_s": rate,
                **{f"x_{i}": rate / steps[b] for i, b in enumerate(sizes.step_backbones)}}
         if backend != "cpu" and workers <= TARGET_WORKERS:
@@ -125,47 +166,52 @@ def window_rates(log: str) -> list[dict[str, float]]:
     return rows
 
 
-def pretrain_from_shards(shards: Path, backbone: str, sizes: Sizes, work: Path) -> list[dict]:
-    """One process of ``app.pretrain`` for ``e2e_steps`` steps (one epoch of ``shards``):
-    its metric rows after the first window (which holds start-up)."""
+def pretrain_from_shards(shards: Path, backbone: str, sizes: Sizes, work: Path,
+                         deadline: float) -> list[dict]:
+    """One process of ``app.pretrain`` under the ImageNet SimCLR recipe (its augmentation)
+    for ``e2e_steps`` steps (one epoch of ``shards``): its metric rows."""
     name = f"{backbone.replace(':', '-')}-{shards.name}"
-    config = ["--config", str(REPO / "launch/configs/demo.yaml"), f"name={name}",
-              "tracking.enabled=false", "objective.name=infonce", "objective.xclr.class_graph=",
-              f"data.shards={shards}", f"data.batch_size={sizes.step_images}",
-              f"data.workers={sizes.e2e_workers}", "data.backend=nvjpeg",
-              f"data.resolution={sizes.step_resolution}", "data.crop_min_scale=0.08",
-              f"model.backbone={backbone}", "model.small_stem=false",
-              f"model.image_size={sizes.step_resolution}", "model.width=64",
-              "optim.name=lars", "optim.lr=0.3", "optim.weight_decay=1e-6",  # as the synthetic
-              "optim.warmup_steps=2",
-              "train.epochs=1", f"train.log_every={sizes.e2e_window}", "train.progress=false",
+    config = ["--config", str(REPO / "launch/configs/imagenet_simclr.yaml"), f"name={name}",
+              "tracking.enabled=false", f"data.shards={shards}",
+              f"data.batch_size={sizes.step_images}", f"data.workers={sizes.e2e_workers}",
+              "data.backend=nvjpeg", f"data.resolution={sizes.step_resolution}",
+              f"model.backbone={backbone}", f"model.image_size={sizes.step_resolution}",
+              "model.width=64", "optim.warmup_steps=2", "train.epochs=1",
+              f"train.log_every={sizes.e2e_window}", "train.progress=false",
               "checkpoint.every=0"]
     log = work / f"{name}.log"
-    rows = window_rates(stage(config, log, "app.pretrain"))
-    return rows[1:] or rows
+    return window_rates(stage(config, log, "app.pretrain", deadline))
 
 
-def e2e(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
-    """Each model trained from each size of JPEG against its synthetic step rate."""
-    rows = []
+def e2e(sizes: Sizes, device: torch.device, work: Path, deadline: float, rows: list,
+        **_: Any) -> dict[str, Any]:
+    """Each model trained from JPEGs of each size, landscape and portrait, against its
+    synthetic step rate; the run's non-finite steps and its loss at start and end."""
     images = sizes.e2e_steps * sizes.step_images  # one epoch: no worker restarts inside
     synthetic_rates = {b: synthetic_rate(b, sizes, device, work) for b in sizes.e2e_backbones}
     for size in sizes.e2e_jpeg_sizes:
-        shards, kib = jpeg_shards(work, images, size)
+        shards, kib = jpeg_shards(work, both_orientations(size, images),
+                                  f"{size[0]}x{size[1]}")
         for backbone, (synthetic, precision) in synthetic_rates.items():
-            windows = pretrain_from_shards(shards, backbone, sizes, work)
-            rate = statistics.median(w["images_per_s"] for w in windows) / 2  # views -> images
-            tflops = statistics.median(w["train/tflops"] for w in windows)
-            mfu = [w["train/mfu"] for w in windows if "train/mfu" in w]
-            rows.append({"model": backbone, "jpeg": f"{size[0]}x{size[1]}", "jpeg_kib": kib,
-                         "precision": precision, "workers": sizes.e2e_workers,
+            windows = pretrain_from_shards(shards, backbone, sizes, work, deadline)
+            steady = windows[1:] or windows  # the first window holds start-up
+            rate = statistics.median(w["images_per_s"] for w in steady) / 2  # views -> images
+            mfu = [w["train/mfu"] for w in steady if "train/mfu" in w]
+            rows.append({"model": backbone, "jpeg": f"{size[0]}x{size[1]} both ways",
+                         "jpeg_kib": kib, "precision": precision, "workers": sizes.e2e_workers,
                          "images_s": rate, "synthetic_images_s": synthetic,
-                         "vs_synthetic": rate / synthetic, "tflops": tflops,
+                         "vs_synthetic": rate / synthetic,
+                         "tflops": statistics.median(w["train/tflops"] for w in steady),
                          "mfu": statistics.median(mfu) if mfu else None,
+                         "nonfinite_steps": windows[-1].get("nonfinite_steps"),
+                         "first_loss": windows[0].get("loss"),
+                         "last_loss": windows[-1].get("loss"),
                          "target": "met" if rate >= E2E_TARGET * synthetic else "not met"})
             print(f"  {backbone} from {size}: {rate:.0f} images/s, synthetic {synthetic:.0f}",
                   flush=True)
-    return {"rows": rows, "ok": bool(rows),
-            "summary": f"data.backend=nvjpeg, {sizes.e2e_workers} workers; target >= "
+    finite = all(row["nonfinite_steps"] == 0 for row in rows)
+    return {"rows": rows, "ok": bool(rows) and finite,
+            "summary": f"data.backend=nvjpeg, ImageNet SimCLR views, {sizes.e2e_workers} "
+                       f"workers; non-finite steps: {'none' if finite else 'SOME'}; target >= "
                        f"{E2E_TARGET:g}x synthetic: "
                        f"{sum(r['target'] == 'met' for r in rows)}/{len(rows)} met"}

@@ -88,11 +88,11 @@ def tile_size(n: int, sizes: Sizes) -> int:
     return t
 
 
-def objectives(sizes: Sizes, device: torch.device, deadline: float, **_: Any,
-               ) -> dict[str, Any]:
+def objectives(sizes: Sizes, device: torch.device, deadline: float, rows: list,
+               **_: Any) -> dict[str, Any]:
     memory = (torch.cuda.get_device_properties(device).total_memory
               if device.type == "cuda" else 2**30)
-    rows, last = [], {}  # last: case -> (N, seconds) of its previous size
+    last = {}  # case -> (N, seconds) of its previous size
     plan = [(n, None) for n in sizes.dense_n] + [(n, tile_size(n, sizes))
                                                  for n in sizes.tiled_n]
     for n, tile in plan:

@@ -3,9 +3,10 @@ server that imported this module (:func:`logged`); by hand,
 
     python -m bench.gpu.part NAME WORK_DIR --seconds S [--dry-run]
 
-writes ``WORK_DIR/NAME.json``: ``{"rows": [...], "ok": bool, "summary": str}``. The parts
-are the entries of :data:`PARTS`, each with its share of the kit's time budget and the
-columns of its table.
+writes ``WORK_DIR/NAME.json``: ``{"rows": [...], "ok": bool, "summary": str}``, rewritten
+with the rows so far (``"partial": true``) as each row is made (:class:`Rows`), so a part
+killed mid-way keeps what it measured. The parts are the entries of :data:`PARTS`, each
+with its share of the kit's time budget and the columns of its table.
 """
 
 from __future__ import annotations
@@ -23,13 +24,41 @@ from typing import Any
 
 import torch
 
-from bench.gpu import feed, losses, pipeline, sharded, steps
+from bench.gpu import feed, losses, pipeline, sharded, steps, views
 from bench.gpu.sizes import DRY_RUN, GPU
+
+
+class Rows(list):
+    """A part's rows: each one appended is written to ``path`` at once, with the rows before
+    it, as a partial result."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def append(self, row: dict[str, Any]) -> None:
+        super().append(row)
+        write_atomically(self.path, json.dumps(
+            {"rows": list(self), "ok": False, "partial": True,
+             "summary": "partial: the part did not finish"}, indent=2))
+
+    def extend(self, rows: Any) -> None:
+        for row in rows:
+            self.append(row)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text``, or what it held before: never half of it (a part or the
+    kit killed, or a reader, mid-write)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 @dataclass(frozen=True)
 class Part:
-    run: Callable[..., dict[str, Any]]  # (sizes, device, work, deadline, dry_run) -> result
+    # (sizes, device, work, deadline, dry_run, rows) -> result; rows: where it appends
+    run: Callable[..., dict[str, Any]]
     share: float  # of the kit's time budget
     title: str
     columns: tuple[str, ...]
@@ -50,7 +79,15 @@ PARTS: dict[str, Part] = {
                            "note")),
     "e2e": Part(feed.e2e, 0.20, "Training from JPEG shards against synthetic batches",
                 ("model", "jpeg", "jpeg_kib", "precision", "workers", "images_s",
-                 "synthetic_images_s", "vs_synthetic", "tflops", "mfu", "target")),
+                 "synthetic_images_s", "vs_synthetic", "tflops", "mfu", "nonfinite_steps",
+                 "first_loss", "last_loss", "target")),
+    "views": Part(views.views, 0.20, "Device views against the CPU path's (same keys and "
+                  "parameters), a training step beside", ("decoder", "batches", "images",
+                                                         "keys_differ", "nonfinite", "corrupt",
+                                                         "mean_diff_levels",
+                                                         "worst_batch_levels",
+                                                         "pressure_steps", "seconds", "ok",
+                                                         "note")),
     "demo": Part(pipeline.demo, 0.13, "Demo pipeline, one process, DDP, no MLflow",
                  ("ranks", "device", "precision", "backend", "steps", "train_s", "images_s",
                   "knn_top1")),
@@ -77,9 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cpu" if args.dry_run else "cuda")
     work = args.work / args.name
     work.mkdir(parents=True, exist_ok=True)
+    out = args.work / f"{args.name}.json"
     result = PARTS[args.name].run(sizes=DRY_RUN if args.dry_run else GPU, device=device,
-                                  work=work, deadline=deadline, dry_run=args.dry_run)
-    (args.work / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+                                  work=work, deadline=deadline, dry_run=args.dry_run,
+                                  rows=Rows(out))
+    write_atomically(out, json.dumps(result, indent=2))
 
 
 def logged(argv: list[str], log: str) -> None:

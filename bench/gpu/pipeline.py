@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +36,24 @@ DRY_RUN_SELECTION = ("(infonce and dense and not eps) or extract_on_cuda or catc
                      "or pin_only")
 
 
+def run_until(command: list[str], deadline: float, **kwargs: Any
+              ) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True, **kwargs)``, in a process
+    group of its own that is killed whole (a torchrun agent with its ranks, pytest with its
+    workers) if it is still running at ``deadline`` (``time.monotonic()``): then
+    :class:`TimeoutError`, so the part stops within its own time."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True, **kwargs)
+    try:
+        out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        print(out[-2000:], err[-2000:], flush=True)
+        raise TimeoutError(f"{' '.join(command[1:4])} ran past the part's deadline") from None
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 def junit_counts(report: Path) -> dict[str, Any]:
     suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -44,12 +63,11 @@ def junit_counts(report: Path) -> dict[str, Any]:
             "skipped": int(suite.get("skipped", 0))}
 
 
-def tests(sizes: Sizes, device: torch.device, work: Path, dry_run: bool = False,
-          **_: Any) -> dict[str, Any]:
+def tests(sizes: Sizes, device: torch.device, work: Path, deadline: float,
+          dry_run: bool = False, **_: Any) -> dict[str, Any]:
     paths, notes = list(CUDA_TESTS), []
-    if importlib.util.find_spec("nvidia.dali") is None:
-        paths.remove("tests/data_pipeline/dali")
-        notes.append("DALI not installed: its tests left out")
+    if importlib.util.find_spec("nvidia.dali") is None:  # the rest of the folder runs
+        notes.append("DALI not installed: its cases skipped")
     report = work / "tests.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
                "addopts=", f"--junitxml={report}", *paths]
@@ -58,7 +76,7 @@ def tests(sizes: Sizes, device: torch.device, work: Path, dry_run: bool = False,
     elif importlib.util.find_spec("xdist") is not None:  # pytest-xdist, where the node has it
         command += ["-n", str(min(8, os.cpu_count() or 1))]
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    result = run_until(command, deadline, cwd=REPO)
     print(result.stdout[-3000:], result.stderr[-2000:], flush=True)
     counts = junit_counts(report)
     row = {"tests": counts["tests"], "failed": len(counts["failed"]),
@@ -68,12 +86,13 @@ def tests(sizes: Sizes, device: torch.device, work: Path, dry_run: bool = False,
             "summary": "; ".join([f"pytest exit {result.returncode}", *notes])}
 
 
-def stage(args: list[str], log: Path, module: str, launcher: list[str] | None = None) -> str:
+def stage(args: list[str], log: Path, module: str, deadline: float,
+          launcher: list[str] | None = None) -> str:
     # 4 torch threads a rank, or the part's share of the cores (``python -m bench.gpu --jobs``)
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     command = [*(launcher or [sys.executable]), "-m", module, *args]
-    result = subprocess.run(command, cwd=log.parent, env=env, capture_output=True, text=True)
+    result = run_until(command, deadline, cwd=log.parent, env=env)
     with log.open("a") as out:
         out.write(f"$ {' '.join(command)}\n{result.stdout}{result.stderr}\n")
     if result.returncode:
@@ -92,7 +111,8 @@ def demo_shards(root: Path, sizes: Sizes) -> None:
                      f"shards.output={root / 'data' / 'shards' / f'cluttered-{split}'}"])
 
 
-def demo(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
+def demo(sizes: Sizes, device: torch.device, work: Path, deadline: float, **_: Any
+         ) -> dict[str, Any]:
     """The demo recipe without the class graph (the sentence model that builds it is too
     large to carry): SupCon on the cluttered digits, NCCL on a GPU."""
     root = work / "demo"
@@ -106,11 +126,11 @@ def demo(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
     train_log = stage([*common, f"train.max_steps={sizes.demo_steps}", "train.progress=false",
                        "engine.process_group=true",
                        f"train.log_every={max(1, sizes.demo_steps // 4)}"], log, "app.pretrain",
-                      [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      deadline, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        "--nproc_per_node", "1"])
     train_s = time.perf_counter() - start
     stage([*common, "eval.index=exact", "eval.probe_epochs=10", "eval.compare_untrained=false",
-           "eval.save_index=false"], log, "app.evaluate")
+           "eval.save_index=false"], log, "app.evaluate", deadline)
     results = json.loads(next((root / "runs").rglob("results.json")).read_text())
     setup = re.search(r"(\d+) ranks on (\S+), (\S+); backend (\S+)", train_log)
     rates = [float(r) for r in re.findall(r"images_per_s=([\d.]+)", train_log)]
@@ -129,7 +149,8 @@ FSDP2_MODELS = {"small_cnn": [],
                                "model.activation_checkpointing=2"]}
 
 
-def fsdp2(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
+def fsdp2(sizes: Sizes, device: torch.device, work: Path, deadline: float, rows: list,
+          **_: Any) -> dict[str, Any]:
     """``engine.name=fsdp2`` on one process under torchrun (NCCL, bf16 on a GPU), then the
     run resumed under DDP for half as many steps again, and kNN from its checkpoint."""
     root = work / "fsdp2"
@@ -142,19 +163,18 @@ def fsdp2(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str,
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", "1"]
     demo_shards(root, sizes)
-    rows = []
     for name in sizes.fsdp2_models:
         run = [*common, *FSDP2_MODELS[name], f"name={name}"]
         start = time.perf_counter()
         sharded = stage([*run, "engine.name=fsdp2", f"train.max_steps={sizes.demo_steps}"],
-                        log, "app.pretrain", torchrun)
+                        log, "app.pretrain", deadline, torchrun)
         train_s = time.perf_counter() - start
         resumed = stage([*run, "engine.name=ddp",
                          f"train.max_steps={sizes.demo_steps * 3 // 2}"], log,
-                        "app.pretrain", torchrun)
+                        "app.pretrain", deadline, torchrun)
         stage([*run, "eval.index=exact", "eval.probe_epochs=10",
                "eval.compare_untrained=false", "eval.save_index=false",
-               f"eval.output=runs/{name}/eval"], log, "app.evaluate")
+               f"eval.output=runs/{name}/eval"], log, "app.evaluate", deadline)
         results = json.loads((root / "runs" / name / "eval" / "results.json").read_text())
         setup = re.search(r"(\d+) ranks on (\S+), (\S+); backend (\S+)", sharded)
         losses = [float(v) for v in re.findall(r" loss=([\d.e+-]+)", sharded + resumed)]

@@ -46,7 +46,8 @@ def one_process_group(device: torch.device) -> None:
                                 store=dist.HashStore(), rank=0, world_size=1)
 
 
-def sync_rows(sizes: Sizes, device: torch.device, work: Path, text_dir: str) -> list[dict]:
+def sync_rows(sizes: Sizes, device: torch.device, work: Path, text_dir: str,
+              recorded: list) -> list[dict]:
     graph = torch.rand(CLASSES, CLASSES, device=device)
     rows = []
     for name, keys, with_graph in OBJECTIVE_CASES:
@@ -61,11 +62,13 @@ def sync_rows(sizes: Sizes, device: torch.device, work: Path, text_dir: str) -> 
             found = counted_synchronisations(trainer, sizes, spec, with_graph, device)
         rows.append({"case": case_name(name, keys, with_graph), "checkpointing": "",
                      "synchronisations": len(found), "where": "; ".join(sorted(set(found)))})
+        recorded.append(rows[-1])
         print(f"  fsdp2 {rows[-1]['case']}: {len(found)} synchronisations", flush=True)
     return rows
 
 
-def recipe_rows(sizes: Sizes, device: torch.device, work: Path, text_dir: str) -> list[dict]:
+def recipe_rows(sizes: Sizes, device: torch.device, work: Path, text_dir: str,
+                recorded: list) -> list[dict]:
     from app.run_config import RunConfig
 
     rows = []
@@ -103,6 +106,7 @@ def recipe_rows(sizes: Sizes, device: torch.device, work: Path, text_dir: str) -
                          "images_s": seconds and 2 * images / seconds, "step_s": seconds,
                          "first_step_s": first, "peak_gib": peak / 2**30,
                          "where": failure})
+            recorded.append(rows[-1])
             print(f"  {rows[-1]['case']} checkpointing={checkpointing}: "
                   f"{rows[-1]['images_s']} views/s, peak {peak / 2**30:.1f} GiB {failure}",
                   flush=True)
@@ -121,13 +125,14 @@ def timed_or_failure(trainer: Any, batch: dict[str, Any], steps: int, device: to
     return first, seconds, ""
 
 
-def sharded(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
+def sharded(sizes: Sizes, device: torch.device, work: Path, rows: list, **_: Any
+            ) -> dict[str, Any]:
     one_process_group(device)
     text_dir = random_text_model(work / "random-text-model")
-    syncs = sync_rows(sizes, device, work, text_dir)
-    recipes = recipe_rows(sizes, device, work, text_dir)
+    syncs = sync_rows(sizes, device, work, text_dir, rows)
+    recipe_rows(sizes, device, work, text_dir, rows)
     ours = sum(r["where"].count(".py:") for r in syncs)
-    return {"rows": syncs + recipes, "ok": ours == 0,
+    return {"rows": rows, "ok": ours == 0,
             "summary": f"{sum(r['synchronisations'] for r in syncs)} synchronising calls in "
                        f"{len(syncs)} FSDP2 steps' cases, {ours} at a line of the project"
                        + ("" if device.type == "cuda" else " (CPU: not checked)")}

@@ -19,12 +19,17 @@ class Sizes:
     step_resolution: int
     step_steps: int  # timed steps, after three uncounted ones
     feed_cases: tuple[tuple[str, int], ...]  # feed: (data.backend, data.workers)
-    feed_images: int  # feed: JPEGs of ImageNet's mean size each backend decodes, two views each
+    feed_images: int  # feed: JPEGs of ImageNet's mean size a backend's epoch, two views each
     e2e_jpeg_sizes: tuple[tuple[int, int], ...]  # e2e: JPEG sizes trained from (feed: first)
     e2e_backbones: tuple[str, ...]  # e2e: the models trained from shards
     e2e_steps: int  # e2e: steps of one epoch of the shards
     e2e_window: int  # e2e: steps a metric row spans (the first row, with start-up, not counted)
     e2e_workers: int  # e2e: data.workers of the device backend
+    views_jpegs: tuple[tuple[tuple[int, int], int], ...]  # views: (width, height), count
+    views_batch: int  # views: images a batch
+    views_batches: int  # views: batches compared, each decoder
+    views_resolution: int
+    views_workers: int  # views: loader workers of both paths
     compile_backbone: str
     compile_backend: str  # torch.compile's backend for the compile part
     demo_samples: int  # cluttered digits for the demo pipeline's training shards
@@ -41,9 +46,12 @@ GPU = Sizes(sync_images=64, sync_resolution=32, sync_steps=3,
             step_backbones=("resnet50", "timm:vit_base_patch16_224"), step_images=128,
             step_resolution=224, step_steps=10,
             feed_cases=(("cpu", 4), ("cpu", 8), ("cpu", 16), ("nvjpeg", 2), ("nvjpeg", 4)),
-            feed_images=1024, e2e_jpeg_sizes=((400, 350), (1000, 750)),
+            feed_images=8192, e2e_jpeg_sizes=((400, 350), (1000, 750)),
             e2e_backbones=("resnet50", "timm:vit_base_patch16_224"), e2e_steps=30,
             e2e_window=10, e2e_workers=4,
+            views_jpegs=(((4000, 3000), 64), ((3000, 4000), 64), ((1024, 768), 2000),
+                         ((768, 1024), 2000), ((500, 375), 6000), ((375, 500), 6000)),
+            views_batch=16, views_batches=1000, views_resolution=64, views_workers=8,
             compile_backbone="resnet50", compile_backend="inductor", demo_samples=2000,
             demo_steps=60,
             fsdp2_models=("small_cnn", "vit_hybrid"),
@@ -57,6 +65,8 @@ DRY_RUN = Sizes(sync_images=4, sync_resolution=16, sync_steps=1,
                 feed_cases=(("cpu", 1), ("nvjpeg", 1)), feed_images=16,
                 e2e_jpeg_sizes=((80, 60),), e2e_backbones=("small_cnn",),  # GPU: 2, same path
                 e2e_steps=4, e2e_window=2, e2e_workers=1,
+                views_jpegs=(((120, 90), 4), ((90, 120), 4), ((40, 30), 4)), views_batch=4,
+                views_batches=3, views_resolution=16, views_workers=1,
                 # dynamo's capture and AOT autograd without inductor's C++ codegen (30 s
                 # cold here); inductor on CPU: tests/pretrain/loop/test_compile.py
                 compile_backbone="small_cnn", compile_backend="aot_eager", demo_samples=200,

@@ -170,12 +170,12 @@ def sync_variants(sizes: Sizes) -> dict[str, dict[str, Any]]:
             "chunked": {"chunk_size": max(2, rows // 4)}}
 
 
-def sync(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
+def sync(sizes: Sizes, device: torch.device, work: Path, rows: list, **_: Any
+         ) -> dict[str, Any]:
     """Every objective case and variant: two steps uncounted, then ``sync_steps`` steps
     whose synchronising calls are listed."""
     text_dir = random_text_model(work / "random-text-model")
     graph = torch.rand(CLASSES, CLASSES, device=device)
-    rows = []
     for name, keys, with_graph in OBJECTIVE_CASES:
         spec = objective_spec(name)
         for variant, options in sync_variants(sizes).items():
@@ -250,9 +250,9 @@ def step_flops(model: torch.nn.Module, images: torch.Tensor, precision: str) -> 
     return Flops.counted(counter, views=1)
 
 
-def step(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
+def step(sizes: Sizes, device: torch.device, work: Path, rows: list, **_: Any
+         ) -> dict[str, Any]:
     """Each backbone at ``step_resolution``: the project's step and the plain loop."""
-    rows = []
     for backbone in sizes.step_backbones:
         model_cfg = ModelConfig(backbone=backbone, small_stem=False,
                                 image_size=sizes.step_resolution)
@@ -289,9 +289,10 @@ def step(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, 
                        "and MFU against the device's dense peak (pretrain/loop/utilisation.py)"}
 
 
-def compiled(sizes: Sizes, device: torch.device, work: Path, **_: Any) -> dict[str, Any]:
+def compiled(sizes: Sizes, device: torch.device, work: Path, rows: list, **_: Any
+             ) -> dict[str, Any]:
     """``train.compile``: the step with the encoder compiled in place, against eager."""
-    rows, eager = [], None
+    eager = None
     backbone = sizes.compile_backbone
     model_cfg = ModelConfig(backbone=backbone, small_stem=False, image_size=sizes.step_resolution)
     batch = synthetic_batch(sizes.step_images, sizes.step_resolution, device)

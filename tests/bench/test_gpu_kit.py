@@ -48,10 +48,14 @@ def test_the_dry_run_measures_every_part(tmp_path):
     assert {("cpu", 1), ("nvjpeg", 1)} <= set(fed) and all(
         row["images_s"] > 0 for row in fed.values())
     assert fed[("nvjpeg", 1)]["target"] in ("met", "not met")
+    compared = {row["decoder"]: row for row in parts["views"]["rows"]}
+    assert set(compared) == {"torchcodec", "torchvision"}
+    assert all(row["ok"] and row["batches"] == 3 and row["images"] == 12
+               and row["pressure_steps"] > 0 for row in compared.values()), compared
     trained = parts["e2e"]["rows"]
-    assert [row["jpeg"] for row in trained] == ["80x60"]  # the GPU kit trains two sizes
+    assert [row["jpeg"] for row in trained] == ["80x60 both ways"]  # the GPU kit: two sizes
     assert all(row["images_s"] > 0 and row["vs_synthetic"] > 0 and row["tflops"] > 0
-               for row in trained)
+               and row["nonfinite_steps"] == 0 and row["first_loss"] > 0 for row in trained)
     demo = parts["demo"]["rows"][0]
     assert demo["backend"] == "gloo" and demo["steps"] > 0 and 0 <= demo["knn_top1"] <= 1
     sharded = parts["fsdp2"]["rows"]
@@ -62,10 +66,11 @@ def test_the_dry_run_measures_every_part(tmp_path):
 
 
 def test_a_part_out_of_time_is_killed_with_its_processes_and_the_others_are_kept(tmp_path):
-    """A part past its share of the budget (planted: it starts a child process, then never
-    ends) is killed with everything it started, recorded as out of time with what it
-    printed, and the kit goes on: the next part's rows are in ``gpu.json`` and ``gpu.md``,
-    which are written after each part, and the kit exits 1."""
+    """A part past its share of the budget (planted: it measures a row, starts a child
+    process, then never ends) is killed with everything it started, recorded as out of time
+    with what it printed and the row it measured, and the kit goes on: the next part's rows
+    are in ``gpu.json`` and ``gpu.md``, which are written after each part, and the kit
+    exits 1."""
     code = ("import sys\n"
             "import bench.gpu.__main__ as kit\n"
             "kit.FORKS.set_forkserver_preload(['bench.gpu.part', 'tests.bench.planted_part'])\n"
@@ -86,12 +91,15 @@ def test_a_part_out_of_time_is_killed_with_its_processes_and_the_others_are_kept
     assert list(parts) == ["planted", "objectives"]
     assert parts["planted"]["status"] == "out of time (10 s)", parts["planted"]
     assert "planted: a child started" in parts["planted"]["log_tail"]
+    assert parts["planted"]["rows"] == [{"never": "measured before the overrun"}]
+    assert parts["planted"]["partial"] is True
     child = int((tmp_path / "parts" / "planted" / "child.pid").read_text())
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
     kept = parts["objectives"]
     assert kept["status"] == "ok" and kept["rows"], kept
     table = (tmp_path / "gpu.md").read_text()
     assert "### Planted overrun: out of time" in table
+    assert "| measured before the overrun |" in table  # its partial table
     assert "### Objectives: forward + backward: ok" in table
 
 
