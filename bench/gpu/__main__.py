@@ -23,7 +23,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -34,6 +33,7 @@ import torch
 
 from bench.gpu import part
 from bench.gpu.part import PARTS, write_atomically
+from bench.gpu.tree import kill_tree
 
 MARGIN = 0.85  # of its time limit, a part plans its own work to end within
 BUDGET_S = 540.0  # the default budget: 60 s of a 600 s command left for start-up and report
@@ -75,48 +75,6 @@ def run_part(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, A
         status = "failed (its check)"
     return {"status": status, "seconds": time.perf_counter() - start, **result,
             "log_tail": log.read_text()[-4000:]}
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, read from /proc (a part's pytest, torchrun agent and
-    ranks, loader workers), children before their own children."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:  # the field after the parenthesised name is the state, then the parent
-                stat = (entry / "stat").read_text()
-            except OSError:  # ended meanwhile
-                continue
-            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
-    found, queue = [], [pid]
-    while queue:
-        children = [child for child, parent in parents.items() if parent == queue[0]]
-        found += children
-        queue = queue[1:] + children
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it. Each is first stopped (SIGSTOP), parents
-    before their children, until a fresh read of /proc finds no new one: a stopped process
-    starts nothing more and keeps its children below it, where a killed one would hand
-    them to init, out of reach."""
-    stopped: list[int] = []
-    found = [pid]
-    while found:
-        for member in found:
-            _signal(member, signal.SIGSTOP)
-        stopped += found
-        found = [child for child in descendants(pid) if child not in stopped]
-    for member in stopped:
-        _signal(member, signal.SIGKILL)
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:  # ended meanwhile
-        pass
 
 
 def reported(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, Any]:

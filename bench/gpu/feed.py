@@ -3,9 +3,10 @@
 - ``feed``: images/s each data backend delivers from shards of JPEGs of ImageNet's mean
   size once its workers have each delivered a batch, two views each at the step's
   resolution (CPU workers at 4, 8 and 16 where the node has the cores;
-  ``data.backend=nvjpeg`` with 2 and 4 workers), beside the images/s of the project's step
-  for each backbone on synthetic batches already on the device. Target on one GPU: nvjpeg
-  with at most 4 workers delivers >= 2x ResNet-50's step rate;
+  ``data.backend=nvjpeg`` with 2 and 4 workers, each JPEG decoder at 4), beside the
+  images/s of the project's step for each backbone on synthetic batches already on the
+  device. Target on one GPU: nvjpeg with at most 4 workers delivers >= 2x ResNet-50's
+  step rate;
 - ``e2e``: ``python -m app.pretrain`` under the ImageNet SimCLR recipe trained from shards
   of full-size JPEGs (ImageNet's mean size and 1000 x 750, landscape and portrait) with
   ``data.backend=nvjpeg``, against the same step on synthetic data already on the device.
@@ -36,6 +37,7 @@ from bench.gpu.pipeline import REPO, stage
 from bench.gpu.sizes import Sizes
 from bench.gpu.steps import project_trainer, synchronize, synthetic_batch, timed
 from data_pipeline.config import DataConfig
+from data_pipeline.dali.jpeg import JPEG_DECODERS
 from data_pipeline.loader import train_batches
 from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig
@@ -43,6 +45,7 @@ from pretrain.model.encoder import ModelConfig
 FEED_TARGET = 2.0  # the device backend's images/s over ResNet-50's step rate
 E2E_TARGET = 0.9  # training from shards over the same step on synthetic data
 TARGET_WORKERS = 4  # the device backend meets FEED_TARGET with at most this many workers
+PROCESSES_FROM = 1000  # JPEGs from which they are written and sharded by every core
 
 
 Jpegs = tuple[tuple[tuple[int, int], int], ...]  # ((width, height), how many), ...
@@ -55,18 +58,25 @@ def jpeg_shards(work: Path, jpegs: Jpegs, name: str) -> tuple[Path, float]:
     from data_pipeline.config import ShardsConfig
     from data_pipeline.make_shards import make_shards
 
-    cores = os.cpu_count() or 1
+    total = sum(count for _, count in jpegs)
+    # every core for the GPU's thousands; the dry run's few in this process (a spawned
+    # make-shards worker pays seconds of imports)
+    cores = (os.cpu_count() or 1) if total >= PROCESSES_FROM else 1
     tree, shards = work / f"jpegs-{name}", work / f"shards-{name}"
-    jobs, total = [], 0  # (first index, end, size): each size's indices after the last's
+    jobs, first = [], 0  # (first index, end, size): each size's indices after the last's
     for size, count in jpegs:
         chunk = math.ceil(count / cores)
-        jobs += [(total + start, total + min(count, start + chunk), size)
+        jobs += [(first + start, first + min(count, start + chunk), size)
                  for start in range(0, count, chunk)]
-        total += count
-    with ProcessPoolExecutor(cores) as pool:
-        for written in [pool.submit(write_jpegs, tree, end, size, start)
-                        for start, end, size in jobs]:
-            written.result()
+        first += count
+    if cores == 1:
+        for start, end, size in jobs:
+            write_jpegs(tree, end, size, start)
+    else:
+        with ProcessPoolExecutor(cores) as pool:
+            for written in [pool.submit(write_jpegs, tree, end, size, start)
+                            for start, end, size in jobs]:
+                written.result()
     files = list(tree.rglob("*.JPEG"))
     kib = sum(f.stat().st_size for f in files) / len(files) / 1024
     make_shards(ShardsConfig(source="imagenet", input=str(tree), output=str(shards),
@@ -101,14 +111,14 @@ def synthetic_rate(backbone: str, sizes: Sizes, device: torch.device, work: Path
     return sizes.step_images / seconds, precision
 
 
-def steady_rate(shards: Path, sizes: Sizes, workers: int, backend: str,
+def steady_rate(shards: Path, sizes: Sizes, workers: int, backend: str, decoder: str,
                 device: torch.device) -> float:
     """Images/s (two views each) one loader delivers once every worker has delivered a
     batch (started, imports done, the decoder set up, the page cache warm), to the epoch's
     end."""
     cfg = DataConfig(shards=str(shards), batch_size=sizes.step_images, workers=workers,
                      resolution=sizes.step_resolution, augment="simclr", crop_min_scale=0.08,
-                     backend=backend)
+                     backend=backend, decoder=decoder or "auto")
     warm, images, start = workers + 1, 0, 0.0
     for index, batch in enumerate(train_batches(cfg, device=device)):
         if index == warm:
@@ -118,8 +128,8 @@ def steady_rate(shards: Path, sizes: Sizes, workers: int, backend: str,
             images += batch["images"].shape[0] // 2
     synchronize(device)
     if not images:
-        raise ValueError(f"feed: {sizes.feed_images} JPEGs leave no batch after {warm} "
-                         "warm-up batches: raise feed_images")
+        raise ValueError(f"feed: {sizes.feed_images} JPEGs leave no batch after the "
+                         f"{warm + 1} uncounted ones: raise feed_images")
     return images / (time.perf_counter() - start)
 
 
@@ -134,20 +144,22 @@ def feed(sizes: Sizes, device: torch.device, work: Path, deadline: float, rows: 
                 for backbone, rate in steps.items())
     cores = os.cpu_count() or 1
     first = sizes.step_backbones[0]
-    for backend, workers in sizes.feed_cases:
-        if workers > cores:
-            rows.append({"source": backend, "workers": workers, "note": f"{cores} cores"})
+    for backend, workers, decoder in sizes.feed_cases:
+        case = {"source": backend, "workers": workers, "decoder": decoder}
+        if workers > cores or time.monotonic() > deadline:
+            rows.append({**case, "note": f"{cores} cores" if workers > cores
+                         else "past the deadline"})
             continue
-        if time.monotonic() > deadline:
-            rows.append({"source": backend, "workers": workers, "note": "past the deadline"})
+        if decoder and not JPEG_DECODERS[decoder].available():
+            rows.append({**case, "note": "not installed"})
             continue
-        rate = steady_rate(shards, sizes, workers, backend, device)
-        row = {"source": backend, "workers": workers, "jpeg_kib": kib, "images_s": rate,
+        rate = steady_rate(shards, sizes, workers, backend, decoder, device)
+        row = {**case, "jpeg_kib": kib, "images_s": rate,
                **{f"x_{i}": rate / steps[b] for i, b in enumerate(sizes.step_backbones)}}
         if backend != "cpu" and workers <= TARGET_WORKERS:
             row["target"] = "met" if rate >= FEED_TARGET * steps[first] else "not met"
         rows.append(row)
-        print(f"  {backend} x{workers}: {rate:.0f} images/s", flush=True)
+        print(f"  {backend} {decoder} x{workers}: {rate:.0f} images/s", flush=True)
     device_rows = [r for r in rows if "target" in r]
     return {"rows": rows, "ok": all("images_s" in r or "note" in r for r in rows),
             "summary": f"x_0, x_1: images/s over the step rate of {', '.join(steps)}; "

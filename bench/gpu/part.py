@@ -75,8 +75,8 @@ PARTS: dict[str, Part] = {
                  ("backbone", "precision", "views", "images_s", "plain_images_s",
                   "vs_plain", "tflops", "plain_tflops", "mfu")),
     "feed": Part(feed.feed, 0.08, "Data backends against the step rate (images/s, two views "
-                 "each)", ("source", "workers", "jpeg_kib", "images_s", "x_0", "x_1", "target",
-                           "note")),
+                 "each)", ("source", "workers", "decoder", "jpeg_kib", "images_s", "x_0",
+                           "x_1", "target", "note")),
     "e2e": Part(feed.e2e, 0.20, "Training from JPEG shards against synthetic batches",
                 ("model", "jpeg", "jpeg_kib", "precision", "workers", "images_s",
                  "synthetic_images_s", "vs_synthetic", "tflops", "mfu", "nonfinite_steps",

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from bench.gpu.sizes import Sizes
+from bench.gpu.tree import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA_TESTS = ["tests/pretrain/loop/test_cuda_dry_run.py", "tests/pretrain/loop/test_host_reads.py",
@@ -38,17 +38,17 @@ DRY_RUN_SELECTION = ("(infonce and dense and not eps) or extract_on_cuda or catc
 
 def run_until(command: list[str], deadline: float, **kwargs: Any
               ) -> subprocess.CompletedProcess:
-    """``subprocess.run(command, capture_output=True, text=True, **kwargs)``, in a process
-    group of its own that is killed whole (a torchrun agent with its ranks, pytest with its
-    workers) if it is still running at ``deadline`` (``time.monotonic()``): then
-    :class:`TimeoutError`, so the part stops within its own time."""
+    """``subprocess.run(command, capture_output=True, text=True, **kwargs)``, killed with
+    every process below it (a torchrun agent with its ranks, pytest with its workers) if it
+    is still running at ``deadline`` (``time.monotonic()``): then :class:`TimeoutError`, so
+    the part stops within its own time."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True, **kwargs)
+                               text=True, **kwargs)
     try:
         out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
+        kill_tree(process.pid)
+        out, err = process.communicate(timeout=60)
         print(out[-2000:], err[-2000:], flush=True)
         raise TimeoutError(f"{' '.join(command[1:4])} ran past the part's deadline") from None
     return subprocess.CompletedProcess(command, process.returncode, out, err)

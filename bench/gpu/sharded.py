@@ -25,6 +25,7 @@ from bench.gpu.steps import (
     OBJECTIVE_CASES,
     case_name,
     counted_synchronisations,
+    past,
     project_trainer,
     synthetic_batch,
     timed,
@@ -47,10 +48,12 @@ def one_process_group(device: torch.device) -> None:
 
 
 def sync_rows(sizes: Sizes, device: torch.device, work: Path, text_dir: str,
-              recorded: list) -> list[dict]:
+              recorded: list, deadline: float) -> list[dict]:
     graph = torch.rand(CLASSES, CLASSES, device=device)
     rows = []
     for name, keys, with_graph in OBJECTIVE_CASES:
+        if past(deadline):
+            break
         spec = objective_spec(name)
         objective = ObjectiveConfig.of(name, learnable_temperature=spec.text_tower, **keys)
         model_cfg = ModelConfig(width=16, projector_hidden=64, projector_dim=32,
@@ -68,11 +71,13 @@ def sync_rows(sizes: Sizes, device: torch.device, work: Path, text_dir: str,
 
 
 def recipe_rows(sizes: Sizes, device: torch.device, work: Path, text_dir: str,
-                recorded: list) -> list[dict]:
+                recorded: list, deadline: float) -> list[dict]:
     from app.run_config import RunConfig
 
     rows = []
     for recipe in sizes.sharded_recipes:
+        if past(deadline):
+            break
         cfg = load_config(RunConfig, REPO / "launch" / "configs" / f"{recipe}.yaml")
         spec = objective_spec(cfg.objective.name)
         objective = dataclasses.replace(cfg.objective, xclr=dataclasses.replace(
@@ -125,12 +130,12 @@ def timed_or_failure(trainer: Any, batch: dict[str, Any], steps: int, device: to
     return first, seconds, ""
 
 
-def sharded(sizes: Sizes, device: torch.device, work: Path, rows: list, **_: Any
-            ) -> dict[str, Any]:
+def sharded(sizes: Sizes, device: torch.device, work: Path, deadline: float, rows: list,
+            **_: Any) -> dict[str, Any]:
     one_process_group(device)
     text_dir = random_text_model(work / "random-text-model")
-    syncs = sync_rows(sizes, device, work, text_dir, rows)
-    recipe_rows(sizes, device, work, text_dir, rows)
+    syncs = sync_rows(sizes, device, work, text_dir, rows, deadline)
+    recipe_rows(sizes, device, work, text_dir, rows, deadline)
     ours = sum(r["where"].count(".py:") for r in syncs)
     return {"rows": rows, "ok": ours == 0,
             "summary": f"{sum(r['synchronisations'] for r in syncs)} synchronising calls in "

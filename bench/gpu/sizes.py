@@ -18,7 +18,7 @@ class Sizes:
     step_images: int  # images per step (two views each)
     step_resolution: int
     step_steps: int  # timed steps, after three uncounted ones
-    feed_cases: tuple[tuple[str, int], ...]  # feed: (data.backend, data.workers)
+    feed_cases: tuple[tuple[str, int, str], ...]  # feed: data.backend, workers, decoder
     feed_images: int  # feed: JPEGs of ImageNet's mean size a backend's epoch, two views each
     e2e_jpeg_sizes: tuple[tuple[int, int], ...]  # e2e: JPEG sizes trained from (feed: first)
     e2e_backbones: tuple[str, ...]  # e2e: the models trained from shards
@@ -45,7 +45,9 @@ GPU = Sizes(sync_images=64, sync_resolution=32, sync_steps=3,
             dense_n=(8192,), tiled_n=(65_536, 262_144, 1_048_576), tile_bytes=2**32,
             step_backbones=("resnet50", "timm:vit_base_patch16_224"), step_images=128,
             step_resolution=224, step_steps=10,
-            feed_cases=(("cpu", 4), ("cpu", 8), ("cpu", 16), ("nvjpeg", 2), ("nvjpeg", 4)),
+            feed_cases=(("cpu", 4, ""), ("cpu", 8, ""), ("cpu", 16, ""),
+                        ("nvjpeg", 2, "torchcodec"), ("nvjpeg", 4, "torchcodec"),
+                        ("nvjpeg", 4, "torchvision")),
             feed_images=8192, e2e_jpeg_sizes=((400, 350), (1000, 750)),
             e2e_backbones=("resnet50", "timm:vit_base_patch16_224"), e2e_steps=30,
             e2e_window=10, e2e_workers=4,
@@ -62,7 +64,8 @@ DRY_RUN = Sizes(sync_images=4, sync_resolution=16, sync_steps=1,
                 dense_n=(64,), tiled_n=(256,), tile_bytes=2**14,
                 step_backbones=("small_cnn", "timm:test_vit"), step_images=4,
                 step_resolution=32, step_steps=1,
-                feed_cases=(("cpu", 1), ("nvjpeg", 1)), feed_images=16,
+                feed_cases=(("cpu", 1, ""), ("nvjpeg", 1, "torchcodec"),
+                            ("nvjpeg", 1, "torchvision")), feed_images=16,
                 e2e_jpeg_sizes=((80, 60),), e2e_backbones=("small_cnn",),  # GPU: 2, same path
                 e2e_steps=4, e2e_window=2, e2e_workers=1,
                 views_jpegs=(((120, 90), 4), ((90, 120), 4), ((40, 30), 4)), views_batch=4,

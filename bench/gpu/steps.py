@@ -105,6 +105,15 @@ def project_trainer(model_cfg: ModelConfig, objective: ObjectiveConfig, images: 
                    runtime=Runtime(0, 1, 0, device), precision=precision)
 
 
+def past(deadline: float) -> bool:
+    """Whether the part's deadline has come (said in its log): its loop stops there, and
+    the rows so far are its result."""
+    if time.monotonic() < deadline:
+        return False
+    print("  the part's deadline has come: stopping with the rows so far", flush=True)
+    return True
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -170,14 +179,16 @@ def sync_variants(sizes: Sizes) -> dict[str, dict[str, Any]]:
             "chunked": {"chunk_size": max(2, rows // 4)}}
 
 
-def sync(sizes: Sizes, device: torch.device, work: Path, rows: list, **_: Any
-         ) -> dict[str, Any]:
+def sync(sizes: Sizes, device: torch.device, work: Path, deadline: float, rows: list,
+         **_: Any) -> dict[str, Any]:
     """Every objective case and variant: two steps uncounted, then ``sync_steps`` steps
     whose synchronising calls are listed."""
     text_dir = random_text_model(work / "random-text-model")
     graph = torch.rand(CLASSES, CLASSES, device=device)
     for name, keys, with_graph in OBJECTIVE_CASES:
         spec = objective_spec(name)
+        if past(deadline):
+            break
         for variant, options in sync_variants(sizes).items():
             objective = ObjectiveConfig.of(name, learnable_temperature=spec.text_tower,
                                            tile_size=options.get("tile_size"), **keys)
@@ -250,10 +261,12 @@ def step_flops(model: torch.nn.Module, images: torch.Tensor, precision: str) -> 
     return Flops.counted(counter, views=1)
 
 
-def step(sizes: Sizes, device: torch.device, work: Path, rows: list, **_: Any
-         ) -> dict[str, Any]:
+def step(sizes: Sizes, device: torch.device, work: Path, deadline: float, rows: list,
+         **_: Any) -> dict[str, Any]:
     """Each backbone at ``step_resolution``: the project's step and the plain loop."""
     for backbone in sizes.step_backbones:
+        if past(deadline):
+            break
         model_cfg = ModelConfig(backbone=backbone, small_stem=False,
                                 image_size=sizes.step_resolution)
         objective = ObjectiveConfig(name="infonce")
@@ -289,14 +302,16 @@ def step(sizes: Sizes, device: torch.device, work: Path, rows: list, **_: Any
                        "and MFU against the device's dense peak (pretrain/loop/utilisation.py)"}
 
 
-def compiled(sizes: Sizes, device: torch.device, work: Path, rows: list, **_: Any
-             ) -> dict[str, Any]:
+def compiled(sizes: Sizes, device: torch.device, work: Path, deadline: float, rows: list,
+             **_: Any) -> dict[str, Any]:
     """``train.compile``: the step with the encoder compiled in place, against eager."""
     eager = None
     backbone = sizes.compile_backbone
     model_cfg = ModelConfig(backbone=backbone, small_stem=False, image_size=sizes.step_resolution)
     batch = synthetic_batch(sizes.step_images, sizes.step_resolution, device)
     for compile_encoder in (False, True):
+        if past(deadline):
+            break
         with tempfile.TemporaryDirectory(dir=work) as run_dir:
             trainer = project_trainer(model_cfg, ObjectiveConfig(name="infonce"),
                                       sizes.step_images, device, Path(run_dir))

@@ -118,8 +118,10 @@ def colour_plan(params: dict[str, Tensor], kernel_size: int) -> ColourPlan:
     return plan
 
 
-def apply_colour(crops: Tensor, plan: ColourPlan) -> Tensor:
-    moved = iter(on_device(plan.host, crops.device))
+def apply_colour(crops: Tensor, plan: ColourPlan, moved: list[Tensor] | None = None) -> Tensor:
+    """The plan's steps on the crops; ``moved``: ``plan.host`` already on the crops' device
+    (copied with other tensors), else copied here."""
+    moved = iter(on_device(plan.host, crops.device) if moved is None else moved)
     images = crops.clone()
     for step, has_values in zip(plan.steps, plan.has_values, strict=True):
         index = next(moved)
@@ -129,13 +131,14 @@ def apply_colour(crops: Tensor, plan: ColourPlan) -> Tensor:
 
 
 def on_device(host: list[Tensor], device: torch.device) -> list[Tensor]:
-    """1-D host tensors (int64 rows, float64 values) on ``device`` in one copy: joined as
-    float64 (exact for row indices), on CUDA pinned and copied without waiting, then split
-    and cast back there."""
+    """Host tensors (int64 rows, float32 or float64 values, any shape) on ``device`` in one
+    copy: joined as float64 (exact for each of them), on CUDA pinned and copied without
+    waiting, then split, shaped and cast back there."""
     if not host:
         return []
-    joined = torch.cat([part.to(torch.float64) for part in host])
+    joined = torch.cat([part.reshape(-1).to(torch.float64) for part in host])
     if device.type == "cuda":
         joined = joined.pin_memory().to(device, non_blocking=True)
-    parts = joined.split([len(part) for part in host])
-    return [moved.to(part.dtype) for moved, part in zip(parts, host, strict=True)]
+    parts = joined.split([part.numel() for part in host])
+    return [moved.view(part.shape).to(part.dtype)
+            for moved, part in zip(parts, host, strict=True)]

@@ -18,16 +18,16 @@ image the CPU decodes (a device error), stops the run in one line.
 
 from __future__ import annotations
 
-import io
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 
 from data_pipeline.dali import INSTALL_HINT, dali_available
-from data_pipeline.dali.colour import render_colour
+from data_pipeline.dali.colour import apply_colour, colour_plan, on_device
+from data_pipeline.formats import SkipSample
+from data_pipeline.transforms import decode
 
 
 class DaliViews:
@@ -44,21 +44,38 @@ class DaliViews:
         self.ndd, self.types = ndd, types
         self.undecodable, self.memory_setting = "DALI cannot decode it", "data.batch_size"
         self.resolution, self.kernel_size, self.device = resolution, kernel_size, device
+        self.threads = threads
+        self._context: Any = None
         if device.type == "cuda":
             index = torch.cuda.current_device() if device.index is None else device.index
             # DALI's dynamic API names the GPU "gpu" (nvJPEG is its "mixed" backend)
             self.dali_device = f"gpu:{index}"
-            self.context = ndd.EvalContext(device_id=index, num_threads=threads,
-                                           cuda_stream=torch.cuda.current_stream(device))
         else:
             self.dali_device = "cpu"
-            self.context = ndd.EvalContext(num_threads=threads)
+
+    @property
+    def context(self) -> Any:
+        """DALI's evaluation context, made on first use: on CUDA it works on the stream
+        current then, the render thread's side stream (``loader/ahead.py``), which the
+        trainer's stream waits for before it reads a batch."""
+        if self._context is None:
+            if self.device.type == "cuda":
+                self._context = self.ndd.EvalContext(
+                    device_id=int(self.dali_device.split(":")[1]), num_threads=self.threads,
+                    cuda_stream=torch.cuda.current_stream(self.device))
+            else:
+                self._context = self.ndd.EvalContext(num_threads=self.threads)
+        return self._context
+
+    def device_params(self, boxes: Tensor, sizes: list[tuple[int, int]]) -> list[Tensor]:
+        return []  # DALI reads the boxes on the host
 
     def crops(self, encoded: list[bytes], boxes: Tensor,
-              sizes: list[tuple[int, int]] | None = None) -> Tensor:
+              sizes: list[tuple[int, int]] | None = None,
+              moved: list[Tensor] | None = None) -> Tensor:
         """B encoded images and boxes [2B, 4] (top, left, height, width) -> the crops
-        [2B, 3, R, R] uint8 on the device, the batch decoded at once (``sizes`` unused);
-        raises when an image does not decode."""
+        [2B, 3, R, R] uint8 on the device, the batch decoded at once (``sizes`` and
+        ``moved`` unused); raises when an image does not decode."""
         ndd = self.ndd
         with self.context:
             images = self.decode(encoded)
@@ -86,6 +103,8 @@ class DaliViews:
         try:
             with self.context:
                 self.decode([data]).evaluate()
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError:
             return False
         return True
@@ -97,12 +116,17 @@ class DaliViews:
 class Renderer(Protocol):
     """What :func:`rendered` needs of a device backend."""
 
+    device: torch.device
     kernel_size: int  # of the blur
     undecodable: str  # why a body it cannot decode is dropped
     memory_setting: str  # the data.* keys that bound a render's memory
 
-    def crops(self, encoded: list[bytes], boxes: Tensor,
-              sizes: list[tuple[int, int]]) -> Tensor: ...
+    def device_params(self, boxes: Tensor, sizes: list[tuple[int, int]]) -> list[Tensor]:
+        """Host tensors the crops read on the device."""
+
+    def crops(self, encoded: list[bytes], boxes: Tensor, sizes: list[tuple[int, int]],
+              moved: list[Tensor] | None = None) -> Tensor:
+        """The crops [2B, 3, R, R] uint8 on the device; ``moved``: ``device_params`` there."""
 
     def decodes(self, data: bytes) -> bool: ...
 
@@ -114,42 +138,63 @@ class RenderError(RuntimeError):
 
 def rendered(batch: dict[str, Any], renderer: Renderer) -> dict[str, Any]:
     """``batch`` with ``images`` [2B, 3, R, R] in place of ``encoded`` and ``view_params``:
-    the renderer decodes and crops; where that fails, each image is tried alone, and an
-    image is dropped (:func:`drop_instances`) only when it fails alone on the device and
-    on the CPU decoder too. Running out of memory, or failing images the CPU decodes, stops
-    the run (:class:`RenderError`) naming the batch's image sizes. Then the colour steps."""
+    the renderer decodes and crops, then the colour steps (:func:`render`). Where that
+    fails, each image is tried alone, and an image is dropped (:func:`drop_instances`)
+    only when it fails alone and Pillow cannot decode it either. Running out of memory, a
+    failure no image explains, or failing images Pillow decodes, stops the run
+    (:class:`RenderError`) in one line naming the batch's image sizes."""
     encoded, params = batch.pop("encoded"), batch.pop("view_params")
-    sizes = batch.pop("encoded_sizes")
+    sizes = batch["encoded_sizes"]
     try:
-        views = renderer.crops(encoded, params["box"], sizes)
+        images, batch = render_or_drop(batch, encoded, params, sizes, renderer)
     except torch.OutOfMemoryError as error:
         raise RenderError(f"rendering {described(sizes)} ran out of device memory: lower "
                           f"{renderer.memory_setting}") from error
-    except RuntimeError as error:
+    del batch["encoded_from"], batch["encoded_sizes"]
+    batch["images"] = images
+    return batch
+
+
+def render_or_drop(batch: dict[str, Any], encoded: list[bytes], params: dict[str, Tensor],
+                   sizes: list[tuple[int, int]], renderer: Renderer
+                   ) -> tuple[Tensor, dict[str, Any]]:
+    try:
+        return render(renderer, encoded, params, sizes), batch
+    except (RenderError, torch.OutOfMemoryError):
+        raise
+    except (RuntimeError, SkipSample) as error:
         bad = [i for i, data in enumerate(encoded) if not renderer.decodes(data)]
         if not bad:
-            raise
+            raise RenderError(f"the device failed {described(sizes)}, though each image "
+                              f"decodes alone: {first_line(error)}") from error
         healthy = [i for i in bad if cpu_decodes(encoded[i])]
         if healthy:
             shard, key = batch["encoded_from"][healthy[0]]
             raise RenderError(f"the device failed {len(healthy)} image(s) of {described(sizes)} "
-                              f"that the CPU decodes (first: {shard} {key}): "
+                              f"that Pillow decodes (first: {shard} {key}): "
                               f"{first_line(error)}") from error
-        batch, encoded, params = drop_instances(batch, encoded, params, bad,
-                                                renderer.undecodable)
-        sizes = [size for i, size in enumerate(sizes) if i not in bad]
-        views = renderer.crops(encoded, params["box"], sizes)
-    del batch["encoded_from"]
-    batch["images"] = render_colour(views, params, renderer.kernel_size)
-    return batch
+    batch, encoded, params = drop_instances(batch, encoded, params, bad, renderer.undecodable)
+    return render(renderer, encoded, params, batch["encoded_sizes"]), batch
+
+
+def render(renderer: Renderer, encoded: list[bytes], params: dict[str, Tensor],
+           sizes: list[tuple[int, int]]) -> Tensor:
+    """The crops, then the colour steps; every host parameter they read on the device
+    (the colour steps' rows and values, the crops' own) goes over in one copy."""
+    plan = colour_plan(params, renderer.kernel_size)
+    moved = on_device(plan.host + renderer.device_params(params["box"], sizes),
+                      renderer.device)
+    crops = renderer.crops(encoded, params["box"], sizes, moved[len(plan.host):])
+    return apply_colour(crops, plan, moved[:len(plan.host)])
 
 
 def described(sizes: list[tuple[int, int]]) -> str:
-    """'a batch of 8 images (14.2 MP; largest 4000x3000)'."""
-    largest = max(sizes, key=lambda size: size[0] * size[1])
-    pixels = sum(height * width for height, width in sizes)
+    """(height, width) each -> 'a batch of 8 images (14.2 MP; largest 4000x3000, width x
+    height)'."""
+    height, width = max(sizes, key=lambda size: size[0] * size[1])
+    pixels = sum(h * w for h, w in sizes)
     return (f"a batch of {len(sizes)} images ({pixels / 1e6:.1f} MP; largest "
-            f"{largest[0]}x{largest[1]})")
+            f"{width}x{height}, width x height)")
 
 
 def first_line(error: BaseException) -> str:
@@ -158,16 +203,16 @@ def first_line(error: BaseException) -> str:
 
 
 def cpu_decodes(data: bytes) -> bool:
-    """Whether Pillow decodes the body (what the CPU backend's workers do)."""
+    """Whether Pillow decodes the body as the CPU backend's workers do."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-    except Exception:  # noqa: BLE001 - any failure of the decoder is an undecodable body
+        decode(data, "a device batch")
+    except SkipSample:
         return False
     return True
 
 
-PER_INSTANCE = ("keys", "captions", "encoded_from")  # lists of B; 2B-row tensors: per view
+# lists of B; the 2B-row tensors are per view
+PER_INSTANCE = ("keys", "captions", "encoded_from", "encoded_sizes")
 
 
 def drop_instances(batch: dict[str, Any], encoded: list[bytes],

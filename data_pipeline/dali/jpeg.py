@@ -5,7 +5,9 @@ size).
 
 - ``torchcodec``: TorchCodec's ``decode_jpeg``, batched nvJPEG on CUDA, libjpeg-turbo on the
   CPU. Its nvJPEG path waits for the caller's stream before the decode writes its outputs
-  (meta-pytorch/torchcodec PR #1634). Decoding images needs no FFmpeg.
+  (meta-pytorch/torchcodec PR #1634). Decoding images needs no FFmpeg. It turns an image
+  by its EXIF orientation, so each JPEG goes to it without its EXIF segments
+  (:func:`without_exif`).
 - ``torchvision``: ``torchvision.io.decode_jpeg``. Its CUDA path allocates the outputs on the
   caller's stream and has nvJPEG write them from a stream of its own without waiting for
   the caller's (pytorch/vision PR #9606, closed unmerged): the caching allocator can hand it
@@ -39,7 +41,38 @@ class JpegDecoder:
 def torchcodec_jpegs(data: list[Tensor], device: torch.device) -> list[Tensor]:
     from torchcodec.decoders import decode_jpeg
 
-    return decode_jpeg(data, mode="RGB", device=device)
+    return decode_jpeg([without_exif(one) for one in data], mode="RGB", device=device)
+
+
+APP1, START_OF_SCAN = 0xE1, 0xDA
+STANDALONE = {0x01, *range(0xD0, 0xD8)}  # markers without a length (TEM, RSTn)
+
+
+def without_exif(jpeg: Tensor) -> Tensor:
+    """A JPEG's bytes [n] uint8 without its APP1 ``Exif`` segments (where a decoder would
+    read an orientation); the same tensor when it has none. Only the headers before the
+    scan are walked: a malformed one is left to the decoder to refuse."""
+    data = jpeg.numpy().tobytes()
+    if b"Exif\0\0" not in data[:1 << 16]:
+        return jpeg
+    kept, pos = bytearray(data[:2]), 2
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF:  # a fill byte
+            pos += 1
+            continue
+        if marker in STANDALONE:
+            kept += data[pos:pos + 2]
+            pos += 2
+            continue
+        if marker == START_OF_SCAN:
+            break
+        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if not (marker == APP1 and data[pos + 4:pos + 10] == b"Exif\0\0"):
+            kept += data[pos:end]
+        pos = end
+    kept += data[pos:]
+    return torch.frombuffer(kept, dtype=torch.uint8)
 
 
 def torchvision_jpegs(data: list[Tensor], device: torch.device) -> list[Tensor]:

@@ -4,7 +4,7 @@ decode, crop and colour on the run's device.
 A batch's images are decoded a chunk at a time, each chunk at most
 ``data.device_decode_pixels`` pixels (or one image larger than that): its JPEGs in one call
 of the JPEG decoder (``data.decoder``, :mod:`.jpeg`: nvJPEG, batched, on CUDA; libjpeg-turbo
-on the CPU), other formats (PNG, WebP) on the CPU and moved, and counted
+on the CPU), other formats (PNG, WebP) by Pillow and moved, and counted
 (:attr:`NvjpegViews.cpu_decoded`). Each image's two crop boxes are resized to ``R x R`` by
 ``torchvision.ops.roi_align`` on the part of the image they span, in float32: it samples
 each box on an ``R x R`` grid of bins, averaging ``ceil(box / R)`` bilinear samples a bin on
@@ -15,9 +15,11 @@ padded to another's size). The colour steps then run batched in torch (``colour.
 for the DALI backend. The workers' side is the DALI backend's: headers read, every view's
 parameters drawn (``params.py``), so resume stays exact.
 
-A body that fails to decode fails its chunk's call; the batch is then tried image by image,
-and an image that fails alone (and on the CPU decoder) is dropped with both views and
-counted as ``corrupt_image`` (``device.rendered``), leaving the workers' stream untouched.
+A JPEG the device decoder refuses alone is decoded by Pillow and counted; one Pillow cannot
+decode either is dropped with both views and counted as ``corrupt_image``
+(``device.rendered``), leaving the workers' stream untouched. The device refusing every
+JPEG of a chunk that Pillow decodes, running out of memory, or a decoded size other than
+the header's stops the run in one line (:class:`RenderError`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.ops import roi_align
 
-from data_pipeline.dali.device import rendered
-from data_pipeline.dali.jpeg import decoder_name, jpeg_decoder
+from data_pipeline.dali.colour import on_device
+from data_pipeline.dali.device import (
+    RenderError,
+    cpu_decodes,
+    described,
+    first_line,
+    rendered,
+)
+from data_pipeline.dali.jpeg import JPEG_DECODERS, decoder_name
+from data_pipeline.formats import SkipSample
+from data_pipeline.transforms import decode
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -47,45 +57,80 @@ class NvjpegViews:
                  decoder: str = "auto", decode_pixels: int = 100_000_000) -> None:
         self.resolution, self.kernel_size, self.device = resolution, kernel_size, device
         self.decoder = decoder_name(decoder)
-        self.decode_jpegs = jpeg_decoder(decoder).decode
+        self.decode_jpegs = JPEG_DECODERS[self.decoder].decode
         self.decode_pixels = decode_pixels
-        self.cpu_decoded = 0  # images not decoded on the device (not JPEG)
+        self.cpu_decoded = 0  # images Pillow decoded: not JPEG, or refused by the device
 
     def decode(self, encoded: list[bytes]) -> list[Tensor]:
         """[3, H, W] uint8 images on the device, as stored (no EXIF rotation: the boxes
-        were drawn on the stored size); raises when one does not decode."""
-        data = [torch.frombuffer(bytearray(item), dtype=torch.uint8) for item in encoded]
-        jpeg = [i for i, item in enumerate(encoded) if item[:3] == JPEG_MAGIC]
+        were drawn on the stored size). The JPEGs go to the device decoder in one call and,
+        where that fails, one at a time; a JPEG it refuses alone is decoded by Pillow, as
+        other formats are, and moved (:attr:`cpu_decoded`). Raises SkipSample when Pillow
+        cannot decode one either, and :class:`RenderError` when the device refuses every
+        one of two or more JPEGs of which Pillow decodes any (the device fails, not them)."""
         images: list[Tensor | None] = [None] * len(encoded)
+        jpeg = [i for i, item in enumerate(encoded) if item[:3] == JPEG_MAGIC]
+        refusal = ""
         if jpeg:
-            decoded = self.decode_jpegs([data[i] for i in jpeg], self.device)
+            decoded, refusal = self.device_jpegs([encoded[i] for i in jpeg])
             for i, image in zip(jpeg, decoded, strict=True):
                 images[i] = image
+        refused = [i for i in jpeg if images[i] is None]
+        if len(jpeg) > 1 and len(refused) == len(jpeg) and any(
+                cpu_decodes(encoded[i]) for i in refused):
+            raise RenderError(f"the device decoder ({self.decoder}) refused all {len(jpeg)} "
+                              f"JPEGs of a chunk that Pillow decodes: {refusal}")
         for i, image in enumerate(images):
             if image is None:
-                images[i] = decode_image(data[i], mode=ImageReadMode.RGB).to(self.device)
+                images[i] = decode(encoded[i], "a device batch").to(self.device)
                 self.cpu_decoded += 1
         return images
 
-    def crops(self, encoded: list[bytes], boxes: Tensor,
-              sizes: list[tuple[int, int]]) -> Tensor:
+    def device_jpegs(self, encoded: list[bytes]) -> tuple[list[Tensor | None], str]:
+        """Each JPEG decoded on the device, None where the decoder refuses it alone; and the
+        first line of the last refusal ("" if none)."""
+        data = [torch.frombuffer(bytearray(item), dtype=torch.uint8) for item in encoded]
+        try:
+            return list(self.decode_jpegs(data, self.device)), ""
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:
+            if len(data) == 1:
+                return [None], first_line(error)
+            alone = [self.device_jpegs([item]) for item in encoded]
+            return [images[0] for images, _ in alone], first_line(error)
+
+    def device_params(self, boxes: Tensor, sizes: list[tuple[int, int]]) -> list[Tensor]:
+        """The boxes as ``roi_align`` reads them, [B, 2, 5] (:func:`box_spans`)."""
+        return [box_spans(by_image(boxes), sizes)[1]]
+
+    def crops(self, encoded: list[bytes], boxes: Tensor, sizes: list[tuple[int, int]],
+              moved: list[Tensor] | None = None) -> Tensor:
         """B encoded images of ``sizes`` (height, width, from their headers) and boxes
         [2B, 4] (top, left, height, width) of the first views then the second -> the crops
-        [2B, 3, R, R] uint8; raises when an image does not decode."""
+        [2B, 3, R, R] uint8; ``moved``: :meth:`device_params` on the device, else copied
+        here. Raises when an image does not decode."""
         half, r = len(encoded), self.resolution
-        spans, rois = box_spans(boxes.view(2, half, 4).transpose(0, 1), sizes)
-        rois = to_device(rois, self.device)  # [B, 2, 5]: one copy for the batch
+        spans, rois = box_spans(by_image(boxes), sizes)
+        rois = on_device([rois], self.device)[0] if moved is None else moved[0]
         out = torch.empty(2, half, 3, r, r, dtype=torch.uint8, device=self.device)
         for chunk in pixel_chunks(sizes, self.decode_pixels):
             for i, image in zip(chunk, self.decode([encoded[i] for i in chunk]), strict=True):
+                if tuple(image.shape[1:]) != tuple(sizes[i]):
+                    raise RenderError(f"image {i} of {described(sizes)} decoded as "
+                                      f"{image.shape[2]}x{image.shape[1]}, its header says "
+                                      f"{sizes[i][1]}x{sizes[i][0]} (width x height)")
                 out[:, i] = span_crops(image, spans[i], rois[i], r)
             del image  # the chunk's last image, before the next chunk is decoded
         return out.view(2 * half, 3, r, r)
 
     def decodes(self, data: bytes) -> bool:
+        """Whether the image decodes, on the device or (refused there) by Pillow."""
         try:
             self.decode([data])
-        except RuntimeError:
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, SkipSample):
             return False
         return True
 
@@ -106,6 +151,11 @@ def pixel_chunks(sizes: list[tuple[int, int]], pixels: int) -> Iterator[list[int
         held += height * width
     if chunk:
         yield chunk
+
+
+def by_image(boxes: Tensor) -> Tensor:
+    """Boxes [2B, 4] of the first views then the second -> [B, 2, 4], each image's two."""
+    return boxes.reshape(2, -1, 4).transpose(0, 1)
 
 
 def box_spans(boxes: Tensor, sizes: list[tuple[int, int]]
@@ -136,10 +186,3 @@ def span_crops(image: Tensor, span: tuple[int, int, int, int], rois: Tensor,
     part = image[None, :, y0:y1, x0:x1].to(torch.float32)
     crops = roi_align(part, rois, resolution, aligned=True, sampling_ratio=-1)
     return crops.round_().clamp_(0, 255).to(torch.uint8)
-
-
-def to_device(host: Tensor, device: torch.device) -> Tensor:
-    """``host`` on ``device``: on CUDA through pinned memory, without waiting."""
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)

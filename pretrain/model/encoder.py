@@ -97,8 +97,8 @@ class Encoder(nn.Module):
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """images [B, 3, H, W] -> (features [B, F], projections [B, P]). Channels-last
-        images take oneDNN's NHWC convolutions on CPU even with contiguous weights (the small
-        CNN's step at 128 images: 204 -> 119 ms, one thread; ``bench/channels_last.py``)."""
+        images take oneDNN's NHWC convolutions on CPU even with contiguous weights (faster:
+        ``python -m bench.channels_last``, docs/benchmarks.md)."""
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         features = self.backbone(images)

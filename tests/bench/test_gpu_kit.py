@@ -18,9 +18,10 @@ import time
 import warnings
 
 import psutil
+import pytest
 import torch
 
-from bench.gpu import steps
+from bench.gpu import pipeline, steps
 from bench.gpu.part import PARTS
 from tests.app.helpers import REPO
 
@@ -44,10 +45,11 @@ def test_the_dry_run_measures_every_part(tmp_path):
     assert all("fwd_bwd_ms" in row for row in parts["objectives"]["rows"])
     assert [(row["compiled"], row["backend"]) for row in parts["compile"]["rows"]] == [
         (False, "eager"), (True, "aot_eager")]  # inductor on CPU: tests/pretrain/loop
-    fed = {(row["source"], row.get("workers")): row for row in parts["feed"]["rows"]}
-    assert {("cpu", 1), ("nvjpeg", 1)} <= set(fed) and all(
-        row["images_s"] > 0 for row in fed.values())
-    assert fed[("nvjpeg", 1)]["target"] in ("met", "not met")
+    fed = {(row["source"], row.get("workers"), row.get("decoder")): row
+           for row in parts["feed"]["rows"]}
+    assert {("cpu", 1, ""), ("nvjpeg", 1, "torchcodec"), ("nvjpeg", 1, "torchvision")
+            } <= set(fed) and all(row["images_s"] > 0 for row in fed.values())
+    assert fed[("nvjpeg", 1, "torchvision")]["target"] in ("met", "not met")
     compared = {row["decoder"]: row for row in parts["views"]["rows"]}
     assert set(compared) == {"torchcodec", "torchvision"}
     assert all(row["ok"] and row["batches"] == 3 and row["images"] == 12
@@ -130,3 +132,16 @@ def test_the_stages_import_without_what_a_gpu_node_lacks():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_command_past_its_deadline_is_killed_with_what_left_its_session(tmp_path):
+    """``run_until``: a command whose child starts a session of its own (as a torchrun
+    agent's ranks do) is killed with that child at the deadline, and the part hears of it."""
+    pid_file = tmp_path / "child.pid"
+    command = ["bash", "-c", f"setsid sleep 300 & echo $! > {pid_file}; wait"]
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="past the part's deadline"):
+        pipeline.run_until(command, time.monotonic() + 2)
+    assert time.monotonic() - start < 30
+    child = int(pid_file.read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"

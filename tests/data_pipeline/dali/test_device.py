@@ -151,3 +151,17 @@ def test_gpu_decoding_matches_the_cpu_operators(tmp_path):
     uneven_set(tmp_path, [24, 24])
     batch = next(iter(train_batches(config(tmp_path), device=torch.device("cuda"))))
     assert batch["images"].is_cuda and batch["images"].shape == (16, 3, 16, 16)
+
+
+@needs_dali
+def test_dali_works_on_the_stream_current_where_it_first_renders(monkeypatch):
+    """The device logic on the CPU: DALI's context is made at the first render, in the
+    render thread, with the stream current there (the side stream), not at construction
+    on the trainer's."""
+    views = DaliViews(16, 3, torch.device("cuda", 1))
+    made = []
+    monkeypatch.setattr(views.ndd, "EvalContext", lambda **kw: made.append(kw) or kw)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"current on {device}")
+    assert made == []
+    assert views.context == views.context  # made once
+    assert made == [{"device_id": 1, "num_threads": 2, "cuda_stream": "current on cuda:1"}]

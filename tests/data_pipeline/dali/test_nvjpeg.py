@@ -14,12 +14,15 @@ import shutil
 import pytest
 import torch
 from PIL import Image
+from torchvision.ops import roi_align
 from torchvision.transforms.v2 import functional as TF
 
 from bench.common import peak_memory_bytes
 from core.config import InvalidValue
 from data_pipeline.config import DataConfig
+from data_pipeline.dali import device as device_module
 from data_pipeline.dali import jpeg
+from data_pipeline.dali.colour import on_device, render_colour
 from data_pipeline.dali.device import RenderError, rendered
 from data_pipeline.dali.jpeg import JPEG_DECODERS
 from data_pipeline.dali.nvjpeg import NvjpegViews
@@ -55,13 +58,25 @@ def test_crops_match_torchvision_resized_crop():
     assert diff.float().mean() < 1.0 and diff.max() <= 8
 
 
+def turned_jpeg(seed: int, size: tuple[int, int]) -> bytes:
+    """A photo JPEG whose EXIF orientation (6) says it is to be shown turned by 90 degrees."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(photo_jpeg(seed, size))).save(buffer, "JPEG", quality=95,
+                                                        exif=exif.tobytes())
+    return buffer.getvalue()
+
+
 @pytest.mark.parametrize("name", JPEG_DECODERS)
 def test_each_jpeg_decoder_gives_the_cpu_paths_pixels(name):
-    """Against Pillow's decode (the CPU backend's): equal here (libjpeg-turbo everywhere);
-    one level allowed for another build's IDCT."""
+    """Against Pillow's decode (the CPU backend's), as stored (a JPEG tagged with an EXIF
+    orientation is not turned: the boxes were drawn on the stored size): equal here
+    (libjpeg-turbo everywhere); one level allowed for another build's IDCT."""
     if not JPEG_DECODERS[name].available():
         pytest.skip(f"{name} is not installed")
     pictures = [photo_jpeg(i, size) for i, size in enumerate([(333, 251), (120, 90), (64, 97)])]
+    pictures.append(turned_jpeg(3, (120, 60)))
     data = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in pictures]
     for got, picture in zip(JPEG_DECODERS[name].decode(data, CPU), pictures, strict=True):
         want = decode(picture, "p")
@@ -113,6 +128,49 @@ def test_crops_do_not_depend_on_how_the_batch_is_decoded_in_chunks():
     assert torch.equal(whole, single)
 
 
+def test_each_view_equals_roi_align_on_the_whole_image():
+    """The crops of a box's span (with its margin) against ``roi_align`` on the whole
+    image, float32: within one level (the float rounding of the sample positions moves a
+    value across a rounding boundary now and then)."""
+    sizes = [(90, 120), (200, 60), (64, 64)]
+    pictures = [photo_jpeg(i, (w, h)) for i, (h, w) in enumerate(sizes)]
+    gen = torch.Generator().manual_seed(0)
+    boxes = []
+    for _ in range(2):
+        for h, w in sizes:
+            top, left = (int(torch.randint(0, h - 8, (), generator=gen)),
+                         int(torch.randint(0, w - 8, (), generator=gen)))
+            boxes.append([top, left, int(torch.randint(8, h - top + 1, (), generator=gen)),
+                          int(torch.randint(8, w - left + 1, (), generator=gen))])
+    boxes = torch.tensor(boxes)
+    got = NvjpegViews(16, 3, CPU).crops(pictures, boxes, sizes)
+    want = []
+    for row, (top, left, tall, wide) in enumerate(boxes.tolist()):
+        image = decode(pictures[row % 3], "p")[None].float()
+        roi = torch.tensor([[0, left, top, left + wide, top + tall]], dtype=torch.float32)
+        want.append(roi_align(image, roi, 16, aligned=True, sampling_ratio=-1)[0])
+    want = torch.stack(want).round().clamp(0, 255)
+    assert (got.float() - want).abs().max() <= 1
+
+
+def test_a_jpeg_the_device_refuses_alone_is_decoded_by_pillow_and_counted(monkeypatch):
+    pictures = [photo_jpeg(i) for i in range(3)]
+    views = NvjpegViews(16, 3, CPU)
+    real = views.decode_jpegs
+
+    def refuses_the_second(data, device):
+        if any(torch.equal(one, torch.frombuffer(bytearray(pictures[1]), dtype=torch.uint8))
+               for one in data):
+            raise RuntimeError("nvjpegDecodeBatched failed: unsupported")
+        return real(data, device)
+
+    monkeypatch.setattr(views, "decode_jpegs", refuses_the_second)
+    images = views.decode(pictures)
+    assert views.cpu_decoded == 1
+    assert all(torch.equal(image, decode(picture, "p"))
+               for image, picture in zip(images, pictures, strict=True))
+
+
 def test_a_batch_of_mixed_12_megapixel_photos_stays_under_its_memory_bound():
     """Two 12 MP photos (one portrait, one landscape) among small ones, boxes spanning the
     large ones whole: the CPU's tensor memory while cropping (the profiler's allocations)
@@ -139,6 +197,27 @@ def batch_of(pictures: list[bytes]) -> dict:
             "skipped_places": {}, "skipped_examples": []}
 
 
+def test_a_batch_takes_its_device_parameters_over_in_one_copy(monkeypatch):
+    """The colour steps' rows and values and the crops' boxes go to the device in one call
+    of ``on_device`` a batch (one pinned copy on CUDA), and the views equal those rendered
+    with a copy for the crops and one for the colour steps."""
+    pictures = [photo_jpeg(i, (64 + 16 * i, 48)) for i in range(3)]
+    views = NvjpegViews(16, 3, CPU)
+    batch = batch_of(pictures)
+    params, sizes = batch["view_params"], batch["encoded_sizes"]
+    apart = render_colour(views.crops(pictures, params["box"], sizes), params, 3)
+    calls = []
+
+    def counted(host, device):
+        calls.append([tuple(part.shape) for part in host])
+        return on_device(host, device)
+
+    monkeypatch.setattr(device_module, "on_device", counted)
+    got = rendered(batch, views)["images"]
+    assert len(calls) == 1 and calls[0][-1] == (3, 2, 5), calls
+    assert torch.equal(got, apart)
+
+
 def test_running_out_of_device_memory_stops_in_one_line_naming_the_sizes(monkeypatch):
     views = NvjpegViews(16, 3, CPU)
 
@@ -150,13 +229,14 @@ def test_running_out_of_device_memory_stops_in_one_line_naming_the_sizes(monkeyp
         rendered(batch_of([photo_jpeg(0, (400, 300)), photo_jpeg(1, (64, 97))]), views)
     said = str(caught.value)
     assert "\n" not in said and "ran out of device memory" in said
-    assert "2 images" in said and "largest 300x400" in said, said
+    assert "2 images" in said and "largest 400x300, width x height" in said, said
     assert "data.device_decode_pixels" in said and "data.batch_size" in said
 
 
 def test_a_device_error_on_images_the_cpu_decodes_stops_and_drops_nothing(monkeypatch):
-    """A persistent device error fails every image alone too; the CPU decodes them, so the
-    batch stops naming the first, instead of dropping every image as corrupt."""
+    """A persistent device error refuses every JPEG alone too; Pillow decodes them, so the
+    batch stops naming the refusal, instead of dropping every image as corrupt or quietly
+    decoding them all on the CPU."""
     views = NvjpegViews(16, 3, CPU)
 
     def device_error(data, device):
@@ -166,9 +246,9 @@ def test_a_device_error_on_images_the_cpu_decodes_stops_and_drops_nothing(monkey
     with pytest.raises(RenderError) as caught:
         rendered(batch_of([photo_jpeg(0), photo_jpeg(1), photo_jpeg(2)]), views)
     said = str(caught.value)
-    assert said.startswith("the device failed 3 image(s) of a batch of 3 images"), said
-    assert "(first: shard-000 key0): CUDA error: an illegal memory access" in said
-    assert "\n" not in said
+    assert said == (f"the device decoder ({views.decoder}) refused all 3 JPEGs of a chunk "
+                    "that Pillow decodes: CUDA error: an illegal memory access was "
+                    "encountered"), said
 
 
 def test_a_png_is_decoded_on_the_cpu_and_counted():
