@@ -21,10 +21,12 @@ done
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 site="$out/site"
-if compgen -G "$repo/bench/gpu/wheels/*.whl" >/dev/null; then
+for wheel in "$repo"/bench/gpu/wheels/*.whl; do  # one at a time: a wheel built for another
+    [ -e "$wheel" ] || continue                   # Python (torchcodec) is skipped, said so
     "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
-        --no-compile --target "$site" "$repo"/bench/gpu/wheels/*.whl
-fi
+        --no-compile --target "$site" "$wheel" 2>/dev/null \
+        || echo "run.sh: $(basename "$wheel") does not install on this node: skipped" >&2
+done
 # the node's packages first: the wheels only fill in what it lacks
 export PYTHONPATH="$repo:${PYTHONPATH:+$PYTHONPATH:}$("$python" -c 'import site; print(":".join(site.getsitepackages()))'):$site"
 export HF_HUB_OFFLINE=1 MLFLOW_TRACKING_URI="" PYTHONUNBUFFERED=1

@@ -326,6 +326,9 @@ def compiled(sizes: Sizes, device: torch.device, work: Path, deadline: float, ro
                      "first_step_s": first, "step_s": median, "vs_eager": median / eager})
         print(f"  {backbone} compiled={compile_encoder}: first {first:.1f} s, "
               f"step {median * 1e3:.1f} ms", flush=True)
+    if len(rows) < 2:
+        return {"rows": rows, "ok": False, "summary": "the deadline came before the compiled "
+                                                      "step"}
     return {"rows": rows, "ok": True,
             "summary": f"speedup {rows[0]['step_s'] / rows[1]['step_s']:.2f}x after "
                        f"{rows[1]['first_step_s']:.0f} s of compilation"}

@@ -74,17 +74,20 @@ def compare(shards: Path, decoder: str, sizes: Sizes, device: torch.device,
     # both loaders' workers are started (forked) before the pressure thread runs torch ops
     pairs = zip(train_batches(cpu), train_batches(gpu, device=device), strict=True)
     compared(row, *next(pairs))
+    ended = ""
     with Pressure(device) as pressure:
-        while row["batches"] < sizes.views_batches and time.monotonic() < deadline:
-            pair = next(pairs, None)
+        while row["batches"] < sizes.views_batches and not ended:
+            pair = next(pairs, None) if time.monotonic() < deadline else None
             if pair is None:
-                break
-            compared(row, *pair)
+                ended = ("the deadline came first" if time.monotonic() >= deadline
+                         else "the epoch ended first")
+            else:
+                compared(row, *pair)
     pairs = None  # the loaders' workers end with their generators
     row["mean_diff_levels"] /= max(1, row["batches"])
     row["pressure_steps"], row["seconds"] = pressure.steps, time.perf_counter() - start
-    if row["batches"] < sizes.views_batches:
-        row["note"] = "the deadline came first"
+    if ended:
+        row["note"] = ended
     row["ok"] = (row["batches"] >= sizes.views_batches and not row["keys_differ"]
                  and not row["nonfinite"] and not row["corrupt"]
                  and row["worst_batch_levels"] <= BOUND / LEVEL)

@@ -86,17 +86,11 @@ class ColourPlan(NamedTuple):
     has_values: list[bool]
 
 
-def render_colour(crops: Tensor, params: dict[str, Tensor], kernel_size: int) -> Tensor:
-    """[N, 3, R, R] uint8 crops on their device and the host tensors ``view_params``
-    (:class:`SimCLRParams`) -> the views [N, 3, R, R] float32, normalised: flip, the colour
-    jitter in each view's order, grayscale, blur, as ``simclr_view`` (flip commutes with
-    the rest). Each step computes only the views that take it, chosen on the host
-    (:func:`colour_plan`); the rows and values of every step reach the device in one copy
-    (:func:`apply_colour`)."""
-    return apply_colour(crops, colour_plan(params, kernel_size))
-
-
 def colour_plan(params: dict[str, Tensor], kernel_size: int) -> ColourPlan:
+    """The host tensors ``view_params`` (:class:`SimCLRParams`) -> the steps that
+    :func:`apply_colour` runs: flip, the colour jitter in each view's order, grayscale,
+    blur, as ``simclr_view`` (flip commutes with the rest), each on the views that take it
+    only, chosen here on the host."""
     factors, order, sigmas = params["factors"], params["order"], params["sigma"]
     candidates: list[tuple[Step, Tensor, Tensor | None]] = [
         (lambda views, _: views.flip(-1), params["flip"], None)]
@@ -119,8 +113,9 @@ def colour_plan(params: dict[str, Tensor], kernel_size: int) -> ColourPlan:
 
 
 def apply_colour(crops: Tensor, plan: ColourPlan, moved: list[Tensor] | None = None) -> Tensor:
-    """The plan's steps on the crops; ``moved``: ``plan.host`` already on the crops' device
-    (copied with other tensors), else copied here."""
+    """[N, 3, R, R] uint8 crops on their device -> the views [N, 3, R, R] float32,
+    normalised, by the plan's steps; ``moved``: ``plan.host`` already on the crops' device
+    (copied with other tensors), else copied here in one copy (:func:`on_device`)."""
     moved = iter(on_device(plan.host, crops.device) if moved is None else moved)
     images = crops.clone()
     for step, has_values in zip(plan.steps, plan.has_values, strict=True):

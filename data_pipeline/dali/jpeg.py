@@ -44,7 +44,7 @@ def torchcodec_jpegs(data: list[Tensor], device: torch.device) -> list[Tensor]:
     return decode_jpeg([without_exif(one) for one in data], mode="RGB", device=device)
 
 
-APP1, START_OF_SCAN = 0xE1, 0xDA
+APP1, START_OF_SCAN, EXIF = 0xE1, 0xDA, b"Exif\0\0"
 STANDALONE = {0x01, *range(0xD0, 0xD8)}  # markers without a length (TEM, RSTn)
 
 
@@ -52,10 +52,8 @@ def without_exif(jpeg: Tensor) -> Tensor:
     """A JPEG's bytes [n] uint8 without its APP1 ``Exif`` segments (where a decoder would
     read an orientation); the same tensor when it has none. Only the headers before the
     scan are walked: a malformed one is left to the decoder to refuse."""
-    data = jpeg.numpy().tobytes()
-    if b"Exif\0\0" not in data[:1 << 16]:
-        return jpeg
-    kept, pos = bytearray(data[:2]), 2
+    data = memoryview(jpeg.numpy())
+    kept, pos, dropped = bytearray(data[:2]), 2, False
     while pos + 4 <= len(data) and data[pos] == 0xFF:
         marker = data[pos + 1]
         if marker == 0xFF:  # a fill byte
@@ -68,9 +66,13 @@ def without_exif(jpeg: Tensor) -> Tensor:
         if marker == START_OF_SCAN:
             break
         end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
-        if not (marker == APP1 and data[pos + 4:pos + 10] == b"Exif\0\0"):
+        if marker == APP1 and data[pos + 4:pos + 10] == EXIF:
+            dropped = True
+        else:
             kept += data[pos:end]
         pos = end
+    if not dropped:
+        return jpeg
     kept += data[pos:]
     return torch.frombuffer(kept, dtype=torch.uint8)
 
@@ -117,6 +119,3 @@ def decoder_name(name: str) -> str:
         return name
     return "torchcodec" if JPEG_DECODERS["torchcodec"].available() else "torchvision"
 
-
-def jpeg_decoder(name: str) -> JpegDecoder:
-    return JPEG_DECODERS[decoder_name(name)]

@@ -15,11 +15,11 @@ padded to another's size). The colour steps then run batched in torch (``colour.
 for the DALI backend. The workers' side is the DALI backend's: headers read, every view's
 parameters drawn (``params.py``), so resume stays exact.
 
-A JPEG the device decoder refuses alone is decoded by Pillow and counted; one Pillow cannot
-decode either is dropped with both views and counted as ``corrupt_image``
-(``device.rendered``), leaving the workers' stream untouched. The device refusing every
-JPEG of a chunk that Pillow decodes, running out of memory, or a decoded size other than
-the header's stops the run in one line (:class:`RenderError`).
+A JPEG the device decoder refuses alone is decoded by Pillow; one Pillow cannot decode
+either is dropped with both views and counted as ``corrupt_image``
+(``device.rendered``), leaving the workers' stream untouched. The device refusing all of
+two or more JPEGs of a chunk that Pillow decodes, running out of memory, or a decoded size
+other than the header's stops the run in one line (:class:`RenderError`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class NvjpegViews:
 
     def device_jpegs(self, encoded: list[bytes]) -> tuple[list[Tensor | None], str]:
         """Each JPEG decoded on the device, None where the decoder refuses it alone; and the
-        first line of the last refusal ("" if none)."""
+        first line of the refusal of them all in one call ("" if none)."""
         data = [torch.frombuffer(bytearray(item), dtype=torch.uint8) for item in encoded]
         try:
             return list(self.decode_jpegs(data, self.device)), ""
@@ -155,7 +155,7 @@ def pixel_chunks(sizes: list[tuple[int, int]], pixels: int) -> Iterator[list[int
 
 def by_image(boxes: Tensor) -> Tensor:
     """Boxes [2B, 4] of the first views then the second -> [B, 2, 4], each image's two."""
-    return boxes.reshape(2, -1, 4).transpose(0, 1)
+    return boxes.reshape(2, len(boxes) // 2, 4).transpose(0, 1)
 
 
 def box_spans(boxes: Tensor, sizes: list[tuple[int, int]]

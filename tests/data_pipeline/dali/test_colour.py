@@ -11,7 +11,7 @@ import pytest
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from data_pipeline.dali.colour import apply_colour, blur, colour_plan, on_device, render_colour
+from data_pipeline.dali.colour import apply_colour, blur, colour_plan, on_device
 from data_pipeline.dali.params import EncodedImage, SimCLRParams
 from data_pipeline.transforms import gaussian_blur, simclr_view, view_kernel_size
 from tests.cuda_dry_run import fake_cuda
@@ -39,7 +39,7 @@ def test_parameters_and_batched_colour_equal_simclr_view(recipe):
     half = {name: value[:120] for name, value in rendered.items()}
     crops = torch.stack([TF.resized_crop(p, *v.box, [recipe["resolution"]] * 2, antialias=True)
                          for p, v in zip(pictures, views, strict=True)])
-    got = render_colour(crops, half, view_kernel_size(recipe["resolution"]))
+    got = apply_colour(crops, colour_plan(half, view_kernel_size(recipe["resolution"])))
     assert torch.equal(got, per_view(simclr_view(**recipe), pictures, seeds))
     assert sum(v.factors[0] == v.factors[0] for v in views) > 60  # jitter drawn (p = 0.8)
 

@@ -20,9 +20,9 @@ from torchvision.transforms.v2 import functional as TF
 from bench.common import peak_memory_bytes
 from core.config import InvalidValue
 from data_pipeline.config import DataConfig
+from data_pipeline.dali import colour, jpeg, nvjpeg
 from data_pipeline.dali import device as device_module
-from data_pipeline.dali import jpeg
-from data_pipeline.dali.colour import on_device, render_colour
+from data_pipeline.dali.colour import apply_colour, colour_plan, on_device
 from data_pipeline.dali.device import RenderError, rendered
 from data_pipeline.dali.jpeg import JPEG_DECODERS
 from data_pipeline.dali.nvjpeg import NvjpegViews
@@ -82,6 +82,36 @@ def test_each_jpeg_decoder_gives_the_cpu_paths_pixels(name):
         want = decode(picture, "p")
         assert got.shape == want.shape and got.dtype == torch.uint8
         assert (got.int() - want.int()).abs().max() <= 1
+
+
+def segment(marker: int, payload: bytes) -> bytes:
+    return bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload
+
+
+def test_only_the_exif_segments_are_taken_out_of_a_jpeg():
+    """After an XMP segment (APP1 too, kept), a fill byte and an Exif segment behind an
+    ICC-sized APP2 of 60 KiB: the Exif goes, the rest stays and decodes to the same
+    pixels; a JPEG without Exif is handed back as it is."""
+    plain = photo_jpeg(0)
+    xmp = segment(0xE1, b"http://ns.adobe.com/xap/1.0/\0<x/>")
+    icc = segment(0xE2, b"ICC_PROFILE\0" + bytes(60_000))
+    exif = segment(0xE1, b"Exif\0\0" + Image.Exif().tobytes()[6:])
+    tagged = plain[:2] + xmp + icc + b"\xff" + exif + plain[2:]
+    stripped = jpeg.without_exif(torch.frombuffer(bytearray(tagged), dtype=torch.uint8))
+    assert bytes(stripped.numpy()) == plain[:2] + xmp + icc + plain[2:]
+    assert torch.equal(decode(bytes(stripped.numpy()), "p"), decode(plain, "p"))
+    untouched = torch.frombuffer(bytearray(plain), dtype=torch.uint8)
+    assert jpeg.without_exif(untouched) is untouched
+
+
+def test_a_decoded_size_other_than_the_headers_stops_the_batch_in_one_line():
+    views = NvjpegViews(16, 3, CPU)
+    boxes = torch.tensor([[0, 0, 60, 60], [0, 0, 90, 120]] * 2)
+    with pytest.raises(RenderError) as caught:
+        views.crops([photo_jpeg(0), photo_jpeg(1)], boxes, [(90, 120), (120, 90)])
+    assert str(caught.value) == ("image 1 of a batch of 2 images (0.0 MP; largest 120x90, "
+                                 "width x height) decoded as 120x90, its header says 90x120 "
+                                 "(width x height)"), str(caught.value)
 
 
 def test_torchvisions_decoder_waits_for_the_callers_stream_first(monkeypatch):
@@ -205,14 +235,15 @@ def test_a_batch_takes_its_device_parameters_over_in_one_copy(monkeypatch):
     views = NvjpegViews(16, 3, CPU)
     batch = batch_of(pictures)
     params, sizes = batch["view_params"], batch["encoded_sizes"]
-    apart = render_colour(views.crops(pictures, params["box"], sizes), params, 3)
+    apart = apply_colour(views.crops(pictures, params["box"], sizes), colour_plan(params, 3))
     calls = []
 
     def counted(host, device):
         calls.append([tuple(part.shape) for part in host])
         return on_device(host, device)
 
-    monkeypatch.setattr(device_module, "on_device", counted)
+    for module in (device_module, nvjpeg, colour):  # a copy made anywhere is counted
+        monkeypatch.setattr(module, "on_device", counted)
     got = rendered(batch, views)["images"]
     assert len(calls) == 1 and calls[0][-1] == (3, 2, 5), calls
     assert torch.equal(got, apart)
