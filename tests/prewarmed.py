@@ -27,14 +27,11 @@ whose environment differs from every server's in anything but :data:`READ_AT_RUN
 a server started with its own; a rank may differ only in what torchrun sets,
 :data:`SET_BY_TORCHRUN`, which is read when the process group starts).
 
-A server is one process, single-threaded when it forks, as the kernel counts threads (it
-refuses to serve otherwise): a forked run holds only the thread that forked it, and a lock
-another thread held stays held there. Imports start two kinds of native threads, which the
-server's environment turns off before it imports (:data:`NO_NATIVE_THREADS`), so its runs
-do without them: Arrow's jemalloc purger (MLflow imports pandas, pandas pyarrow) and
-OpenBLAS's pools (numpy, scipy; numpy's BLAS runs on one thread in a forked run). Each run
-is a grandchild (the middle process waits for it and reports its status), so
-the server never waits on anyone.
+A server is one process with one thread, as the kernel counts them, when it forks (else it
+refuses to serve: a lock another thread held stays held in the child). The imports' native
+threads are turned off first (:data:`NO_NATIVE_THREADS`: Arrow's jemalloc purger, OpenBLAS's
+pools; numpy's BLAS runs on one thread in a run). Each run is a grandchild (the middle
+process waits for it and reports its status), so the server never waits on anyone.
 """
 
 from __future__ import annotations
@@ -72,9 +69,8 @@ READ_AT_RUN_TIME = frozenset({"PYTEST_CURRENT_TEST", "PYTHON_EXEC",
                               "PYTHON", "DEMO_DIR",
                               # what bash exports to each command it starts
                               "_", "SHLVL", "PWD", "OLDPWD"})
-# the native threads the imports would start, turned off (the module's docstring)
-NO_NATIVE_THREADS = {"JE_ARROW_MALLOC_CONF": "background_thread:false",
-                     "OPENBLAS_NUM_THREADS": "1"}
+NO_NATIVE_THREADS = {"JE_ARROW_MALLOC_CONF": "background_thread:false",  # MLflow's pyarrow
+                     "OPENBLAS_NUM_THREADS": "1"}  # numpy's and scipy's OpenBLAS
 SET_BY_TORCHRUN = frozenset({  # for each rank, by torch.distributed.run's agent
     "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
     "MASTER_PORT", "RANK", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE",
@@ -128,8 +124,8 @@ def startup(env: dict[str, str], rank: bool = False) -> tuple[tuple[str, str], .
 
 
 _servers: dict[tuple[tuple[str, str], ...], Server] = {}  # by the environment they started in
-# the suite runs the commands in 2 environments (``OMP_NUM_THREADS`` or not), and each
-# img2dataset test in one of its own (its ``XDG_CACHE_HOME``), which should not evict them
+# the commands run in 2 environments (``OMP_NUM_THREADS`` or not), and each img2dataset
+# test in one of its own (its ``XDG_CACHE_HOME``), which should not evict them
 MAX_SERVERS = 5
 
 
@@ -293,11 +289,8 @@ def serve(address: str) -> NoReturn:
 
 
 def threads() -> list[str]:
-    """The names of this process's threads as the kernel lists them (Python's own where
-    there is no ``/proc``)."""
+    """The names of this process's threads as the kernel (Linux) lists them."""
     tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
-        return [thread.name for thread in threading.enumerate()]
     return [(tasks / task / "comm").read_text().strip() for task in os.listdir(tasks)]
 
 

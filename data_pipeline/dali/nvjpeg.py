@@ -159,26 +159,25 @@ def by_image(boxes: Tensor) -> Tensor:
 
 
 def box_spans(boxes: Tensor, sizes: list[tuple[int, int]]
-              ) -> tuple[list[tuple[int, int, int, int]], Tensor]:
+              ) -> tuple[list[list[int]], Tensor]:
     """Each image's boxes [B, K, 4] (top, left, height, width) -> the part of the image
     they span, with a pixel of margin (a bin's bilinear samples read up to one pixel past
-    its box), as (y0, y1, x0, x1); and the boxes as ``roi_align`` takes them on that part,
+    its box), as [y0, y1, x0, x1]; and the boxes as ``roi_align`` takes them on that part,
     [B, K, 5] float32 (batch index 0, x1, y1, x2, y2). So ``roi_align`` on the part equals
     ``roi_align`` on the whole image, up to the float rounding of its sample positions."""
-    boxes = boxes.to(torch.float32)
-    spans, rois = [], torch.zeros(*boxes.shape[:2], 5)
-    for i, ((height, width), own) in enumerate(zip(sizes, boxes, strict=True)):
-        top, left, tall, wide = own.unbind(1)
-        y0, x0 = max(0, int(top.min()) - 1), max(0, int(left.min()) - 1)
-        y1 = min(height, int((top + tall).max()) + 1)
-        x1 = min(width, int((left + wide).max()) + 1)
-        spans.append((y0, y1, x0, x1))
-        rois[i, :, 1:] = torch.stack([left - x0, top - y0, left - x0 + wide, top - y0 + tall],
-                                     dim=1)
+    top, left, tall, wide = boxes.to(torch.float32).unbind(-1)  # [B, K] each
+    height, width = torch.tensor(sizes, dtype=torch.float32).reshape(-1, 2).unbind(1)
+    y0 = (top.amin(1) - 1).clamp(min=0)[:, None]
+    x0 = (left.amin(1) - 1).clamp(min=0)[:, None]
+    y1 = torch.minimum(height, (top + tall).amax(1) + 1)
+    x1 = torch.minimum(width, (left + wide).amax(1) + 1)
+    rois = torch.stack([torch.zeros_like(top), left - x0, top - y0, left - x0 + wide,
+                        top - y0 + tall], dim=-1)
+    spans = torch.stack([y0[:, 0], y1, x0[:, 0], x1], dim=1).to(torch.int64).tolist()
     return spans, rois
 
 
-def span_crops(image: Tensor, span: tuple[int, int, int, int], rois: Tensor,
+def span_crops(image: Tensor, span: list[int], rois: Tensor,
                resolution: int) -> Tensor:
     """[3, H, W] uint8, the part its boxes span and the boxes there [K, 5] -> [K, 3, R, R]
     uint8 (the part in float32 only while it is sampled)."""
