@@ -27,6 +27,7 @@ from data_pipeline.dali.device import RenderError, rendered
 from data_pipeline.dali.jpeg import JPEG_DECODERS
 from data_pipeline.dali.nvjpeg import NvjpegViews
 from data_pipeline.dali.params import SimCLRParams, encoded_image
+from data_pipeline.formats import SkipSample
 from data_pipeline.loader import TrainLoader
 from data_pipeline.transforms import decode
 from tests.app.helpers import run_pretrain, train_overrides
@@ -102,6 +103,26 @@ def test_only_the_exif_segments_are_taken_out_of_a_jpeg():
     assert torch.equal(decode(bytes(stripped.numpy()), "p"), decode(plain, "p"))
     untouched = torch.frombuffer(bytearray(plain), dtype=torch.uint8)
     assert jpeg.without_exif(untouched) is untouched
+
+
+HOSTILE = {"no segments": b"\xff\xd8",
+           "zero lengths": b"\xff\xd8\xff\xe1\x00\x00" * 1000,
+           "a length past the end": b"\xff\xd8\xff\xe1\xff\xffExif\0\0",
+           "endless fill bytes": b"\xff\xd8" + b"\xff" * 100_000,
+           "an Exif segment then noise":
+               b"\xff\xd8\xff\xe1\x00\x08Exif\0\0" + bytes(range(256)) * 20}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_jpeg_header_is_walked_to_its_end_and_refused_in_one_line(name):
+    """Headers that lie about their lengths, or never end, are walked within the body's
+    length, and the image is refused as a corrupt image in one line."""
+    body = HOSTILE[name]
+    walked = jpeg.without_exif(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+    assert len(walked) <= len(body)
+    with pytest.raises(SkipSample, match="corrupt_image") as caught:
+        NvjpegViews(16, 3, CPU).decode([body])
+    assert "\n" not in str(caught.value)
 
 
 def test_a_decoded_size_other_than_the_headers_stops_the_batch_in_one_line():
