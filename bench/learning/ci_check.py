@@ -12,9 +12,9 @@ canvases:
   projection finds its own caption among the test canvases' distinct captions, embedded
   by the run's text tower; what only the captions can teach.
 
-    python -m bench.learning.ci_check --recipe infonce --epochs 8 --seeds 0 1 2 3 4
-    python -m bench.learning.ci_check --recipe xclr_captions --captions alt_text --epochs 3
-    python -m bench.learning.ci_check --recipe clip --epochs 2
+    python -m bench.learning.ci_check --recipe infonce --epochs 2 --seeds 0 1 2 3 4
+    python -m bench.learning.ci_check --recipe xclr_captions --captions alt_text --epochs 2
+    python -m bench.learning.ci_check --recipe clip --epochs 1
 
 A recipe that reads a caption store (X-CLR from captions) gets the training shards' own,
 built once beside them with ``graph-precompute``'s code.

@@ -8,31 +8,31 @@ Each run lands where its seed and the CPU's kernels take it, so each threshold s
 standard deviations below the mean gain over seeds 0-4 (``docs/learning.md``, "What CI
 asserts", with the command that measured them); the run here is seed 0.
 
-- SupCon trains 3 of its recipe's 10 epochs and must gain in class structure: weighted
-  kNN top-1 (k = 20) and the linear probe's top-1. What this still proves: the labels'
-  positives, through the real command and the gathering boundary, teach the encoder the
-  classes of canvases it never saw (gains 4 and 10 standard deviations from zero over
-  seeds). The whole recipe's margins are the learning benchmark's claims.
-- InfoNCE trains 3 of its recipe's 30 epochs (its whole recipe took 11-15 minutes here).
+- SupCon trains 2 of its recipe's 10 epochs and must gain in class structure: the linear
+  probe's top-1 (its weighted kNN gain at 2 epochs, 0.065 +- 0.026 over seeds, leaves no
+  threshold 3 standard deviations below its mean and above zero). What this still proves:
+  the labels' positives, through the real command and the gathering boundary, teach the
+  encoder the classes of canvases it never saw (a probe gain 7 standard deviations from
+  zero over seeds). The whole recipe's margins are the learning benchmark's claims.
+- InfoNCE trains 2 of its recipe's 30 epochs (its whole recipe took 11-15 minutes here).
   What this still proves: InfoNCE's gradient, through the real command and the gathering
-  boundary, teaches the encoder the instance discrimination it is written for, on
-  canvases it never saw (view retrieval: a canvas's augmented view finds its other view
-  among 1,000; a gain 6 standard deviations from zero), and the linear probe's class
-  structure rises with it (4 standard deviations). That the whole recipe reaches the
-  benchmark's class-level margins is claim (a) of the learning benchmark, judged over its
-  seeds, not here.
-- X-CLR from captions trains 3 of its recipe's 30 epochs on the alt-text captions (web-like:
+  boundary, teaches the encoder features whose class structure rises on canvases it never
+  saw (the linear probe's top-1, a gain 5 standard deviations from zero over seeds). Its
+  view retrieval gain at 2 epochs (0.013 +- 0.004) is not asserted: 3 standard deviations
+  below its mean sits at zero. That the whole recipe reaches the benchmark's class-level
+  margins is claim (a) of the learning benchmark, judged over its seeds, not here.
+- X-CLR from captions trains 2 of its recipe's 30 epochs on the alt-text captions (web-like:
   the digit named among uninformative words, or nothing named), its soft targets from the
   training canvases' caption store, which the check builds with ``graph-precompute``. What
   this still proves: image-caption pairs, through the caption store, the real command and
   the gathering boundary, train an encoder that gains on canvases it never saw (probe and
-  view gains 10 and 7 standard deviations from zero); that the captions rather than the
+  view gains 5 and 4 standard deviations from zero); that the captions rather than the
   views carry the gain is the benchmark's 30-epoch comparison, not this check's.
-- CLIP trains 2 of its recipe's 30 epochs on the attribute captions (colours, position and
+- CLIP trains 1 of its recipe's 30 epochs on the attribute captions (colours, position and
   size besides the digit) against the frozen sentence model. What this proves: the
   captions themselves, through the shards, the text tower and the gathering boundary, teach
   the image projection to find each unseen canvas's own caption among the test set's
-  distinct captions (caption retrieval R@1, a gain 11 standard deviations from zero over
+  distinct captions (caption retrieval R@1, a gain 5 standard deviations from zero over
   seeds; the untrained encoder sits at chance, 0.001). With every training canvas given
   another canvas's caption (planted in the shards) the same run stays at chance, so this
   check fails: the captions, not the views, carry it. On the alt-text captions CLIP and
@@ -80,15 +80,15 @@ class Check:
 
 
 # mean - 3 sd of the gain over seeds 0-4, rounded down to the thousandth (docs/learning.md,
-# "What CI asserts"); InfoNCE's kNN gain at 3 epochs (0.017 +- 0.032) leaves no such threshold
-CHECKS = [Check("infonce", 3, knn_gain=None, probe_gain=0.018,  # 0.084 +- 0.022
-                views_gain=0.011),  # 0.024 +- 0.004
-          Check("supcon", 3, knn_gain=0.042, probe_gain=0.175,  # 0.141 +- 0.033, 0.246 +- 0.023
+# "What CI asserts"); a kNN gain at these epochs leaves no such threshold above zero
+CHECKS = [Check("infonce", 2, knn_gain=None, probe_gain=0.028,  # 0.061 +- 0.011
+                views_gain=None),  # 0.013 +- 0.004: 0.0006 at mean - 3 sd
+          Check("supcon", 2, knn_gain=None, probe_gain=0.095,  # 0.155 +- 0.020
                 views_gain=None),
-          Check("xclr_captions", 3, knn_gain=None, probe_gain=0.076,  # 0.107 +- 0.010
-                views_gain=0.019, captions="alt_text"),  # 0.035 +- 0.005
-          Check("clip", 2, knn_gain=None, probe_gain=None, views_gain=None,
-                captions_gain=0.061)]  # 0.082 +- 0.007
+          Check("xclr_captions", 2, knn_gain=None, probe_gain=0.040,  # 0.081 +- 0.014
+                views_gain=0.006, captions="alt_text"),  # 0.022 +- 0.005
+          Check("clip", 1, knn_gain=None, probe_gain=None, views_gain=None,
+                captions_gain=0.021)]  # 0.050 +- 0.009
 
 
 @pytest.fixture(scope="module")
