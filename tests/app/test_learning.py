@@ -64,6 +64,8 @@ from bench.learning.ci_check import (
 from evaluation.identity import model_digest
 from tests.app.helpers import run_pretrain
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 
 @dataclass(frozen=True)
 class Check:

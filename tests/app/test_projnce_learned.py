@@ -25,6 +25,8 @@ from tests.pretrain.loop.test_engine import ZERO3
 from tests.pretrain.run.test_checkpoint import final_model
 from tests.pretrain.run.test_reshard import velocities
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 KEY = "loss_parameters.class_embeddings"
 LEARNED = {"objective.name": "projnce", "objective.projnce.projection": "learned",
            "checkpoint.every": 4, "checkpoint.keep": 10, "data.workers": 1}

@@ -14,6 +14,8 @@ from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.evaluation.test_evaluate import evaluate
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 
 @pytest.fixture(scope="module", params=["clip", "siglip"])
 def clip_run(digits_shards, tmp_path_factory, request):

@@ -25,6 +25,8 @@ from tests.data_pipeline.helpers import assert_ledger_by_keys
 from tests.ports import free_port
 from tests.pretrain.run.test_checkpoint import final_model
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 COMMON = {"checkpoint.every": 4, "data.workers": 1, "train.max_steps": 24}
 
 

@@ -18,6 +18,8 @@ from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 from tests.pretrain.loop import engine_tasks
 from tests.pretrain.loop.test_engine import ENGINES, tolerance
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 CASES = objective_cases()
 IDS = case_ids(CASES)
 # the two-rank checks: a softmax over one modality, soft targets, both image-text losses

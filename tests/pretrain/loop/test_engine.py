@@ -30,6 +30,8 @@ from pretrain.loop.engine import EngineConfig, engine_spec
 from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 from tests.pretrain.loop import engine_tasks
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 CASES = objective_cases()  # every entry of the table, under each of its examples
 INFONCE = ObjectiveCase("infonce", {})
 # ZeRO-3 with every parameter partitioned (DeepSpeed keeps those under 1e5 elements whole by

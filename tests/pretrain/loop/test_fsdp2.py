@@ -28,6 +28,8 @@ from pretrain.loop.trainer import forward_loss
 from pretrain.model.encoder import ModelConfig, build_model
 from tests.pretrain.loop import engine_tasks
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 VIT = ModelConfig(backbone="timm:vit_tiny_patch16_224", image_size=16, patch_size=8,
                   vit_stem="hybrid", width=8, timm_kwargs={"depth": 3, "embed_dim": 32,
                                                            "num_heads": 2},

@@ -18,6 +18,8 @@ import torch
 from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, PreemptionConfig, PreemptionWatch
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 STEPS = 30
 
 

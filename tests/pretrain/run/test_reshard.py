@@ -23,6 +23,8 @@ from tests.app.helpers import run_pretrain, train_overrides
 from tests.pretrain.loop.test_engine import ZERO3
 from tests.pretrain.run.test_checkpoint import final_model
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 STEPS = {"train.max_steps": 24, "checkpoint.every": 4, "checkpoint.keep": 10,
          "data.workers": 1, "optim.lr": 0.3}
 ENGINES = {"ddp": {}, "zero2": {"engine.name": "deepspeed",
