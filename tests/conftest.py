@@ -45,6 +45,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     workers take a file at a time (``--dist loadfile``), so the suite ends on short files
     and neither worker waits long for the other at the end."""
     items.sort(key=lambda item: item.get_closest_marker("long_file") is None)
+
+
 TASK_TIMEOUT_S = 300  # a task with no answer from any rank
 FAILED_RANK_GRACE_S = 20  # the other ranks' time to answer once one has failed
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

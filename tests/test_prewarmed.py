@@ -21,6 +21,8 @@ import pytest
 
 from tests import prewarmed
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 ENDINGS = ["normal", "exit-message", "exit-3", "exit-negative", "raise", "interrupt",
            "sigterm"]
 

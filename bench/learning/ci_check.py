@@ -21,7 +21,7 @@ built once beside them with ``graph-precompute``'s code.
 
 Prints per seed untrained -> trained (gain) and, per measure, the gain's mean, standard
 deviation and mean - 3 sd (the highest threshold the test may assert); writes
-``ci_check-<recipe>-e<epochs>.json`` under ``--out``.
+``ci_check-<recipe>-<captions>-e<epochs>[-<key=value>...].json`` under ``--out``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The distribution behind each threshold of the CI learning test
-(``tests/app/test_learning.py``): per seed, the gain of a recipe's encoder over the
-untrained encoder it started from, in weighted kNN top-1 (k = 20) and linear-probe top-1 of
-the backbone features; their mean, standard deviation and mean - 3 sd, the highest
-threshold the test may assert.
+"""The spread over seeds of the whole InfoNCE and SupCon recipes: per seed, the gain of a
+recipe's encoder over the untrained encoder it started from, in weighted kNN top-1 (k = 20)
+and linear-probe top-1 of the backbone features; their mean, standard deviation and
+mean - 3 sd. The CI learning test's thresholds (``tests/app/test_learning.py``, a few
+epochs each) come from ``python -m bench.learning.ci_check`` instead.
 
     python -m bench.learning --part main --seeds 0 1 2 3 4 --only infonce supcon --no-ceiling
     python -m bench.learning.thresholds --seeds 0 1 2 3 4

@@ -122,8 +122,8 @@ def decoded(shards) -> tuple[Canvases, Canvases]:
 
 @pytest.fixture(scope="module")
 def untrained_class_structure() -> dict[str, tuple[float, float]]:
-    """kNN and probe top-1 of an untrained encoder, by its parameters: both recipes build
-    the same encoder from seed 0, so the second reuses the first's (its view retrieval
+    """kNN and probe top-1 of an untrained encoder, by its parameters: the recipes build
+    the same encoder from seed 0, so later ones reuse the first's (their view retrieval
     differs: each recipe draws its own augmentation)."""
     return {}
 

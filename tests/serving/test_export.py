@@ -18,6 +18,8 @@ from pretrain.model.encoder import Encoder, ModelConfig
 from serving.export import ExportConfig, Exported, export
 from serving.model_registry import EmbeddingModel
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 R = 32
 TREE = {"data": {"resolution": R, "batch_size": 64, "augment": "simclr"},
         "objective": {"name": "supcon", "temperature": 0.1}, "train": {"epochs": 10}}

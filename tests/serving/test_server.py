@@ -28,6 +28,8 @@ from tests.data_pipeline.helpers import digit_sample
 from tests.data_pipeline.test_image_limits import bomb_png
 from tests.serving.helpers import raw_exchange, registered_encoder, send, serving, start
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 REFUSED = "row 0: path: not a readable file under the serving root"
 TRACE_MARKS = ("Traceback", "stack_trace", " at 0x", 'File "', "site-packages")
 

@@ -32,6 +32,8 @@ from tests import prewarmed
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
 from tests.data_pipeline.helpers import assert_ledger_by_keys
 
+pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
+
 
 def saved(step: int) -> tuple[dict, dict]:
     return ({"step": step, "world": 1, "model": {"w": torch.full((3,), float(step))},
