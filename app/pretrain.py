@@ -143,6 +143,8 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
     graph = class_graph_for(config, rt.device)
     torch.manual_seed(config.seed)
     model = build_model(config.model, objective, rt.device, len(shards.class_names))
+    if precision == "fp64":
+        model.double()
     if config.train.compile:  # in place: parameter names, checkpoints and registry unchanged
         check_compilable(model.encoder.backbone, config.model.backbone,
                          config.model.activation_checkpointing)
@@ -166,7 +168,7 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
                                   global_batch, engine.optimizer_sharded, to_yaml(config)),
         schedule=warmup_cosine_in_samples(length.total_samples, length.samples_per_step,
                                           config.optim.warmup_steps),
-        length=length, runtime=rt, precision=precision,
+        length=length, runtime=rt, precision=precision, cut=cut,
         preemption=PreemptionWatch(config.preemption, rt.device),
         reports=Reports(ledger=ledger_for(config, rt, run_dir),
                         utilisation=utilisation_of(config, rt, precision),
@@ -198,15 +200,16 @@ def utilisation_of(config: RunConfig, rt: Runtime, precision: str) -> Utilisatio
 
 def batch_cut(config: RunConfig, rt: Runtime, run_dir: Path) -> BatchCut:
     """This world's cut of the run's global batch: the one its checkpoints record
-    (``data.global_batch=kept``), else ``data.batch_size`` on every rank."""
+    (``data.global_batch=kept``), else ``data.global_batch_size``, else ``data.batch_size``
+    on every rank."""
     data, resume = config.data, config.checkpoint.resume
     recorded = 0
     if data.global_batch == "kept" and rt.is_main and resume != "never":
         recorded = recorded_global_batch(list_checkpoints(run_dir) if resume == "auto"
                                          else [Path(resume)])
     recorded = int(sum_over_ranks(recorded, rt.device))  # rank 0's
-    return BatchCut(recorded or data.batch_size * rt.world, rt.world, data.batch_size,
-                    chunkable=not config.model.split_views)
+    return BatchCut(recorded or data.global_batch_size or data.batch_size * rt.world,
+                    rt.world, data.batch_size)
 
 
 def check_batch_cut(cut: BatchCut, config: RunConfig, samples: int) -> None:
@@ -214,10 +217,12 @@ def check_batch_cut(cut: BatchCut, config: RunConfig, samples: int) -> None:
     data = config.data
     per_step = cut.global_batch * data.samples_per_batch // data.batch_size
     kept = cut.global_batch != data.batch_size * cut.world
-    if cut.global_batch < cut.world:
+    if cut.chunks.chunks < cut.world:
         raise RunError(f"the run's global batch of {cut.global_batch} (recorded in its "
-                       f"checkpoints) cannot be cut over {cut.world} ranks: resume it on at "
-                       f"most {cut.global_batch}, or with data.global_batch=per_rank")
+                       f"checkpoints) is {cut.chunks.chunks} chunk(s) of data.batch_size="
+                       f"{data.batch_size}, and {cut.world} ranks need a chunk each: resume "
+                       f"it on at most {cut.chunks.chunks} ranks, or with a smaller "
+                       "data.batch_size, or with data.global_batch=per_rank")
     if samples < per_step:
         needs = (f"the run's global batch of {cut.global_batch} (recorded in its checkpoints)"
                  if kept else f"data.batch_size={data.batch_size} on {cut.world} ranks")

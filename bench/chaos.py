@@ -12,13 +12,16 @@ node no kill reaches; every agent joins it as a client. The run: InfoNCE on 1,60
 cluttered digits (``cluttered_digits``), the small CNN at 32 px, 16 instances a rank on the
 3 ranks it begins with (a global batch of 48, kept through every change of world),
 ``train.epochs`` epochs, a checkpoint every 4 steps, the ledger kept, the encoder registered
-at the end. Then the same configuration once uninterrupted on 3 processes.
+at the end. Then the same configuration uninterrupted on 3 processes, and on 1 (float32:
+the distance between those two is what the order of floating-point sums alone gives, the
+batches being the same on any world).
 
 Reported: kills survived; per kill, seconds from the kill to the next step trained at the
 new world and the steps trained again; the ledger of every epoch (read once, twice, unread:
 nothing may be unread beyond the last partial global batch); the final checkpoint loaded
 into the configured model and the registered version; the loss against samples beside the
-uninterrupted run's (``chaos.png``). Writes ``bench/results/chaos.json``.
+uninterrupted run's (``chaos.png``); the final weights' relative L2 distance to the
+uninterrupted run's, beside the 1-rank run's. Writes ``bench/results/chaos.json``.
 """
 
 from __future__ import annotations
@@ -92,13 +95,29 @@ def environment(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MAX_RESTARTS": "1000", **extra}
 
 
-def uninterrupted(workdir: Path, epochs: int, log) -> float:
+def uninterrupted(workdir: Path, epochs: int, log, name: str = "reference",
+                  nproc: int = NODES) -> float:
+    """The soak's configuration, uninterrupted on ``nproc`` processes: its seconds."""
     start = time.monotonic()
     subprocess.run(["bash", "launch/torchrun.sh", str(job_file(workdir)),
-                    *overrides(workdir, "reference", epochs)], cwd=REPO,
-                   env=environment(NPROC=str(NODES)), stdout=log, stderr=subprocess.STDOUT,
+                    *overrides(workdir, name, epochs)], cwd=REPO,
+                   env=environment(NPROC=str(nproc)), stdout=log, stderr=subprocess.STDOUT,
                    check=True)
     return time.monotonic() - start
+
+
+def weights_distance(a: Path, b: Path) -> float:
+    """The relative L2 distance of run ``b``'s final weights (every floating tensor of the
+    model state, batch-norm statistics included) from run ``a``'s."""
+
+    from pretrain.run.checkpoint import model_state_of
+
+    first, second = (model_state_of(list_checkpoints(run)[0])[1] for run in (a, b))
+    keys = [k for k, v in first.items() if v.is_floating_point()]
+    difference = sum(float((first[k].double() - second[k].double()).square().sum())
+                     for k in keys)
+    norm = sum(float(first[k].double().square().sum()) for k in keys)
+    return (difference / norm) ** 0.5
 
 
 class Soak:
@@ -323,6 +342,10 @@ def report(args: argparse.Namespace, kills: list[Kill], soak_s: float,
     reference_curve = loss_by_samples(log_events(args.workdir / "reference" / "train.log"))
     summary["final_loss"] = float(np.mean(soak_curve[1][-25:]))
     summary["uninterrupted_final_loss"] = float(np.mean(reference_curve[1][-25:]))
+    summary["weights_distance"] = weights_distance(args.workdir / "reference",
+                                                   args.workdir / "soak")
+    summary["one_rank_weights_distance"] = weights_distance(args.workdir / "reference",
+                                                            args.workdir / "reference-1")
     plot(args.output.with_suffix(".png"), soak_curve, reference_curve, kills, events)
     print_table([asdict(k) for k in kills],
                 ["kind", "agent", "last_step", "world_after", "recovery_s", "redone"])
@@ -357,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     reference = args.workdir / "reference"
     kept = args.keep_reference and list_checkpoints(reference)
-    for name in ("soak",) if kept else ("soak", "reference"):
+    for name in ("soak",) if kept else ("soak", "reference", "reference-1"):
         subprocess.run(["rm", "-rf", str(args.workdir / name)], check=True)
     make_shards(args.workdir)
     with open(args.workdir / "agents.log", "w") as log:
@@ -365,6 +388,8 @@ def main(argv: list[str] | None = None) -> None:
         soak_s = soak.run(args.workdir / "soak" / "train.log")
         reference_s = (log_span(reference / "train.log") if kept
                        else uninterrupted(args.workdir, args.epochs, log))
+        if not kept:
+            uninterrupted(args.workdir, args.epochs, log, "reference-1", nproc=1)
     report(args, soak.kills, soak_s, reference_s)
 
 

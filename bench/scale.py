@@ -79,7 +79,6 @@ from bench.scale_ingest import (
 )
 from bench.scale_ledger import run_ledger
 from bench.scale_loader import class_mixing, epoch_coverage, resume_latency
-from data_pipeline.loader.plan import Layout
 
 CC12M_ROWS, CC12M_SHARDS = 12_000_000, 1_200
 SHARD = 10_000
@@ -192,14 +191,14 @@ def run_counts(shards: int, workdir: Path) -> dict[str, Any]:
             "later_open_s": asked[1][1]}
 
 
-def loader_epochs(worlds: list[Layout]) -> dict[str, Any]:
-    coverage = [epoch_coverage(CC12M_ROWS, w._replace(per_batch=256 * w.world)) for w in worlds]
-    print("epoch coverage, CC12M (12M samples, 1,200 shards), batch 256 per rank:")
+def loader_epochs(worlds: list[tuple[int, int]]) -> dict[str, Any]:
+    coverage = [epoch_coverage(CC12M_ROWS, world, workers, 256) for world, workers in worlds]
+    print("epoch coverage, CC12M (12M samples, 1,200 shards), a chunk of 256 a rank:")
     print_table(coverage, ["world", "samples", "delivered", "twice", "left", "global_batch",
-                           "batches_per_rank", "max_shard_ranges_per_stream", "seconds",
-                           "ms_per_stream"])
-    mixing = [class_mixing(w._replace(per_batch=128 * w.world), shuffled)
-              for w in worlds for shuffled in (True, False)]
+                           "batches_per_rank", "max_shard_ranges_per_lane", "seconds",
+                           "ms_per_rank"])
+    mixing = [class_mixing(world, workers, 128, shuffled)
+              for world, workers in worlds for shuffled in (True, False)]
     print("distinct classes per batch of 128, ImageNet listed class by class:")
     print_table(mixing, ["world", "shards", "distinct_classes", "iid", "ratio", "batches"])
     return {"coverage": coverage, "mixing": mixing}
@@ -325,7 +324,7 @@ def main() -> None:
         print_table(rows, ["shards", "first_open_requests", "first_open_s",
                            "later_open_requests", "later_open_s"])
     if args.part in ("all", "epochs"):
-        results["epochs"] = loader_epochs([Layout(*map(int, w.split("x")), 0)
+        results["epochs"] = loader_epochs([tuple(map(int, w.split("x")))
                                            for w in args.worlds])
     if args.part in ("all", "resume"):
         rows = resume_latency(args.workdir)

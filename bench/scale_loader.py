@@ -1,11 +1,11 @@
 """The training stream at real cardinalities (``python -m bench.scale --part epochs`` and
 ``--part resume``; see ``bench/scale.py``).
 
-- ``epochs``: the epoch plan of CC12M's 12M samples in 1,200 shards at simulated worlds
-  (positions only: every stream's order enumerated, nothing read): samples delivered,
-  distinct, repeated, left, batches per rank; and batch class mixing on ImageNet's
-  1,281,000 images listed class by class, written by make-shards shuffled and unshuffled,
-  against i.i.d. sampling.
+- ``epochs``: the epoch plan of CC12M's 12M samples in 1,200 shards at simulated worlds, a
+  chunk a rank (positions only: every chunk slot's order enumerated, nothing read):
+  samples delivered, distinct, repeated, left, batches per rank; and batch class mixing
+  on ImageNet's 1,281,000 images listed class by class, written by make-shards shuffled and
+  unshuffled, against i.i.d. sampling.
 - ``resume``: real tar shards of tiny JPEGs, local and over HTTP: the time from a loader
   built at 10% and at 90% of an epoch to its first batch.
 """
@@ -29,37 +29,35 @@ CC12M_SHARDS = 1_200
 IMAGENET_CLASSES, IMAGENET_PER_CLASS, IMAGENET_SHARD = 1_000, 1_281, 1_000
 
 
-def rank_batches(plan: EpochPlan, rank: int) -> list[np.ndarray]:
-    """The positions of each batch of ``rank``, in order."""
-    layout = plan.layout
-    streams = [np.fromiter(plan.stream(rank, w).positions(), np.int64)
-               for w in range(layout.workers)]
-    per = layout.share(rank)
-    return [streams[b % layout.workers][(b // layout.workers) * per:
-                                        (b // layout.workers + 1) * per]
-            for b in range(plan.batches)]
+def rank_batches(plan: EpochPlan, slots: range) -> list[np.ndarray]:
+    """The positions of each global batch's chunks ``slots`` (a rank's), in order."""
+    chunks = [np.fromiter(plan.slot(c).positions(), np.int64).reshape(plan.batches, -1)
+              for c in slots]
+    return [np.concatenate([chunk[b] for chunk in chunks]) for b in range(plan.batches)]
 
 
-def epoch_coverage(total: int, layout: Layout) -> dict[str, Any]:
+def epoch_coverage(total: int, world: int, workers: int, per_chunk: int) -> dict[str, Any]:
+    """A chunk a rank (``data.global_batch=per_rank``): every slot's order enumerated."""
     start = time.perf_counter()
+    layout = Layout(per_chunk * world, per_chunk)
     plan = EpochPlan(total, 0, 0, LANES, BLOCK, [], layout)
     shards = ShardOrder([total // CC12M_SHARDS] * CC12M_SHARDS, 0, 0)
-    pieces = max(len(list(shards.pieces(plan.stream(r, w).work)))
-                 for r in range(layout.world) for w in range(layout.workers))
+    pieces = max(len(list(shards.pieces(plan.slot(c).lane(lane))))
+                 for c in range(layout.chunks) for lane in range(plan.slot(c).lanes))
     seen = np.zeros(total, np.int32)
     batches = []
-    for rank in range(layout.world):
-        mine = rank_batches(plan, rank)
+    for rank in range(world):
+        mine = rank_batches(plan, layout.slots(rank, world))
         batches.append(len(mine))
         for batch in mine:
             seen[batch] += 1
     seconds = time.perf_counter() - start
-    return {"world": f"{layout.world}x{layout.workers}", "batch": layout.share(0),
+    return {"world": f"{world}x{workers}", "batch": per_chunk,
             "samples": total, "delivered": int(seen.sum()), "twice": int((seen > 1).sum()),
             "left": int((seen == 0).sum()), "global_batch": layout.per_batch,
             "batches_per_rank": sorted(set(batches)), "seconds": seconds,
-            "max_shard_ranges_per_stream": pieces,
-            "ms_per_stream": 1e3 * seconds / (layout.world * layout.workers)}
+            "max_shard_ranges_per_lane": pieces,
+            "ms_per_rank": 1e3 * seconds / world}
 
 
 def iid_distinct(classes: int, per_class: int, batch: int) -> float:
@@ -71,7 +69,8 @@ def iid_distinct(classes: int, per_class: int, batch: int) -> float:
     return classes * (1 - missing)
 
 
-def class_mixing(layout: Layout, shuffled: bool, ranks: int = 64) -> dict[str, Any]:
+def class_mixing(world: int, workers: int, per_chunk: int, shuffled: bool,
+                 ranks: int = 64) -> dict[str, Any]:
     """Mean distinct classes per batch (the first ``ranks`` ranks' batches) on ImageNet
     listed class by class and written by make-shards."""
     from data_pipeline.make_shards import sample_order
@@ -86,11 +85,12 @@ def class_mixing(layout: Layout, shuffled: bool, ranks: int = 64) -> dict[str, A
     for k, shard in enumerate(epoch.order):
         source = items[shard_starts[shard]:shard_starts[shard + 1]]
         label_at[epoch.starts[k]:epoch.starts[k + 1]] = source // IMAGENET_PER_CLASS
+    layout = Layout(per_chunk * world, per_chunk)
     plan = EpochPlan(total, 0, 0, LANES, BLOCK, [], layout)
-    distinct = [len(np.unique(label_at[batch])) for rank in range(min(ranks, layout.world))
-                for batch in rank_batches(plan, rank)]
-    iid = iid_distinct(IMAGENET_CLASSES, IMAGENET_PER_CLASS, layout.share(0))
-    return {"world": f"{layout.world}x{layout.workers}", "batch": layout.share(0),
+    distinct = [len(np.unique(label_at[batch])) for rank in range(min(ranks, world))
+                for batch in rank_batches(plan, layout.slots(rank, world))]
+    iid = iid_distinct(IMAGENET_CLASSES, IMAGENET_PER_CLASS, per_chunk)
+    return {"world": f"{world}x{workers}", "batch": per_chunk,
             "shards": "shuffled" if shuffled else "class-sorted",
             "distinct_classes": float(np.mean(distinct)), "iid": iid,
             "ratio": float(np.mean(distinct)) / iid, "batches": len(distinct)}
@@ -127,7 +127,7 @@ def first_batch_seconds(shards: str, world: int, fraction: float) -> dict[str, A
 
     cfg = DataConfig(shards=shards, batch_size=64, workers=0, resolution=16, augment="none")
     total = TrainStream(cfg, ShardSet.open(shards), 0, world).batches_per_epoch
-    state = LoaderState(batches=int(fraction * total), layout=[world, 1, 64])
+    state = LoaderState(batches=int(fraction * total), layout=[64 * world, 64])
     start = time.perf_counter()
     next(iter(train_batches(cfg, 0, world, copy.deepcopy(state))))
     return {"fraction": fraction, "batch": state.batches, "of": total,

@@ -77,6 +77,7 @@ class DataConfig:
     # kept: the global batch the run began with on any number of ranks (shares, in chunks
     # of batch_size); per_rank: batch_size a rank, the global batch follows the world
     global_batch: Literal["kept", "per_rank"] = "kept"  # pretrain/run/batch_cut.py
+    global_batch_size: int = 0  # kept: instances a step from the start (0: batch_size a rank)
     workers: int = 2  # loader worker processes per rank
     resolution: int = 32  # side of the square views, in pixels
     augment: Literal["simclr", "autoaugment", "none"] = "simclr"  # view augmentation recipe
@@ -122,6 +123,11 @@ class DataConfig:
             if getattr(self, key) < 1:
                 raise InvalidValue(key, f"must be >= 1, got {getattr(self, key)}")
         check_decoder(self.decoder)
+        if self.global_batch_size < 0:
+            raise InvalidValue("global_batch_size", f"must be >= 0, got {self.global_batch_size}")
+        if self.global_batch_size and self.global_batch == "per_rank":
+            raise InvalidValue("global_batch_size", "sets the global batch a run keeps: it "
+                               "needs data.global_batch=kept")
         if self.device_decode_pixels < 1:
             raise InvalidValue("device_decode_pixels",
                                f"must be >= 1, got {self.device_decode_pixels}")

@@ -65,6 +65,14 @@ class SkipLog:
         if len(self.examples) < MAX_EXAMPLES and example not in self.examples:
             self.examples.append(example)
 
+    def merge(self, other: SkipLog) -> None:
+        """Add ``other``'s skips (another worker's, of the same batch)."""
+        self.counts.update(other.counts)
+        self.places.update(other.places)
+        self.causes.update(other.causes)
+        room = MAX_EXAMPLES - len(self.examples)
+        self.examples += [e for e in other.examples if e not in self.examples][:max(0, room)]
+
     def take(self) -> SkipLog:
         """What was logged so far, leaving this log empty for the next batch."""
         taken = SkipLog(self.counts, self.places, self.examples, self.causes)

@@ -18,6 +18,7 @@ image the CPU decodes (a device error), stops the run in one line.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Protocol
 
 import numpy as np
@@ -228,6 +229,11 @@ def drop_instances(batch: dict[str, Any], encoded: list[bytes],
             out[name] = value[views]
         elif name in PER_INSTANCE:
             out[name] = [v for v, k in zip(value, keep, strict=True) if k]
+    if "chunk_sizes" in batch:  # the instances each chunk keeps
+        ends = list(itertools.accumulate(batch["chunk_sizes"]))
+        starts = [0, *ends[:-1]]
+        out["chunk_sizes"] = [sum(keep[a:b]) for a, b in zip(starts, ends, strict=True)]
+        out["placeholder"] = batch["placeholder"] or min(out["chunk_sizes"]) == 0
     out["skipped"] = dict(batch["skipped"])
     out["skipped_places"] = dict(batch["skipped_places"])
     out["skipped_examples"] = list(batch["skipped_examples"])

@@ -52,14 +52,15 @@ class SideStream:
 
 def rendered_ahead(batches: Iterator[Batch], render: Callable[[Batch], Batch],
                    device: torch.device) -> Iterator[Batch]:
-    """``batches`` with ``render`` applied to each that is not a placeholder, the next one
-    rendered while the caller works on the current one."""
+    """``batches`` with ``render`` applied to each that holds encoded images (not a
+    placeholder of zero images), the next one rendered while the caller works on the
+    current one."""
     side = SideStream(device)
     with ThreadPoolExecutor(1, thread_name_prefix="views", initializer=bind_device,
                             initargs=(device,)) as pool:
         pending: Future | Batch | None = None
         for batch in batches:
-            ahead = (batch if batch["placeholder"]
+            ahead = (batch if "encoded" not in batch  # every sample skipped: zero images
                      else pool.submit(side.run, render, batch))
             if pending is not None:
                 yield _ready(pending, side)

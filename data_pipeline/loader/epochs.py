@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.util  # registers its exit handler before ours (atexit runs LIFO)
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader
 from data_pipeline.config import DataConfig
 from data_pipeline.loader.ahead import rendered_ahead
 from data_pipeline.loader.backends import backend_spec
+from data_pipeline.loader.collate import ChunkJoiner
 from data_pipeline.loader.state import LoaderState
 from data_pipeline.loader.train import TrainStream
 from data_pipeline.shards import ShardSet
@@ -143,7 +145,9 @@ class TrainLoader:
         backend.check(cfg)
         self.cfg, self.state = cfg, state or LoaderState()
         shards = ShardSet.open(cfg.shards, cfg.verify_checksums, cfg.retry)
-        self.stream = TrainStream(cfg, shards, rank, world, self.state, text, global_batch)
+        self.stream = TrainStream(cfg, shards, rank, world, self.state, global_batch)
+        self.joiner = ChunkJoiner(cfg, text, self.stream.slots, bool(shards.class_names),
+                                  pin=bool(loader_options(cfg)["pin_memory"]))
         # data.backend=dali: workers send encoded images, views are made on ``device``
         render = backend_spec(cfg.backend).device_views
         self.device = device or torch.device("cpu")
@@ -154,10 +158,21 @@ class TrainLoader:
 
     def _start(self) -> Iterator[dict[str, Any]]:
         if self.loader is None or not self.persistent:
+            # the joiner writes each batch into page-locked memory itself
             self.loader = DataLoader(self.stream, batch_size=None,
                                      persistent_workers=self.persistent,
-                                     **loader_options(self.cfg))
-        return arriving_whole(iter(self.loader))
+                                     **{**loader_options(self.cfg), "pin_memory": False})
+        return self._joined(arriving_whole(iter(self.loader)))
+
+    def _joined(self, groups: Iterator[list[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
+        """Batches from the workers' pieces: every worker makes one piece of every batch,
+        K batches' pieces at a time (one message per worker for K batches, as many as when
+        each worker made whole batches), and the DataLoader takes them from each worker in
+        turn, worker 0 first."""
+        workers = max(1, self.cfg.workers)
+        while outputs := list(itertools.islice(groups, workers)):
+            for pieces in zip(*outputs, strict=True):
+                yield self.joiner(list(pieces))
 
     def epoch(self) -> Iterator[dict[str, Any]]:
         """The batches of the current epoch; the state moves to the next epoch after the
@@ -207,7 +222,7 @@ class TrainLoader:
         return layout.batches(self.stream.shards.total) * layout.per_batch
 
     def steps_left(self, epochs: int) -> int:
-        """Batches this rank delivers (as every rank does) until ``epochs`` epochs are."""
+        """Global batches until ``epochs`` epochs are delivered."""
         if self.state.epoch >= epochs:
             return 0
         full = self.stream.layout.batches(self.stream.shards.total)

@@ -1,26 +1,36 @@
-"""The training stream: batches of two views per instance for one rank.
+"""The training stream: one rank's share of every global batch, two views per instance.
 
-Which samples a (rank, worker) stream reads and in which order is the epoch plan's
-(``data_pipeline/loader/plan.py``): every sample of the shards once per epoch across all
-ranks and workers, equal batches per rank, lanes of the data set read side by side and
-shuffled in blocks. Worker w of K yields the epoch's batches b with b % K == w, which the
-DataLoader interleaves back into order 0, 1, 2, ... A batch is the next ``batch_size``
-positions of the stream (``2 * batch_size`` for ``pairing=same_label``); a sample that is
-skipped leaves its batch one instance short (a batch left with none is a placeholder the
-trainer steps over on every rank), so where a stream stands never depends on
-what its samples held.
+Which samples a global batch holds, and in which order, is the epoch plan's
+(``data_pipeline/loader/plan.py``): chunk slots, each a slice of the epoch read in lanes
+and shuffled in blocks, a function of (seed, epoch, data, global batch, chunk size) alone.
+Rank r takes the chunks of its slots, whole. Its loader workers split the lanes of those
+slots between them (worker w of K reads lanes w, w + K, ...), so each lane is read once,
+sequentially, by one worker, and a worker holds the open shards of its own lanes only.
+For every global batch each worker makes one *piece*: its lanes' samples of that batch,
+decoded, their views drawn under each sample's own seed and rendered, each tagged with its
+slot and its place in the chunk. It yields the pieces of K batches at a time (one message
+per worker for K batches: a message costs a file-descriptor handshake per tensor). The
+DataLoader hands them over round-robin, worker 0 first, and
+:class:`~data_pipeline.loader.collate.ChunkJoiner` joins the K pieces of each batch in
+order (``epochs.py``). So neither the number of ranks nor the number of workers
+changes a batch: only which process made it.
 
-Resume (:class:`LoaderState`): the state records the batches delivered under each layout
-of the epoch; a stream recomputes its order and reads only the block it stands in.
-Augmentation is seeded per sample from (seed, epoch, position), so the batches after the
-resume point are identical to an uninterrupted run's under the same layout.
+A sample that is skipped leaves its chunk one instance short; a rank with a chunk left
+with none marks its batch a placeholder, and every rank steps over that step, so where a
+stream stands never depends on what its samples held.
+
+Resume (:class:`LoaderState`): the state records the global batches delivered under each
+layout of the epoch; a lane recomputes its order and reads only from the block it stands
+in. Augmentation is seeded per sample from (seed, epoch, key).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_pipeline.config import DataConfig
@@ -28,13 +38,19 @@ from data_pipeline.dali.params import encoded_image
 from data_pipeline.formats import SkipSample
 from data_pipeline.graph.store import CaptionStore
 from data_pipeline.loader.backends import backend_spec
-from data_pipeline.loader.collate import Instance, TrainCollator
-from data_pipeline.loader.plan import EpochPlan, Layout, ShardOrder, StreamOrder, Work
+from data_pipeline.loader.collate import PieceDrawer
+from data_pipeline.loader.plan import (
+    EpochPlan,
+    Layout,
+    ShardOrder,
+    SlotOrder,
+    StreamLayout,
+    Work,
+)
 from data_pipeline.loader.reading import ShardReader
 from data_pipeline.loader.state import LoaderState
-from data_pipeline.samples import RawSample, SampleChecker, Skip, stable_int
+from data_pipeline.samples import RawSample, SampleChecker, Skip
 from data_pipeline.shards import ShardSet
-from data_pipeline.text import TextConfig
 from data_pipeline.transforms import decode, decode_size
 
 Placed = tuple[int, RawSample | Skip]  # (epoch position, the sample or why it was skipped)
@@ -47,20 +63,24 @@ def worker_slot() -> tuple[int, int]:
 
 
 class TrainStream(IterableDataset):
-    """One rank's training batches from ``state`` to the end of the epoch."""
+    """This worker's pieces of one rank's training batches from ``state`` to the end of
+    the epoch. A step takes ``global_batch`` instances over all ranks (0: ``batch_size``
+    on each), in chunks of ``batch_size``."""
 
     def __init__(self, cfg: DataConfig, shards: ShardSet, rank: int = 0, world: int = 1,
-                 state: LoaderState | None = None, text: TextConfig | None = None,
-                 global_batch: int = 0) -> None:
+                 state: LoaderState | None = None, global_batch: int = 0) -> None:
         self.cfg, self.shards, self.rank, self.world = cfg, shards, rank, world
-        self.state, self.text = state or LoaderState(), text
+        self.state = state or LoaderState()
         if cfg.caption_store:  # fail at start on a broken store; workers re-open it (mmap)
             CaptionStore.open(cfg.caption_store)
         self.epochs_begun = 0  # by this copy: persistent workers count their own epochs
-        # ``global_batch`` instances a step over all ranks (0: batch_size on each rank)
         per_instance = cfg.samples_per_batch // cfg.batch_size
-        self.layout = Layout(world, max(1, cfg.workers),
-                             (global_batch or cfg.batch_size * world) * per_instance)
+        self.layout = Layout((global_batch or cfg.batch_size * world) * per_instance,
+                             cfg.samples_per_batch)
+        if world > self.layout.chunks:
+            raise ValueError(f"a global batch of {self.layout.chunks} chunk(s) of "
+                             f"data.batch_size={cfg.batch_size} cannot be dealt to {world} "
+                             "ranks")
         self.state.enter(list(self.layout))
         self._resumed: tuple[tuple[int, str], int] | None = None  # (epoch, layouts) -> batches
         if self.layout.batches(shards.total) == 0:
@@ -69,14 +89,15 @@ class TrainStream(IterableDataset):
 
     def plan(self, epoch: int, history: list[list[int]]) -> EpochPlan:
         """The plan of ``epoch`` after the earlier ``history`` layouts of it."""
-        earlier = [(Layout(*layout[:3]), layout[3]) for layout in history]
+        earlier = [(StreamLayout(*layout[:3]) if len(layout) == 4 else Layout(*layout[:2]),
+                    layout[-1]) for layout in history]
         return EpochPlan(self.shards.total, self.cfg.seed, epoch, self.cfg.lanes,
                          self.cfg.shuffle_buffer, earlier, self.layout)
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches per rank in the state's epoch under this layout: all of them, or after
-        a change of layout mid-epoch, those of the work left."""
+        """Global batches in the state's epoch under this layout: all of them, or after a
+        change of layout mid-epoch, those of the work left."""
         if not self.state.layouts:
             return self.layout.batches(self.shards.total)
         key = (self.state.epoch, repr(self.state.layouts))
@@ -85,7 +106,9 @@ class TrainStream(IterableDataset):
         return self._resumed[1]
 
     def __len__(self) -> int:
-        return self.batches_per_epoch - self.state.batches
+        """Messages left: from each worker, its pieces of K batches at a time."""
+        workers = max(1, self.cfg.workers)
+        return -(-(self.batches_per_epoch - self.state.batches) // workers) * workers
 
     def position(self) -> tuple[int, int, list[list[int]]]:
         """(epoch, first batch, earlier layouts) of the epoch an iteration delivers. The
@@ -97,46 +120,38 @@ class TrainStream(IterableDataset):
             return self.state.epoch, self.state.batches, self.state.layouts
         return self.state.epoch + begun, 0, []
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        """This worker's piece of every global batch from the state's on, those of K
+        batches at a time (K workers)."""
         epoch, start, history = self.position()
-        worker_id, workers = worker_slot()
-        # The DataLoader polls workers round-robin from worker 0, and batch `start` belongs
-        # to stream start % K: worker i carries on stream (i + start) % K.
-        worker = (worker_id + start) % workers
+        worker, workers = worker_slot()
         plan = self.plan(epoch, history)
-        order = plan.stream(self.rank, worker)
         checker = SampleChecker(len(self.shards.class_names), self.cfg.max_skip_fraction)
         reader = ShardReader(self.shards, checker, self.cfg.caption_store, self.cfg.retry,
                              self.cfg.verify_checksums)
-        per_batch = self.layout.share(self.rank)
-        done = self.layout.stream_batches(start, worker)
-        placed = self._ordered(order, ShardOrder(self.shards.counts, self.cfg.seed, epoch),
-                               reader, done * per_batch)
-        collate = TrainCollator(self.cfg, self.text, reader.store)
+        shards = ShardOrder(self.shards.counts, self.cfg.seed, epoch)
+        lanes = [(slot, lane) for slot in self.slots
+                 for lane in range(plan.slot(slot).lanes)][worker::workers]
+        streams = [_Lane(slot, self.layout.chunk(slot),
+                         _lane_items(plan.slot(slot), lane, start * self.layout.chunk(slot),
+                                     shards, reader))
+                   for slot, lane in lanes]
+        draw = PieceDrawer(self.cfg, epoch)
         decoder = self._decoder()
-        for _ in range(worker + done * workers, plan.batches, workers):
-            group = self._instances([decoder(next(placed), checker) for _ in range(per_batch)])
-            if not group:  # every sample skipped (or no pair): the ranks still step together
-                yield collate.placeholder(checker.log.take(), bool(self.shards.class_names))
-                continue
-            seeds = [stable_int(self.cfg.seed, epoch, instance[0][0].key)
-                     for instance in group]
-            yield collate(group, seeds, checker.log.take())
+        group: list[dict[str, Any]] = []
+        for batch in range(start, plan.batches):
+            decoded = [(lane.slot, place, decoder(sample, checker))
+                       for lane in streams for place, sample in lane.chunk(batch)]
+            group.append(draw(batch, [(slot, place, got) for slot, place, got in decoded
+                                      if got is not None], checker.log.take()))
+            if len(group) == workers or batch == plan.batches - 1:
+                yield one_storage(group)
+                group = []
 
-    @staticmethod
-    def _ordered(order: StreamOrder, shards: ShardOrder, reader: ShardReader,
-                 item: int) -> Iterator[Placed]:
-        """The stream's samples in its order from its item ``item`` on: each lane read
-        from the block that holds ``item``, each block delivered in its permutation."""
-        index = item // order.block
-        starts = order.lane_starts(index * order.block)
-        lanes = [_read(order.lane(lane, starts[lane]), shards, reader)
-                 for lane in range(order.lanes)]
-        while index * order.block < order.size:
-            got = [next(lanes[lane]) for lane in order.block_lanes(index)]
-            for k in order.permutation(index)[max(0, item - index * order.block):]:
-                yield got[k]
-            index += 1
+    @property
+    def slots(self) -> range:
+        """The chunk slots of this rank."""
+        return self.layout.slots(self.rank, self.world)
 
     def _decoder(self):
         """``(placed, checker) -> (sample, image) or None``: the sample decoded (the DALI
@@ -147,8 +162,8 @@ class TrainStream(IterableDataset):
         # the main process decodes, on its device
         encoded = backend_spec(self.cfg.backend).device_views is not None
 
-        def decoded(placed: Placed, checker: SampleChecker) -> tuple[RawSample, Any] | None:
-            sample = placed[1]
+        def decoded(sample: RawSample | Skip, checker: SampleChecker,
+                    ) -> tuple[RawSample, Any] | None:
             if isinstance(sample, Skip):  # logged with the batch that holds its position
                 checker.log.add(sample)
                 return None
@@ -164,23 +179,52 @@ class TrainStream(IterableDataset):
 
         return decoded
 
-    def _instances(self, decoded: list[tuple[RawSample, Any] | None]) -> list[Instance]:
-        """One image each (``views``), or two images of one class (``same_label``: the
-        first two of each class among the batch's samples, then the next two, ...)."""
-        present = [d for d in decoded if d is not None]
-        if self.cfg.pairing == "views":
-            return [[d] for d in present]
-        pending: dict[int, tuple[RawSample, Any]] = {}
-        pairs: list[Instance] = []
-        for sample, image in present:
-            if sample.label is None:
-                raise ValueError(f"data.pairing=same_label needs labels; {sample.key} in "
-                                 f"{sample.shard} has none")
-            if sample.label in pending:
-                pairs.append([pending.pop(sample.label), (sample, image)])
-            else:
-                pending[sample.label] = (sample, image)
-        return pairs
+
+def one_storage(pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``pieces`` with their rendered views as views of one tensor: a message hands over
+    one storage (one file-descriptor handshake), not one a piece."""
+    views = [p["views"] for p in pieces]
+    if len(views) < 2 or not all(isinstance(v, torch.Tensor) for v in views) \
+            or len({(v.dtype, v.shape[1:]) for v in views}) > 1:
+        return pieces
+    joined = torch.cat(views)
+    starts = [0, *itertools.accumulate(len(v) for v in views)]
+    return [{**p, "views": joined[a:b]}
+            for p, a, b in zip(pieces, starts[:-1], starts[1:], strict=True)]
+
+
+class _Lane:
+    """One lane of a slot as a worker reads it: ``(place in chunk, sample)`` per chunk."""
+
+    def __init__(self, slot: int, chunk: int, items: Iterator[tuple[int, Placed]]) -> None:
+        self.slot, self.size, self.items = slot, chunk, items
+        self.ahead: tuple[int, Placed] | None = next(items, None)
+
+    def chunk(self, batch: int) -> Iterator[tuple[int, RawSample | Skip]]:
+        first, stop = batch * self.size, (batch + 1) * self.size
+        while self.ahead is not None and self.ahead[0] < stop:
+            item, (_, sample) = self.ahead
+            yield item - first, sample
+            self.ahead = next(self.items, None)
+
+
+def _lane_items(order: SlotOrder, lane: int, item: int, shards: ShardOrder,
+                reader: ShardReader) -> Iterator[tuple[int, Placed]]:
+    """``(slot item, placed)`` for the items of ``order`` from ``item`` on that lane
+    ``lane`` holds, in order: the lane read from the block that holds its next item, each
+    block delivered in its permutation."""
+    if lane >= order.lanes:
+        return
+    first = order.lane_starts(item)[lane]
+    index = first // order.block
+    samples = _read(order.lane(lane, index * order.block), shards, reader)
+    while index * order.block < order.lengths[lane]:
+        base = index * order.block
+        permutation = order.permutation(lane, index)
+        got = [next(samples) for _ in permutation]
+        for k in range(max(0, first - base), len(permutation)):
+            yield (base + k) * order.lanes + lane, got[permutation[k]]
+        index += 1
 
 
 def _read(work: Work, shards: ShardOrder, reader: ShardReader) -> Iterator[Placed]:

@@ -10,12 +10,21 @@ Learning Batch Size under Memory Limited Setup", Sec. 3.2); ``docs/negatives.md`
 3. Re-run each chunk with gradient and back-propagate its slice of the cached gradient,
    as one surrogate sum(output * cached gradient) per chunk.
 
-Step 3 replays step 1 exactly: the RNG state (dropout) is restored per chunk, and batch
-norm computes the same chunk statistics while its running statistics, updated in step 1,
-are left alone. The engine reduces gradients across ranks once, after the last chunk
-(DDP ``no_sync`` before it; DeepSpeed's accumulation boundary). With batch norm each chunk
-is its own normalisation batch, as each rank is without SyncBatchNorm; with
-``model.norm=group`` chunked and unchunked steps are equal.
+The pieces follow the loader's chunks (``batch["chunk_sizes"]``: a rank's batch is whole
+chunks of ``data.batch_size`` instances, first views then second views): a piece is one
+chunk's rows, both views, or a part of them when ``train.chunk_size`` is smaller
+(:func:`encoding_pieces`). So with batch norm each piece is its own normalisation batch,
+the same rows at any number of ranks, as a rank that holds one chunk normalises it
+unchunked. Running statistics follow each rank's first piece alone: rank 0's first piece
+is the global batch's first chunk on any world, and its statistics are the ones the
+engine keeps (DDP broadcasts rank 0's buffers; checkpoints save rank 0's).
+
+Step 3 replays step 1 exactly: the RNG state (dropout) is restored per piece, and batch
+norm computes the same piece statistics while its running statistics, updated in step 1,
+are left alone. The engine reduces gradients across ranks once, after the last piece
+(DDP ``no_sync`` before it; DeepSpeed's accumulation boundary). Every rank runs as many
+pieces (a rank with fewer chunks runs zero-weighted copies); with ``model.norm=group``
+chunked and unchunked steps are equal.
 """
 
 from __future__ import annotations
@@ -42,11 +51,22 @@ def chunks_of(rows: int, count: int) -> list[slice]:
     return [slice(end - size, end) for size, end in zip(sizes, ends, strict=True)]
 
 
-def chunk_count(rows_per_rank: int, chunk_size: int) -> int:
-    """Chunks per rank: the same on every rank (ZeRO-2 reduces after every backward), enough
-    for the most rows a rank holds (the objective's ``rows_per_rank``: no count is
-    exchanged)."""
-    return max(1, math.ceil(rows_per_rank / chunk_size))
+def encoding_pieces(chunk_sizes: list[int], splits: int, count: int) -> list[list[int]]:
+    """The rows of each piece a rank encodes: chunk j of ``chunk_sizes`` (instances) is
+    rows ``[o_j, o_j + n_j)`` (first views) and ``[h + o_j, h + o_j + n_j)`` (second
+    views) of a batch of ``h`` instances, cut into ``splits`` nearly equal pieces (smallest,
+    possibly empty, first); empty pieces after them make ``count``."""
+    total = sum(chunk_sizes)
+    pieces: list[list[int]] = []
+    start = 0
+    for size in chunk_sizes:
+        rows = [*range(start, start + size), *range(total + start, total + start + size)]
+        pieces += [rows[part] for part in chunks_of(len(rows), splits)]
+        start += size
+    if len(pieces) > count:
+        raise ValueError(f"{len(chunk_sizes)} chunks in {len(pieces)} pieces exceed the "
+                         f"{count} pieces every rank encodes")
+    return pieces + [[] for _ in range(count - len(pieces))]
 
 
 def rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -75,8 +95,9 @@ def batch_stats_frozen(model: nn.Module) -> Iterator[None]:
             norm.track_running_stats = True
 
 
-def _cat(parts: list[Tensor | None]) -> Tensor | None:
-    return None if parts[0] is None else torch.cat(parts).requires_grad_()
+def _cat(parts: list[Tensor | None], inverse: Tensor) -> Tensor | None:
+    """The pieces' outputs back in the batch's row order, as one leaf."""
+    return None if parts[0] is None else torch.cat(parts)[inverse].requires_grad_()
 
 
 def _leaf(value: Tensor | None) -> Tensor | None:
@@ -94,7 +115,7 @@ def _leaf_grads(loss: Tensor, leaves: ModelOutput) -> ModelOutput:
                        dict(zip(leaves.loss_parameters, grads[3:], strict=True)))
 
 
-def _surrogate(out: ModelOutput, grads: ModelOutput, rows: slice, last: bool) -> Tensor:
+def _surrogate(out: ModelOutput, grads: ModelOutput, rows: Tensor, last: bool) -> Tensor:
     """sum(output * cached gradient) of one chunk: its rows of the projections (and text);
     the whole gradient of the temperature and loss parameters once, with the last chunk."""
     surrogate = (out.projections * grads.projections[rows]).sum()
@@ -110,29 +131,50 @@ def _surrogate(out: ModelOutput, grads: ModelOutput, rows: slice, last: bool) ->
 def chunked_forward_loss(engine: Engine, batch: dict[str, Any],
                          loss_of: Callable[[ModelOutput], ObjectiveOutput], chunk_size: int,
                          rows_per_rank: int | None = None,
+                         pieces: tuple[int, int] | None = None,
                          ) -> tuple[ObjectiveOutput, Callable[[], None]]:
     """``loss_of`` (the step's objective against the global batch) on the whole batch's
-    outputs, made chunk by chunk without gradient, and the function that back-propagates
-    it through the encoder chunk by chunk (steps 1-3 above). The caller decides, from the
-    loss, whether to call it (the non-finite guard)."""
+    outputs, made piece by piece without gradient, and the function that back-propagates
+    it through the encoder piece by piece (steps 1-3 above). ``pieces``: (pieces a chunk
+    of ``batch["chunk_sizes"]`` is cut in, pieces every rank encodes); None: the batch is
+    one chunk, cut in pieces of at most ``chunk_size`` rows, as many as the most rows a
+    rank holds need (``rows_per_rank``). The caller decides, from the loss, whether to
+    call the backward (the non-finite guard)."""
     device = batch["images"].device
     rows_here = len(batch["images"])
-    chunks = chunks_of(rows_here, chunk_count(rows_per_rank or rows_here, chunk_size))
+    sizes = batch.get("chunk_sizes") or []
+    if pieces is None:
+        splits = count = max(1, math.ceil((rows_per_rank or rows_here) / chunk_size))
+    else:
+        splits, count = pieces
+    if pieces is None or 2 * sum(sizes) != rows_here:  # one chunk, or a placeholder's rows
+        rows = list(range(rows_here))
+        cut = [rows[part] for part in chunks_of(rows_here, splits)]
+        cut += [[] for _ in range(count - len(cut))]
+    else:
+        cut = encoding_pieces(sizes, splits, count)
+    pieces_rows = [torch.tensor(rows, dtype=torch.long, device=device) for rows in cut]
+    stand_in = torch.arange(min(2, rows_here), device=device)  # an empty piece's rows
     states, outputs = [], []
     with torch.no_grad():
-        for rows in chunks:
+        for index, rows in enumerate(pieces_rows):
             states.append(rng_state(device))
-            if rows.stop > rows.start:
-                outputs.append(engine.module(*model_inputs(batch, rows)))
-            elif engine.shards_parameters:  # a forward is a collective: every rank joins
-                with batch_stats_frozen(engine.module):
-                    engine.module(*model_inputs(batch, slice(0, min(2, rows_here))))
+            # running statistics: the first piece's alone (see the module's docstring)
+            frozen = batch_stats_frozen(engine.module) if index else contextlib.nullcontext()
+            with frozen:
+                if len(rows):
+                    outputs.append(engine.module(*model_inputs(batch, rows)))
+                elif engine.shards_parameters:  # a forward is a collective: every rank joins
+                    with batch_stats_frozen(engine.module):
+                        engine.module(*model_inputs(batch, stand_in))
     after = rng_state(device)
+    inverse = torch.argsort(torch.cat([rows for rows in pieces_rows if len(rows)]))
     leaves = ModelOutput(
         features=None if outputs[0].features is None else torch.cat(
-            [o.features for o in outputs]),  # no gradient: watched, not trained
-        projections=_cat([o.projections for o in outputs]),
-        text=_cat([o.text for o in outputs]), temperature=_leaf(outputs[0].temperature),
+            [o.features for o in outputs])[inverse],  # no gradient: watched, not trained
+        projections=_cat([o.projections for o in outputs], inverse),
+        text=_cat([o.text for o in outputs], inverse),
+        temperature=_leaf(outputs[0].temperature),
         loss_parameters={name: _leaf(value)
                          for name, value in outputs[0].loss_parameters.items()})
     result = loss_of(leaves)
@@ -141,13 +183,13 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any],
     def backward() -> None:
         grads = _leaf_grads(result.loss, leaves)
         with batch_stats_frozen(engine.module):
-            for index, rows in enumerate(chunks):
-                last = index == len(chunks) - 1
+            for index, rows in enumerate(pieces_rows):
+                last = index == len(pieces_rows) - 1
                 set_rng_state(states[index], device)
-                # A rank with fewer rows than chunks runs a zero-weighted copy of a real
-                # chunk: ZeRO-2 needs every rank's gradients ready in the same order.
-                weight = 1.0 if rows.stop > rows.start else 0.0
-                rows = rows if weight else slice(0, min(2, rows_here))
+                # A rank with fewer rows than pieces runs a zero-weighted copy of a real
+                # piece: ZeRO-2 needs every rank's gradients ready in the same order.
+                weight = 1.0 if len(rows) else 0.0
+                rows = rows if len(rows) else stand_in
                 with engine.accumulating(last):
                     with torch.autocast(device.type, dtype=autocast[1], enabled=autocast[0]):
                         out = engine(*model_inputs(batch, rows))

@@ -57,7 +57,7 @@ class Objective:
                             self.cfg.tile_size, self.num_classes, self.rows_per_rank)
 
 
-def model_inputs(batch: dict[str, Any], rows: slice = slice(None)) -> tuple:
+def model_inputs(batch: dict[str, Any], rows: slice | Tensor = slice(None)) -> tuple:
     """(images, input_ids, attention_mask, text_repeats) of ``rows`` of the batch, as the
     model takes them. For the whole batch, when the loader says that its second half of
     token rows repeats the first (``text_repeated``: the views of an image share its
@@ -66,7 +66,8 @@ def model_inputs(batch: dict[str, Any], rows: slice = slice(None)) -> tuple:
     ids, mask = batch.get("input_ids"), batch.get("attention_mask")
     if ids is None:
         return batch["images"][rows], None, None, 1
-    if rows == slice(None) and batch.get("text_repeated"):
+    whole = isinstance(rows, slice) and rows == slice(None)
+    if whole and batch.get("text_repeated"):
         half = ids.shape[0] // 2
         return batch["images"], ids[:half], mask[:half], 2
     return batch["images"][rows], ids[rows], mask[rows], 1

@@ -18,9 +18,9 @@ count, the kNN monitor); it builds its own ``monitors``. One step
    not finite on some rank (no host synchronisation);
 6. the metrics, summed on the device and read every ``log_every`` steps.
 
-``train.chunk_size`` runs steps 2-5 chunk by chunk with the cached embedding gradient
-(``chunked.py``), as does a rank whose share of the global batch exceeds its configured
-batch (fewer ranks than the run began with). The run is measured in samples of the data
+``train.chunk_size`` runs steps 2-5 piece by piece with the cached embedding gradient
+(``chunked.py``), as does a rank that holds more than one chunk of the global batch
+(fewer ranks than chunks: ``pretrain/run/batch_cut.py``). The run is measured in samples of the data
 set (:class:`RunLength`): it ends when the loader has delivered ``train.epochs`` epochs, or
 after ``train.max_steps`` steps. Checkpoints follow :mod:`pretrain.run.checkpoint`.
 """
@@ -65,6 +65,7 @@ from pretrain.loop.run_length import RunLength
 from pretrain.loop.step import Objective, model_inputs, to_device
 from pretrain.losses import BatchRows, ObjectiveOutput
 from pretrain.model.encoder import ModelOutput
+from pretrain.run.batch_cut import BatchCut
 from pretrain.run.checkpoint import Checkpointer, Unresumable, rng_state, set_rng_state
 from pretrain.run.config_drift import check_drift, unfit_checkpoint
 from pretrain.run.preemption import Preempted, PreemptionWatch
@@ -79,7 +80,7 @@ class TrainConfig:
     epochs: int = 1  # passes over the training shards: the run ends when they are delivered
     max_steps: int = 0  # > 0: stop after this many steps (overrides epochs)
     log_every: int = 10  # steps between metric rows
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU
+    precision: Literal["auto", "fp32", "bf16", "fp64"] = "auto"  # auto: bf16 on GPU; fp64: exact
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     max_nonfinite: int = 5  # consecutive non-finite losses that stop the run
     chunk_size: int = 0  # > 0: encode in chunks of this many rows, cached gradient (GradCache)
@@ -116,7 +117,8 @@ def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Objectiv
     for it on the steps that report, not on every step."""
     captions = batch.get("caption_embeddings")
     rows = BatchRows(out.projections, batch["ids"], batch.get("labels"),
-                     None if captions is None else captions.float(), out.text)
+                     None if captions is None else captions.to(out.projections.dtype),
+                     out.text)
     global_batch = build_global_batch(rows, objective.options(step))
     temperature = objective.temperature if out.temperature is None else out.temperature
     result = objective.fn(global_batch, temperature, **out.loss_parameters)
@@ -129,12 +131,14 @@ def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Objectiv
 
 def chunked_loss(engine: Engine, batch: dict[str, Any], objective: Objective, step: int,
                  chunk_size: int, measure_rank: bool = True,
+                 pieces: tuple[int, int] | None = None,
                  ) -> tuple[ObjectiveOutput, Callable[[], None]]:
-    """Steps 2-4 chunk by chunk (``train.chunk_size``), and the backward to run after
-    them (``chunked.py``)."""
+    """Steps 2-4 piece by piece (the batch's chunks, or ``train.chunk_size``), and the
+    backward to run after them (``chunked.py``)."""
     loss_of = functools.partial(loss_of_outputs, batch=batch, objective=objective, step=step,
                                 measure_rank=measure_rank)
-    return chunked_forward_loss(engine, batch, loss_of, chunk_size, objective.rows_per_rank)
+    return chunked_forward_loss(engine, batch, loss_of, chunk_size, objective.rows_per_rank,
+                                pieces)
 
 
 class Trainer:
@@ -146,8 +150,11 @@ class Trainer:
                  loader: TrainLoader | None, checkpointer: Checkpointer,
                  schedule: Callable[[int], float], length: RunLength, runtime: Runtime,
                  precision: str, preemption: PreemptionWatch | None = None,
-                 reports: Reports | None = None) -> None:
+                 reports: Reports | None = None, cut: BatchCut | None = None) -> None:
         self.cfg, self.runtime, self.precision = cfg, runtime, precision
+        # the pieces a step encodes in, from the run's cut of its global batch (None: the
+        # batch is one chunk)
+        self.pieces = cut.pieces(cfg.chunk_size) if cut and cfg.chunk_size else None
         self.engine, self.objective, self.loader = engine, objective, loader
         self.checkpointer, self.preemption = checkpointer, preemption
         self.schedule, self.length = schedule, length
@@ -214,7 +221,8 @@ class Trainer:
             with autocast(self.precision, self.runtime.device):
                 if self.cfg.chunk_size:  # 2-4 chunk by chunk, 5 returned for later
                     out, backward = chunked_loss(self.engine, batch, self.objective,
-                                                 self.step, self.cfg.chunk_size, reports)
+                                                 self.step, self.cfg.chunk_size, reports,
+                                                 self.pieces)
                 else:  # 2-4
                     out = forward_loss(self.engine, batch, self.objective, self.step,
                                        reports)

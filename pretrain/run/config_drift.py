@@ -28,8 +28,9 @@ TRAINED = ("objective.", "model.", "data.", "seed", "optim.layer_decay")
 # data keys that change how samples are read, not which samples or views are trained on
 DATA_OPERATIONAL = {"workers", "prefetch", "persistent_workers", "pin_memory", "retries",
                     "retry_wait", "verify_checksums", "max_skip_fraction", "max_image_pixels",
-                    "batch_size", "global_batch", "ledger"}
-# batch_size, global_batch: a resume keeps its position in samples
+                    "batch_size", "global_batch", "global_batch_size", "ledger"}
+# batch_size, global_batch: a resume keeps its position in samples; global_batch_size:
+# the global batch the checkpoints record is kept
 
 
 class _Absent:

@@ -9,13 +9,13 @@ each parameter on its own: :func:`per_parameter_state` joins its partitions too,
 :func:`zero3_partition_for` cuts a new rank's out of per-parameter state. What else is per
 rank is rebuilt for the new world:
 
-- Data: the loader state (epoch, batches delivered, the layout that delivered them and
-  the epoch's earlier layouts) is the same on every old rank and is carried over whole.
-  The new loader sees another layout and continues with exactly the work the old one
-  left (``data_pipeline/loader/plan.py``): nothing of the epoch is lost or drawn again,
-  whatever the new number of ranks, workers or batch size. A state saved before layouts
-  were recorded continues at ``floor(b * G / G')`` batches of the new layout (less than
-  one global batch drawn again).
+- Data: the loader state (epoch, global batches delivered, the layout that delivered them
+  and the epoch's earlier layouts) is the same on every old rank and is carried over whole.
+  The new loader continues with the same global batches on any world; under another
+  layout (another batch size) it deals exactly the work the old one left
+  (``data_pipeline/loader/plan.py``): nothing of the epoch is lost or drawn again. A
+  state saved before layouts were recorded continues at ``floor(b * G / G')`` batches of
+  the new layout (less than one global batch drawn again).
 - Skip counts: the old ranks' totals are summed into the new rank 0, so the run's
   totals continue.
 - Random number generators: every new rank is seeded from (step, rank).

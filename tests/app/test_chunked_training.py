@@ -19,7 +19,7 @@ def test_chunked_run_equals_the_unchunked_run(digits_shards, tmp_path):
         result = run_pretrain(train_overrides(digits_shards, out, **SPLIT_INDEPENDENT,
                                               **{"train.chunk_size": chunk}), nproc=2)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert ("encoded in chunks of at most 5 rows" in result.stderr) == bool(chunk)
+        assert ("encoded in pieces of at most 5 rows" in result.stderr) == bool(chunk)
         # every metric row reports the encoder's TFLOP/s; no MFU without a known peak (CPU)
         assert "train/tflops=" in result.stderr and "train/mfu=" not in result.stderr
         weights[chunk] = final_model(out / "run")

@@ -12,10 +12,10 @@ import torch
 
 from data_pipeline.config import DataConfig
 from data_pipeline.formats import Sample
-from data_pipeline.loader import LoaderState, eval_batches, train_batches
-from data_pipeline.loader.collate import TrainCollator
+from data_pipeline.loader import LoaderState, TrainLoader, eval_batches, train_batches
+from data_pipeline.loader.collate import PieceDrawer
 from data_pipeline.manifest import ManifestError
-from data_pipeline.samples import RawSample, SkipLimitExceeded, SkipLog
+from data_pipeline.samples import SkipLimitExceeded
 from data_pipeline.transforms import MEAN, STD
 from tests.data_pipeline.helpers import (
     cut_inside_header,
@@ -217,6 +217,54 @@ def test_a_resume_on_another_number_of_ranks_loses_and_repeats_nothing(tmp_path)
     assert 196 - len(seen) < 3 * 3  # nothing lost but less than a global batch
 
 
+def global_batches(cfg: DataConfig, world: int, state: LoaderState | None = None,
+                   ) -> list[tuple[list[str], torch.Tensor, torch.Tensor]]:
+    """Each global batch of ``world`` ranks (a global batch of 24 instances) from
+    ``state`` on: its keys, first views and second views, the ranks' in rank order."""
+    ranks = [list(TrainLoader(cfg, rank, world, copy.deepcopy(state), global_batch=24).epoch())
+             for rank in range(world)]
+    out = []
+    for parts in zip(*ranks, strict=True):
+        sizes = [len(part["keys"]) for part in parts]
+        out.append(([k for part in parts for k in part["keys"]],
+                     torch.cat([p["images"][:n] for p, n in zip(parts, sizes, strict=True)]),
+                     torch.cat([p["images"][n:] for p, n in zip(parts, sizes, strict=True)])))
+    return out
+
+
+@pytest.mark.parametrize("pairing", ["views", "same_label"])
+def test_global_batches_are_the_same_on_any_world_and_any_workers(tmp_path, pairing):
+    """A global batch of 24 instances in chunks of 8: its instances in order and their
+    views, bit for bit, on 1, 2 and 3 ranks with 0 to 3 loader workers each, from the
+    epoch's start and from a resume after 2 batches (each view is drawn under its sample's
+    own seed, from uint8 pixels)."""
+    uneven_set(tmp_path, [60, 20, 14, 33, 50])
+
+    def cfg(workers: int) -> DataConfig:
+        return config(tmp_path, batch_size=8, workers=workers, pairing=pairing,
+                      persistent_workers=False)
+
+    reference = global_batches(cfg(0), 1)
+    assert len(reference) >= 3 and len({k for keys, _, _ in reference for k in keys}) == \
+        sum(len(keys) for keys, _, _ in reference)
+    state, loader = LoaderState(), TrainLoader(cfg(0), 0, 1, global_batch=24)
+    for index, _ in enumerate(loader.epoch()):
+        if index == 1:
+            saved = loader.state_dict()
+            break
+    state = LoaderState.from_state_dict(saved)
+    assert state.batches == 2
+    runs = [(world, workers, None) for world, workers in [(1, 2), (2, 1), (3, 3)]]
+    runs += [(world, workers, state) for world, workers in [(3, 0), (2, 2)]]
+    for world, workers, start in runs:
+        got = global_batches(cfg(workers), world, start)
+        want = reference if start is None else reference[2:]
+        assert len(got) == len(want), (world, workers)
+        for (keys, first, second), (keys_, first_, second_) in zip(got, want, strict=True):
+            assert keys == keys_, (world, workers, start)
+            assert torch.equal(first, first_) and torch.equal(second, second_)
+
+
 def test_same_label_pairs_are_two_images_of_one_class(tmp_path):
     uneven_set(tmp_path, [40, 40])
     batch = next(iter(train_batches(config(tmp_path, pairing="same_label", workers=0))))
@@ -236,11 +284,10 @@ def test_asymmetric_views_turn_only_the_second_view_grayscale():
     gen = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, 24, 24), generator=gen, dtype=torch.uint8)
               for _ in range(6)]
-    group = [[(RawSample(f"k{i}", "s", b"", 0, None), image)] for i, image in enumerate(images)]
 
     def views(**kw: object) -> torch.Tensor:
-        collate = TrainCollator(DataConfig(resolution=16, **kw), None, None)
-        return collate(group, list(range(6)), SkipLog())["images"]
+        return PieceDrawer(DataConfig(resolution=16, **kw), epoch=0).render(images,
+                                                                           list(range(6)))
 
     pixels = views(grayscale=0.0, grayscale_second=1.0) * torch.tensor(STD).view(3, 1, 1)
     pixels += torch.tensor(MEAN).view(3, 1, 1)

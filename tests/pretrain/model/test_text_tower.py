@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from data_pipeline.config import DataConfig
-from data_pipeline.loader.collate import TrainCollator
+from data_pipeline.loader.collate import ChunkJoiner, PieceDrawer
 from data_pipeline.samples import RawSample, SkipLog
 from data_pipeline.text import TextConfig, load_tokenizer, tokenize
 from pretrain.loop.step import model_inputs
@@ -51,14 +51,20 @@ def test_a_training_batch_is_padded_to_its_longest_caption_and_embeds_as_a_fixed
     attention and pooling, so it changes nothing but the work)."""
     tokenizer = load_tokenizer("bundled")
     lengths = [len(tokenizer(caption)["input_ids"]) for caption in CAPTIONS]
-    group = [[(RawSample(f"k{i}", "s", b"", None, caption), torch.zeros(3, 8, 8))]
+    items = [(0, i, (RawSample(f"k{i}", "s", b"", None, caption),
+                     torch.zeros(3, 8, 8, dtype=torch.uint8)))
              for i, caption in enumerate(CAPTIONS)]
-    collate = TrainCollator(DataConfig(resolution=8), TextConfig(max_length=32), None)
-    batch = collate(group, [0, 1, 2], SkipLog())
+    cfg = DataConfig(resolution=8)
+
+    def collated(max_length: int) -> dict:
+        piece = PieceDrawer(cfg, epoch=0)(0, items, SkipLog())
+        return ChunkJoiner(cfg, TextConfig(max_length=max_length), range(1),
+                           labelled=False)([piece])
+
+    batch = collated(32)
     assert batch["input_ids"].shape == (6, max(lengths)) and max(lengths) < 32
     assert batch["attention_mask"][:3].sum(1).tolist() == lengths
-    truncated = TrainCollator(DataConfig(resolution=8), TextConfig(max_length=4), None)
-    assert truncated(group, [0, 1, 2], SkipLog())["input_ids"].shape == (6, 4)
+    assert collated(4)["input_ids"].shape == (6, 4)
 
     torch.manual_seed(0)
     tower = TextTower(TextTowerConfig(), 16).double()

@@ -1,6 +1,6 @@
-"""How a step's global batch is cut across the current world: shares that sum to it and
-differ by at most one, chunks of at most the configured rows where a share outgrows them,
-and the global batch a run's checkpoints record."""
+"""How a step's global batch is cut across the current world: whole chunks of the
+configured batch, as many on every rank or one more, pieces of a chunk's rows where a rank
+holds more than one, and the global batch a run's checkpoints record."""
 
 from __future__ import annotations
 
@@ -10,26 +10,31 @@ import torch
 from pretrain.run.batch_cut import BatchCut, recorded_global_batch
 
 
-@pytest.mark.parametrize(("global_batch", "world"), [(64, 1), (64, 2), (64, 3), (65, 4),
-                                                     (7, 7), (1024, 48)])
-def test_shares_sum_to_the_global_batch_and_differ_by_at_most_one(global_batch, world):
-    cut = BatchCut(global_batch, world, per_rank=32)
+@pytest.mark.parametrize(("global_batch", "world"), [(64, 1), (64, 2), (64, 3), (65, 3),
+                                                     (7, 1), (1024, 32)])
+def test_ranks_take_whole_chunks_that_sum_to_the_global_batch(global_batch, world):
+    cut = BatchCut(global_batch, world, per_chunk=16)
     shares = [cut.share(rank) for rank in range(world)]
-    assert sum(shares) == global_batch and max(shares) - min(shares) <= 1
+    assert sum(shares) == global_batch
+    chunks = [len(cut.chunks.slots(r, world)) for r in range(world)]
+    assert max(chunks) - min(chunks) <= 1 and cut.chunks_per_rank == max(chunks)
     assert cut.rows_per_rank == 2 * max(shares)
+    assert all(share <= 16 * count for share, count in zip(shares, chunks, strict=True))
 
 
-def test_a_share_beyond_the_configured_batch_is_encoded_in_chunks_of_it():
-    assert BatchCut(64, 2, per_rank=32).chunk_rows(0) == 0  # the world it began with
-    assert BatchCut(64, 3, per_rank=32).chunk_rows(0) == 0  # more ranks: smaller shares
-    lost = BatchCut(64, 1, per_rank=32)  # a rank lost: 64 instances, 128 rows
+def test_a_rank_with_more_than_one_chunk_encodes_them_one_at_a_time():
+    assert BatchCut(64, 2, per_chunk=32).chunk_rows(0) == 0  # a chunk a rank: at once
+    lost = BatchCut(64, 1, per_chunk=32)  # a rank lost: 2 chunks, 128 rows
     assert lost.chunk_rows(0) == 64 and lost.rows_per_rank == 128
-    assert lost.chunk_rows(16) == 16  # train.chunk_size, when set, is kept
-    assert BatchCut(64, 1, per_rank=32, chunkable=False).chunk_rows(0) == 0  # split views
-    assert lost.describe(0) == ("global batch 64 on 1 rank(s): 64 instances a rank, "
-                                "encoded in chunks of at most 64 rows")
-    assert BatchCut(64, 3, 32).describe(0) == ("global batch 64 on 3 rank(s): 21 or 22 "
-                                               "instances a rank, encoded at once")
+    assert lost.pieces(64) == (1, 2)  # a piece a chunk, 2 on every rank
+    assert lost.chunk_rows(16) == 16 and lost.pieces(16) == (4, 8)  # train.chunk_size
+    uneven = BatchCut(64, 3, per_chunk=16)  # 4 chunks on 3 ranks: 2, 1, 1
+    assert [uneven.share(r) for r in range(3)] == [32, 16, 16]
+    assert uneven.pieces(uneven.chunk_rows(0)) == (1, 2)
+    assert lost.describe(0) == ("global batch 64 on 1 rank(s): 2 chunk(s) of 32 instances "
+                                "a rank, encoded in pieces of at most 64 rows")
+    assert BatchCut(64, 2, 32).describe(0) == ("global batch 64 on 2 rank(s): 1 chunk(s) of "
+                                               "32 instances a rank, encoded at once")
 
 
 def test_the_newest_readable_checkpoint_gives_the_global_batch(tmp_path):
