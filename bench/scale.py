@@ -15,9 +15,9 @@ Parts:
   tar for count and checksum), 1 against 2 workers.
 - ``counts``: opening a remote shard list without a manifest (a real ``http.server`` on
   127.0.0.1): requests per open, first and later.
-- ``epochs``: the training stream's epoch plan at simulated 8 x 8, 64 x 8 and 512 x 8
-  worlds: CC12M's samples delivered once each, and batch class mixing on ImageNet listed
-  class by class (``bench/scale_loader.py``).
+- ``epochs``: the training stream's epoch plan at simulated worlds of 8, 64 and 512 ranks:
+  CC12M's samples delivered once each, and batch class mixing on ImageNet listed class by
+  class (``bench/scale_loader.py``).
 - ``resume``: time from a loader resumed at 10% and at 90% of an epoch to its first batch,
   local and HTTP shards.
 - ``tree``: ``make-shards`` of an ImageNet-style tree listed class by class (1,000

@@ -73,9 +73,9 @@ class DataConfig:
     """The training and evaluation loaders (``data.*``)."""
 
     shards: str = ""  # training shards: make-shards directory or URLs (docs/data_pipeline.md)
-    batch_size: int = 64  # images per rank per step; each yields two views
-    # kept: the global batch the run began with on any number of ranks (shares, in chunks
-    # of batch_size); per_rank: batch_size a rank, the global batch follows the world
+    batch_size: int = 64  # images a chunk (a rank's unit of a step); each yields two views
+    # kept: the global batch the run began with on any number of ranks (chunks of
+    # batch_size dealt whole); per_rank: batch_size a rank, the global batch follows the world
     global_batch: Literal["kept", "per_rank"] = "kept"  # pretrain/run/batch_cut.py
     global_batch_size: int = 0  # kept: instances a step from the start (0: batch_size a rank)
     workers: int = 2  # loader worker processes per rank
@@ -89,8 +89,8 @@ class DataConfig:
     grayscale_second: float | None = None  # simclr: the second view's (null: grayscale)
     blur: float = 0.5  # simclr: probability of a Gaussian blur
     flip: float = 0.5  # simclr: probability of a horizontal flip
-    shuffle_buffer: int = 512  # samples shuffled together in each stream (a block)
-    lanes: int = 4  # places of the data set each stream reads side by side (mixing)
+    shuffle_buffer: int = 512  # samples a chunk slot shuffles at a time (its lanes' blocks)
+    lanes: int = 4  # places of the data set each chunk slot reads side by side (mixing)
     seed: int = 0  # seed of shard order, shuffling and augmentation
     max_skip_fraction: float = 0.01  # fail when more than this fraction of samples is bad
     max_image_pixels: int = 89_478_485  # larger images are skipped (bombs); 0 = Pillow's 2 x this

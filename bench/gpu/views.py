@@ -65,7 +65,7 @@ def compare(shards: Path, decoder: str, sizes: Sizes, device: torch.device,
     common = {"shards": str(shards), "batch_size": sizes.views_batch,
               "resolution": sizes.views_resolution, "augment": "simclr",
               "crop_min_scale": 0.08, "seed": 3, "max_skip_fraction": 0.0,
-              "workers": sizes.views_workers}  # the same streams: the same batches
+              "workers": sizes.views_workers}  # the same chunk slots: the same batches
     cpu = DataConfig(**common, backend="cpu", draft_decode=False)
     gpu = DataConfig(**common, backend="nvjpeg", decoder=decoder)
     row = {"decoder": decoder, "batches": 0, "images": 0, "keys_differ": 0, "nonfinite": 0,

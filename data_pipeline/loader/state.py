@@ -1,11 +1,11 @@
 """Where the training stream stands; saved in and restored from checkpoints.
 
-``epoch`` and ``batches`` (batches delivered in that epoch under ``layout``, the
-``[world, workers, positions per step over all ranks]`` that delivered them) say where to
-continue.
-``layouts`` lists the earlier layouts of the epoch as ``[world, workers, per batch,
+``epoch`` and ``batches`` (global batches delivered in that epoch under ``layout``, the
+``[positions a step, positions a chunk]`` that delivered them) say where to continue, on
+any world. ``layouts`` lists the earlier layouts of the epoch as ``[per step, per chunk,
 batches]``: a run resumed under another layout continues with the work the earlier ones
-left (``data_pipeline/loader/plan.py``).
+left (``data_pipeline/loader/plan.py``). States saved before chunk slots name their
+layouts ``[world, workers, per step]`` (``[..., batches]`` for earlier ones).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ GLOBAL_LAYOUTS = "global_layouts"  # a state's layouts count positions per step
 @dataclass
 class LoaderState:
     epoch: int = 0
-    batches: int = 0  # batches delivered in this epoch under `layout`
-    layout: list[int] = field(default_factory=list)  # [world, workers, per step]
+    batches: int = 0  # global batches delivered in this epoch under `layout`
+    layout: list[int] = field(default_factory=list)  # [per step, per chunk]
     layouts: list[list[int]] = field(default_factory=list)  # earlier ones of the epoch
     skipped: dict[str, int] = field(default_factory=dict)  # all epochs, per reason
     skipped_places: dict[str, int] = field(default_factory=dict)  # per "reason shard"

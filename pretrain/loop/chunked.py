@@ -154,7 +154,12 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any],
     else:
         cut = encoding_pieces(sizes, splits, count)
     pieces_rows = [torch.tensor(rows, dtype=torch.long, device=device) for rows in cut]
-    stand_in = torch.arange(min(2, rows_here), device=device)  # an empty piece's rows
+    # An empty piece's rows: a copy of two real rows, weighted zero; under SyncBatchNorm
+    # (GPUs), whose every forward is a collective, no row at all, so that it adds nothing
+    # to the other ranks' statistics (never run on a GPU)
+    synced = any(isinstance(m, nn.SyncBatchNorm) for m in engine.module.modules())
+    stand_in = torch.arange(0 if synced else min(2, rows_here), device=device)
+    collective = engine.shards_parameters or synced  # every rank runs every piece's forward
     states, outputs = [], []
     with torch.no_grad():
         for index, rows in enumerate(pieces_rows):
@@ -164,7 +169,7 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any],
             with frozen:
                 if len(rows):
                     outputs.append(engine.module(*model_inputs(batch, rows)))
-                elif engine.shards_parameters:  # a forward is a collective: every rank joins
+                elif collective:  # a forward is a collective: every rank joins
                     with batch_stats_frozen(engine.module):
                         engine.module(*model_inputs(batch, stand_in))
     after = rng_state(device)
