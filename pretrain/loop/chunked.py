@@ -159,7 +159,6 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any],
     # to the other ranks' statistics (never run on a GPU)
     synced = any(isinstance(m, nn.SyncBatchNorm) for m in engine.module.modules())
     stand_in = torch.arange(0 if synced else min(2, rows_here), device=device)
-    collective = engine.shards_parameters or synced  # every rank runs every piece's forward
     states, outputs = [], []
     with torch.no_grad():
         for index, rows in enumerate(pieces_rows):
@@ -169,7 +168,7 @@ def chunked_forward_loss(engine: Engine, batch: dict[str, Any],
             with frozen:
                 if len(rows):
                     outputs.append(engine.module(*model_inputs(batch, rows)))
-                elif collective:  # a forward is a collective: every rank joins
+                elif synced or engine.shards_parameters:  # a collective: every rank joins
                     with batch_stats_frozen(engine.module):
                         engine.module(*model_inputs(batch, stand_in))
     after = rng_state(device)

@@ -115,7 +115,7 @@ def test_help_points_at_every_key_and_help_config_lists_them(capsys):
     assert exit_status(importlib.import_module("app.pretrain").main, ["--help-config"]) == 0
     listing = capsys.readouterr().out
     line = next(row for row in listing.splitlines() if row.startswith("data.batch_size"))
-    assert "images per rank per step" in line and "default: 64" in line
+    assert "images a chunk" in line and "default: 64" in line
 
 
 def test_zero_padded_keys_stay_strings():

@@ -105,7 +105,8 @@ def test_resume_continues_exactly_and_undecodable_images_are_dropped(tmp_path, b
     def bogus(key: str) -> Sample:
         return Sample(key, undecodable_jpeg(), "jpg", 1, "a caption")
 
-    shards = [[digit_sample(i) for i in range(20)] + [bogus("bogus0")],
+    shards = [[digit_sample(i) for i in range(10)] + [bogus("bogus0")]
+              + [digit_sample(i) for i in range(10, 20)],
               [digit_sample(i) for i in range(20, 40)] + [bogus("bogus1")]]
     write_set(tmp_path, shards)
     cfg = config(tmp_path, batch_size=4, shuffle_buffer=8, backend=backend)
