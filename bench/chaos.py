@@ -3,8 +3,9 @@
 either a whole agent and every process under it (a node lost) or a single worker (a
 process lost), and starts a killed agent again 5-20 s later (the node back).
 
-    python -m bench.chaos                       # 12 kills, ~12 minutes, then the reference
-    python -m bench.chaos --kills 3 --epochs 8  # a short soak
+    python -m bench.chaos                       # 12 kills over 180 epochs, then the references
+    python -m bench.chaos --kills 4 --epochs 30 --gap 25 45 --seed 1   # docs/benchmarks.md's:
+                                                # soak 206 s, 3-rank reference 137 s
     python -m bench.chaos --analyse-only        # measure the soak in --workdir again
 
 The rendezvous store runs in a process of its own, as on a cluster whose endpoint is a head

@@ -1,7 +1,7 @@
 """More than one node, as ``launch/slurm.sbatch`` runs it: one torchrun agent per node with
 c10d rendezvous (here two agents on 127.0.0.1 sharing the run directory, as nodes share a
 file system). They train, checkpoint, are killed together and resume; the weights equal a
-1-node 2-process run's bit for bit (same ranks, same streams, same reductions). And the
+1-node 2-process run's bit for bit (same ranks, same chunks, same reductions). And the
 elastic launch (``launch/torchrun.sh`` with ``NNODES=1:2``), in float64: a node lost and
 regained while the job runs, and the run ends where the uninterrupted 2-process run does
 (its weights, every step's loss and samples), every sample of every epoch trained on once.
