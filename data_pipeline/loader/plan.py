@@ -151,12 +151,12 @@ def merged(positions: list[int]) -> list[Range]:
     return out
 
 
-class StreamOrder:
-    """The order of one (rank, worker) stream's slice ``work`` in states saved before chunk
-    slots (:class:`StreamLayout`): lanes side by side, shuffled together in blocks."""
+class Lanes:
+    """A slice ``work`` cut into ``lanes`` consecutive lanes (the first ``size % lanes`` one
+    item longer), read side by side: item t is item ``t // lanes`` of lane ``t % lanes``."""
 
-    def __init__(self, work: Work, lanes: int, block: int, seed: int) -> None:
-        self.work, self.block, self.seed = work, block, seed
+    def __init__(self, work: Work, lanes: int, seed: int) -> None:
+        self.work, self.seed = work, seed
         self.size = work.size
         self.lanes = max(1, min(lanes, self.size))
         base, extra = divmod(self.size, self.lanes)
@@ -168,14 +168,18 @@ class StreamOrder:
         return self.work.cut(self.starts[lane] + first, self.starts[lane + 1])
 
     def lane_starts(self, item: int) -> list[int]:
-        """Per lane, how many of its items come before pre-order item ``item``."""
+        """Per lane, how many of its items come before item ``item``."""
         return [(item - lane + self.lanes - 1) // self.lanes if item > lane else 0
                 for lane in range(self.lanes)]
 
-    def block_lanes(self, index: int) -> list[int]:
-        """The lane of each pre-order item of block ``index``."""
-        first = index * self.block
-        return [t % self.lanes for t in range(first, min(first + self.block, self.size))]
+
+class StreamOrder(Lanes):
+    """The order of one (rank, worker) stream's slice ``work`` in states saved before chunk
+    slots (:class:`StreamLayout`): its lanes' items shuffled together in blocks."""
+
+    def __init__(self, work: Work, lanes: int, block: int, seed: int) -> None:
+        super().__init__(work, lanes, seed)
+        self.block = block
 
     def permutation(self, index: int) -> list[int]:
         """The order in which block ``index`` delivers its pre-order items."""
@@ -211,7 +215,7 @@ class StreamOrder:
         return merged(left) + lanes
 
 
-class SlotOrder:
+class SlotOrder(Lanes):
     """The order of one chunk slot's slice ``work``: its lanes, each shuffled in blocks of
     ``block // lanes`` items by permutations of its own, read side by side (item t of the
     slot is item ``t // lanes`` of lane ``t % lanes``'s shuffled order). Any run of n items
@@ -219,22 +223,8 @@ class SlotOrder:
     equal shares of every chunk."""
 
     def __init__(self, work: Work, lanes: int, block: int, seed: int) -> None:
-        self.work, self.seed = work, seed
-        self.size = work.size
-        self.lanes = max(1, min(lanes, self.size))
+        super().__init__(work, lanes, seed)
         self.block = max(1, block // self.lanes)  # a lane's block
-        base, extra = divmod(self.size, self.lanes)
-        self.lengths = [base + (lane < extra) for lane in range(self.lanes)]
-        self.starts = [0, *accumulate(self.lengths)]
-
-    def lane(self, lane: int, first: int = 0) -> Work:
-        """The work of ``lane`` from its item ``first`` on."""
-        return self.work.cut(self.starts[lane] + first, self.starts[lane + 1])
-
-    def lane_starts(self, item: int) -> list[int]:
-        """Per lane, how many of its items come before slot item ``item``."""
-        return [(item - lane + self.lanes - 1) // self.lanes if item > lane else 0
-                for lane in range(self.lanes)]
 
     def permutation(self, lane: int, index: int) -> list[int]:
         """The order in which block ``index`` of ``lane`` delivers its items."""
