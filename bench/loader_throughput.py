@@ -6,10 +6,11 @@ checkout's loader (the baseline: an older commit, unpacked with ``git archive``)
 
 Rank 0 of a world of W ranks with K loader workers (the other ranks are simulated: each
 reads its own part of every global batch alike) reads real tars of 16 px JPEGs (SimCLR
-views at 16 px, 64 instances a chunk, a global batch of 64 x W): batches a second over 40
-batches after 4 to warm up, and the peak resident memory of its process and workers
-together (RSS summed, sampled every 20 ms: pages a forked worker shares with its parent
-count twice, alike for both checkouts). Each measurement runs in a fresh process, the
+views at 16 px, 64 instances a chunk, a global batch of 64 x W): images a second over 80
+batches after 4 to warm up, the CPU time its process and workers spent an image, and the
+peak resident memory of its process and workers together (RSS summed, sampled every
+20 ms: pages a forked worker shares with its parent count twice, alike for both
+checkouts). Each measurement runs in a fresh process, the
 checkouts alternating round by round; the median of the rounds is reported. Writes
 ``bench/results/loader_throughput.json``.
 """
@@ -32,7 +33,7 @@ RESULTS = REPO / "bench" / "results"
 WORLDS = ["1x2", "2x2", "16x4"]
 
 
-def measure(shards: str, world: int, workers: int, warm: int = 4, batches: int = 40) -> dict:
+def measure(shards: str, world: int, workers: int, warm: int = 4, batches: int = 80) -> dict:
     """Rank 0's loader of ``world`` ranks, ``workers`` workers (run in a fresh process:
     the data pipeline imported is whichever is first on the path)."""
     import psutil
@@ -55,23 +56,27 @@ def measure(shards: str, world: int, workers: int, warm: int = 4, batches: int =
             peak[0] = max(peak[0], rss)
             time.sleep(0.02)
 
+    def cpu_seconds() -> float:  # this process and its workers, user and system
+        processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
     watcher = threading.Thread(target=sample, daemon=True)
     watcher.start()
     loader = TrainLoader(cfg, 0, world, global_batch=64 * world)
-    images, start = 0, 0.0
+    images, start, cpu, seconds = 0, 0.0, 0.0, 0.0
     for index, batch in enumerate(loader.epoch()):
         if index == warm:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), cpu_seconds()
         elif index > warm:
             images += len(batch["keys"])
-        if index == warm + batches:
+        if index == warm + batches:  # before the loop ends the workers
+            seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
             break
-    seconds = time.perf_counter() - start
     loader.close()
     done.set()
     watcher.join()
     return {"batches_per_s": batches / seconds, "images_per_s": images / seconds,
-            "peak_rss_mib": peak[0] / 2**20}
+            "cpu_ms_per_image": 1e3 * cpu / images, "peak_rss_mib": peak[0] / 2**20}
 
 
 def run(checkout: Path, shards: str, world: int, workers: int) -> dict:
@@ -111,10 +116,11 @@ def main(argv: list[str] | None = None) -> None:
                 runs[name].append(run(checkout, str(folder), world, workers))
         row = {"world": spec}
         for name in checkouts:
-            for key in ("images_per_s", "peak_rss_mib"):
+            for key in ("images_per_s", "cpu_ms_per_image", "peak_rss_mib"):
                 row[f"{name}_{key}"] = statistics.median(r[key] for r in runs[name])
         if args.baseline:
             row["speed_ratio"] = row["this_images_per_s"] / row["baseline_images_per_s"]
+            row["cpu_ratio"] = row["this_cpu_ms_per_image"] / row["baseline_cpu_ms_per_image"]
             row["memory_ratio"] = row["this_peak_rss_mib"] / row["baseline_peak_rss_mib"]
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -5,9 +5,10 @@ view takes about 1.6 ms on one core, half of it in the hue jitter (an RGB -> HSV
 round trip of some 40 tensor operations on a 3 x 32 x 32 image). Here each view first
 draws all its random parameters through the very same torchvision transforms (so the
 random stream, and with it every view, is unchanged), crops and flips at once, and leaves
-the colour operations for later; the batch then applies them with the hue step of all
-views that are at the same position of their jitter order done as one tensor operation.
-Only the cheap steps (brightness, contrast, saturation, grayscale, blur) stay per view.
+the colour operations for later; the batch then applies them, each view's steps in its own
+order, with the hue step of all views done as one tensor operation (each view's steps
+before its hue step first, those after it next). Only the cheap steps (brightness,
+contrast, saturation, grayscale, blur) stay per view.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class SimCLRViews:
     """``draw(image)`` per view under the view's seed, then ``render(views)`` once per batch
     -> [N, 3, R, R] float32, normalised; equal to ``simclr_view(...)(image)`` per view."""
 
+    rowwise = True  # each row of a render depends on its own view alone
+
     def __init__(self, resolution: int, min_scale: float = 0.08, color_strength: float = 0.5,
                  grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
                  hue: float | None = None) -> None:
@@ -113,24 +116,25 @@ class SimCLRViews:
 
     def render(self, views: list[DrawnView]) -> Tensor:
         images = [v.image for v in views]
-        for position in range(4):
-            hue_rows = []
-            for i, view in enumerate(views):
-                if view.jitter is None:
-                    continue
-                step = int(view.jitter["fn_idx"][position])
-                if step == HUE and view.jitter["hue_factor"] is not None:
-                    hue_rows.append(i)
-                elif step != HUE:
-                    images[i] = _blend_step(images[i], step, view.jitter)
-            rows = max(1, HUE_CHUNK_PIXELS // images[0][0].numel())
-            for start in range(0, len(hue_rows), rows):  # chunks that stay in cache
-                chunk = hue_rows[start:start + rows]
-                factors = torch.tensor([views[i].jitter["hue_factor"] for i in chunk])
-                shifted = adjust_hue(torch.stack([images[i] for i in chunk]), factors)
-                for i, image in zip(chunk, shifted, strict=True):
-                    images[i] = image
+        after: list[list[int]] = []  # each view's jitter steps after its hue step
         for i, view in enumerate(views):
+            before, rest = _jitter_order(view.jitter)
+            for step in before:
+                images[i] = _blend_step(images[i], step, view.jitter)
+            after.append(rest)
+        # the hue step of every view at once, whatever its place in the view's order
+        hue_rows = [i for i, v in enumerate(views) if v.jitter and v.jitter["hue_factor"]
+                    is not None]
+        rows = max(1, HUE_CHUNK_PIXELS // images[0][0].numel()) if views else 1
+        for start in range(0, len(hue_rows), rows):  # chunks that stay in cache
+            chunk = hue_rows[start:start + rows]
+            factors = torch.tensor([views[i].jitter["hue_factor"] for i in chunk])
+            shifted = adjust_hue(torch.stack([images[i] for i in chunk]), factors)
+            for i, image in zip(chunk, shifted, strict=True):
+                images[i] = image
+        for i, view in enumerate(views):
+            for step in after[i]:
+                images[i] = _blend_step(images[i], step, view.jitter)
             if view.grayscale:
                 images[i] = F.rgb_to_grayscale(images[i], num_output_channels=3)
             if view.blur_sigma is not None:
@@ -142,6 +146,8 @@ class SimCLRViews:
 class PerView:
     """Any per-image transform in the same two steps: ``draw`` applies it, ``render``
     stacks."""
+
+    rowwise = True
 
     def __init__(self, transform: Any) -> None:
         self.transform = transform
@@ -161,6 +167,18 @@ def batch_views(kind: str, resolution: int, min_scale: float, color_strength: fl
         return SimCLRViews(resolution, min_scale, color_strength, grayscale, blur, flip, hue)
     return PerView(view_transform(kind, resolution, min_scale, color_strength, grayscale,
                                   blur, flip, hue))
+
+
+def _jitter_order(jitter: dict[str, Any] | None) -> tuple[list[int], list[int]]:
+    """A view's brightness, contrast and saturation steps (ColorJitter's ``fn_idx`` order)
+    before its hue step and after it; all of them before when it has no hue step."""
+    if jitter is None:
+        return [], []
+    order = [int(step) for step in jitter["fn_idx"]]
+    if jitter["hue_factor"] is None:
+        return [step for step in order if step != HUE], []
+    cut = order.index(HUE)
+    return order[:cut], order[cut + 1:]
 
 
 def _blend_step(image: Tensor, step: int, params: dict[str, Any]) -> Tensor:

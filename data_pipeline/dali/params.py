@@ -64,6 +64,8 @@ class SimCLRParams:
     shards and keys), ``encoded_sizes`` (their stored heights and widths, from the headers)
     and ``view_params`` (tensors over the 2B views, first views then second views)."""
 
+    rowwise = False  # a render is a piece's first views, then its second views
+
     def __init__(self, resolution: int, min_scale: float = 0.08, color_strength: float = 0.5,
                  grayscale: float = 0.2, blur: float = 0.5, flip: float = 0.5,
                  hue: float | None = None) -> None:

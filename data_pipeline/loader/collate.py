@@ -11,6 +11,7 @@ rank kept, so the trainer encodes chunk by chunk at any world size."""
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import numpy as np
@@ -49,20 +50,24 @@ class PieceDrawer:
                 grayscale=cfg.grayscale_second)  # asymmetric views (BYOL)
         self.seed, self.epoch = cfg.seed, epoch
 
-    def __call__(self, batch: int, items: list[Item], skips: SkipLog) -> dict[str, Any]:
-        samples = [sample for _, _, (sample, _) in items]
-        images = [image for _, _, (_, image) in items]
-        return {"batch": batch, "slots": [slot for slot, _, _ in items],
-                "places": [place for _, place, _ in items],
-                "samples": [RawSample(s.key, s.shard, b"", s.label, s.caption, s.row)
-                            for s in samples],
-                "views": self.render(images, [stable_int(self.seed, self.epoch, s.key)
-                                              for s in samples]) if items else None,
-                "skips": skips}
+    def __call__(self, batches: list[tuple[int, list[Item], SkipLog]]) -> list[dict[str, Any]]:
+        """The pieces of ``(batch, items, skips)`` of several batches (one message): their
+        views rendered in one call where views render row by row (as one tensor: a
+        message hands over one storage, and small pieces cost what one large one does)."""
+        drawn = [self.draw([image for _, _, (_, image) in items],
+                           [stable_int(self.seed, self.epoch, sample.key)
+                            for _, _, (sample, _) in items]) for _, items, _ in batches]
+        return [{"batch": batch, "slots": [slot for slot, _, _ in items],
+                 "places": [place for _, place, _ in items],
+                 "samples": [RawSample(s.key, s.shard, b"", s.label, s.caption, s.row)
+                             for _, _, (s, _) in items],
+                 "views": views, "skips": skips}
+                for (batch, items, skips), views in zip(batches, self._render(drawn),
+                                                        strict=True)]
 
-    def render(self, images: list[Any], seeds: list[int]) -> Tensor | dict[str, Any]:
-        """The views of ``images``, each drawn under its seed: [2m, ...] (first views, then
-        second views), or [m, ...] for ``same_label``; a device backend's parameters."""
+    def draw(self, images: list[Any], seeds: list[int]) -> list[Any]:
+        """The views of ``images`` drawn, each under its seed, not yet rendered: first
+        views, then second views (``same_label``: one a sample)."""
         first, second = [], []
         with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
             for image, seed in zip(images, seeds, strict=True):
@@ -72,7 +77,23 @@ class PieceDrawer:
                 first.append(self.first.draw(image))
                 if not self.paired:
                     second.append(self.second.draw(image))
-        return self.first.render(first + second)
+        return first + second
+
+    def render(self, images: list[Any], seeds: list[int]) -> Tensor | dict[str, Any]:
+        """The views of ``images``, each drawn under its seed: [2m, ...] (first views, then
+        second views), or [m, ...] for ``same_label``; a device backend's parameters."""
+        return self.first.render(self.draw(images, seeds))
+
+    def _render(self, drawn: list[list[Any]]) -> list[Tensor | dict[str, Any] | None]:
+        """Each piece's drawn views rendered (None for a piece without samples)."""
+        if not self.first.rowwise:  # a device backend's parameters: piece by piece
+            return [self.first.render(views) if views else None for views in drawn]
+        if not any(drawn):
+            return [None] * len(drawn)
+        whole = self.first.render([view for views in drawn for view in views])
+        starts = [0, *itertools.accumulate(len(views) for views in drawn)]
+        return [whole[a:b] if b > a else None
+                for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
 class ChunkJoiner:

@@ -7,9 +7,10 @@ Rank r takes the chunks of its slots, whole. Its loader workers split the lanes 
 slots between them (worker w of K reads lanes w, w + K, ...), so each lane is read once,
 sequentially, by one worker, and a worker holds the open shards of its own lanes only.
 For every global batch each worker makes one *piece*: its lanes' samples of that batch,
-decoded, their views drawn under each sample's own seed and rendered, each tagged with its
-slot and its place in the chunk. It yields the pieces of K batches at a time (one message
-per worker for K batches: a message costs a file-descriptor handshake per tensor). The
+decoded, their views drawn under each sample's own seed, each tagged with its slot and its
+place in the chunk. It yields the pieces of K batches at a time, their views rendered
+together (one message and one storage per worker for K batches, and a render as large as
+a whole batch's: a message costs a file-descriptor handshake per tensor). The
 DataLoader hands them over round-robin, worker 0 first, and
 :class:`~data_pipeline.loader.collate.ChunkJoiner` joins the K pieces of each batch in
 order (``epochs.py``). So neither the number of ranks nor the number of workers
@@ -26,7 +27,6 @@ in. Augmentation is seeded per sample from (seed, epoch, key).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -138,14 +138,14 @@ class TrainStream(IterableDataset):
                    for slot, lane in lanes]
         draw = PieceDrawer(self.cfg, epoch)
         decoder = self._decoder()
-        group: list[dict[str, Any]] = []
+        group: list[tuple[int, list, Any]] = []
         for batch in range(start, plan.batches):
             decoded = [(lane.slot, place, decoder(sample, checker))
                        for lane in streams for place, sample in lane.chunk(batch)]
-            group.append(draw(batch, [(slot, place, got) for slot, place, got in decoded
-                                      if got is not None], checker.log.take()))
+            group.append((batch, [(slot, place, got) for slot, place, got in decoded
+                                  if got is not None], checker.log.take()))
             if len(group) == workers or batch == plan.batches - 1:
-                yield one_storage(group)
+                yield draw(group)
                 group = []
 
     @property
@@ -178,19 +178,6 @@ class TrainStream(IterableDataset):
                 return None
 
         return decoded
-
-
-def one_storage(pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``pieces`` with their rendered views as views of one tensor: a message hands over
-    one storage (one file-descriptor handshake), not one a piece."""
-    views = [p["views"] for p in pieces]
-    if len(views) < 2 or not all(isinstance(v, torch.Tensor) for v in views) \
-            or len({(v.dtype, v.shape[1:]) for v in views}) > 1:
-        return pieces
-    joined = torch.cat(views)
-    starts = [0, *itertools.accumulate(len(v) for v in views)]
-    return [{**p, "views": joined[a:b]}
-            for p, a, b in zip(pieces, starts[:-1], starts[1:], strict=True)]
 
 
 class _Lane:

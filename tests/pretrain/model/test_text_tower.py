@@ -57,7 +57,7 @@ def test_a_training_batch_is_padded_to_its_longest_caption_and_embeds_as_a_fixed
     cfg = DataConfig(resolution=8)
 
     def collated(max_length: int) -> dict:
-        piece = PieceDrawer(cfg, epoch=0)(0, items, SkipLog())
+        piece = PieceDrawer(cfg, epoch=0)([(0, items, SkipLog())])[0]
         return ChunkJoiner(cfg, TextConfig(max_length=max_length), range(1),
                            labelled=False)([piece])
 
