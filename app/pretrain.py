@@ -29,7 +29,7 @@ from core.collectives import all_ranks_agree, barrier, sum_over_ranks
 from core.config import flatten, to_yaml
 from core.elastic import agent_arguments, shared_store_warning
 from core.errors import RunError
-from core.runtime import Runtime, init_runtime, resolve_precision, shutdown
+from core.runtime import Runtime, init_runtime, resolve_precision, shutdown, side_store
 from data_pipeline.graph.class_graph import load_class_graph
 from data_pipeline.loader import TrainLoader
 from data_pipeline.loader.ledger import LedgerWriter, attempt_name, restart_count
@@ -47,6 +47,7 @@ from pretrain.model.encoder import build_model
 from pretrain.model.flops import encoder_flops
 from pretrain.run.batch_cut import BatchCut, recorded_global_batch
 from pretrain.run.checkpoint import Checkpointer, list_checkpoints, model_state_of
+from pretrain.run.hang import HangWatch, report_hangs
 from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
 from pretrain.run.run_lock import RunLock
 from pretrain.run.tracking import Tracker
@@ -170,10 +171,20 @@ def build_trainer(config: RunConfig, rt: Runtime, run_dir: Path, precision: str)
                                           config.optim.warmup_steps),
         length=length, runtime=rt, precision=precision, cut=cut,
         preemption=PreemptionWatch(config.preemption, rt.device),
+        hang=hang_watch_for(config, rt, run_dir),
         reports=Reports(ledger=ledger_for(config, rt, run_dir),
                         utilisation=utilisation_of(config, rt, precision),
                         knn=knn_monitor_for(config, rt, engine.shards_parameters),
                         tracker=tracker_for(config, rt, run_dir)))
+
+
+def hang_watch_for(config: RunConfig, rt: Runtime, run_dir: Path) -> HangWatch | None:
+    """``train.hang.enabled``: this rank's heartbeat in the job's store, its step timer and
+    the collective timeout that follow the run (``pretrain/run/hang.py``)."""
+    if not config.train.hang.enabled:
+        return None
+    return HangWatch(config.train.hang, rt.rank, rt.world, config.engine.collective_timeout,
+                     run_dir, side_store(rt.rank, rt.world))
 
 
 def tracker_for(config: RunConfig, rt: Runtime, run_dir: Path) -> Tracker | None:
@@ -331,6 +342,7 @@ def run(trainer: Trainer, config: RunConfig, run_dir: Path) -> None:
         trainer.resume()
         if rt.is_main:
             (run_dir / MARKER).unlink(missing_ok=True)
+            report_hangs(run_dir, tracker)
         trainer.train()
         if tracker is not None:
             finish_tracking(tracker, config, trainer, run_dir)

@@ -1,15 +1,19 @@
 """A chaos soak of the elastic launch: three agents of ``launch/torchrun.sh``
-(``NNODES=1:3``, one process each) train while a seeded schedule SIGKILLs, every 30-90 s,
-either a whole agent and every process under it (a node lost) or a single worker (a
-process lost), and starts a killed agent again 5-20 s later (the node back).
+(``NNODES=1:3``, one process each) train while a seeded schedule, every 30-90 s, draws a
+fault (each kind once in every five, in a drawn order): SIGKILL of a whole agent and every
+process under it (``agent``: a node lost, started again 5-20 s later) or of one training
+process (``worker``); SIGSTOP of one
+training process and its loader worker (``freeze``: a hang, left frozen for the hang
+watch to find) or of a whole agent tree (``freeze_agent``: a node that stops answering,
+SIGCONT 5-20 s later); a pause of 2-8 s, under the hang watch's 15 s floor (``straggler``:
+SIGSTOP, then SIGCONT).
 
-    python -m bench.chaos                       # 12 kills over 180 epochs, then the references
-    python -m bench.chaos --kills 4 --epochs 30 --gap 25 45 --seed 1   # docs/benchmarks.md's:
-                                                # soak 206 s, 3-rank reference 137 s
+    python -m bench.chaos                       # 12 faults over 180 epochs, then the references
+    python -m bench.chaos --kills 10 --epochs 50 --gap 25 45 --seed 1  # docs/benchmarks.md's
     python -m bench.chaos --analyse-only        # measure the soak in --workdir again
 
 The rendezvous store runs in a process of its own, as on a cluster whose endpoint is a head
-node no kill reaches; every agent joins it as a client. The run: InfoNCE on 1,600
+node no fault reaches; every agent joins it as a client. The run: InfoNCE on 1,600
 cluttered digits (``cluttered_digits``), the small CNN at 32 px, 16 instances a rank on the
 3 ranks it begins with (a global batch of 48, kept through every change of world),
 ``train.epochs`` epochs, a checkpoint every 4 steps, the ledger kept, the encoder registered
@@ -17,12 +21,14 @@ at the end. Then the same configuration uninterrupted on 3 processes, and on 1 (
 the distance between those two is what the order of floating-point sums alone gives, the
 batches being the same on any world).
 
-Reported: kills survived; per kill, seconds from the kill to the next step trained at the
-new world and the steps trained again; the ledger of every epoch (read once, twice, unread:
-nothing may be unread beyond the last partial global batch); the final checkpoint loaded
-into the configured model and the registered version; the loss against samples beside the
-uninterrupted run's (``chaos.png``); the final weights' relative L2 distance to the
-uninterrupted run's, beside the 1-rank run's. Writes ``bench/results/chaos.json``.
+Reported: per kind, faults and those survived, seconds from the fault to the next step
+trained by a group formed after it (median, max), and the restarts a straggler caused;
+per fault, that time and the steps trained again; the ledger of every epoch (read once,
+twice, unread: nothing may be unread beyond the last partial global batch); the final
+checkpoint loaded into the configured model and the registered version; the loss against
+samples beside the uninterrupted run's (``chaos.png``); the final weights' relative L2
+distance to the uninterrupted run's, beside the 1-rank run's. Writes
+``bench/results/chaos.json``.
 """
 
 from __future__ import annotations
@@ -57,15 +63,20 @@ WORLD = re.compile(r"^(\S+ \S+) rank0 pretrain INFO: (\d+) ranks on ")
 RESUMED = re.compile(r"^(\S+ \S+) rank0 .*resumed from \S+ at step (\d+)")
 
 
+KINDS = ("agent", "worker", "freeze", "freeze_agent", "straggler")
+BACK_S, PAUSE_S = (5, 20), (2, 8)  # a node's absence; a straggler's pause (under 15 s)
+
+
 @dataclass
 class Kill:
-    at: float  # time.time() of the kill
-    kind: str  # "agent" (the node and every process under it) or "worker"
+    at: float  # time.time() of the fault
+    kind: str  # one of KINDS
     agent: int
     last_step: int  # the newest step logged before it
-    recovery_s: float | None = None  # to the next step logged at the new world
+    recovery_s: float | None = None  # to the next step logged by a group formed after it
     redone: int | None = None  # steps trained again after it
     world_after: int | None = None
+    pause_s: float | None = None  # a straggler's
 
 
 def overrides(workdir: Path, name: str, epochs: int) -> list[str]:
@@ -125,8 +136,9 @@ class Soak:
     """The store, the agents, and the kill schedule."""
 
     def __init__(self, workdir: Path, epochs: int, seed: int, kills: int,
-                 gap: tuple[float, float], log) -> None:
+                 gap: tuple[float, float], log, kinds: tuple[str, ...] = KINDS) -> None:
         self.workdir, self.log, self.kills_wanted, self.gap = workdir, log, kills, gap
+        self.kinds = kinds
         self.rng = random.Random(seed)
         self.port = free_port()
         self.args = [str(job_file(workdir)), *overrides(workdir, "soak", epochs)]
@@ -136,6 +148,8 @@ class Soak:
              "wait_for_workers=False); time.sleep(10**6)"], stdout=log, stderr=log)
         self.agents: list[subprocess.Popen | None] = [None] * NODES
         self.kills: list[Kill] = []
+        self.frozen: list[tuple[list[psutil.Process], float]] = []  # (tree, SIGCONT at)
+        self.cycle: list[str] = []  # the kinds still to draw in this round
 
     def start(self, index: int) -> None:
         env = environment(NNODES=f"1:{NODES}", RDZV_ENDPOINT=f"127.0.0.1:{self.port}",
@@ -151,26 +165,47 @@ class Soak:
     def finished(self) -> bool:
         return any(a is not None and a.poll() == 0 for a in self.agents)
 
-    def kill(self, last_step: int) -> Kill | None:
-        """SIGKILL an agent's tree or one worker, as drawn; None when there was no worker to
-        kill (the group between two rounds)."""
+    def kill(self, last_step: int, kinds: tuple[str, ...]) -> Kill | None:
+        """The drawn fault on a drawn agent (a node-wide one only while another node
+        lives); None when it had no training process (the group between two rounds)."""
         alive = self.alive()
-        kind = self.rng.choice(["agent", "worker"]) if len(alive) > 1 else "worker"
+        if not self.cycle:  # each kind once in every len(kinds) faults, in a drawn order
+            self.cycle = self.rng.sample(kinds, len(kinds))
+        kind = next((k for k in self.cycle if len(alive) > 1 or "agent" not in k), "worker")
+        if kind in self.cycle:
+            self.cycle.remove(kind)
         index = self.rng.choice(alive)
         agent = psutil.Process(self.agents[index].pid)
         workers = [c for c in agent.children() if "app.pretrain" in " ".join(c.cmdline())]
-        if kind == "worker" and not workers:
+        if "agent" not in kind and not workers:
             return None
-        victims = [agent, *agent.children(recursive=True)] if kind == "agent" else workers[:1]
-        for process in victims:
+        tree = ([agent, *agent.children(recursive=True)] if "agent" in kind
+                else [workers[0], *workers[0].children(recursive=True)])
+        fault = Kill(time.time(), kind, index, last_step)
+        if kind == "straggler":
+            fault.pause_s = self.rng.uniform(*PAUSE_S)
+        signal_of = signal.SIGKILL if kind in ("agent", "worker") else signal.SIGSTOP
+        for process in tree if kind != "worker" else tree[:1]:
             with contextlib.suppress(psutil.NoSuchProcess):
-                process.send_signal(signal.SIGKILL)
+                process.send_signal(signal_of)
         if kind == "agent":
             self.agents[index].wait()
-        self.kills.append(Kill(time.time(), kind, index, last_step))
-        print(f"kill {len(self.kills)}: {kind} of agent {index} after step {last_step}",
+        elif kind in ("freeze_agent", "straggler"):
+            self.frozen.append((tree, time.monotonic() + (fault.pause_s or
+                                                          self.rng.uniform(*BACK_S))))
+        self.kills.append(fault)
+        print(f"fault {len(self.kills)}: {kind} of agent {index} after step {last_step}",
               flush=True)
-        return self.kills[-1]
+        return fault
+
+    def thaw(self) -> None:
+        """SIGCONT the frozen trees whose time has come."""
+        for tree, when in list(self.frozen):
+            if time.monotonic() >= when:
+                for process in tree:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.send_signal(signal.SIGCONT)
+                self.frozen.remove((tree, when))
 
     def run(self, run_log: Path) -> float:
         start = time.monotonic()
@@ -187,15 +222,24 @@ class Soak:
                 if now >= when:
                     self.start(index)
                     del back[index]
+            self.thaw()
             if now >= next_kill and len(self.kills) < self.kills_wanted:
-                kill = self.kill(last_logged_step(run_log))
+                kill = self.kill(last_logged_step(run_log), self.kinds)
                 if kill is not None and kill.kind == "agent":
-                    back[kill.agent] = now + self.rng.uniform(5, 20)
+                    back[kill.agent] = now + self.rng.uniform(*BACK_S)
                 next_kill = now + self.rng.uniform(*self.gap)
             time.sleep(0.2)
-        for agent in self.agents:
+        for tree, _ in self.frozen:  # the run is done: nothing stays stopped
+            for process in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.send_signal(signal.SIGCONT)
+        for agent in self.agents:  # a node back after the last round waits for no one
             if agent is not None and agent.poll() is None:
-                agent.wait(timeout=600)
+                try:
+                    agent.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
         self.store.kill()
         return time.monotonic() - start
 
@@ -239,6 +283,10 @@ def measure_kills(kills: list[Kill], events: list) -> None:
     counted: set[float] = set()
     for kill in kills:
         after = [e for e in events if e[0] > kill.at]
+        if kill.kind == "straggler":  # a group formed while or soon after it paused: a restart
+            kill.world_after = sum(1 for e in after if e[1] == "world"
+                                   and e[0] < kill.at + kill.pause_s + 30)
+            continue
         world = next((e for e in after if e[1] == "world"), None)
         if world is None:
             continue
@@ -297,7 +345,7 @@ def plot(path: Path, soak: tuple, reference: tuple, kills: list[Kill], events: l
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     left.plot(*smoothed(reference), label="uninterrupted, 3 ranks", lw=1)
-    left.plot(*smoothed(soak), label=f"soak, {len(kills)} kills", lw=1, alpha=0.8)
+    left.plot(*smoothed(soak), label=f"soak, {len(kills)} faults", lw=1, alpha=0.8)
     left.set(xlabel="samples", ylabel="loss (mean of 25 steps)",
              title="loss against samples")
     left.legend()
@@ -305,11 +353,14 @@ def plot(path: Path, soak: tuple, reference: tuple, kills: list[Kill], events: l
     worlds = [(e[0] - start, e[2]) for e in events if e[1] == "world"]
     worlds.append((events[-1][0] - start, worlds[-1][1]))  # to the last step
     right.step([t for t, _ in worlds], [w for _, w in worlds], where="post", label="world")
-    for kill in kills:
-        right.axvline(kill.at - start, color="red" if kill.kind == "agent" else "orange",
-                      lw=0.8, ls="--")
-    right.set(xlabel="seconds", ylabel="ranks", title="world (red: node killed, "
-              "orange: worker killed)", yticks=[1, 2, 3])
+    colours = dict(zip(KINDS, ["red", "orange", "blue", "purple", "green"], strict=True))
+    for kind in KINDS:
+        for n, kill in enumerate(k for k in kills if k.kind == kind):
+            right.axvline(kill.at - start, color=colours[kind], lw=0.8, ls="--",
+                          label=kind if n == 0 else None)
+    right.set(xlabel="seconds", ylabel="ranks", title="world, and the faults",
+              yticks=[1, 2, 3])
+    right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -324,10 +375,21 @@ def report(args: argparse.Namespace, kills: list[Kill], soak_s: float,
     epochs = ledger(args.workdir / "soak")
     per_epoch = SAMPLES // (BATCH * NODES) * BATCH * NODES
     recoveries = [k.recovery_s for k in kills if k.recovery_s is not None]
+    per_kind = {}
+    for kind in KINDS:
+        found = [k for k in kills if k.kind == kind]
+        times = [k.recovery_s for k in found if k.recovery_s is not None]
+        per_kind[kind] = {"faults": len(found),
+                          "survived": len(found) if kind == "straggler" else len(times),
+                          "recovery_median_s": float(np.median(times)) if times else None,
+                          "recovery_max_s": max(times, default=None),
+                          **({"restarts": sum(k.world_after or 0 for k in found)}
+                             if kind == "straggler" else {})}
     registered = re.findall(r"registered model (\S+) version (\d+)",
                             (args.workdir / "soak" / "train.log").read_text())
     summary = {
-        "kills": len(kills), "survived": sum(k.recovery_s is not None for k in kills),
+        "kills": len(kills), "per_kind": per_kind,
+        "survived": sum(k.recovery_s is not None or k.kind == "straggler" for k in kills),
         "recovery_median_s": float(np.median(recoveries)) if recoveries else None,
         "recovery_max_s": max(recoveries, default=None),
         "steps_redone": sum(k.redone or 0 for k in kills),
@@ -349,7 +411,10 @@ def report(args: argparse.Namespace, kills: list[Kill], soak_s: float,
                                                             args.workdir / "reference-1")
     plot(args.output.with_suffix(".png"), soak_curve, reference_curve, kills, events)
     print_table([asdict(k) for k in kills],
-                ["kind", "agent", "last_step", "world_after", "recovery_s", "redone"])
+                ["kind", "agent", "last_step", "world_after", "recovery_s", "redone", "pause_s"])
+    print_table([{"kind": kind, **row} for kind, row in per_kind.items()],
+                ["kind", "faults", "survived", "recovery_median_s", "recovery_max_s",
+                 "restarts"])
     print(json.dumps(summary, indent=2))
     write_json(args.output, {"machine": machine(), "seed": args.seed, "summary": summary,
                              "kills": [asdict(k) for k in kills]})
@@ -363,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gap", type=float, nargs=2, default=(30.0, 90.0),
                         help="seconds between kills, drawn uniformly")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
+                        help="the faults drawn from")
     parser.add_argument("--output", type=Path, default=RESULTS / "chaos.json")
     parser.add_argument("--keep-reference", action="store_true",
                         help="keep the uninterrupted run already in --workdir")
@@ -385,7 +452,8 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run(["rm", "-rf", str(args.workdir / name)], check=True)
     make_shards(args.workdir)
     with open(args.workdir / "agents.log", "w") as log:
-        soak = Soak(args.workdir, args.epochs, args.seed, args.kills, tuple(args.gap), log)
+        soak = Soak(args.workdir, args.epochs, args.seed, args.kills, tuple(args.gap), log,
+                    tuple(args.kinds))
         soak_s = soak.run(args.workdir / "soak" / "train.log")
         reference_s = (log_span(reference / "train.log") if kept
                        else uninterrupted(args.workdir, args.epochs, log))

@@ -38,18 +38,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _store(rank: int, world: int) -> dist.Store:
+def _store(rank: int, world: int, serve: bool = True,
+           timeout: timedelta = timedelta(minutes=10)) -> dist.Store:
     """The rendezvous store. torchrun's agents share one store across their restarts
     (``TORCHELASTIC_USE_AGENT_STORE``): there the keys are private to this restart, as the
     previous attempt's (e.g. gloo's peer addresses) would otherwise be read as current.
     Otherwise rank 0 serves a new store at every attempt (torchrun publishes a new port for
     each rendezvous round under ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the elastic
     launch), and no prefix is needed: nor could one be agreed, since an agent that joins a
-    running job counts its restarts from 0."""
+    running job counts its restarts from 0. ``serve`` False: a client only."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0 and not agent_store,
-                          timeout=timedelta(minutes=10))
+                          is_master=serve and rank == 0 and not agent_store,
+                          timeout=timeout, wait_for_workers=serve)
     if not agent_store:
         return store
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
@@ -77,6 +78,15 @@ def init_runtime(device: str = "auto", backend: str = "auto", need_group: bool =
                                 device_id=dev if dev.type == "cuda" else None,
                                 timeout=timedelta(seconds=collective_timeout_s))
     return Runtime(rank, world, local_rank, dev)
+
+
+def side_store(rank: int, world: int, timeout_s: float = 5.0) -> dist.Store | None:
+    """Another client of the job's store, whose calls fail after ``timeout_s`` (the hang
+    watch's: a store served by a frozen rank 0 must not hold up the ranks that report
+    it); None without a process group."""
+    if not dist.is_initialized() or world < 2:
+        return None
+    return _store(rank, world, serve=False, timeout=timedelta(seconds=timeout_s))
 
 
 def shutdown() -> None:

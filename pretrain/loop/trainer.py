@@ -68,6 +68,7 @@ from pretrain.model.encoder import ModelOutput
 from pretrain.run.batch_cut import BatchCut
 from pretrain.run.checkpoint import Checkpointer, Unresumable, rng_state, set_rng_state
 from pretrain.run.config_drift import check_drift, unfit_checkpoint
+from pretrain.run.hang import Hang, HangConfig, HangWatch, is_collective_timeout
 from pretrain.run.preemption import Preempted, PreemptionWatch
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class TrainConfig:
     knn_every: int = 0  # > 0: kNN monitor on a fixed subset of eval.* shards every N steps
     knn_samples: int = 2000  # size of that subset (bank and queries each)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse detection
+    hang: HangConfig = field(default_factory=HangConfig)  # a rank that stopped: found, healed
 
     def validate(self) -> None:
         for key in ("epochs", "log_every", "max_nonfinite"):
@@ -150,13 +152,14 @@ class Trainer:
                  loader: TrainLoader | None, checkpointer: Checkpointer,
                  schedule: Callable[[int], float], length: RunLength, runtime: Runtime,
                  precision: str, preemption: PreemptionWatch | None = None,
-                 reports: Reports | None = None, cut: BatchCut | None = None) -> None:
+                 reports: Reports | None = None, cut: BatchCut | None = None,
+                 hang: HangWatch | None = None) -> None:
         self.cfg, self.runtime, self.precision = cfg, runtime, precision
         # the pieces a step encodes in, from the run's cut of its global batch (None: the
         # batch is one chunk)
         self.pieces = cut.pieces(cfg.chunk_size) if cut and cfg.chunk_size else None
         self.engine, self.objective, self.loader = engine, objective, loader
-        self.checkpointer, self.preemption = checkpointer, preemption
+        self.checkpointer, self.preemption, self.hang = checkpointer, preemption, hang
         self.schedule, self.length = schedule, length
         self.reports = reports or Reports()
         self.total_steps = length.max_steps or -(-length.total_samples
@@ -191,23 +194,35 @@ class Trainer:
             self.reports.ledger.start(self.step)
         try:
             self.run_steps()
-            if self.last_saved != self.step:
-                self.save()
-            self.finish_checkpoint()
+            with self.long_phase():
+                if self.last_saved != self.step:
+                    self.save()
+                self.finish_checkpoint()
         finally:
             if self.reports.ledger is not None:
                 self.reports.ledger.close()
+            if self.hang is not None:
+                self.hang.close()
         self.report_skips()
 
     def run_steps(self) -> None:
         """Steps to ``total_steps``, epoch after epoch."""
+        hang = self.hang
         try:
             with self.preemption or contextlib.nullcontext():
                 while self.step < self.total_steps:
                     for batch in self.loader.epoch():
+                        if hang is not None:
+                            hang.batch_arrived()
                         self.train_step(batch)
+                        if hang is not None:
+                            hang.progress(self.step)
                         if self.step >= self.total_steps:
                             break
+        except RuntimeError as err:  # a peer stopped: name it, then end as a crash does
+            if hang is not None and is_collective_timeout(err):
+                raise Hang(hang.timed_out(self.step + 1)) from None
+            raise
         finally:
             self.loader.close()
             self.bar.close()
@@ -314,8 +329,13 @@ class Trainer:
             self.reports.ledger.flush()
         self.monitors.collapse.stop_if_spent()
 
+    def long_phase(self) -> contextlib.AbstractContextManager:
+        """A phase that may outlast a step many times (a checkpoint, the kNN monitor): the
+        hang watch's long timeouts while it lasts."""
+        return self.hang.long_phase() if self.hang is not None else contextlib.nullcontext()
+
     def run_knn_monitor(self) -> None:
-        with self.engine.whole_root():
+        with self.engine.whole_root(), self.long_phase():
             result = self.monitors.knn(self.model.encoder)
         self.last_knn = {"step": self.step, **result}
         if self.runtime.is_main:
@@ -357,6 +377,10 @@ class Trainer:
         """A checkpoint of this step: what every rank shares (written once, by rank 0) and
         what is this rank's own (its RNG streams, its loader position, and its optimiser
         partition under ZeRO)."""
+        with self.long_phase():
+            return self._save()
+
+    def _save(self) -> Path:
         controller = self.objective.controller
         replicated = {"step": self.step, "samples": self.samples, "world": self.runtime.world,
                       "global_batch": self.checkpointer.global_batch,

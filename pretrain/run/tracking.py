@@ -240,6 +240,18 @@ class Tracker:
             except Exception as err:
                 log.warning("tracking: artifact %s not logged (%s)", path, err)
 
+    def set_tag(self, key: str, value: str) -> None:
+        """A tag on the run now; a store that cannot be reached is named in a warning."""
+        if self._contact(force=True):
+            try:
+                with self._store_call():
+                    self.client.set_tag(self.run_id, key, value)
+                return
+            except RunError:
+                raise
+            except Exception as err:
+                log.warning("tracking: tag %s not set (%s)", key, err)
+
     def log_model(self, register: Callable[[str, str], str]) -> str | None:
         """Register the encoder through ``register(tracking_uri, run_id) -> version`` (the
         app passes :func:`serving.model_registry.log_encoder` with the model, card and

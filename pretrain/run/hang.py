@@ -1,0 +1,267 @@
+"""A rank that stops making progress ends like a crash: found, named, killed, restarted.
+
+Two of torch's own timeouts, in this order, both following the run's step time
+``E = max(train.hang.floor_s, train.hang.factor x the median step)``:
+
+1. **The collective timeout** (``dist.set_timeout``): a rank waiting in a collective for a
+   peer that stopped fails after ``E``. Waiting, it alone can tell who stopped: every rank
+   beats a heartbeat into the job's store (its step, and whether it waits for its data),
+   so the waiting rank names the ranks whose heartbeat stood still (a frozen process) or
+   that wait for their data (a stuck loader), in one line, and writes it under
+   ``<run>/hangs/`` for the restarted run to log again and to tag on its MLflow run. Then
+   it exits, and torchrun restarts the group as for a crash.
+2. **The step timer** (torch's ``FileTimerClient``, served on each node by
+   :mod:`pretrain.run.step_timer`): a rank whose steps stop for
+   ``E + train.hang.kill_after_s`` is killed with its process group by SIGKILL, which
+   stops even a frozen process: its agent needs no 30 s of SIGTERM first.
+3. **The rendezvous** (torchrun's): the restarted group waits for its nodes; a node whose
+   agent is frozen too misses its heartbeats and is left out.
+
+Known long phases keep ``engine.collective_timeout`` for both (the first
+``train.hang.warmup_steps`` steps after every start, which cover ``train.compile``, the
+caption store's first read and the loader's start; checkpoint writes; the kNN monitor).
+A straggler that pauses for less than ``E`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from core.config import InvalidValue
+from core.errors import RunError
+
+log = logging.getLogger(__name__)
+
+TIMER_FILE = "TORCHELASTIC_TIMER_FILE"  # the node's step-timer server's pipe (torchrun passes it)
+BEAT_S = 1.0  # seconds between heartbeats
+
+
+@dataclass
+class HangConfig:
+    """``train.hang.*``: when a rank that makes no progress is a hang."""
+
+    enabled: bool = True  # heartbeats, the collective timeout and the step timer follow the run
+    floor_s: float = 15.0  # the least wait for a peer: above the pauses of a healthy job
+    factor: float = 10.0  # a wait of this many median steps is a hang
+    kill_after_s: float = 10.0  # after the waiting ranks' timeout, the stopped rank is killed
+    warmup_steps: int = 10  # steps after each start on the long timeout (compile, first reads)
+
+    def validate(self) -> None:
+        for key in ("floor_s", "factor", "kill_after_s"):
+            if getattr(self, key) <= 0:
+                raise InvalidValue(key, f"must be > 0, got {getattr(self, key)}")
+        if self.warmup_steps < 1:
+            raise InvalidValue("warmup_steps", f"must be >= 1, got {self.warmup_steps}")
+
+
+class Hang(RunError):
+    """A collective timed out waiting for a rank that stopped: the process ends in one
+    line (exit 1), and torchrun restarts the group as for a crash."""
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """A collective that waited out its timeout (gloo and NCCL say so in their message)."""
+    return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+
+
+class Heartbeat:
+    """This rank's heartbeat in the job's store, from a thread of its own (a frozen process
+    beats no more; one waiting in a collective still does): ``count step phase host pid``."""
+
+    def __init__(self, store: dist.Store, rank: int) -> None:
+        self.store, self.rank = store, rank
+        self.step, self.phase, self.count = 0, "data", 0
+        self.host, self.stopped = socket.gethostname(), threading.Event()
+        self.beat()  # every rank's key exists before the first step
+        self.thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
+        self.thread.start()
+
+    def beat(self) -> None:
+        self.count += 1
+        self.store.set(f"hang/beat/{self.rank}",
+                       f"{self.count} {self.step} {self.phase} {self.host} {os.getpid()}")
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(BEAT_S):
+            with contextlib.suppress(Exception):  # a store that stopped answering: the
+                self.beat()  # waiting ranks tell
+
+    def close(self) -> None:
+        self.stopped.set()
+
+
+def read_beats(store: dist.Store, world: int) -> dict[int, list[str]] | None:
+    """Every rank's last heartbeat (None: the store does not answer)."""
+    keys = [f"hang/beat/{rank}" for rank in range(world)]
+    try:
+        values = store.multi_get(keys)
+    except Exception:  # noqa: BLE001 (a store that does not answer is the finding)
+        return None
+    return {rank: value.decode().split() for rank, value in enumerate(values)}
+
+
+def who_stopped(store: dist.Store, world: int, rank: int, step: int, waited_s: float,
+                ) -> str:
+    """One line: the ranks that stopped making progress, from two readings of the
+    heartbeats ``3 x BEAT_S`` apart (a count that did not move: a frozen process; a phase
+    of ``data``: a rank waiting for its batch)."""
+    first = read_beats(store, world)
+    time.sleep(3 * BEAT_S)
+    second = read_beats(store, world) if first is not None else None
+    if first is None or second is None:
+        return (f"hang at step {step}: rank {rank} waited {waited_s:.0f} s in a collective "
+                "and the job's store on rank 0 does not answer: rank 0 stopped")
+    frozen = [r for r in range(world) if r != rank and second[r][0] == first[r][0]]
+    waiting = [r for r in range(world) if r != rank and r not in frozen
+               and second[r][2] == "data"]
+    named = [f"rank {r} on {second[r][3]} (pid {second[r][4]}, {what})"
+             for found, what in ((frozen, "no heartbeat"), (waiting, "waiting for its data"))
+             for r in found]
+    return (f"hang at step {step}: rank {rank} waited {waited_s:.0f} s in a collective for "
+            + (", ".join(named) if named else "a collective that stopped on every rank")
+            + " and exits: the group restarts from the newest checkpoint")
+
+
+class HangWatch:
+    """This rank's part: its heartbeat, its step timer and the collective timeout, moved
+    by :meth:`progress` after every step and lifted for :meth:`long_phase`."""
+
+    def __init__(self, cfg: HangConfig, rank: int, world: int, long_s: float,
+                 run_dir: Path, store: dist.Store | None) -> None:
+        self.cfg, self.rank, self.world, self.long_s = cfg, rank, world, long_s
+        self.run_dir, self.store = run_dir, store
+        self.steps: deque[float] = deque(maxlen=50)
+        self.last = time.monotonic()
+        self.timeout_s, self.in_long = long_s, 0
+        self.heartbeat = Heartbeat(store, rank) if store is not None else None
+        self.timer = None
+        if os.environ.get(TIMER_FILE):
+            from torch.distributed.elastic.timer import FileTimerClient
+
+            self.timer = FileTimerClient(os.environ[TIMER_FILE])
+        self._arm(long_s)
+
+    @property
+    def expiry_s(self) -> float:
+        """How long a collective waits for a peer now: the long timeout until the run's
+        step time is known, then ``max(floor, factor x median step)``."""
+        if self.in_long or len(self.steps) < self.cfg.warmup_steps:
+            return self.long_s
+        return min(self.long_s, max(self.cfg.floor_s,
+                                    self.cfg.factor * statistics.median(self.steps)))
+
+    def progress(self, step: int) -> None:
+        """``step`` is done: its time counts, the timeouts follow, the heartbeat moves on."""
+        now = time.monotonic()
+        self.steps.append(now - self.last)
+        self.last = now
+        if self.heartbeat is not None:
+            self.heartbeat.step, self.heartbeat.phase = step, "data"
+        self._arm(self.expiry_s)
+
+    def batch_arrived(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.phase = "step"
+
+    @contextlib.contextmanager
+    def long_phase(self) -> Iterator[None]:
+        """A checkpoint write, an evaluation: the long timeout while it lasts."""
+        self.in_long += 1
+        self._arm(self.long_s)
+        try:
+            yield
+        finally:
+            self.in_long -= 1
+            self.last = time.monotonic()  # the phase is not a step
+            self._arm(self.expiry_s)
+
+    def _arm(self, expiry_s: float) -> None:
+        """The collective timeout to ``expiry_s`` (when it moved by more than a tenth), and
+        the step timer to it plus ``kill_after_s`` (at least two median steps: a waiting
+        rank's collective began up to a step after its timer was armed)."""
+        if abs(expiry_s - self.timeout_s) > 0.1 * self.timeout_s:
+            if self.world > 1 and dist.is_initialized():
+                dist.set_timeout(timedelta(seconds=expiry_s))
+            self.timeout_s = expiry_s
+        if self.timer is not None:
+            margin = max(self.cfg.kill_after_s,
+                         2 * statistics.median(self.steps) if self.steps else 0.0)
+            try:
+                self.timer.acquire(self.scope, time.time() + self.timeout_s + margin)
+            except BrokenPipeError:  # the node's server is gone: a second of retries a step
+                log.warning("hang: no step-timer server at %s; rank %d runs without its "
+                            "step timer", os.environ.get(TIMER_FILE), self.rank)
+                self.timer = None
+
+    @property
+    def scope(self) -> str:
+        """The step timer's name on the node's server (one timer per rank, moved on)."""
+        return f"rank {self.rank}"
+
+    def timed_out(self, step: int) -> str:
+        """A collective of ``step`` timed out here: the line naming who stopped (the process
+        ends on it, :class:`Hang`), also written under ``<run>/hangs/``; this rank's step
+        timer is released (it exits now)."""
+        if self.timer is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.timer.release(self.scope)
+        waited = time.monotonic() - self.last
+        line = (who_stopped(self.store, self.world, self.rank, step, waited)
+                if self.store is not None else f"hang at step {step}: rank {self.rank} "
+                f"waited {waited:.0f} s in a collective")
+        folder = self.run_dir / "hangs"
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"step": step, "rank": self.rank, "line": line, "time": time.time()}
+        (folder / f"{int(time.time() * 1000)}-rank{self.rank}.json").write_text(
+            json.dumps(record) + "\n")
+        return line
+
+    def close(self) -> None:
+        """The run's steps are over: the long timeouts again, no heartbeat, no timer."""
+        self.in_long += 1
+        self._arm(self.long_s)
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        if self.timer is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.timer.release(self.scope)
+
+
+def report_hangs(run_dir: Path, tracker: Any) -> int:
+    """The restarted run's rank 0: each hang the waiting ranks wrote, once (several ranks
+    may have named the same), logged and, with MLflow, tagged ``hang.<n>`` and counted in
+    the metric ``hangs``; the records are moved to ``hangs/reported/``."""
+    folder = run_dir / "hangs"
+    records = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    if not records:
+        return 0
+    reported = folder / "reported"
+    reported.mkdir(exist_ok=True)
+    earlier = len(list(reported.glob("hang-*.json")))
+    seen: dict[int, dict[str, Any]] = {}
+    for path in records:
+        record = json.loads(path.read_text())
+        seen.setdefault(record["step"], record)
+        path.unlink()
+    for n, (step, record) in enumerate(sorted(seen.items()), start=earlier + 1):
+        log.warning("restarted after a %s", record["line"])
+        (reported / f"hang-{n:04d}.json").write_text(json.dumps(record) + "\n")
+        if tracker is not None:
+            tracker.set_tag(f"hang.{n}", record["line"][:5000])
+            tracker.log_metrics(step, {"hangs": float(n)})
+    return len(seen)
