@@ -364,9 +364,10 @@ class Trainer:
         if watch is None or self.step >= self.total_steps or not watch.due(self.step) \
                 or not watch.agreed():
             return
-        if self.last_saved != self.step:
-            self.save()
-        self.finish_checkpoint()
+        with self.long_phase():
+            if self.last_saved != self.step:
+                self.save()
+            self.finish_checkpoint()
         path = self.checkpointer.checkpoints()[0]
         log.warning("preempted by %s: stopped at step %d with checkpoint %s", watch.received,
                     self.step, path)

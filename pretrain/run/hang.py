@@ -3,11 +3,11 @@
 Two of torch's own timeouts, in this order, both following the run's step time
 ``E = max(train.hang.floor_s, train.hang.factor x the median step)``:
 
-1. **The collective timeout** (``dist.set_timeout``): a rank waiting in a collective for a
-   peer that stopped fails after ``E``. Waiting, it alone can tell who stopped: every rank
-   beats a heartbeat into the job's store (its step, and whether it waits for its data),
-   so the waiting rank names the ranks whose heartbeat stood still (a frozen process) or
-   that wait for their data (a stuck loader), in one line, and writes it under
+1. **The collective timeout** (``dist.set_timeout`` on the default group): a rank waiting
+   in a collective for a peer that stopped fails after ``E``. Waiting, it alone can tell
+   who stopped: every rank beats a heartbeat into the job's store (its step, and whether
+   it waits for its data), so the waiting rank names the ranks whose heartbeat stood
+   still (a frozen process) or that wait for their data, in one line, and writes it under
    ``<run>/hangs/`` for the restarted run to log again and to tag on its MLflow run. Then
    it exits, and torchrun restarts the group as for a crash.
 2. **The step timer** (torch's ``FileTimerClient``, served on each node by
@@ -17,10 +17,12 @@ Two of torch's own timeouts, in this order, both following the run's step time
 3. **The rendezvous** (torchrun's): the restarted group waits for its nodes; a node whose
    agent is frozen too misses its heartbeats and is left out.
 
-Known long phases keep ``engine.collective_timeout`` for both (the first
+Known long phases keep ``engine.collective_timeout`` and no step timer (the first
 ``train.hang.warmup_steps`` steps after every start, which cover ``train.compile``, the
 caption store's first read and the loader's start; checkpoint writes; the kNN monitor).
-A straggler that pauses for less than ``E`` changes nothing.
+A straggler that pauses for less than ``E`` changes nothing. Limits: the line needs gloo
+(an NCCL timeout aborts the process; never run on a GPU), and DeepSpeed's and a 2-D
+FSDP2 mesh's own groups keep ``engine.collective_timeout``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import statistics
 import threading
@@ -75,8 +78,10 @@ class Hang(RunError):
 
 
 def is_collective_timeout(err: BaseException) -> bool:
-    """A collective that waited out its timeout (gloo and NCCL say so in their message)."""
-    return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+    """A gloo collective that waited out its timeout (``Timed out waiting 15000ms for
+    send operation to complete``)."""
+    return isinstance(err, RuntimeError) and re.search(r"Timed out waiting \d+ms",
+                                                       str(err)) is not None
 
 
 class Heartbeat:
@@ -105,17 +110,23 @@ class Heartbeat:
         self.stopped.set()
 
 
-def read_beats(store: dist.Store, world: int) -> dict[int, list[str]] | None:
-    """Every rank's last heartbeat (None: the store does not answer)."""
+def read_beats(store: dist.Store, world: int, wait_s: float = 5.0,
+               ) -> dict[int, list[str]] | None:
+    """Every rank's last heartbeat; None when the store does not answer within ``wait_s``
+    (a client's own timeout does not end a read from a server that froze: a thread
+    reads)."""
     keys = [f"hang/beat/{rank}" for rank in range(world)]
-    try:
-        values = store.multi_get(keys)
-    except Exception:  # noqa: BLE001 (a store that does not answer is the finding)
+    values: list[list[bytes]] = []
+    reader = threading.Thread(target=lambda: values.append(store.multi_get(keys)),
+                              daemon=True, name="heartbeat-reader")
+    reader.start()
+    reader.join(wait_s)
+    if not values:  # an error in the reader, or no answer: the store is the finding
         return None
-    return {rank: value.decode().split() for rank, value in enumerate(values)}
+    return {rank: value.decode().split() for rank, value in enumerate(values[0])}
 
 
-def who_stopped(store: dist.Store, world: int, rank: int, step: int, waited_s: float,
+def who_stopped(store: dist.Store, world: int, rank: int, step: int, timeout_s: float,
                 ) -> str:
     """One line: the ranks that stopped making progress, from two readings of the
     heartbeats ``3 x BEAT_S`` apart (a count that did not move: a frozen process; a phase
@@ -124,15 +135,16 @@ def who_stopped(store: dist.Store, world: int, rank: int, step: int, waited_s: f
     time.sleep(3 * BEAT_S)
     second = read_beats(store, world) if first is not None else None
     if first is None or second is None:
-        return (f"hang at step {step}: rank {rank} waited {waited_s:.0f} s in a collective "
-                "and the job's store on rank 0 does not answer: rank 0 stopped")
+        return (f"hang at step {step}: rank {rank} waited {timeout_s:.0f} s in a collective "
+                "and the job's store (served on rank 0's node) does not answer: rank 0 or "
+                "its node stopped")
     frozen = [r for r in range(world) if r != rank and second[r][0] == first[r][0]]
     waiting = [r for r in range(world) if r != rank and r not in frozen
                and second[r][2] == "data"]
     named = [f"rank {r} on {second[r][3]} (pid {second[r][4]}, {what})"
              for found, what in ((frozen, "no heartbeat"), (waiting, "waiting for its data"))
              for r in found]
-    return (f"hang at step {step}: rank {rank} waited {waited_s:.0f} s in a collective for "
+    return (f"hang at step {step}: rank {rank} waited {timeout_s:.0f} s in a collective for "
             + (", ".join(named) if named else "a collective that stopped on every rank")
             + " and exits: the group restarts from the newest checkpoint")
 
@@ -193,7 +205,8 @@ class HangWatch:
     def _arm(self, expiry_s: float) -> None:
         """The collective timeout to ``expiry_s`` (when it moved by more than a tenth), and
         the step timer to it plus ``kill_after_s`` (at least two median steps: a waiting
-        rank's collective began up to a step after its timer was armed)."""
+        rank's collective began up to a step after its timer was armed); no step timer
+        while the timeout is the long one (warmup, long phases)."""
         if abs(expiry_s - self.timeout_s) > 0.1 * self.timeout_s:
             if self.world > 1 and dist.is_initialized():
                 dist.set_timeout(timedelta(seconds=expiry_s))
@@ -202,8 +215,11 @@ class HangWatch:
             margin = max(self.cfg.kill_after_s,
                          2 * statistics.median(self.steps) if self.steps else 0.0)
             try:
-                self.timer.acquire(self.scope, time.time() + self.timeout_s + margin)
-            except BrokenPipeError:  # the node's server is gone: a second of retries a step
+                if expiry_s >= self.long_s:  # a long phase is bounded by its collectives
+                    self.timer.release(self.scope)
+                else:
+                    self.timer.acquire(self.scope, time.time() + expiry_s + margin)
+            except OSError:  # the node's server is gone: a second of retries a step
                 log.warning("hang: no step-timer server at %s; rank %d runs without its "
                             "step timer", os.environ.get(TIMER_FILE), self.rank)
                 self.timer = None
@@ -218,12 +234,11 @@ class HangWatch:
         ends on it, :class:`Hang`), also written under ``<run>/hangs/``; this rank's step
         timer is released (it exits now)."""
         if self.timer is not None:
-            with contextlib.suppress(BrokenPipeError):
+            with contextlib.suppress(OSError):
                 self.timer.release(self.scope)
-        waited = time.monotonic() - self.last
-        line = (who_stopped(self.store, self.world, self.rank, step, waited)
+        line = (who_stopped(self.store, self.world, self.rank, step, self.timeout_s)
                 if self.store is not None else f"hang at step {step}: rank {self.rank} "
-                f"waited {waited:.0f} s in a collective")
+                f"waited {self.timeout_s:.0f} s in a collective")
         folder = self.run_dir / "hangs"
         folder.mkdir(parents=True, exist_ok=True)
         record = {"step": step, "rank": self.rank, "line": line, "time": time.time()}
@@ -238,7 +253,7 @@ class HangWatch:
         if self.heartbeat is not None:
             self.heartbeat.close()
         if self.timer is not None:
-            with contextlib.suppress(BrokenPipeError):
+            with contextlib.suppress(OSError):
                 self.timer.release(self.scope)
 
 

@@ -9,6 +9,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from data_pipeline.config import DataConfig
 from data_pipeline.loader.collate import PieceDrawer
+from data_pipeline.samples import RawSample, SkipLog
 from data_pipeline.transforms import simclr_view, view_transform
 from data_pipeline.views import SimCLRViews, adjust_hue
 
@@ -87,3 +88,23 @@ def test_collated_batches_equal_the_per_view_reference(kw):
             pairs.append(both(picture))
     want = torch.stack([a for a, _ in pairs] + [b for _, b in pairs])
     assert torch.equal(rendered, want)
+
+
+@pytest.mark.parametrize("kw", [{"color_strength": 1.0, "hue": 0.5}, {"hue": 0.0},
+                                {"augment": "autoaugment"}, {"pairing": "same_label"}])
+def test_the_pieces_of_a_message_render_as_each_alone(kw):
+    """A worker renders the pieces of its K batches in one call: each piece's views equal
+    its own render (hue 0: views without a hue step), an empty piece has none."""
+    cfg = DataConfig(resolution=16, crop_min_scale=0.3, **kw)
+    pictures = images(9, seed=3)
+    items = [(0, i, (RawSample(f"k{i}", "s", b"", 0, None), picture))
+             for i, picture in enumerate(pictures)]
+    drawer = PieceDrawer(cfg, epoch=0)
+    parts = [items[:4], [], items[4:5], items[5:]]
+    pieces = drawer([(b, part, SkipLog()) for b, part in enumerate(parts)])
+    assert pieces[1]["views"] is None
+    for piece, part in zip(pieces, parts, strict=True):
+        if part:
+            alone = drawer([(0, part, SkipLog())])[0]["views"]
+            assert torch.equal(piece["views"], alone)
+            assert len(alone) == len(part) * (1 if cfg.pairing == "same_label" else 2)

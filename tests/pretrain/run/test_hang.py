@@ -18,9 +18,17 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from pretrain.run.hang import BEAT_S, HangConfig, HangWatch, Heartbeat, report_hangs, who_stopped
+from pretrain.run.hang import (
+    BEAT_S,
+    HangConfig,
+    HangWatch,
+    Heartbeat,
+    report_hangs,
+    who_stopped,
+)
 from pretrain.run.tracking import Tracker, TrackingConfig
 from tests.app.helpers import REPO
+from tests.ports import free_port
 
 CLIENT = textwrap.dedent("""
     import multiprocessing, os, sys, time
@@ -94,6 +102,7 @@ def test_the_waiting_rank_names_a_frozen_rank_and_one_waiting_for_its_data():
     beats[3].close()  # frozen: its count stops
     time.sleep(2 * BEAT_S)
     line = who_stopped(shared, 4, 0, 12, 15.2)
+    assert "waited 15 s" in line
     for beat in beats:
         beat.close()
     assert line.startswith("hang at step 12: rank 0 waited 15 s in a collective for rank 3 "
@@ -101,13 +110,28 @@ def test_the_waiting_rank_names_a_frozen_rank_and_one_waiting_for_its_data():
     assert "(pid" in line and "waiting for its data" in line and "rank 1" not in line
 
 
-def test_a_store_that_does_not_answer_names_rank_0():
-    served = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", served.port, None, is_master=False,
-                           timeout=timedelta(seconds=1))
-    Heartbeat(client, 1).close()
-    line = who_stopped(client, 2, 1, 5, 20)  # rank 0 never beat: the read times out
-    assert line.endswith("the job's store on rank 0 does not answer: rank 0 stopped")
+def test_a_store_that_stops_answering_names_rank_0():
+    """The store served in a process that is then frozen (as rank 0 serves it under the
+    elastic launch): the waiting rank's reads fail after the client's timeout."""
+    port = free_port()
+    served = subprocess.Popen([sys.executable, "-c", "import time; from torch.distributed "
+                               f"import TCPStore; s = TCPStore('127.0.0.1', {port}, None, "
+                               "True, wait_for_workers=False); time.sleep(600)"])
+    try:
+        client = dist.TCPStore("127.0.0.1", port, None, is_master=False,
+                               timeout=timedelta(seconds=60))  # while the server starts
+        client.set_timeout(timedelta(seconds=1))
+        beats = [Heartbeat(client, rank) for rank in range(2)]
+        beats[0].phase = "step"
+        assert "for a collective that stopped on every rank" in who_stopped(client, 2, 1, 5, 15)
+        served.send_signal(signal.SIGSTOP)
+        line = who_stopped(client, 2, 1, 5, 15)
+        for beat in beats:
+            beat.close()
+    finally:
+        served.kill()
+    assert line == ("hang at step 5: rank 1 waited 15 s in a collective and the job's store "
+                    "(served on rank 0's node) does not answer: rank 0 or its node stopped")
 
 
 def test_the_timeout_follows_the_median_step_after_warmup(tmp_path, monkeypatch):
