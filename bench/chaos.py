@@ -81,7 +81,8 @@ class Kill:
 
 def overrides(workdir: Path, name: str, epochs: int) -> list[str]:
     return [f"output_dir={workdir}", f"name={name}", f"data.shards={workdir / 'shards'}",
-            f"data.batch_size={BATCH}", "data.workers=1", "data.resolution=32",
+            f"data.batch_size={BATCH}", f"data.global_batch_size={BATCH * NODES}",
+            "data.workers=1", "data.resolution=32",
             "data.ledger=true", "model.backbone=small_cnn", "model.width=16",
             "objective.name=infonce", "objective.temperature=0.1", "optim.name=adamw",
             "optim.lr=0.002", "optim.warmup_steps=10", f"train.epochs={epochs}",
