@@ -1,6 +1,7 @@
 """A chaos soak of the elastic launch: three agents of ``launch/torchrun.sh``
-(``NNODES=1:3``, one process each) train while a seeded schedule, every 30-90 s, draws a
-fault (each kind once in every five, in a drawn order): SIGKILL of a whole agent and every
+(``NNODES=1:3``, one process each) train while a seeded schedule draws a fault 30-90 s
+after the group has healed from the last one (every agent back in a group that has trained
+5 steps since; each kind once in every five, in a drawn order): SIGKILL of a whole agent and every
 process under it (``agent``: a node lost, started again 5-20 s later) or of one training
 process (``worker``); SIGSTOP of one
 training process and its loader worker (``freeze``: a hang, left frozen for the hang
@@ -65,6 +66,7 @@ RESUMED = re.compile(r"^(\S+ \S+) rank0 .*resumed from \S+ at step (\d+)")
 
 KINDS = ("agent", "worker", "freeze", "freeze_agent", "straggler")
 BACK_S, PAUSE_S = (5, 20), (2, 8)  # a node's absence; a straggler's pause (under 15 s)
+SETTLED_STEPS = 5  # steps of the newest group before the next fault is drawn
 
 
 @dataclass
@@ -199,6 +201,24 @@ class Soak:
               flush=True)
         return fault
 
+    def settled(self, run_log: Path, back: dict[int, float]) -> bool:
+        """Every fault healed: no tree stopped, no node away, every agent alive in a
+        group formed after the last fault (but a straggler's), which has trained
+        ``SETTLED_STEPS`` steps since (past the hang watch's restart steps,
+        ``pretrain/run/hang.py``)."""
+        if self.frozen or back:
+            return False
+        events = log_events(run_log)
+        world = next((e for e in reversed(events) if e[1] == "world"), None)
+        if world is None or world[2] != len(self.alive()):
+            return False
+        since, last = world[0], self.kills[-1] if self.kills else None
+        if last is not None and last.kind != "straggler" and world[0] < last.at:
+            return False
+        if last is not None:
+            since = max(since, last.at + (last.pause_s or 0.0))
+        return sum(1 for e in events if e[1] == "step" and e[0] > since) >= SETTLED_STEPS
+
     def thaw(self) -> None:
         """SIGCONT the frozen trees whose time has come."""
         for tree, when in list(self.frozen):
@@ -224,7 +244,9 @@ class Soak:
                     self.start(index)
                     del back[index]
             self.thaw()
-            if now >= next_kill and len(self.kills) < self.kills_wanted:
+            if not self.settled(run_log, back):  # the gap runs from a settled group
+                next_kill = max(next_kill, now + self.gap[0])
+            elif now >= next_kill and len(self.kills) < self.kills_wanted:
                 kill = self.kill(last_logged_step(run_log), self.kinds)
                 if kill is not None and kill.kind == "agent":
                     back[kill.agent] = now + self.rng.uniform(*BACK_S)

@@ -13,7 +13,9 @@
 # and resume from the newest checkpoint; a node that starts (again) makes the group grow.
 # RDZV_CONF passes torchrun's --rdzv-conf, e.g. last_call_timeout=5,keep_alive_interval=2:
 # how long a round that has MIN nodes waits for more (torch: 30 s), and the heartbeat period
-# (torch: 5 s; a node is lost after 3 missed).
+# (torch: 5 s; a node is lost after 3 missed). LOCAL_ADDR is the address the node's peers
+# reach it at (torchrun's --local-addr; default: its hostname), and GLOO_SOCKET_IFNAME the
+# interface gloo binds on, where the hostname does not resolve to that address.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="$1"; shift
@@ -28,7 +30,8 @@ if [ -n "${NNODES:-}" ]; then
     # (torch's default) is not published again to a node that joins a later round
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     nodes=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
-           --rdzv-id "${RDZV_ID:-contrastive-pretrain}" ${RDZV_CONF:+--rdzv-conf "$RDZV_CONF"})
+           --rdzv-id "${RDZV_ID:-contrastive-pretrain}" ${RDZV_CONF:+--rdzv-conf "$RDZV_CONF"}
+           ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"})
 else
     nodes=(--standalone)
 fi

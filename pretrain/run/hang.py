@@ -17,9 +17,11 @@ Two of torch's own timeouts, in this order, both following the run's step time
 3. **The rendezvous** (torchrun's): the restarted group waits for its nodes; a node whose
    agent is frozen too misses its heartbeats and is left out.
 
-Known long phases keep ``engine.collective_timeout`` and no step timer (the first
-``train.hang.warmup_steps`` steps after every start, which cover ``train.compile``, the
-caption store's first read and the loader's start; checkpoint writes; the kNN monitor).
+Known long phases keep ``engine.collective_timeout`` and no step timer: a fresh run's first
+``train.hang.warmup_steps`` steps (its step time is not known yet); a restarted run's first
+``RESTART_STEPS`` steps, which cover ``train.compile``, the caption store's first read and
+the loader's start, after which it follows the step time rank 0 recorded under
+``<run>/hangs/`` until it has measured its own; checkpoint writes; the kNN monitor.
 A straggler that pauses for less than ``E`` changes nothing. Limits: the line needs gloo
 (an NCCL timeout aborts the process; never run on a GPU), and DeepSpeed's and a 2-D
 FSDP2 mesh's own groups keep ``engine.collective_timeout``.
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 
 TIMER_FILE = "TORCHELASTIC_TIMER_FILE"  # the node's step-timer server's pipe (torchrun passes it)
 BEAT_S = 1.0  # seconds between heartbeats
+STEP_TIME = "step_time.json"  # under <run>/hangs/: the run's median step and its world
+RESTART_STEPS = 2  # a restart's steps on the long timeout: the loader's start, compile
 
 
 @dataclass
@@ -62,7 +66,7 @@ class HangConfig:
     floor_s: float = 15.0  # the least wait for a peer: above the pauses of a healthy job
     factor: float = 10.0  # a wait of this many median steps is a hang
     kill_after_s: float = 10.0  # after the waiting ranks' timeout, the stopped rank is killed
-    warmup_steps: int = 10  # steps after each start on the long timeout (compile, first reads)
+    warmup_steps: int = 10  # a fresh run's steps on the long timeout, measuring its step
 
     def validate(self) -> None:
         for key in ("floor_s", "factor", "kill_after_s"):
@@ -158,6 +162,7 @@ class HangWatch:
         self.cfg, self.rank, self.world, self.long_s = cfg, rank, world, long_s
         self.run_dir, self.store = run_dir, store
         self.steps: deque[float] = deque(maxlen=50)
+        self.recorded_s = recorded_step_s(run_dir, world)
         self.last = time.monotonic()
         self.timeout_s, self.in_long = long_s, 0
         self.heartbeat = Heartbeat(store, rank) if store is not None else None
@@ -169,13 +174,23 @@ class HangWatch:
         self._arm(long_s)
 
     @property
+    def step_s(self) -> float | None:
+        """The run's step time: the median of this start's steps once it has
+        ``warmup_steps`` of them, before that the one recorded before a restart (from its
+        ``RESTART_STEPS``-th step on); None while it is not known."""
+        if len(self.steps) >= self.cfg.warmup_steps:
+            return statistics.median(self.steps)
+        if self.recorded_s is not None and len(self.steps) >= RESTART_STEPS:
+            return self.recorded_s
+        return None
+
+    @property
     def expiry_s(self) -> float:
-        """How long a collective waits for a peer now: the long timeout until the run's
-        step time is known, then ``max(floor, factor x median step)``."""
-        if self.in_long or len(self.steps) < self.cfg.warmup_steps:
+        """How long a collective waits for a peer now: the long timeout while the run's
+        step time is not known and in long phases, else ``max(floor, factor x step)``."""
+        if self.in_long or self.step_s is None:
             return self.long_s
-        return min(self.long_s, max(self.cfg.floor_s,
-                                    self.cfg.factor * statistics.median(self.steps)))
+        return min(self.long_s, max(self.cfg.floor_s, self.cfg.factor * self.step_s))
 
     def progress(self, step: int) -> None:
         """``step`` is done: its time counts, the timeouts follow, the heartbeat moves on."""
@@ -184,6 +199,8 @@ class HangWatch:
         self.last = now
         if self.heartbeat is not None:
             self.heartbeat.step, self.heartbeat.phase = step, "data"
+        if self.rank == 0 and len(self.steps) % self.cfg.warmup_steps == 0:
+            record_step_s(self.run_dir, statistics.median(self.steps), self.world)
         self._arm(self.expiry_s)
 
     def batch_arrived(self) -> None:
@@ -212,8 +229,7 @@ class HangWatch:
                 dist.set_timeout(timedelta(seconds=expiry_s))
             self.timeout_s = expiry_s
         if self.timer is not None:
-            margin = max(self.cfg.kill_after_s,
-                         2 * statistics.median(self.steps) if self.steps else 0.0)
+            margin = max(self.cfg.kill_after_s, 2 * (self.step_s or 0.0))
             try:
                 if expiry_s >= self.long_s:  # a long phase is bounded by its collectives
                     self.timer.release(self.scope)
@@ -257,12 +273,33 @@ class HangWatch:
                 self.timer.release(self.scope)
 
 
+def record_step_s(run_dir: Path, step_s: float, world: int) -> None:
+    """Rank 0's median step time and world, for the run's next start."""
+    folder = run_dir / "hangs"
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f"{STEP_TIME}.partial"
+    partial.write_text(json.dumps({"step_s": step_s, "world": world}) + "\n")
+    partial.replace(folder / STEP_TIME)
+
+
+def recorded_step_s(run_dir: Path, world: int) -> float | None:
+    """The step time recorded before this start, scaled to this world when it shrank (a
+    rank's share of a kept global batch grows; never scaled down: with a batch per rank
+    the step does not shorten); None on a fresh run or an unreadable record."""
+    try:
+        record = json.loads((run_dir / "hangs" / STEP_TIME).read_text())
+        step_s, recorded_world = float(record["step_s"]), int(record["world"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step_s * max(1.0, recorded_world / world) if step_s > 0 else None
+
+
 def report_hangs(run_dir: Path, tracker: Any) -> int:
     """The restarted run's rank 0: each hang the waiting ranks wrote, once (several ranks
     may have named the same), logged and, with MLflow, tagged ``hang.<n>`` and counted in
     the metric ``hangs``; the records are moved to ``hangs/reported/``."""
     folder = run_dir / "hangs"
-    records = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    records = sorted(folder.glob("*-rank*.json")) if folder.is_dir() else []
     if not records:
         return 0
     reported = folder / "reported"

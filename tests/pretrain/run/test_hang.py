@@ -155,6 +155,36 @@ def test_the_timeout_follows_the_median_step_after_warmup(tmp_path, monkeypatch)
     assert watch.expiry_s == 20.0
 
 
+def test_a_restart_follows_the_recorded_step_from_its_second_step(tmp_path, monkeypatch):
+    """Rank 0 records the run's median step; a restart keeps the long timeout for its first
+    two steps only, then follows the record (scaled up when the world shrank, never down)
+    until it has measured its own."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    cfg = HangConfig(warmup_steps=4, floor_s=1, factor=10)
+    first = HangWatch(cfg, 0, 3, 600.0, tmp_path, None)  # rank 0 of 3 ranks
+    for step in range(1, 9):
+        clock[0] += 0.5
+        first.progress(step)
+    (tmp_path / "hangs" / "step_time.json").unlink()
+    first.progress(9)
+    assert not (tmp_path / "hangs" / "step_time.json").exists()  # every warmup_steps steps
+    clock[0] += 0.5
+    first.progress(10)
+    first.progress(11)
+    clock[0] += 0.5
+    first.progress(12)  # recorded again: the median 0.5 s on 3 ranks
+    for world, expiry in ((3, 5.0), (1, 15.0), (6, 5.0)):
+        restarted = HangWatch(cfg, 1, world, 600.0, tmp_path, None)
+        clock[0] += 8.0  # the restart's first step: the loader's start
+        restarted.progress(1)
+        assert restarted.expiry_s == 600.0
+        clock[0] += 0.5
+        restarted.progress(2)
+        assert restarted.expiry_s == expiry
+    assert HangWatch(cfg, 1, 1, 600.0, tmp_path / "fresh", None).recorded_s is None
+
+
 def test_the_restarted_run_logs_each_hang_once_and_tags_it(tmp_path, caplog):
     folder = tmp_path / "hangs"
     folder.mkdir()
