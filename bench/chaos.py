@@ -67,6 +67,7 @@ RESUMED = re.compile(r"^(\S+ \S+) rank0 .*resumed from \S+ at step (\d+)")
 KINDS = ("agent", "worker", "freeze", "freeze_agent", "straggler")
 BACK_S, PAUSE_S = (5, 20), (2, 8)  # a node's absence; a straggler's pause (under 15 s)
 SETTLED_STEPS = 5  # steps of the newest group before the next fault is drawn
+PAUSES = {"straggler": PAUSE_S, "freeze_agent": BACK_S}  # the faults that end by SIGCONT
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Kill:
     recovery_s: float | None = None  # to the next step logged by a group formed after it
     redone: int | None = None  # steps trained again after it
     world_after: int | None = None
-    pause_s: float | None = None  # a straggler's
+    pause_s: float | None = None  # how long it stood stopped (straggler, freeze_agent)
 
 
 def overrides(workdir: Path, name: str, epochs: int) -> list[str]:
@@ -119,6 +120,12 @@ def uninterrupted(workdir: Path, epochs: int, log, name: str = "reference",
                    env=environment(NPROC=str(nproc)), stdout=log, stderr=subprocess.STDOUT,
                    check=True)
     return time.monotonic() - start
+
+
+def finished(run_dir: Path) -> bool:
+    """The run ended: its encoder was registered."""
+    log = run_dir / "train.log"
+    return log.exists() and "registered model" in log.read_text()
 
 
 def weights_distance(a: Path, b: Path) -> float:
@@ -185,8 +192,8 @@ class Soak:
         tree = ([agent, *agent.children(recursive=True)] if "agent" in kind
                 else [workers[0], *workers[0].children(recursive=True)])
         fault = Kill(time.time(), kind, index, last_step)
-        if kind == "straggler":
-            fault.pause_s = self.rng.uniform(*PAUSE_S)
+        if kind in PAUSES:
+            fault.pause_s = self.rng.uniform(*PAUSES[kind])
         signal_of = signal.SIGKILL if kind in ("agent", "worker") else signal.SIGSTOP
         for process in tree if kind != "worker" else tree[:1]:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -194,8 +201,7 @@ class Soak:
         if kind == "agent":
             self.agents[index].wait()
         elif kind in ("freeze_agent", "straggler"):
-            self.frozen.append((tree, time.monotonic() + (fault.pause_s or
-                                                          self.rng.uniform(*BACK_S))))
+            self.frozen.append((tree, time.monotonic() + fault.pause_s))
         self.kills.append(fault)
         print(f"fault {len(self.kills)}: {kind} of agent {index} after step {last_step}",
               flush=True)
@@ -213,7 +219,7 @@ class Soak:
         if world is None or world[2] != len(self.alive()):
             return False
         since, last = world[0], self.kills[-1] if self.kills else None
-        if last is not None and last.kind != "straggler" and world[0] < last.at:
+        if last is not None and last.kind not in PAUSES and world[0] < last.at:
             return False
         if last is not None:
             since = max(since, last.at + (last.pause_s or 0.0))
@@ -306,10 +312,11 @@ def measure_kills(kills: list[Kill], events: list) -> None:
     counted: set[float] = set()
     for kill in kills:
         after = [e for e in events if e[0] > kill.at]
-        if kill.kind == "straggler":  # a group formed while or soon after it paused: a restart
+        if kill.kind in PAUSES:  # a group formed while or soon after it paused: a restart
             kill.world_after = sum(1 for e in after if e[1] == "world"
                                    and e[0] < kill.at + kill.pause_s + 30)
-            continue
+            if kill.kind == "straggler" or not kill.world_after:
+                continue  # an agent tree stopped for less than the timeout is a straggler
         world = next((e for e in after if e[1] == "world"), None)
         if world is None:
             continue
@@ -323,6 +330,11 @@ def measure_kills(kills: list[Kill], events: list) -> None:
         kill.redone = 0 if resumed and resumed[0] in counted else max(0, reached - resumed_at)
         if resumed is not None:
             counted.add(resumed[0])
+
+
+def healed(kill: Kill) -> bool:
+    """A step followed the fault's restart, or it caused none (a pause)."""
+    return kill.recovery_s is not None or (kill.kind in PAUSES and not kill.world_after)
 
 
 def loss_by_samples(events: list) -> tuple[np.ndarray, np.ndarray]:
@@ -403,16 +415,16 @@ def report(args: argparse.Namespace, kills: list[Kill], soak_s: float,
         found = [k for k in kills if k.kind == kind]
         times = [k.recovery_s for k in found if k.recovery_s is not None]
         per_kind[kind] = {"faults": len(found),
-                          "survived": len(found) if kind == "straggler" else len(times),
+                          "survived": sum(healed(k) for k in found),
                           "recovery_median_s": float(np.median(times)) if times else None,
                           "recovery_max_s": max(times, default=None),
-                          **({"restarts": sum(k.world_after or 0 for k in found)}
-                             if kind == "straggler" else {})}
+                          **({"restarts": sum(1 for k in found if k.world_after)}
+                             if kind in PAUSES else {})}
     registered = re.findall(r"registered model (\S+) version (\d+)",
                             (args.workdir / "soak" / "train.log").read_text())
     summary = {
         "kills": len(kills), "per_kind": per_kind,
-        "survived": sum(k.recovery_s is not None or k.kind == "straggler" for k in kills),
+        "survived": sum(healed(k) for k in kills),
         "recovery_median_s": float(np.median(recoveries)) if recoveries else None,
         "recovery_max_s": max(recoveries, default=None),
         "steps_redone": sum(k.redone or 0 for k in kills),
@@ -455,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the faults drawn from")
     parser.add_argument("--output", type=Path, default=RESULTS / "chaos.json")
     parser.add_argument("--keep-reference", action="store_true",
-                        help="keep the uninterrupted run already in --workdir")
+                        help="keep the uninterrupted runs in --workdir that finished")
     parser.add_argument("--analyse-only", action="store_true",
                         help="measure the soak already in --workdir again, from the kills "
                              "--output recorded")
@@ -469,20 +481,24 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    reference = args.workdir / "reference"
-    kept = args.keep_reference and list_checkpoints(reference)
-    for name in ("soak",) if kept else ("soak", "reference", "reference-1"):
+    references = {"reference": NODES, "reference-1": 1}
+    kept = [name for name in references
+            if args.keep_reference and finished(args.workdir / name)]
+    for name in ["soak", *(name for name in references if name not in kept)]:
         subprocess.run(["rm", "-rf", str(args.workdir / name)], check=True)
     make_shards(args.workdir)
     with open(args.workdir / "agents.log", "w") as log:
         soak = Soak(args.workdir, args.epochs, args.seed, args.kills, tuple(args.gap), log,
                     tuple(args.kinds))
         soak_s = soak.run(args.workdir / "soak" / "train.log")
-        reference_s = (log_span(reference / "train.log") if kept
-                       else uninterrupted(args.workdir, args.epochs, log))
-        if not kept:
-            uninterrupted(args.workdir, args.epochs, log, "reference-1", nproc=1)
-    report(args, soak.kills, soak_s, reference_s)
+        write_json(args.output, {"machine": machine(), "seed": args.seed,  # the soak kept
+                                 "summary": {"soak_s": soak_s, "epochs_asked": args.epochs,
+                                             "uninterrupted_s": None},
+                                 "kills": [asdict(k) for k in soak.kills]})
+        for name, nproc in references.items():
+            if name not in kept:
+                uninterrupted(args.workdir, args.epochs, log, name, nproc=nproc)
+    report(args, soak.kills, soak_s, log_span(args.workdir / "reference" / "train.log"))
 
 
 if __name__ == "__main__":

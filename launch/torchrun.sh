@@ -35,10 +35,6 @@ if [ -n "${NNODES:-}" ]; then
 else
     nodes=(--standalone)
 fi
-# the node's step-timer server (pretrain/run/hang.py): kills a training process whose steps
-# stopped, so that torchrun restarts the group as for a crash; it ends after torchrun
-export TORCHELASTIC_TIMER_FILE="${TMPDIR:-/tmp}/step-timer-$$"
-.venv/bin/python -m pretrain.run.step_timer "$TORCHELASTIC_TIMER_FILE" &
-for _ in $(seq 600); do [ -p "$TORCHELASTIC_TIMER_FILE" ] && break; sleep 0.1; done
-exec .venv/bin/torchrun "${nodes[@]}" --nproc_per_node "$nproc" \
+# with the node's step-timer server beside the agent (pretrain/run/hang.py)
+exec bash launch/with_step_timer.sh .venv/bin/torchrun "${nodes[@]}" --nproc_per_node "$nproc" \
     --max-restarts "${MAX_RESTARTS:-3}" -m app.pretrain --config "$config" "$@"

@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_pipeline.config import DataConfig

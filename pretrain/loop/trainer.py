@@ -194,7 +194,7 @@ class Trainer:
             self.reports.ledger.start(self.step)
         try:
             self.run_steps()
-            with self.long_phase():
+            with self.long_phase("end"):
                 if self.last_saved != self.step:
                     self.save()
                 self.finish_checkpoint()
@@ -329,13 +329,14 @@ class Trainer:
             self.reports.ledger.flush()
         self.monitors.collapse.stop_if_spent()
 
-    def long_phase(self) -> contextlib.AbstractContextManager:
+    def long_phase(self, name: str) -> contextlib.AbstractContextManager:
         """A phase that may outlast a step many times (a checkpoint, the kNN monitor): the
-        hang watch's long timeouts while it lasts."""
-        return self.hang.long_phase() if self.hang is not None else contextlib.nullcontext()
+        hang watch follows its own time while it lasts."""
+        return (self.hang.long_phase(name) if self.hang is not None
+                else contextlib.nullcontext())
 
     def run_knn_monitor(self) -> None:
-        with self.engine.whole_root(), self.long_phase():
+        with self.engine.whole_root(), self.long_phase("knn"):
             result = self.monitors.knn(self.model.encoder)
         self.last_knn = {"step": self.step, **result}
         if self.runtime.is_main:
@@ -364,7 +365,7 @@ class Trainer:
         if watch is None or self.step >= self.total_steps or not watch.due(self.step) \
                 or not watch.agreed():
             return
-        with self.long_phase():
+        with self.long_phase("preempt"):
             if self.last_saved != self.step:
                 self.save()
             self.finish_checkpoint()
@@ -378,7 +379,7 @@ class Trainer:
         """A checkpoint of this step: what every rank shares (written once, by rank 0) and
         what is this rank's own (its RNG streams, its loader position, and its optimiser
         partition under ZeRO)."""
-        with self.long_phase():
+        with self.long_phase("save"):
             return self._save()
 
     def _save(self) -> Path:

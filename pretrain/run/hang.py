@@ -17,11 +17,13 @@ Two of torch's own timeouts, in this order, both following the run's step time
 3. **The rendezvous** (torchrun's): the restarted group waits for its nodes; a node whose
    agent is frozen too misses its heartbeats and is left out.
 
-Known long phases keep ``engine.collective_timeout`` and no step timer: a fresh run's first
-``train.hang.warmup_steps`` steps (its step time is not known yet); a restarted run's first
-``RESTART_STEPS`` steps, which cover ``train.compile``, the caption store's first read and
-the loader's start, after which it follows the step time rank 0 recorded under
-``<run>/hangs/`` until it has measured its own; checkpoint writes; the kNN monitor.
+Known long phases follow their own time: a checkpoint write, the kNN monitor, the end of
+the run (:meth:`HangWatch.long_phase`, by name) wait ``max(floor, factor x that phase's
+median)``. What has not been timed yet keeps ``engine.collective_timeout`` and no step
+timer: a fresh run's first ``train.hang.warmup_steps`` steps and each phase's first run; a
+restarted run's first ``RESTART_STEPS`` steps, which cover ``train.compile``, the caption
+store's first read and the loader's start, after which it follows the times rank 0 recorded
+under ``<run>/hangs/`` until it has measured its own.
 A straggler that pauses for less than ``E`` changes nothing. Limits: the line needs gloo
 (an NCCL timeout aborts the process; never run on a GPU), and DeepSpeed's and a 2-D
 FSDP2 mesh's own groups keep ``engine.collective_timeout``.
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 
 TIMER_FILE = "TORCHELASTIC_TIMER_FILE"  # the node's step-timer server's pipe (torchrun passes it)
 BEAT_S = 1.0  # seconds between heartbeats
-STEP_TIME = "step_time.json"  # under <run>/hangs/: the run's median step and its world
+STEP_TIME = "step_time.json"  # under <run>/hangs/: the run's median step and phases, world
 RESTART_STEPS = 2  # a restart's steps on the long timeout: the loader's start, compile
 
 
@@ -162,15 +164,21 @@ class HangWatch:
         self.cfg, self.rank, self.world, self.long_s = cfg, rank, world, long_s
         self.run_dir, self.store = run_dir, store
         self.steps: deque[float] = deque(maxlen=50)
-        self.recorded_s = recorded_step_s(run_dir, world)
+        self.phases: dict[str, deque[float]] = {}  # each long phase's durations
+        self.recorded_s, self.recorded_phases = recorded_times(run_dir, world)
         self.last = time.monotonic()
-        self.timeout_s, self.in_long = long_s, 0
+        self.timeout_s, self.in_phases = long_s, []  # the expiries of the phases under way
         self.heartbeat = Heartbeat(store, rank) if store is not None else None
         self.timer = None
         if os.environ.get(TIMER_FILE):
             from torch.distributed.elastic.timer import FileTimerClient
 
             self.timer = FileTimerClient(os.environ[TIMER_FILE])
+        if rank == 0:
+            log.info("hang watch: %s", f"step timer served at {os.environ[TIMER_FILE]}"
+                     if self.timer else "no step timer (launch/torchrun.sh and "
+                     "launch/slurm.sbatch start one): a frozen process ends by torchrun's "
+                     "SIGTERM and, 30 s on, SIGKILL")
         self._arm(long_s)
 
     @property
@@ -188,9 +196,23 @@ class HangWatch:
     def expiry_s(self) -> float:
         """How long a collective waits for a peer now: the long timeout while the run's
         step time is not known and in long phases, else ``max(floor, factor x step)``."""
-        if self.in_long or self.step_s is None:
+        if self.in_phases:
+            return max(self.in_phases)
+        return self.following(self.step_s)
+
+    def following(self, seconds: float | None) -> float:
+        """``max(floor, factor x seconds)``, at most the long timeout; the long timeout
+        while ``seconds`` is not known."""
+        if seconds is None:
             return self.long_s
-        return min(self.long_s, max(self.cfg.floor_s, self.cfg.factor * self.step_s))
+        return min(self.long_s, max(self.cfg.floor_s, self.cfg.factor * seconds))
+
+    def phase_s(self, name: str) -> float | None:
+        """The median of phase ``name``'s durations here, else the one recorded before a
+        restart; None before it has run once."""
+        if self.phases.get(name):
+            return statistics.median(self.phases[name])
+        return self.recorded_phases.get(name)
 
     def progress(self, step: int) -> None:
         """``step`` is done: its time counts, the timeouts follow, the heartbeat moves on."""
@@ -200,7 +222,9 @@ class HangWatch:
         if self.heartbeat is not None:
             self.heartbeat.step, self.heartbeat.phase = step, "data"
         if self.rank == 0 and len(self.steps) % self.cfg.warmup_steps == 0:
-            record_step_s(self.run_dir, statistics.median(self.steps), self.world)
+            record_times(self.run_dir, statistics.median(self.steps),
+                         {name: statistics.median(times)
+                          for name, times in self.phases.items()}, self.world)
         self._arm(self.expiry_s)
 
     def batch_arrived(self) -> None:
@@ -208,14 +232,18 @@ class HangWatch:
             self.heartbeat.phase = "step"
 
     @contextlib.contextmanager
-    def long_phase(self) -> Iterator[None]:
-        """A checkpoint write, an evaluation: the long timeout while it lasts."""
-        self.in_long += 1
-        self._arm(self.long_s)
+    def long_phase(self, name: str) -> Iterator[None]:
+        """A checkpoint write, an evaluation: while it lasts, the timeouts follow that
+        phase's own median (the long timeout on its first run, and in a phase inside a
+        longer one); its duration counts for the next."""
+        self.in_phases.append(self.following(self.phase_s(name)))
+        self._arm(self.expiry_s)
+        start = time.monotonic()
         try:
             yield
         finally:
-            self.in_long -= 1
+            self.phases.setdefault(name, deque(maxlen=20)).append(time.monotonic() - start)
+            self.in_phases.pop()
             self.last = time.monotonic()  # the phase is not a step
             self._arm(self.expiry_s)
 
@@ -264,7 +292,7 @@ class HangWatch:
 
     def close(self) -> None:
         """The run's steps are over: the long timeouts again, no heartbeat, no timer."""
-        self.in_long += 1
+        self.in_phases.append(self.long_s)
         self._arm(self.long_s)
         if self.heartbeat is not None:
             self.heartbeat.close()
@@ -273,25 +301,29 @@ class HangWatch:
                 self.timer.release(self.scope)
 
 
-def record_step_s(run_dir: Path, step_s: float, world: int) -> None:
-    """Rank 0's median step time and world, for the run's next start."""
+def record_times(run_dir: Path, step_s: float, phases: dict[str, float], world: int) -> None:
+    """Rank 0's median step and phase times and its world, for the run's next start."""
     folder = run_dir / "hangs"
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f"{STEP_TIME}.partial"
-    partial.write_text(json.dumps({"step_s": step_s, "world": world}) + "\n")
+    partial.write_text(json.dumps({"step_s": step_s, "phases": phases, "world": world}) + "\n")
     partial.replace(folder / STEP_TIME)
 
 
-def recorded_step_s(run_dir: Path, world: int) -> float | None:
-    """The step time recorded before this start, scaled to this world when it shrank (a
-    rank's share of a kept global batch grows; never scaled down: with a batch per rank
-    the step does not shorten); None on a fresh run or an unreadable record."""
+def recorded_times(run_dir: Path, world: int) -> tuple[float | None, dict[str, float]]:
+    """The step and phase times recorded before this start, scaled to this world when it
+    shrank (a rank's share of a kept global batch, or of a checkpoint, grows; never scaled
+    down: with a batch per rank the step does not shorten); nothing on a fresh run or an
+    unreadable record."""
     try:
         record = json.loads((run_dir / "hangs" / STEP_TIME).read_text())
-        step_s, recorded_world = float(record["step_s"]), int(record["world"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return step_s * max(1.0, recorded_world / world) if step_s > 0 else None
+        scale = max(1.0, int(record["world"]) / world)
+        step_s = float(record["step_s"])
+        phases = {str(name): float(s) * scale for name, s in record["phases"].items()
+                  if float(s) > 0}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, {}
+    return (step_s * scale if step_s > 0 else None), phases
 
 
 def report_hangs(run_dir: Path, tracker: Any) -> int:

@@ -56,5 +56,5 @@ def test_demo_pipeline_smallest_setting(tmp_path):
 
 def test_launch_scripts_parse():
     for script in ("torchrun.sh", "deepspeed.sh", "slurm.sbatch", "demo.sh",
-                   "demo_pipeline.sh", "setup.sh", "lock.sh", "serve.sh"):
+                   "demo_pipeline.sh", "setup.sh", "lock.sh", "serve.sh", "with_step_timer.sh"):
         subprocess.run(["bash", "-n", str(REPO / "launch" / script)], check=True)

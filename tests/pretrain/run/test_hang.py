@@ -150,15 +150,34 @@ def test_the_timeout_follows_the_median_step_after_warmup(tmp_path, monkeypatch)
         clock[0] += 2.0
         watch.progress(step)
     assert watch.expiry_s == 20.0  # 10 x the median 2 s
-    with watch.long_phase():
+
+
+def test_a_long_phase_follows_its_own_time_after_its_first_run(tmp_path, monkeypatch):
+    """A checkpoint write waits the long timeout the first time, then 10 x its own median;
+    a phase inside a longer one (the run's end around a write) keeps the longer."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    watch = HangWatch(HangConfig(warmup_steps=2, floor_s=5, factor=10), 0, 1, 600.0,
+                      tmp_path, None)
+    for step in (1, 2):
+        clock[0] += 1.0
+        watch.progress(step)
+    assert watch.expiry_s == 10.0
+    for seconds, inside in ((3.0, 600.0), (4.0, 30.0), (5.0, 35.0)):
+        with watch.long_phase("save"):
+            assert watch.expiry_s == inside  # the long timeout, then 10 x the median
+            clock[0] += seconds
+        assert watch.expiry_s == 10.0  # steps again
+    with watch.long_phase("end"), watch.long_phase("save"):
         assert watch.expiry_s == 600.0
-    assert watch.expiry_s == 20.0
+    with watch.long_phase("knn"):
+        assert watch.expiry_s == 600.0  # another phase: not timed yet
 
 
-def test_a_restart_follows_the_recorded_step_from_its_second_step(tmp_path, monkeypatch):
-    """Rank 0 records the run's median step; a restart keeps the long timeout for its first
-    two steps only, then follows the record (scaled up when the world shrank, never down)
-    until it has measured its own."""
+def test_a_restart_follows_the_recorded_times_from_its_third_step(tmp_path, monkeypatch):
+    """Rank 0 records the run's median step and phase times; a restart keeps the long
+    timeout for its first two steps only, then follows the record (scaled up when the world
+    shrank, never down) until it has measured its own."""
     clock = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     cfg = HangConfig(warmup_steps=4, floor_s=1, factor=10)
@@ -166,6 +185,8 @@ def test_a_restart_follows_the_recorded_step_from_its_second_step(tmp_path, monk
     for step in range(1, 9):
         clock[0] += 0.5
         first.progress(step)
+        with first.long_phase("save"):
+            clock[0] += 0.2
     (tmp_path / "hangs" / "step_time.json").unlink()
     first.progress(9)
     assert not (tmp_path / "hangs" / "step_time.json").exists()  # every warmup_steps steps
@@ -174,8 +195,10 @@ def test_a_restart_follows_the_recorded_step_from_its_second_step(tmp_path, monk
     first.progress(11)
     clock[0] += 0.5
     first.progress(12)  # recorded again: the median 0.5 s on 3 ranks
-    for world, expiry in ((3, 5.0), (1, 15.0), (6, 5.0)):
+    for world, expiry, saving in ((3, 5.0, 2.0), (1, 15.0, 6.0), (6, 5.0, 2.0)):
         restarted = HangWatch(cfg, 1, world, 600.0, tmp_path, None)
+        with restarted.long_phase("save"):
+            assert restarted.expiry_s == pytest.approx(saving)  # 10 x the recorded 0.2 s
         clock[0] += 8.0  # the restart's first step: the loader's start
         restarted.progress(1)
         assert restarted.expiry_s == 600.0

@@ -170,6 +170,7 @@ def test_slurm_warning_signal_requeues_and_the_requeued_job_resumes(digits_shard
     assert status == 0, text[-3000:]
     assert (bin_dir / "requeued").read_text().split() == ["4242"], text[-3000:]
     assert "preempted by SIGUSR1" in text
+    assert "hang watch: step timer served at" in text  # each node's, beside its agent
     stopped = checkpoint_steps(run_dir)
     assert len(stopped) == 1 and 6 <= stopped[0] < STEPS
 
