@@ -308,13 +308,14 @@ def last_logged_step(run_log: Path) -> int:
 def measure_kills(kills: list[Kill], events: list) -> None:
     """Each kill's recovery (to the first step logged after a new world formed after it)
     and the steps trained again (the newest step logged before that world less the step
-    its resume took up; a resume that follows two kills counts once)."""
+    its resume took up; a resume that follows two kills counts once). A pause restarted the
+    group when one formed while it lasted or within 30 s (before the next fault)."""
     counted: set[float] = set()
-    for kill in kills:
+    for kill, following in zip(kills, [*kills[1:], None], strict=True):
         after = [e for e in events if e[0] > kill.at]
-        if kill.kind in PAUSES:  # a group formed while or soon after it paused: a restart
-            kill.world_after = sum(1 for e in after if e[1] == "world"
-                                   and e[0] < kill.at + kill.pause_s + 30)
+        if kill.kind in PAUSES:
+            until = min(kill.at + kill.pause_s + 30, following.at if following else np.inf)
+            kill.world_after = sum(1 for e in after if e[1] == "world" and e[0] < until)
             if kill.kind == "straggler" or not kill.world_after:
                 continue  # an agent tree stopped for less than the timeout is a straggler
         world = next((e for e in after if e[1] == "world"), None)

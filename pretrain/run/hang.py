@@ -150,9 +150,11 @@ def who_stopped(store: dist.Store, world: int, rank: int, step: int, timeout_s: 
     named = [f"rank {r} on {second[r][3]} (pid {second[r][4]}, {what})"
              for found, what in ((frozen, "no heartbeat"), (waiting, "waiting for its data"))
              for r in found]
+    nobody = ("a rank that went on again (every heartbeat moved: a pause about as long as "
+              "the timeout, or the network)")
     return (f"hang at step {step}: rank {rank} waited {timeout_s:.0f} s in a collective for "
-            + (", ".join(named) if named else "a collective that stopped on every rank")
-            + " and exits: the group restarts from the newest checkpoint")
+            f"{', '.join(named) or nobody} and exits: the group restarts from the newest "
+            "checkpoint")
 
 
 class HangWatch:
