@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import yaml
 
 from bench.common import machine, print_table, write_json
 from core.runtime import free_port
@@ -79,6 +80,7 @@ class Kill:
     recovery_s: float | None = None  # to the next step logged by a group formed after it
     redone: int | None = None  # steps trained again after it
     world_after: int | None = None
+    restarts: int | None = None  # a pause's: the groups formed while or soon after it
     pause_s: float | None = None  # how long it stood stopped (straggler, freeze_agent)
 
 
@@ -122,10 +124,11 @@ def uninterrupted(workdir: Path, epochs: int, log, name: str = "reference",
     return time.monotonic() - start
 
 
-def finished(run_dir: Path) -> bool:
-    """The run ended: its encoder was registered."""
-    log = run_dir / "train.log"
-    return log.exists() and "registered model" in log.read_text()
+def finished(run_dir: Path, epochs: int) -> bool:
+    """The run ended (its encoder registered) after ``epochs`` epochs."""
+    log, config = run_dir / "train.log", run_dir / "config.yaml"
+    return (log.exists() and "registered model" in log.read_text()
+            and yaml.safe_load(config.read_text())["train"]["epochs"] == epochs)
 
 
 def weights_distance(a: Path, b: Path) -> float:
@@ -241,6 +244,7 @@ class Soak:
             time.sleep(0.5)
         next_kill = time.monotonic() + self.rng.uniform(*self.gap)
         back: dict[int, float] = {}  # agent -> when it starts again
+        checked = 0.0  # when the group was last seen settled or not
         while not self.finished():
             now = time.monotonic()
             if not self.alive() and not back:
@@ -250,9 +254,12 @@ class Soak:
                     self.start(index)
                     del back[index]
             self.thaw()
-            if not self.settled(run_log, back):  # the gap runs from a settled group
-                next_kill = max(next_kill, now + self.gap[0])
-            elif now >= next_kill and len(self.kills) < self.kills_wanted:
+            due = len(self.kills) < self.kills_wanted
+            if due and now >= checked + 1.0:  # the gap runs from a settled group
+                checked = now
+                if not self.settled(run_log, back):
+                    next_kill = max(next_kill, now + self.gap[0])
+            if due and now >= next_kill:
                 kill = self.kill(last_logged_step(run_log), self.kinds)
                 if kill is not None and kill.kind == "agent":
                     back[kill.agent] = now + self.rng.uniform(*BACK_S)
@@ -313,11 +320,11 @@ def measure_kills(kills: list[Kill], events: list) -> None:
     counted: set[float] = set()
     for kill, following in zip(kills, [*kills[1:], None], strict=True):
         after = [e for e in events if e[0] > kill.at]
-        if kill.kind in PAUSES:
+        if kill.kind in PAUSES and kill.pause_s is not None:
             until = min(kill.at + kill.pause_s + 30, following.at if following else np.inf)
-            kill.world_after = sum(1 for e in after if e[1] == "world" and e[0] < until)
-            if kill.kind == "straggler" or not kill.world_after:
-                continue  # an agent tree stopped for less than the timeout is a straggler
+            kill.restarts = sum(1 for e in after if e[1] == "world" and e[0] < until)
+            if not kill.restarts:
+                continue  # stopped for less than the timeout: a straggler, healed
         world = next((e for e in after if e[1] == "world"), None)
         if world is None:
             continue
@@ -335,7 +342,7 @@ def measure_kills(kills: list[Kill], events: list) -> None:
 
 def healed(kill: Kill) -> bool:
     """A step followed the fault's restart, or it caused none (a pause)."""
-    return kill.recovery_s is not None or (kill.kind in PAUSES and not kill.world_after)
+    return kill.recovery_s is not None or (kill.kind in PAUSES and kill.restarts == 0)
 
 
 def loss_by_samples(events: list) -> tuple[np.ndarray, np.ndarray]:
@@ -406,7 +413,7 @@ def report(args: argparse.Namespace, kills: list[Kill], soak_s: float,
     """Measure the kills, read the ledger, load the final checkpoint, plot, and write."""
     events = log_events(args.workdir / "soak" / "train.log")
     for kill in kills:
-        kill.recovery_s = kill.redone = kill.world_after = None
+        kill.recovery_s = kill.redone = kill.world_after = kill.restarts = None
     measure_kills(kills, events)
     epochs = ledger(args.workdir / "soak")
     per_epoch = SAMPLES // (BATCH * NODES) * BATCH * NODES
@@ -419,7 +426,7 @@ def report(args: argparse.Namespace, kills: list[Kill], soak_s: float,
                           "survived": sum(healed(k) for k in found),
                           "recovery_median_s": float(np.median(times)) if times else None,
                           "recovery_max_s": max(times, default=None),
-                          **({"restarts": sum(1 for k in found if k.world_after)}
+                          **({"restarts": sum(k.restarts or 0 for k in found)}
                              if kind in PAUSES else {})}
     registered = re.findall(r"registered model (\S+) version (\d+)",
                             (args.workdir / "soak" / "train.log").read_text())
@@ -447,7 +454,8 @@ def report(args: argparse.Namespace, kills: list[Kill], soak_s: float,
                                                             args.workdir / "reference-1")
     plot(args.output.with_suffix(".png"), soak_curve, reference_curve, kills, events)
     print_table([asdict(k) for k in kills],
-                ["kind", "agent", "last_step", "world_after", "recovery_s", "redone", "pause_s"])
+                ["kind", "agent", "last_step", "world_after", "recovery_s", "redone", "pause_s",
+                 "restarts"])
     print_table([{"kind": kind, **row} for kind, row in per_kind.items()],
                 ["kind", "faults", "survived", "recovery_median_s", "recovery_max_s",
                  "restarts"])
@@ -478,13 +486,14 @@ def main(argv: list[str] | None = None) -> None:
         kills = [Kill(**kill) for kill in recorded["kills"]]
         args.epochs = recorded["summary"]["epochs_asked"]
         report(args, kills, recorded["summary"]["soak_s"],
-               recorded["summary"]["uninterrupted_s"])
+               recorded["summary"]["uninterrupted_s"]
+               or log_span(args.workdir / "reference" / "train.log"))
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     references = {"reference": NODES, "reference-1": 1}
     kept = [name for name in references
-            if args.keep_reference and finished(args.workdir / name)]
+            if args.keep_reference and finished(args.workdir / name, args.epochs)]
     for name in ["soak", *(name for name in references if name not in kept)]:
         subprocess.run(["rm", "-rf", str(args.workdir / name)], check=True)
     make_shards(args.workdir)
@@ -492,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
         soak = Soak(args.workdir, args.epochs, args.seed, args.kills, tuple(args.gap), log,
                     tuple(args.kinds))
         soak_s = soak.run(args.workdir / "soak" / "train.log")
+        if len(soak.kills) < args.kills:
+            print(f"{len(soak.kills)} of the {args.kills} faults asked: the run ended first "
+                  "(more --epochs, or a shorter --gap)", flush=True)
         write_json(args.output, {"machine": machine(), "seed": args.seed,  # the soak kept
                                  "summary": {"soak_s": soak_s, "epochs_asked": args.epochs,
                                              "uninterrupted_s": None},

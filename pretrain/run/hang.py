@@ -17,13 +17,14 @@ Two of torch's own timeouts, in this order, both following the run's step time
 3. **The rendezvous** (torchrun's): the restarted group waits for its nodes; a node whose
    agent is frozen too misses its heartbeats and is left out.
 
-Known long phases follow their own time: a checkpoint write, the kNN monitor, the end of
-the run (:meth:`HangWatch.long_phase`, by name) wait ``max(floor, factor x that phase's
-median)``. What has not been timed yet keeps ``engine.collective_timeout`` and no step
-timer: a fresh run's first ``train.hang.warmup_steps`` steps and each phase's first run; a
-restarted run's first ``RESTART_STEPS`` steps, which cover ``train.compile``, the caption
-store's first read and the loader's start, after which it follows the times rank 0 recorded
-under ``<run>/hangs/`` until it has measured its own.
+Known long phases follow their own time: a checkpoint write and the kNN monitor
+(:meth:`HangWatch.long_phase`, by name) wait ``max(floor, factor x that phase's median in
+this process)``. What has not been timed yet keeps ``engine.collective_timeout`` and no
+step timer: each phase's first run in a process (the run's end and a preemption's
+checkpoint run once); a fresh run's first ``train.hang.warmup_steps`` steps; a restarted
+run's first ``RESTART_STEPS`` steps (the loader's start, the caption store's first read,
+``train.compile``), after which it follows the larger of the step time rank 0 recorded
+under ``<run>/hangs/`` and its own steps', until it has ``warmup_steps`` of its own.
 A straggler that pauses for less than ``E`` changes nothing. Limits: the line needs gloo
 (an NCCL timeout aborts the process; never run on a GPU), and DeepSpeed's and a 2-D
 FSDP2 mesh's own groups keep ``engine.collective_timeout``.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -56,7 +58,7 @@ log = logging.getLogger(__name__)
 
 TIMER_FILE = "TORCHELASTIC_TIMER_FILE"  # the node's step-timer server's pipe (torchrun passes it)
 BEAT_S = 1.0  # seconds between heartbeats
-STEP_TIME = "step_time.json"  # under <run>/hangs/: the run's median step and phases, world
+STEP_TIME = "step_time.json"  # under <run>/hangs/: the run's median step and its world
 RESTART_STEPS = 2  # a restart's steps on the long timeout: the loader's start, compile
 
 
@@ -165,9 +167,10 @@ class HangWatch:
                  run_dir: Path, store: dist.Store | None) -> None:
         self.cfg, self.rank, self.world, self.long_s = cfg, rank, world, long_s
         self.run_dir, self.store = run_dir, store
-        self.steps: deque[float] = deque(maxlen=50)
+        self.steps: deque[float] = deque(maxlen=50)  # the newest step times
+        self.counted = 0  # steps since this start
         self.phases: dict[str, deque[float]] = {}  # each long phase's durations
-        self.recorded_s, self.recorded_phases = recorded_times(run_dir, world)
+        self.recorded_s = recorded_step_s(run_dir, world)
         self.last = time.monotonic()
         self.timeout_s, self.in_phases = long_s, []  # the expiries of the phases under way
         self.heartbeat = Heartbeat(store, rank) if store is not None else None
@@ -186,12 +189,13 @@ class HangWatch:
     @property
     def step_s(self) -> float | None:
         """The run's step time: the median of this start's steps once it has
-        ``warmup_steps`` of them, before that the one recorded before a restart (from its
-        ``RESTART_STEPS``-th step on); None while it is not known."""
-        if len(self.steps) >= self.cfg.warmup_steps:
+        ``warmup_steps`` of them; before that, from a restart's ``RESTART_STEPS``-th step
+        on, the larger of the one recorded before it and the median of its own steps but
+        the first (a run resumed with a slower configuration); None while not known."""
+        if self.counted >= self.cfg.warmup_steps:
             return statistics.median(self.steps)
-        if self.recorded_s is not None and len(self.steps) >= RESTART_STEPS:
-            return self.recorded_s
+        if self.recorded_s is not None and self.counted >= RESTART_STEPS:
+            return max(self.recorded_s, statistics.median(list(self.steps)[1:]))
         return None
 
     @property
@@ -210,23 +214,19 @@ class HangWatch:
         return min(self.long_s, max(self.cfg.floor_s, self.cfg.factor * seconds))
 
     def phase_s(self, name: str) -> float | None:
-        """The median of phase ``name``'s durations here, else the one recorded before a
-        restart; None before it has run once."""
-        if self.phases.get(name):
-            return statistics.median(self.phases[name])
-        return self.recorded_phases.get(name)
+        """The median of phase ``name``'s durations in this process; None before it has
+        run once here (a cold start: its loader, its compilation)."""
+        return statistics.median(self.phases[name]) if self.phases.get(name) else None
 
     def progress(self, step: int) -> None:
         """``step`` is done: its time counts, the timeouts follow, the heartbeat moves on."""
         now = time.monotonic()
         self.steps.append(now - self.last)
-        self.last = now
+        self.last, self.counted = now, self.counted + 1
         if self.heartbeat is not None:
             self.heartbeat.step, self.heartbeat.phase = step, "data"
-        if self.rank == 0 and len(self.steps) % self.cfg.warmup_steps == 0:
-            record_times(self.run_dir, statistics.median(self.steps),
-                         {name: statistics.median(times)
-                          for name, times in self.phases.items()}, self.world)
+        if self.rank == 0 and self.counted % self.cfg.warmup_steps == 0:
+            record_step_s(self.run_dir, statistics.median(self.steps), self.world)
         self._arm(self.expiry_s)
 
     def batch_arrived(self) -> None:
@@ -243,10 +243,10 @@ class HangWatch:
         start = time.monotonic()
         try:
             yield
-        finally:
             self.phases.setdefault(name, deque(maxlen=20)).append(time.monotonic() - start)
+        finally:
             self.in_phases.pop()
-            self.last = time.monotonic()  # the phase is not a step
+            self.last += time.monotonic() - start  # the phase is not part of its step
             self._arm(self.expiry_s)
 
     def _arm(self, expiry_s: float) -> None:
@@ -303,29 +303,33 @@ class HangWatch:
                 self.timer.release(self.scope)
 
 
-def record_times(run_dir: Path, step_s: float, phases: dict[str, float], world: int) -> None:
-    """Rank 0's median step and phase times and its world, for the run's next start."""
+def record_step_s(run_dir: Path, step_s: float, world: int) -> None:
+    """Rank 0's median step time and its world, for the run's next start (a disk that
+    refuses it costs the next start its record, nothing more)."""
     folder = run_dir / "hangs"
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f"{STEP_TIME}.partial"
-    partial.write_text(json.dumps({"step_s": step_s, "phases": phases, "world": world}) + "\n")
-    partial.replace(folder / STEP_TIME)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f"{STEP_TIME}.partial"
+        partial.write_text(json.dumps({"step_s": step_s, "world": world}) + "\n")
+        partial.replace(folder / STEP_TIME)
+    except OSError as err:
+        log.warning("hang: could not record the step time under %s: %s", folder, err)
 
 
-def recorded_times(run_dir: Path, world: int) -> tuple[float | None, dict[str, float]]:
-    """The step and phase times recorded before this start, scaled to this world when it
-    shrank (a rank's share of a kept global batch, or of a checkpoint, grows; never scaled
-    down: with a batch per rank the step does not shorten); nothing on a fresh run or an
-    unreadable record."""
+def recorded_step_s(run_dir: Path, world: int) -> float | None:
+    """The step time recorded before this start, scaled to this world when it shrank (a
+    rank's share of a kept global batch grows; never scaled down: with a batch per rank
+    the step does not shorten); None on a fresh run or a record that is not a positive,
+    finite time and world."""
     try:
         record = json.loads((run_dir / "hangs" / STEP_TIME).read_text())
-        scale = max(1.0, int(record["world"]) / world)
-        step_s = float(record["step_s"])
-        phases = {str(name): float(s) * scale for name, s in record["phases"].items()
-                  if float(s) > 0}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None, {}
-    return (step_s * scale if step_s > 0 else None), phases
+        step_s, recorded_world = float(record["step_s"]), float(record["world"])
+    except Exception:  # noqa: BLE001 - any unreadable record is no record
+        return None
+    if not (math.isfinite(step_s) and math.isfinite(recorded_world) and step_s > 0
+            and recorded_world >= 1):
+        return None
+    return step_s * max(1.0, recorded_world / world)
 
 
 def report_hangs(run_dir: Path, tracker: Any) -> int:

@@ -176,37 +176,49 @@ def test_a_long_phase_follows_its_own_time_after_its_first_run(tmp_path, monkeyp
 
 
 def test_a_restart_follows_the_recorded_times_from_its_third_step(tmp_path, monkeypatch):
-    """Rank 0 records the run's median step and phase times; a restart keeps the long
-    timeout for its first two steps only, then follows the record (scaled up when the world
-    shrank, never down) until it has measured its own."""
+    """Rank 0 records the run's median step every warmup_steps steps; a restart keeps the
+    long timeout for its first two steps only, then follows the record (scaled up when the
+    world shrank, never down; its own steps where they are slower) until it has measured
+    its own; a checkpoint write's time is not a step's."""
     clock = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     cfg = HangConfig(warmup_steps=4, floor_s=1, factor=10)
     first = HangWatch(cfg, 0, 3, 600.0, tmp_path, None)  # rank 0 of 3 ranks
-    for step in range(1, 9):
+    for step in range(1, 57):
         clock[0] += 0.5
+        with first.long_phase("save"):  # inside the step, as the trainer writes
+            clock[0] += 3.0
         first.progress(step)
-        with first.long_phase("save"):
-            clock[0] += 0.2
     (tmp_path / "hangs" / "step_time.json").unlink()
-    first.progress(9)
+    first.progress(57)
     assert not (tmp_path / "hangs" / "step_time.json").exists()  # every warmup_steps steps
     clock[0] += 0.5
-    first.progress(10)
-    first.progress(11)
+    first.progress(58)
+    first.progress(59)
     clock[0] += 0.5
-    first.progress(12)  # recorded again: the median 0.5 s on 3 ranks
-    for world, expiry, saving in ((3, 5.0, 2.0), (1, 15.0, 6.0), (6, 5.0, 2.0)):
+    first.progress(60)  # recorded again: the median 0.5 s on 3 ranks
+    for world, second, expiry in ((3, 0.5, 5.0), (1, 0.5, 15.0), (6, 0.5, 5.0), (3, 2.0, 20.0)):
         restarted = HangWatch(cfg, 1, world, 600.0, tmp_path, None)
         with restarted.long_phase("save"):
-            assert restarted.expiry_s == pytest.approx(saving)  # 10 x the recorded 0.2 s
+            assert restarted.expiry_s == 600.0  # a phase's first run in this process
         clock[0] += 8.0  # the restart's first step: the loader's start
         restarted.progress(1)
         assert restarted.expiry_s == 600.0
-        clock[0] += 0.5
+        clock[0] += second
         restarted.progress(2)
-        assert restarted.expiry_s == expiry
+        assert restarted.expiry_s == pytest.approx(expiry)
     assert HangWatch(cfg, 1, 1, 600.0, tmp_path / "fresh", None).recorded_s is None
+    for hostile in ('{"step_s": 1e999, "world": 3}', '{"step_s": 0.5, "world": 1e999}',
+                    '{"step_s": -1, "world": 3}', '[' * 100000, '{"step_s": "x"}'):
+        (tmp_path / "hangs" / "step_time.json").write_text(hostile)
+        assert HangWatch(cfg, 1, 1, 600.0, tmp_path, None).recorded_s is None
+
+
+def test_rank_0_says_whether_a_step_timer_serves_it(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+    caplog.set_level("INFO", logger="pretrain.run.hang")
+    HangWatch(HangConfig(), 0, 1, 600.0, tmp_path, None).close()
+    assert "hang watch: no step timer (launch/torchrun.sh" in caplog.text
 
 
 def test_the_restarted_run_logs_each_hang_once_and_tags_it(tmp_path, caplog):
