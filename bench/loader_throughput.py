@@ -11,7 +11,8 @@ batches after 4 to warm up, the CPU time its process and workers spent an image,
 peak resident memory of its process and workers together (RSS summed, sampled every
 20 ms: pages a forked worker shares with its parent count twice, alike for both
 checkouts). Each measurement runs in a fresh process, the
-checkouts alternating round by round; the median of the rounds is reported. Writes
+checkouts alternating round by round; the median of the rounds is reported, and each
+round's rate ratio (sorted). Writes
 ``bench/results/loader_throughput.json``.
 """
 
@@ -118,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         for name in checkouts:
             for key in ("images_per_s", "cpu_ms_per_image", "peak_rss_mib"):
                 row[f"{name}_{key}"] = statistics.median(r[key] for r in runs[name])
-        if args.baseline:
+        if args.baseline:  # each round's pair too: their spread is the machine's drift
+            paired = sorted(a["images_per_s"] / b["images_per_s"]
+                            for a, b in zip(runs["this"], runs["baseline"], strict=True))
+            row["speed_ratio_rounds"] = [round(r, 3) for r in paired]
             row["speed_ratio"] = row["this_images_per_s"] / row["baseline_images_per_s"]
             row["cpu_ratio"] = row["this_cpu_ms_per_image"] / row["baseline_cpu_ms_per_image"]
             row["memory_ratio"] = row["this_peak_rss_mib"] / row["baseline_peak_rss_mib"]
