@@ -179,7 +179,7 @@ class HangWatch:
             from torch.distributed.elastic.timer import FileTimerClient
 
             self.timer = FileTimerClient(os.environ[TIMER_FILE])
-        if rank == 0:
+        if rank == 0 and world > 1:
             log.info("hang watch: %s", f"step timer served at {os.environ[TIMER_FILE]}"
                      if self.timer else "no step timer (launch/torchrun.sh and "
                      "launch/slurm.sbatch start one): a frozen process ends by torchrun's "

@@ -218,6 +218,8 @@ def test_rank_0_says_whether_a_step_timer_serves_it(tmp_path, monkeypatch, caplo
     monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
     caplog.set_level("INFO", logger="pretrain.run.hang")
     HangWatch(HangConfig(), 0, 1, 600.0, tmp_path, None).close()
+    assert "hang watch" not in caplog.text  # one process: no peer to wait for
+    HangWatch(HangConfig(), 0, 2, 600.0, tmp_path, None).close()
     assert "hang watch: no step timer (launch/torchrun.sh" in caplog.text
 
 
