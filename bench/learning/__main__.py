@@ -128,6 +128,8 @@ def main() -> None:
     datasets = {"cluttered": cluttered(out / "data", args.train_samples, args.test_samples),
                 "alt_text": cluttered(out / "data", args.train_samples, args.test_samples,
                                       "alt_text"),
+                "alt_text_centred": cluttered(out / "data", args.train_samples,
+                                              args.test_samples, "alt_text", center=True),
                 "digits": digits(out / "data")}
     only = set(args.only) if args.only else None
     confs: list[Configuration] = []

@@ -34,6 +34,9 @@ OBJECTIVES = {  # configuration name -> (recipe file, overrides)
 }
 ALT_TEXT = {  # on the alt-text captions (data "alt_text"), each at the same 30 epochs
     "alt_clip": ("clip.yaml", ()),
+    # CLIP with its own text tower from random weights, as the X-CLR paper's CC3M CLIP
+    "alt_clip_scratch": ("clip.yaml", ("model.text.trainable=true", "model.text.scratch_layers=2",
+                                       "model.text.scratch_width=128")),
     "alt_siglip": ("siglip.yaml", ()),
     "alt_xclr_captions": ("xclr_captions.yaml", ()),
     "alt_infonce": ("infonce.yaml", ()),
@@ -165,6 +168,15 @@ ALT_SWEEP = {  # the image-text recipes' levers on the alt-text captions, one at
     "sweep_alt_clip_tau0.1": ("clip.yaml", ("objective.temperature=0.1",)),
     # the bias started at -log(128), the log-odds of one positive among a step's 128 texts
     "sweep_alt_siglip_bias-5": ("siglip.yaml", ("objective.siglip.bias=-5.0",)),
+    # X-CLR's levers, one at a time from the caption recipe (docs/learning.md, "X-CLR's levers")
+    "sweep_alt_xclr_tau_s0.05": ("xclr_captions.yaml", ("objective.xclr.target_temperature=0.05",)),
+    "sweep_alt_xclr_tau_s0.2": ("xclr_captions.yaml", ("objective.xclr.target_temperature=0.2",)),
+    "sweep_alt_xclr_batch128": ("xclr_captions.yaml", ("data.batch_size=128",)),
+    "sweep_alt_xclr_epochs60": ("xclr_captions.yaml", ("train.epochs=60",)),
+    "sweep_alt_xclr_top_k16": ("xclr_captions.yaml", ("objective.xclr.top_k=16",)),
+}
+ALT_CENTRED_SWEEP = {  # the same on the caption store made with graph.center=true
+    "sweep_alt_xclr_centred": ("xclr_captions.yaml", ()),
 }
 
 
@@ -206,4 +218,6 @@ def digits(seeds: list[int]) -> list[Configuration]:
 def sweep(seeds: list[int], only: set[str] | None = None) -> list[Configuration]:
     table = {k: v for k, v in SWEEP.items() if not only or k in only}
     alt = {k: v for k, v in ALT_SWEEP.items() if not only or k in only}
-    return _configs(table, "cluttered", seeds) + _configs(alt, "alt_text", seeds)
+    centred = {k: v for k, v in ALT_CENTRED_SWEEP.items() if not only or k in only}
+    return (_configs(table, "cluttered", seeds) + _configs(alt, "alt_text", seeds)
+            + _configs(centred, "alt_text_centred", seeds))

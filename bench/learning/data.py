@@ -102,9 +102,10 @@ def caption_signal(caption_graph: np.ndarray) -> dict[str, float]:
 
 
 def cluttered(root: Path, train_samples: int, test_samples: int,
-              captions_style: str = "attributes") -> DataSet:
+              captions_style: str = "attributes", center: bool = False) -> DataSet:
     """The cluttered digits with ``captions_style`` captions (``shards.captions``): the
-    canvases are the same in both styles."""
+    canvases are the same in both styles. ``center``: the caption store made with
+    ``graph.center`` (the same shards)."""
     common = {"source": "cluttered_digits", "shard_size": 1000, "workers": 2,
               "captions": captions_style}
     name = "cluttered" if captions_style == "attributes" else "alt_text"
@@ -112,9 +113,9 @@ def cluttered(root: Path, train_samples: int, test_samples: int,
                                  output=str(root / "shards" / f"{name}-train")))
     test = _shards(ShardsConfig(**common, split="test", samples=test_samples,
                                 output=str(root / "shards" / f"{name}-test")))
-    captions = root / "captions" / f"{name}-train"
+    captions = root / "captions" / f"{name}{'-centred' * center}-train"
     if not (captions / "meta.json").is_file():
-        run_captions(GraphConfig(shards=str(train), output=str(captions)))
+        run_captions(GraphConfig(shards=str(train), output=str(captions), center=center))
     graph = _class_graph(train, captions)
     caption_graph = captions / "caption_class_graph.npz"
     accuracy = captions / "caption_class_accuracy.json"
@@ -124,7 +125,7 @@ def cluttered(root: Path, train_samples: int, test_samples: int,
         np.savez(caption_graph, graph=caption_class_graph(vectors, labels, len(names)),
                  class_names=np.array(names))
         accuracy.write_text(json.dumps(caption_class_accuracy(vectors, labels)))
-    return DataSet(name, train, test, graph, captions, caption_graph)
+    return DataSet(f"{name}{'_centred' * center}", train, test, graph, captions, caption_graph)
 
 
 def digits(root: Path) -> DataSet:

@@ -174,31 +174,67 @@ def merge(cfg: GraphConfig, num_parts: int) -> CaptionStore:
     for writer in part_rows:
         writer.close()
     num_unique, num_keys = unique + 1, sum(i["samples"] for i in infos)
-    dim, truncated = _write_embeddings(cfg, num_unique, out / "embeddings.npy")
+    mean = _mean_caption(cfg, parts, num_unique) if cfg.center else None
+    dim, truncated = _write_embeddings(cfg, num_unique, out / "embeddings.npy", mean)
     _write_key_index(cfg, parts, infos, out)
     skipped = sum((Counter(i["skipped"]) for i in infos), Counter())
     files = ["keys.npy", "rows.npy", "embeddings.npy"]
     meta = {
         "model": cfg.model, "dim": dim, "num_keys": num_keys, "num_unique": num_unique,
         "duplicate_rate": 1 - num_unique / max(num_keys, 1), "truncated": truncated,
-        "skipped": dict(skipped), "shards": str(cfg.shards),
+        "skipped": dict(skipped), "shards": str(cfg.shards), "center": cfg.center,
         "sha256": {name: file_sha256(out / name) for name in files},
     }
     write_atomic(out / "meta.json", lambda h: h.write(json.dumps(meta, indent=1).encode()))
     return CaptionStore.open(out)
 
 
-def _write_embeddings(cfg: GraphConfig, num_unique: int, path: Path) -> tuple[int, int]:
-    """Concatenate the chunks into ``path`` [U, dim] float16; (dim, truncated captions)."""
+def _chunk_infos(cfg: GraphConfig, num_unique: int) -> list[dict]:
+    """The encode phase's chunk sidecars, in row order; fails naming a missing chunk."""
     size = cfg.batch_size
     infos = [valid(chunk_path(cfg, c)) for c in range((num_unique + size - 1) // size)]
     if (missing := next((c for c, i in enumerate(infos) if i is None), None)) is not None:
         raise RuntimeError(f"{chunk_path(cfg, missing)}: missing or corrupt; "
                            "run graph.phase=encode")
+    return infos
+
+
+def _mean_caption(cfg: GraphConfig, parts: list[PartFiles], num_unique: int) -> np.ndarray:
+    """[dim] float64: the mean of the samples' unit caption embeddings, each distinct
+    caption weighted by how many samples carry it (``graph.center``). Streams the parts'
+    rows and the chunks once: O(samples + distinct captions x dim), [U] counts held."""
+    counts = np.zeros(num_unique, np.int64)
+    for part in parts:
+        rows = np.load(part.rows, mmap_mode="r")
+        for start in range(0, len(rows), 1 << 22):
+            counts += np.bincount(rows[start:start + (1 << 22)], minlength=num_unique)
+    total, start = None, 0
+    for c in range(len(_chunk_infos(cfg, num_unique))):
+        chunk = _unit(np.load(chunk_path(cfg, c)).astype(np.float64))
+        weighted = counts[start:start + len(chunk)] @ chunk
+        total = weighted if total is None else total + weighted
+        start += len(chunk)
+    return total / max(int(counts.sum()), 1) if total is not None else np.zeros(0)
+
+
+def _unit(rows: np.ndarray) -> np.ndarray:
+    """Each row over its norm (a zero row stays zero)."""
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    return rows / np.maximum(norms, 1e-12)
+
+
+def _write_embeddings(cfg: GraphConfig, num_unique: int, path: Path,
+                      mean: np.ndarray | None = None) -> tuple[int, int]:
+    """Concatenate the chunks into ``path`` [U, dim] float16; (dim, truncated captions).
+    With ``mean`` (``graph.center``) each row is written as unit(unit(e) - mean)."""
+    infos = _chunk_infos(cfg, num_unique)
     dim = np.load(chunk_path(cfg, 0), mmap_mode="r").shape[1] if infos else 384
     embeddings = NpyWriter(path, (num_unique, dim), np.float16)
     for c in range(len(infos)):
-        embeddings.write(np.load(chunk_path(cfg, c)))
+        chunk = np.load(chunk_path(cfg, c))
+        if mean is not None:
+            chunk = _unit(_unit(chunk.astype(np.float64)) - mean).astype(np.float16)
+        embeddings.write(chunk)
     embeddings.close()
     return dim, sum(i["truncated"] for i in infos)
 

@@ -67,8 +67,9 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     "flatnce": ObjectiveSpec(flatnce, plain_flatnce),
     "holder_flatnce": ObjectiveSpec(holder_flatnce, plain_holder_flatnce, HolderFlatNCEConfig,
                                     ("gamma",), examples=({"gamma": 1.5},)),
-    "xclr": ObjectiveSpec(xclr, plain_xclr, XclrConfig, ("target_temperature",),
-                          soft_targets=True, examples=({"target_temperature": 0.3},)),
+    "xclr": ObjectiveSpec(xclr, plain_xclr, XclrConfig, ("target_temperature", "top_k"),
+                          soft_targets=True, examples=({"target_temperature": 0.3},
+                                                       {"top_k": 5})),
     "projnce": ObjectiveSpec(
         projnce, plain_projnce, ProjNCEConfig,
         ("projection", "bandwidth", "kernel_metric", "neighbours"),

@@ -38,6 +38,13 @@ from pretrain.losses.rows import (
     tile_plan,
     tiled_batch_rows,
 )
+from pretrain.losses.target_top_k import (
+    TopKTargets,
+    dense_floor,
+    group_floor,
+    keep_top_k_,
+    tiled_floor,
+)
 from pretrain.losses.tiles import TargetLogits
 
 COLUMNS = ColumnSet("instance")  # every candidate but the anchor itself
@@ -55,30 +62,41 @@ class SoftTargetRows(NamedTuple):
 
 
 def soft_target_rows(batch: ContrastiveBatch, temperature: Temperature,
-                     target_temperature: float) -> SoftTargetRows:
+                     target_temperature: float, top_k: int = 0,
+                     tie: float = 0.0) -> SoftTargetRows:
     """The two terms of -sum_j t_ij log q_ij for each anchor, with the targets from the
-    batch's captions or its class graph at ``target_temperature`` (tau_s)."""
+    batch's captions or its class graph at ``target_temperature`` (tau_s), over each
+    anchor's ``top_k`` most similar candidates (0: all), those within ``tie`` in cosine of
+    the k-th kept with it (``target_top_k.py``)."""
     # tiles: class-graph targets stay per label group ([n, C]); captions go per tile
     grouped = batch.num_negatives is None and (
         batch.tile_size is None or batch.class_graph is not None)
+    tie = tie / target_temperature  # in target logits
     if batch.tile_size is not None and not grouped:
-        plan = tile_plan(batch, COLUMNS, monitors=True,
-                         targets=target_logits(batch, target_temperature),
-                         symmetric=batch.class_graph is None)  # cosines: u_ij = u_ji
+        targets = target_logits(batch, target_temperature)
+        if top_k:
+            columns = batch.column_tiles(COLUMNS)
+            floor = tiled_floor(targets, columns, len(batch.anchor_index),
+                                batch.num_candidates, batch.tile_size, top_k,
+                                as_float(batch.candidates))
+            targets = TopKTargets(targets, floor, tie)
+        plan = tile_plan(batch, COLUMNS, monitors=True, targets=targets,
+                         # cosines: u_ij = u_ji, unless each row keeps its own top k
+                         symmetric=batch.class_graph is None and not top_k)
         tiled = tiled_batch_rows(batch, batch.anchors, batch.candidates, plan, temperature)
         return SoftTargetRows(tiled.lse, tiled.target_term, tiled.target_entropy,
                               ess_from_ratio(batch, "instance", tiled.ess_ratio),
                               tiled.negative_logit_sum)
     anchors = scaled(batch.anchors, temperature)  # [n, D]
     if batch.class_graph is None and batch.num_negatives is None:
-        return _caption_rows(batch, anchors, target_temperature)
+        return _caption_rows(batch, anchors, target_temperature, top_k, tie)
     kind, sim = target_groups(batch, target_temperature)
     rows = row_logsumexp(batch, anchors, batch.candidates, "instance", over="others",
                          monitors=True)
     if batch.num_negatives is None:
-        term, entropy = _grouped_target_term(batch, kind, sim, temperature)
+        term, entropy = _grouped_target_term(batch, kind, sim, temperature, top_k, tie)
     else:
-        term, entropy = _dense_target_term(batch, kind, sim, anchors)
+        term, entropy = _dense_target_term(batch, kind, sim, anchors, top_k, tie)
     return SoftTargetRows(rows.lse, term, entropy, rows.ess, rows.negative_logit_sum)
 
 
@@ -100,8 +118,8 @@ def target_groups(batch: ContrastiveBatch,
     return None, (captions[batch.anchor_index] / target_temperature) @ captions.T
 
 
-def _caption_rows(batch: ContrastiveBatch, anchors: Tensor,
-                  target_temperature: float) -> SoftTargetRows:
+def _caption_rows(batch: ContrastiveBatch, anchors: Tensor, target_temperature: float,
+                  top_k: int, tie: float) -> SoftTargetRows:
     """Caption targets over every column but self, dense: t_ij = softmax_j(c_i . c_j /
     tau_s) and the logits ``anchors`` [n, D] (over tau) . c_j meet in one [n, N]
     softmax, which gives the log-sum-exp and sum_j t_ij l_ij; the backward forms their
@@ -112,6 +130,8 @@ def _caption_rows(batch: ContrastiveBatch, anchors: Tensor,
         counts = (torch.ones(batch.num_candidates, dtype=torch.long, device=sim.device)
                   if batch.valid is None else batch.valid.long())
         add_log_columns_(sim, batch.anchor_index, counts)  # self and padding: no mass
+        if top_k:
+            keep_top_k_(sim, dense_floor(sim, top_k), tie)
         log_targets = torch.log_softmax(sim, dim=1)
         targets = torch.exp(log_targets, out=sim)  # sim's buffer
         entropy = -log_targets.mul_(targets).sum(1)  # 0 at the masked entries (t = 0)
@@ -123,18 +143,27 @@ def _caption_rows(batch: ContrastiveBatch, anchors: Tensor,
 
 
 def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind, sim: Tensor,
-                         temperature: Temperature) -> tuple[Tensor, Tensor]:
+                         temperature: Temperature, top_k: int,
+                         tie: float) -> tuple[Tensor, Tensor]:
     """([n] sum_j t_ij s_ij / tau, [n] target entropy) when every column but self is kept.
 
     ``sim`` [n, G] (overwritten) holds c_i . c_g / tau_s. With m_ig members of group g in
     anchor i's columns, P_ig = softmax_g(sim_ig + log m_ig) is the target mass of group g
-    and each member gets t_ij = P_ig / m_ig.
+    and each member gets t_ij = P_ig / m_ig. Under ``top_k`` the groups below the k-th
+    column's logit get no mass.
     """
     _, groups, counts = batch.group_index(kind)
     anchor_group = groups[batch.anchor_index]
     rows = torch.arange(len(anchor_group), device=sim.device)
     with torch.no_grad():
+        dropped = None
+        if top_k:
+            members = counts[None, :].expand_as(sim).clone()
+            members[rows, anchor_group] -= 1  # the anchor is not its own column
+            dropped = sim < (group_floor(sim, members, top_k) - tie)[:, None]
         add_log_columns_(sim, anchor_group, counts)
+        if dropped is not None:
+            sim.masked_fill_(dropped, MASKED_LOGIT)
         log_mass = torch.log_softmax(sim, dim=1)  # [n, G]
         weights = log_mass.exp()  # [n, G] P_ig, then the target of each member
         members = counts.clamp(min=1).to(sim.dtype)  # an empty group's mass is 0
@@ -154,12 +183,16 @@ def _grouped_target_term(batch: ContrastiveBatch, kind: PositiveKind, sim: Tenso
 
 
 def _dense_target_term(batch: ContrastiveBatch, kind: PositiveKind | None, sim: Tensor,
-                       anchors: Tensor) -> tuple[Tensor, Tensor]:
-    """The same for per-anchor column subsets (``num_negatives``): [n, N] targets."""
+                       anchors: Tensor, top_k: int, tie: float) -> tuple[Tensor, Tensor]:
+    """The same for per-anchor column subsets (``num_negatives``): [n, N] targets, under
+    ``top_k`` over the k most similar columns of the subset."""
     with torch.no_grad():
         if kind is not None:
             sim = sim[:, batch.group_index(kind)[1]]
-        log_targets = torch.log_softmax(batch.columns(COLUMNS).apply(sim, MASKED_LOGIT), dim=1)
+        sim = batch.columns(COLUMNS).apply(sim, MASKED_LOGIT)
+        if top_k:
+            keep_top_k_(sim, dense_floor(sim, top_k), tie)
+        log_targets = torch.log_softmax(sim, dim=1)
         targets = log_targets.exp()
         entropy = -row_dot(targets, log_targets)
     return torch.linalg.vecdot(anchors, targets @ as_float(batch.candidates)), entropy

@@ -4,7 +4,9 @@ The transformer (the bundled all-MiniLM-L6-v2 by default) is initialised from di
 mean-pooled over the attention mask as sentence-transformers pools it, and projected to
 the image projector's width (with a bias unless ``projection_bias=false``).
 ``trainable=False`` freezes the transformer (only the projection learns), the usual choice
-on CPU. Its tokenizer runs in the loader's workers
+on CPU. ``scratch_layers`` > 0 instead builds a BERT of that depth and ``scratch_width``
+from random weights over the same tokenizer's vocabulary and trains it with the image side,
+as the X-CLR paper's CC3M CLIP trained its own. Its tokenizer runs in the loader's workers
 (``data_pipeline/text.py``), configured by the same section.
 """
 
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from core.config import InvalidValue
 from core.errors import RunError
 from data_pipeline.text import TextConfig, model_path
 from pretrain.model.checkpointing import checkpoint_children
@@ -28,6 +31,20 @@ class TextTowerConfig(TextConfig):
 
     trainable: bool = False  # fine-tune the transformer (False: only the projection learns)
     projection_bias: bool = True  # false: a projection without bias, as open_clip's
+    # > 0: a transformer of this many layers from random weights (trainable must be true)
+    scratch_layers: int = 0
+    scratch_width: int = 128  # its width (heads of 32, feed-forward 4x)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.scratch_layers < 0:
+            raise InvalidValue("scratch_layers", f"must be >= 0, got {self.scratch_layers}")
+        if self.scratch_layers and not self.trainable:
+            raise InvalidValue("trainable", "a text tower from scratch (scratch_layers > 0) "
+                               "must be trainable: set model.text.trainable=true")
+        if self.scratch_width < 32 or self.scratch_width % 32:
+            raise InvalidValue("scratch_width",
+                               f"must be a multiple of 32 (heads of 32), got {self.scratch_width}")
 
 
 class TextTower(nn.Module):
@@ -39,7 +56,8 @@ class TextTower(nn.Module):
         from transformers import AutoModel
 
         self.config = cfg  # its tokenizer (model, max_length) for callers that embed text
-        self.transformer = AutoModel.from_pretrained(model_path(cfg.model))
+        self.transformer = (scratch_transformer(cfg) if cfg.scratch_layers else
+                            AutoModel.from_pretrained(model_path(cfg.model)))
         self.trainable = cfg.trainable
         self.transformer.requires_grad_(cfg.trainable)
         # a BERT's pooler (its [CLS] head) gets no gradient under mean pooling, which DDP
@@ -89,6 +107,21 @@ class TextTower(nn.Module):
         if not self.trainable:  # a frozen transformer stays in eval mode (no dropout)
             self.transformer.eval()
         return self
+
+
+def scratch_transformer(cfg: TextTowerConfig) -> nn.Module:
+    """A BERT of ``cfg.scratch_layers`` layers and width ``cfg.scratch_width`` from random
+    weights (the caller's torch seed), over the vocabulary of ``cfg.model``'s tokenizer and
+    ``cfg.max_length`` positions, without dropout (as open_clip's text towers)."""
+    from transformers import AutoConfig, BertConfig, BertModel
+
+    vocabulary = AutoConfig.from_pretrained(model_path(cfg.model)).vocab_size
+    width = cfg.scratch_width
+    return BertModel(BertConfig(vocab_size=vocabulary, hidden_size=width,
+                                num_hidden_layers=cfg.scratch_layers,
+                                num_attention_heads=width // 32, intermediate_size=4 * width,
+                                max_position_embeddings=max(cfg.max_length, 2),
+                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
 def additive_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:

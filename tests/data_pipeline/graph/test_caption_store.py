@@ -91,6 +91,45 @@ def test_duplicates_share_a_row_and_bad_captions_are_counted(tmp_path):
     assert cos > 0.999
 
 
+def test_a_centred_store_holds_unit_captions_less_the_samples_mean(tmp_path):
+    """graph.center: every row is unit(unit(e) - m), m the mean over the samples (a caption
+    counted as often as samples carry it, not once), against a float64 reference from the
+    uncentred store; two parts equal one; the neighbour graph reads the centred rows."""
+    repeats = [1 + 5 * (i % 4 == 0) for i in range(20)]  # some captions 6 times, some once
+    captions = [f"a photo of a {NAMES[i % 7]}, picture {i}" for i in range(20)]
+    samples = [digit_sample(j, key=f"k{i:02d}-{r}", caption=captions[i])
+               for j, (i, r) in enumerate((i, r) for i in range(20) for r in range(repeats[i]))]
+    write_set(tmp_path / "shards", [samples[i::2] for i in range(2)])
+    keys = [s.key for s in samples]
+    shards = str(tmp_path / "shards")
+    plain = run_captions(GraphConfig(shards=shards, output=str(tmp_path / "plain"),
+                                     batch_size=8))
+    units = lookup(plain, keys).astype(np.float64)
+    units /= np.linalg.norm(units, axis=1, keepdims=True)
+    centred = units - units.mean(0)  # over samples: duplicates weigh as often as they occur
+    want = centred / np.linalg.norm(centred, axis=1, keepdims=True)
+    store = run_captions(GraphConfig(shards=shards, output=str(tmp_path / "centred"),
+                                     batch_size=8, center=True))
+    assert store.meta["center"] is True and plain.meta["center"] is False
+    got = lookup(store, keys).astype(np.float64)
+    # float16 rows: the plain store's rounding, carried through the centring, and the
+    # centred store's own; both below 2 float16 steps of a unit vector's components
+    np.testing.assert_allclose(got, want, rtol=0, atol=2 * FLOAT16_STEP)
+    distinct = np.unique(units, axis=0)  # the fault this data would show: each caption once
+    assert len(distinct) == 20
+    wrong = units - distinct.mean(0)
+    wrong /= np.linalg.norm(wrong, axis=1, keepdims=True)
+    assert np.abs(wrong - want).max() > 10 * FLOAT16_STEP, "the weighting is not tested"
+    two = GraphConfig(shards=shards, output=str(tmp_path / "two"), batch_size=8,
+                      num_parts=2, center=True)
+    for part in (0, 1):
+        collect(two, part, 2)
+    for part in (1, 0):
+        encode_part(two, part, 2)
+    merge(two, 2)
+    assert_same_store(tmp_path / "two", tmp_path / "centred")
+
+
 def test_every_caption_is_encoded_in_the_same_batch_however_the_work_is_split(tmp_path):
     caption_set(tmp_path / "shards")
     batches = {}

@@ -5,6 +5,7 @@ says the views share their captions (``text_repeated``), with the same result pe
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from data_pipeline.config import DataConfig
@@ -21,9 +22,14 @@ CAPTIONS = ["a small red seven on blue", "number 3, large and green", "a photo o
 ROWS = [0, 1, 2, 1, 0, 2, 0]  # any order, repeats included
 
 
-def test_every_row_equals_its_own_encoding():
+SCRATCH = TextTowerConfig(trainable=True, scratch_layers=2, scratch_width=64)
+
+
+@pytest.mark.parametrize("cfg", [TextTowerConfig(trainable=True), SCRATCH],
+                         ids=["pretrained", "scratch"])
+def test_every_row_equals_its_own_encoding(cfg):
     torch.manual_seed(0)
-    tower = TextTower(TextTowerConfig(trainable=True), 16).double()
+    tower = TextTower(cfg, 16).double()
     tokens = tokenize(load_tokenizer("bundled"), [CAPTIONS[i] for i in ROWS], 16)
     out = tower(tokens["input_ids"], tokens["attention_mask"])
     assert out.shape == (len(ROWS), 16)
@@ -42,6 +48,32 @@ def test_every_row_equals_its_own_encoding():
     expected = torch.autograd.grad((reference * weights).sum(), params)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_tower_from_scratch_is_a_small_random_bert_over_the_bundled_tokenizer():
+    """scratch_layers: the shape asked for, the tokenizer's whole vocabulary, weights from
+    the caller's seed (none of all-MiniLM-L6-v2's), refused unless trainable."""
+    from pretrain.model.text_tower import scratch_transformer
+
+    pretrained = TextTower(TextTowerConfig(), 16).transformer
+    torch.manual_seed(0)
+    tower = TextTower(SCRATCH, 16)
+    config = tower.transformer.config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == \
+        (2, 64, 2)
+    assert config.vocab_size == len(load_tokenizer("bundled")) == pretrained.config.vocab_size
+    assert config.max_position_embeddings == SCRATCH.max_length
+    torch.manual_seed(0)
+    again = scratch_transformer(SCRATCH).state_dict()
+    torch.manual_seed(1)
+    other = scratch_transformer(SCRATCH).state_dict()
+    for key, value in tower.transformer.state_dict().items():
+        assert torch.equal(value, again[key]), key
+    word = "embeddings.word_embeddings.weight"
+    assert not torch.equal(tower.transformer.state_dict()[word], other[word])
+    assert pretrained.state_dict()[word].shape[1] != tower.transformer.state_dict()[word].shape[1]
+    with pytest.raises(ValueError, match="trainable"):
+        TextTowerConfig(scratch_layers=2).validate()
 
 
 def test_a_training_batch_is_padded_to_its_longest_caption_and_embeds_as_a_fixed_context():
@@ -102,18 +134,29 @@ def test_a_step_encodes_each_caption_once_when_the_views_share_them():
     assert model_inputs({**batch, "text_repeated": True}, slice(0, 4))[3] == 1  # chunks
 
 
-def test_a_trainable_tower_trains_on_two_ddp_ranks(digits_shards, random_text, tmp_path):
+@pytest.mark.parametrize("scratch", [0, 1], ids=["pretrained", "scratch"])
+def test_a_trainable_tower_trains_on_two_ddp_ranks(digits_shards, random_text, tmp_path,
+                                                   scratch):
     """The shipped CC3M/CC12M image-text recipes fine-tune the tower under DDP, which stops a
     run at its second step if any trainable parameter gets no gradient: the transformer's
     pooler (the [CLS] head, unused by mean pooling) must not train. Through the real
-    command, 2 ranks, the tower's weights moved."""
+    command, 2 ranks, the tower's weights moved; a tower from scratch starts from the
+    run's seed and is restored from its checkpoint with the same shape."""
     overrides = train_overrides(digits_shards, tmp_path, **{
         "objective.name": "clip", "model.text.trainable": True,
-        "model.text.model": random_text.model, "train.max_steps": 3})
+        "model.text.model": random_text.model, "train.max_steps": 3,
+        "model.text.scratch_layers": scratch, "model.text.scratch_width": 32})
     result = run_pretrain(overrides, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     state = final_model(tmp_path / "run")["model"]
-    start = TextTower(TextTowerConfig(model=random_text.model), 16).transformer.state_dict()
+    start = TextTower(TextTowerConfig(model=random_text.model, trainable=True,
+                                      scratch_layers=scratch, scratch_width=32),
+                      16).transformer.state_dict()
+    assert {k: v.shape for k, v in start.items()} == {
+        k.removeprefix("text.transformer."): v.shape for k, v in state.items()
+        if k.startswith("text.transformer.")}
+    if scratch:  # its start is the run's seed, drawn after the image side's: not redrawn here
+        return
     moved = [k for k, v in start.items() if not torch.equal(state[f"text.transformer.{k}"], v)]
     assert any(k.startswith("encoder.layer.") for k in moved), moved
     assert not any(k.startswith("pooler.") for k in moved), moved
