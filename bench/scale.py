@@ -347,10 +347,11 @@ def main() -> None:
                 | child("all_captions", n, 1, args.workdir) for n in args.graph_rows]
         sized(results, "graph", rows, "rows",
               ["collect_rss_mib", "encode_rss_mib", "merge_s", "merge_rss_mib",
-               "all_captions_rss_mib"], CC12M_ROWS,
+               "merge_center_s", "merge_center_rss_mib", "all_captions_rss_mib"], CC12M_ROWS,
               "graph-precompute in parts of 10,000 captions (part 0 and the merge measured):",
               ["rows", "parts", "collect_s", "collect_rss_mib", "encode_s", "encode_rss_mib",
-               "merge_s", "merge_rss_mib", "all_captions_rss_mib", "store_mib"])
+               "merge_s", "merge_rss_mib", "merge_center_s", "merge_center_rss_mib",
+               "all_captions_rss_mib", "store_mib"])
     if args.part in ("all", "neighbours"):
         both = [child("neighbours", n, 1, args.workdir, where)
                 for n in args.captions for where in ("memory", "scratch")]
