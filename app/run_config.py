@@ -10,8 +10,10 @@ work, naming the key (:func:`check_stage`).
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from core.cli import parse_stage_args
@@ -118,11 +120,29 @@ def _check_training(config: RunConfig) -> None:
     if key and graph and config.data.caption_store:
         raise ConfigError(f"key '{key}': {objective.name} takes its targets from a class graph "
                           "or from data.caption_store, not both; set one to \"\"")
+    if config.data.caption_store:
+        _check_store_centring(config.data.caption_store, config.graph.center)
     if config.train.knn_every:
         for key in ("eval.train_shards", "eval.test_shards"):
             if not _get(config, key):
                 raise ConfigError(f"key '{key}': train.knn_every={config.train.knn_every} "
                                   "monitors kNN on the evaluation shards; set them")
+
+
+def _check_store_centring(store: str, center: bool) -> None:
+    """The caption store was made as the run's ``graph.center`` says (its ``meta.json``; a
+    store made before the key existed is uncentred). A store that cannot be read is left
+    to the loader, which names what is wrong with it."""
+    try:
+        made = bool(json.loads((Path(store) / "meta.json").read_text()).get("center", False))
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return
+    if made != center:
+        raise ConfigError(
+            f"key 'graph.center': data.caption_store {store} was made with "
+            f"graph.center={str(made).lower()}, this run says {str(center).lower()}; make the "
+            "store with graph-precompute --config <this run's YAML>, or set "
+            f"graph.center={str(made).lower()}")
 
 
 def parse_run(stage: str, description: str, argv: Sequence[str] | None = None,

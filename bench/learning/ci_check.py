@@ -106,12 +106,12 @@ def cluttered(root: Path, captions: str = "attributes",
     return out
 
 
-def caption_store(train: Path) -> Path:
+def caption_store(train: Path, center: bool = False) -> Path:
     """The caption store of the ``train`` shards (``graph-precompute``, task ``captions``,
-    the bundled sentence model), beside them; made once."""
-    store = train.parent / "captions"
+    the bundled sentence model, ``graph.center`` as given), beside them; made once."""
+    store = train.parent / ("captions-centred" if center else "captions")
     if not (store / "meta.json").is_file():
-        run_captions(GraphConfig(shards=str(train), output=str(store)))
+        run_captions(GraphConfig(shards=str(train), output=str(store), center=center))
     return store
 
 
@@ -125,8 +125,9 @@ def overrides(recipe: str, run_dir: Path, train: Path, epochs: int, seed: int) -
     keys = [f"output_dir={run_dir.parent}", f"name={run_dir.name}", f"data.shards={train}",
             f"train.epochs={epochs}", f"seed={seed}", f"data.seed={seed}",
             "tracking.enabled=false", "train.progress=false", "checkpoint.every=0"]
-    if load_config(RunConfig, recipe_path(recipe)).data.caption_store:
-        keys.append(f"data.caption_store={caption_store(train)}")
+    config = load_config(RunConfig, recipe_path(recipe))
+    if config.data.caption_store:  # made as the recipe's graph section says
+        keys.append(f"data.caption_store={caption_store(train, config.graph.center)}")
     return keys
 
 

@@ -33,6 +33,7 @@ class DataSet:
     class_graph: Path  # class-template graph (X-CLR's ImageNet recipe)
     caption_store: Path | None = None  # per-sample caption embeddings (X-CLR from captions)
     caption_graph: Path | None = None  # [C, C] mean caption similarity between classes
+    center: bool = False  # the caption store made with graph.center
 
 
 def _shards(cfg: ShardsConfig) -> Path:
@@ -125,7 +126,8 @@ def cluttered(root: Path, train_samples: int, test_samples: int,
         np.savez(caption_graph, graph=caption_class_graph(vectors, labels, len(names)),
                  class_names=np.array(names))
         accuracy.write_text(json.dumps(caption_class_accuracy(vectors, labels)))
-    return DataSet(f"{name}{'_centred' * center}", train, test, graph, captions, caption_graph)
+    return DataSet(f"{name}{'_centred' * center}", train, test, graph, captions, caption_graph,
+                   center)
 
 
 def digits(root: Path) -> DataSet:

@@ -54,9 +54,8 @@ class Configuration:
 
 def data_overrides(data: DataSet) -> list[str]:
     """Point a recipe at the benchmark's copies of its data."""
-    out = [f"data.shards={data.train}", f"eval.train_shards={data.train}",
-           f"eval.test_shards={data.test}"]
-    return out
+    return [f"data.shards={data.train}", f"eval.train_shards={data.train}",
+            f"eval.test_shards={data.test}", f"graph.center={str(data.center).lower()}"]
 
 
 def run_config(conf: Configuration, data: DataSet, root: Path) -> tuple[RunConfig, list[str]]:

@@ -19,10 +19,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.config import InvalidValue
-
-# top_k: candidates within TIE in cosine of the k-th are ties and kept with it (duplicate
-# captions share a cosine, which two paths may round apart in the last bits)
-TIE = 1e-5
 from pretrain.losses.vocabulary import (
     BatchRows,
     ContrastiveBatch,
@@ -31,6 +27,10 @@ from pretrain.losses.vocabulary import (
     positive_logit_mean,
     soft_target_rows,
 )
+
+# top_k: candidates within TIE in cosine of the k-th are ties and kept with it (duplicate
+# captions share a cosine, which two paths may round apart in the last bits)
+TIE = 1e-5
 
 
 def plain_xclr(rows: BatchRows, tau: float | Tensor, target_temperature: float,

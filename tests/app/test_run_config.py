@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -155,3 +156,23 @@ def test_an_objective_key_that_moved_into_its_section_is_refused_naming_the_new_
         load_config(RunConfig, None, [f"{old}=0.2"])
     assert str(err.value) == (f"key '{old}' (command-line override): moved; set '{new}' "
                               "instead")
+
+
+@pytest.mark.parametrize("made", [True, False, None], ids=["centred", "plain", "no-key"])
+def test_a_caption_store_made_otherwise_than_graph_center_says_is_refused(tmp_path, made):
+    """graph.center is the recipe's word on its store: a store whose meta.json says
+    otherwise (an older store without the key is uncentred) fails before any work, naming
+    the key; an unreadable one is left to the loader."""
+    meta = {"model": "bundled"} | ({} if made is None else {"center": made})
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    base = ["name=r", "data.shards=x", "objective.name=xclr",
+            f"data.caption_store={tmp_path}"]
+    for center in (True, False):
+        config = load_config(RunConfig, None, [*base, f"graph.center={center}"])
+        if center == bool(made):
+            check_stage(config, "pretrain")
+        else:
+            with pytest.raises(ConfigError, match="key 'graph.center'.*graph-precompute"):
+                check_stage(config, "pretrain")
+    (tmp_path / "meta.json").write_text("[" * 100_000)
+    check_stage(load_config(RunConfig, None, [*base, "graph.center=true"]), "pretrain")

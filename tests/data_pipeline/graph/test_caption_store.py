@@ -120,13 +120,8 @@ def test_a_centred_store_holds_unit_captions_less_the_samples_mean(tmp_path):
     wrong = units - distinct.mean(0)
     wrong /= np.linalg.norm(wrong, axis=1, keepdims=True)
     assert np.abs(wrong - want).max() > 10 * FLOAT16_STEP, "the weighting is not tested"
-    two = GraphConfig(shards=shards, output=str(tmp_path / "two"), batch_size=8,
-                      num_parts=2, center=True)
-    for part in (0, 1):
-        collect(two, part, 2)
-    for part in (1, 0):
-        encode_part(two, part, 2)
-    merge(two, 2)
+    in_two_parts(GraphConfig(shards=shards, output=str(tmp_path / "two"), batch_size=8,
+                             num_parts=2, center=True))
     assert_same_store(tmp_path / "two", tmp_path / "centred")
 
 
@@ -148,14 +143,18 @@ def test_two_parts_equal_one(tmp_path):
     one = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "one"),
                       batch_size=8)
     run_captions(one)
-    two = GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "two"),
-                      batch_size=8, num_parts=2)
+    in_two_parts(GraphConfig(shards=str(tmp_path / "shards"), output=str(tmp_path / "two"),
+                             batch_size=8, num_parts=2))
+    assert_same_store(tmp_path / "one", tmp_path / "two")
+
+
+def in_two_parts(two: GraphConfig) -> None:
+    """The caption job as two slurm parts would run it, the second part encoding first."""
     for part in (0, 1):
         collect(two, part, 2)
     for part in (1, 0):
         encode_part(two, part, 2)
     merge(two, 2)
-    assert_same_store(tmp_path / "one", tmp_path / "two")
 
 
 @pytest.mark.parametrize("block", [None, 4])
