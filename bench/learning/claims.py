@@ -203,17 +203,20 @@ def claim_i(results: Results) -> dict[str, Any]:
 def claim_j(results: Results) -> dict[str, Any]:
     """The X-CLR paper's CC3M comparison (+17.2% ImageNet top-1 over CLIP, Sobal et al.
     2024, Table 3) at equal budget on the alt-text captions: X-CLR's soft targets from the
-    captions against CLIP and against SimCLR (InfoNCE), by kNN and the linear probe."""
+    captions against SimCLR (InfoNCE) and CLIP, by kNN and the linear probe. The verdict is
+    the paper's setting, CLIP training its own text tower (``alt_clip_scratch``); the row
+    against CLIP with the frozen pretrained tower (``alt_clip``) is reported beside it."""
     rows = []
-    for reference in ("alt_clip", "alt_infonce"):
+    for reference in ("alt_clip_scratch", "alt_infonce", "alt_clip"):
         _, knn_rows = _beats(results, ("alt_xclr_captions",), reference)
         _, probe_rows = _beats(results, ("alt_xclr_captions",), reference, probe)
         rows.append({**knn_rows[0], "against": reference, "probe": probe_rows[0]["value"],
                      "probe_reference": probe_rows[0]["reference"],
                      "passed": knn_rows[0]["passed"] and probe_rows[0]["passed"]})
     return {"claim": "j", "title": "at equal budget on alt-text captions X-CLR beats CLIP "
-            "and SimCLR (X-CLR, Table 3)", "reproduced": all(r["passed"] for r in rows),
-            "rows": rows}
+            "with its own text tower and SimCLR (X-CLR, Table 3)",
+            "reproduced": all(r["passed"] for r in rows[:2]),
+            "beats_frozen_tower_clip": rows[2]["passed"], "rows": rows}
 
 
 CLAIMS = {claim_a: ("untrained", *SELF_SUPERVISED, *SUPERVISED),
@@ -224,7 +227,7 @@ CLAIMS = {claim_a: ("untrained", *SELF_SUPERVISED, *SUPERVISED),
           claim_g: ("supcon", "projnce_centroid", "projnce_kernel", "projnce_median"),
           claim_h: ("supcon", "projnce_learned"),
           claim_i: ("untrained", *IMAGE_TEXT),
-          claim_j: ("alt_clip", "alt_infonce", "alt_xclr_captions")}
+          claim_j: ("alt_clip_scratch", "alt_infonce", "alt_xclr_captions")}
 
 
 def check(results: Results) -> list[dict[str, Any]]:
