@@ -15,6 +15,7 @@ RECIPES = "launch/configs/cluttered"
 TAU01 = ("objective.temperature=0.1",)  # the supervised recipes' earlier temperature
 TEN = ("train.epochs=10",)  # the self-supervised recipes' earlier budget (their sweeps)
 PAPER_BIAS = ("objective.siglip.bias=-10.0",)  # SigLIP's earlier start, the paper's
+TAU_S01 = ("objective.xclr.target_temperature=0.1",)  # X-CLR's earlier tau_s, the paper's
 OBJECTIVES = {  # configuration name -> (recipe file, overrides)
     "infonce": ("infonce.yaml", ()),
     "flatnce": ("flatnce.yaml", ()),
@@ -38,7 +39,7 @@ ALT_TEXT = {  # on the alt-text captions (data "alt_text"), each at the same 30 
     "alt_clip_scratch": ("clip.yaml", ("model.text.trainable=true", "model.text.scratch_layers=2",
                                        "model.text.scratch_width=128")),
     "alt_siglip": ("siglip.yaml", ()),
-    "alt_xclr_captions": ("xclr_captions.yaml", ()),
+    "alt_xclr_captions": ("xclr_captions.yaml", (), "alt_text_centred"),  # its store centred
     "alt_infonce": ("infonce.yaml", ()),
 }
 SMALL_BATCH = {  # FlatNCE's claim: global batch 16 (8 per rank)
@@ -168,14 +169,16 @@ ALT_SWEEP = {  # the image-text recipes' levers on the alt-text captions, one at
     "sweep_alt_clip_tau0.1": ("clip.yaml", ("objective.temperature=0.1",)),
     # the bias started at -log(128), the log-odds of one positive among a step's 128 texts
     "sweep_alt_siglip_bias-5": ("siglip.yaml", ("objective.siglip.bias=-5.0",)),
-    # X-CLR's levers, one at a time from the caption recipe (docs/learning.md, "X-CLR's levers")
+    # X-CLR's levers, one at a time from the previous caption recipe (tau_s 0.1 on the plain
+    # store; docs/learning.md, "X-CLR on web captions"); the data set names the store
+    "sweep_alt_xclr_tau_s0.1": ("xclr_captions.yaml", TAU_S01),  # the previous recipe
     "sweep_alt_xclr_tau_s0.05": ("xclr_captions.yaml", ("objective.xclr.target_temperature=0.05",)),
     "sweep_alt_xclr_tau_s0.2": ("xclr_captions.yaml", ("objective.xclr.target_temperature=0.2",)),
-    "sweep_alt_xclr_batch128": ("xclr_captions.yaml", ("data.batch_size=128",)),
-    "sweep_alt_xclr_epochs60": ("xclr_captions.yaml", ("train.epochs=60",)),
-    "sweep_alt_xclr_top_k16": ("xclr_captions.yaml", ("objective.xclr.top_k=16",)),
+    "sweep_alt_xclr_batch128": ("xclr_captions.yaml", (*TAU_S01, "data.batch_size=128")),
+    "sweep_alt_xclr_epochs60": ("xclr_captions.yaml", (*TAU_S01, "train.epochs=60")),
+    "sweep_alt_xclr_top_k16": ("xclr_captions.yaml", (*TAU_S01, "objective.xclr.top_k=16")),
     # a third item names the data: the caption store made with graph.center=true
-    "sweep_alt_xclr_centred": ("xclr_captions.yaml", (), "alt_text_centred"),
+    "sweep_alt_xclr_centred": ("xclr_captions.yaml", TAU_S01, "alt_text_centred"),
     # the levers that helped, together
     "sweep_alt_xclr_tau_s0.05_centred": ("xclr_captions.yaml", (
         "objective.xclr.target_temperature=0.05",), "alt_text_centred"),
