@@ -26,9 +26,8 @@ class GraphConfig:
     output: str = ""  # directory of the caption store and graphs
     model: str = "bundled"  # the bundled all-MiniLM-L6-v2, or a local model directory
     batch_size: int = 256  # captions per encoder batch
-    # captions: store unit(e - mean) with the mean of the samples' unit embeddings, so the
-    # direction every caption shares (filler, "photo") lifts no cosine (docs/graph.md)
-    center: bool = False
+    # so the direction every caption shares (web filler, "photo") lifts no cosine
+    center: bool = False  # captions: store unit(e - m), m the samples' mean (docs/graph.md)
     device: str = "auto"  # encoder device; auto: cuda when available
     part: int | None = None  # this job's part (slurm arrays); null: torchrun's RANK
     num_parts: int | None = None  # parts in all; null: torchrun's WORLD_SIZE

@@ -77,8 +77,7 @@ class XclrConfig:
 
     target_temperature: float = 0.1  # tau_s of the soft targets
     class_graph: str = ""  # class_graph.npz (the ImageNet recipe); "" = caption targets
-    # each anchor's targets over its k most similar candidates (ties kept); 0 = all
-    top_k: int = 0
+    top_k: int = 0  # each anchor's targets over its k most similar candidates (ties kept); 0 = all
 
     def validate(self) -> None:
         if not self.target_temperature > 0:

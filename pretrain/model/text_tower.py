@@ -31,8 +31,7 @@ class TextTowerConfig(TextConfig):
 
     trainable: bool = False  # fine-tune the transformer (False: only the projection learns)
     projection_bias: bool = True  # false: a projection without bias, as open_clip's
-    # > 0: a transformer of this many layers from random weights (trainable must be true)
-    scratch_layers: int = 0
+    scratch_layers: int = 0  # > 0: a BERT of this many layers from random weights (trainable)
     scratch_width: int = 128  # its width (heads of 32, feed-forward 4x)
 
     def validate(self) -> None:
