@@ -59,3 +59,5 @@ def test_claim_j_needs_xclr_ahead_of_scratch_clip_and_infonce_by_knn_and_probe()
     assert not claim_j(probe_behind)["reproduced"]
     scratch_ahead = {**results, "alt_clip_scratch": [result(0.55, 0.50)] * 3}
     assert not claim_j(scratch_ahead)["reproduced"]
+    without_frozen = {k: v for k, v in results.items() if k != "alt_clip"}
+    assert claim_j(without_frozen)["beats_frozen_tower_clip"] is None

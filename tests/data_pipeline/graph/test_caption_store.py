@@ -94,7 +94,7 @@ def test_duplicates_share_a_row_and_bad_captions_are_counted(tmp_path):
 def test_a_centred_store_holds_unit_captions_less_the_samples_mean(tmp_path):
     """graph.center: every row is unit(unit(e) - m), m the mean over the samples (a caption
     counted as often as samples carry it, not once), against a float64 reference from the
-    uncentred store; two parts equal one; the neighbour graph reads the centred rows."""
+    uncentred store; two parts equal one."""
     repeats = [1 + 5 * (i % 4 == 0) for i in range(20)]  # some captions 6 times, some once
     captions = [f"a photo of a {NAMES[i % 7]}, picture {i}" for i in range(20)]
     samples = [digit_sample(j, key=f"k{i:02d}-{r}", caption=captions[i])

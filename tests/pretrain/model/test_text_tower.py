@@ -140,8 +140,8 @@ def test_a_trainable_tower_trains_on_two_ddp_ranks(digits_shards, random_text, t
     """The shipped CC3M/CC12M image-text recipes fine-tune the tower under DDP, which stops a
     run at its second step if any trainable parameter gets no gradient: the transformer's
     pooler (the [CLS] head, unused by mean pooling) must not train. Through the real
-    command, 2 ranks, the tower's weights moved; a tower from scratch starts from the
-    run's seed and is restored from its checkpoint with the same shape."""
+    command, 2 ranks, the tower's weights moved; a tower from scratch trains there too and
+    is restored from its checkpoint with the same shapes."""
     overrides = train_overrides(digits_shards, tmp_path, **{
         "objective.name": "clip", "model.text.trainable": True,
         "model.text.model": random_text.model, "train.max_steps": 3,
