@@ -22,8 +22,7 @@ import numpy as np
 
 from bench.common import print_table
 from bench.learning.data import caption_vectors
-
-TIE = 1e-5  # objective.xclr's ties at the k-th
+from pretrain.losses.xclr import TIE  # objective.xclr's ties at the k-th
 
 
 def target_mass(vectors: np.ndarray, labels: np.ndarray, tau_s: float, top_k: int,

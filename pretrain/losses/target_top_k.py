@@ -73,6 +73,4 @@ class TopKTargets:
         self.targets, self.floor, self.tie = targets, floor, tie
 
     def __call__(self, start: int, stop: int, block: slice, out: Tensor) -> Tensor:
-        logits = self.targets(start, stop, block, out)
-        return logits.masked_fill_(logits < (self.floor[block] - self.tie)[:, None],
-                                   MASKED_LOGIT)
+        return keep_top_k_(self.targets(start, stop, block, out), self.floor[block], self.tie)

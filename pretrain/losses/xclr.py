@@ -47,9 +47,8 @@ def plain_xclr(rows: BatchRows, tau: float | Tensor, target_temperature: float,
         similarity = class_graph[rows.labels][:, rows.labels]
     self_pair = torch.eye(len(z), dtype=torch.bool, device=z.device)
     if top_k and top_k < len(z) - 1:  # the k-th largest among the others; ties within TIE
-        kth = similarity.masked_fill(self_pair, float("-inf")).sort(1, descending=True)
-        similarity = similarity.masked_fill(
-            similarity < kth.values[:, top_k - 1:top_k] - TIE, float("-inf"))
+        kth = similarity.masked_fill(self_pair, float("-inf")).topk(top_k, dim=1).values
+        similarity = similarity.masked_fill(similarity < kth[:, -1:] - TIE, float("-inf"))
     targets = (similarity / tau_s).masked_fill(self_pair, float("-inf")).softmax(1)  # t_ij
     log_q = (z @ z.T / tau).masked_fill(self_pair, float("-inf")).log_softmax(1)     # q_ij
     return -(targets * log_q.masked_fill(self_pair, 0.0)).sum(1).mean()
