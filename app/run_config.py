@@ -129,12 +129,19 @@ def _check_training(config: RunConfig) -> None:
                                   "monitors kNN on the evaluation shards; set them")
 
 
+META_LIMIT = 1 << 20  # a store's meta.json is a few hundred bytes
+
+
 def _check_store_centring(store: str, center: bool) -> None:
     """The caption store was made as the run's ``graph.center`` says (its ``meta.json``; a
     store made before the key existed is uncentred). A store that cannot be read is left
     to the loader, which names what is wrong with it."""
     try:
-        made = bool(json.loads((Path(store) / "meta.json").read_text()).get("center", False))
+        with open(Path(store) / "meta.json", "rb") as handle:
+            text = handle.read(META_LIMIT + 1)  # bounded: the store is read, not trusted
+        if len(text) > META_LIMIT:
+            return
+        made = bool(json.loads(text).get("center", False))
     except (OSError, ValueError, AttributeError, RecursionError):
         return
     if made != center:

@@ -18,6 +18,7 @@ import numpy as np
 from core.errors import RunError
 
 FILES = ("keys.npy", "rows.npy", "embeddings.npy")
+META_LIMIT = 1 << 20  # meta.json is a few hundred bytes: read no more
 
 
 class StoreError(RunError, ValueError):
@@ -38,7 +39,14 @@ class CaptionStore:
         meta_path = directory / "meta.json"
         if not meta_path.is_file():
             raise StoreError(f"{meta_path}: missing (run graph-precompute)")
-        meta = json.loads(meta_path.read_text())
+        with open(meta_path, "rb") as handle:
+            text = handle.read(META_LIMIT + 1)
+        if len(text) > META_LIMIT:
+            raise StoreError(f"{meta_path}: larger than {META_LIMIT} bytes, not a store's")
+        try:
+            meta = json.loads(text)
+        except (ValueError, RecursionError):
+            raise StoreError(f"{meta_path}: not JSON (run graph-precompute)") from None
         try:
             keys, rows, embeddings = (np.load(directory / f, mmap_mode="r") for f in FILES)
         except (OSError, ValueError) as err:

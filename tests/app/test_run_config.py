@@ -176,3 +176,6 @@ def test_a_caption_store_made_otherwise_than_graph_center_says_is_refused(tmp_pa
                 check_stage(config, "pretrain")
     (tmp_path / "meta.json").write_text("[" * 100_000)
     check_stage(load_config(RunConfig, None, [*base, "graph.center=true"]), "pretrain")
+    (tmp_path / "meta.json").unlink()
+    (tmp_path / "meta.json").symlink_to("/dev/zero")  # endless: read no further than 1 MiB
+    check_stage(load_config(RunConfig, None, [*base, "graph.center=true"]), "pretrain")

@@ -307,6 +307,43 @@ def test_store_whose_index_and_rows_disagree_names_the_file(tmp_path):
                                            caption_store=str(tmp_path / "s")))))
 
 
+def test_a_hostile_meta_json_is_refused_in_one_line_and_read_no_further(tmp_path,
+                                                                         monkeypatch):
+    """An endless meta.json (a link to /dev/zero), a nested one and a huge one: each fails
+    naming the file; a huge one is read no further than 1 MiB."""
+    store = tmp_path / "s"
+    store.mkdir()
+    meta = store / "meta.json"
+    meta.symlink_to("/dev/zero")  # not a file: refused before any read
+    with pytest.raises(StoreError, match="meta.json: missing"):
+        CaptionStore.open(store)
+    meta.unlink()
+    meta.write_text("[" * 100_000)
+    with pytest.raises(StoreError, match="meta.json: not JSON"):
+        CaptionStore.open(store)
+    meta.write_text(" " * (2 << 20) + "{}")
+    asked = []
+
+    class Handle:  # the file as opened, recording how much each read asks for
+        def __init__(self, *args, **kwargs) -> None:
+            self.handle = open(*args, **kwargs)  # noqa: SIM115
+
+        def __enter__(self) -> Handle:
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.handle.close()
+
+        def read(self, size: int = -1) -> bytes:
+            asked.append(size)
+            return self.handle.read(size)
+
+    monkeypatch.setattr("data_pipeline.graph.store.open", Handle, raising=False)
+    with pytest.raises(StoreError, match="meta.json: larger than"):
+        CaptionStore.open(store)
+    assert asked and all(0 < size <= (1 << 20) + 1 for size in asked), asked
+
+
 @pytest.mark.parametrize("index", ["exact", "ivf"])
 def test_neighbour_graph_and_inspection(tmp_path, index):
     """The inverted file's one list here holds every caption, so it is exact too; its
