@@ -1,5 +1,5 @@
 """Commands run as subprocesses with their time and peak resident memory, for the scale
-benchmarks (``bench/scale.py``, ``bench/scale_ingest.py``)."""
+benchmarks (``python -m bench.scale``, ``bench/scale/ingest.py``)."""
 
 from __future__ import annotations
 

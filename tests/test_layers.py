@@ -25,6 +25,9 @@ from pretrain.model.backbones import BACKBONES, TIMM, TIMM_FAMILY
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = ["core", "data_pipeline", "pretrain", "serving", "evaluation", "app"]
+# the benchmarks' folders, by subject (bench/__init__.py), and the helpers they share
+BENCH_SUBJECTS = {"perf", "scale", "soak", "gpu", "learning"}
+BENCH_SHARED = {"__init__.py", "common.py", "processes.py"}
 NO_DISTRIBUTED = ["pretrain/losses", "pretrain/model"]
 # each sub-package of pretrain -> the sub-packages of pretrain it may import (itself included)
 SUBPACKAGES = {
@@ -145,14 +148,15 @@ def module_file(name: str) -> Path | None:
 
 
 def import_graph() -> dict[Path, set[Path]]:
-    """Each module of the layers -> the modules of the layers it imports, each import
-    resolved to the most specific module it names (``from a.b import c``: ``a/b/c.py``
-    when that file exists, else ``a/b``)."""
+    """Each module of the layers and of ``bench`` -> the modules of those it imports, each
+    import resolved to the most specific module it names (``from a.b import c``:
+    ``a/b/c.py`` when that file exists, else ``a/b``)."""
     graph: dict[Path, set[Path]] = {}
-    for layer in LAYERS:
+    roots = [*LAYERS, "bench"]
+    for layer in roots:
         for path in modules(layer):
             targets = {module_file(module) for _, module in imported_modules(path)
-                       if module.split(".")[0] in LAYERS}
+                       if module.split(".")[0] in roots}
             graph[path] = {t for t in targets if t is not None and t != path}
     return graph
 
@@ -202,6 +206,15 @@ def test_the_circle_check_sees_a_circle():
     a, b, c = (REPO / name for name in ("a.py", "b.py", "c.py"))
     assert import_cycles({a: {b}, b: {c}, c: {a}}) == [[a, b, c]]
     assert import_cycles({a: {b}, b: {c}, c: set()}) == []
+
+
+def test_bench_holds_its_subject_folders_and_their_shared_helpers():
+    entries = {p.name for p in (REPO / "bench").iterdir()
+               if p.name not in ("__pycache__", "results")}
+    assert entries == BENCH_SUBJECTS | BENCH_SHARED, entries ^ (BENCH_SUBJECTS | BENCH_SHARED)
+    for subject in BENCH_SUBJECTS:
+        doc = ast.get_docstring(ast.parse((REPO / "bench" / subject / "__init__.py").read_text()))
+        assert doc, f"bench/{subject}/__init__.py says not what it measures"
 
 
 def test_tests_mirror_the_package_layout():

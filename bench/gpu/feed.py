@@ -14,7 +14,7 @@
   (``pretrain/loop/utilisation.py``), its non-finite steps and its loss at start and end
   reported.
 
-The JPEGs are ``bench.data_pipeline``'s (digits upsampled with film-grain noise, so they
+The JPEGs are ``bench.perf.data_pipeline``'s (digits upsampled with film-grain noise, so they
 compress like photographs), written by every core.
 """
 
@@ -54,7 +54,7 @@ Jpegs = tuple[tuple[tuple[int, int], int], ...]  # ((width, height), how many), 
 def jpeg_shards(work: Path, jpegs: Jpegs, name: str) -> tuple[Path, float]:
     """The JPEGs ``jpegs`` lists, written by every core and made into shards under
     ``work``/``name``; the shards' folder and the JPEGs' mean size in KiB."""
-    from bench.data_pipeline import write_jpegs
+    from bench.perf.data_pipeline import write_jpegs
     from data_pipeline.config import ShardsConfig
     from data_pipeline.make_shards import make_shards
 

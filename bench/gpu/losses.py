@@ -2,7 +2,7 @@
 ``dense_n`` embeddings and over column tiles at ``tiled_n``, time and peak memory, beside
 open_clip's ``ClipLoss`` and ``SigLipLoss`` where their [N/2, N/2] logits fit.
 
-The cases are :func:`bench.objectives.objective_cases`, the CPU benchmark's own. A case
+The cases are :func:`bench.perf.objectives.objective_cases`, the CPU benchmark's own. A case
 whose time, extrapolated from its previous size (quadratic in N), would overrun the part's
 deadline is skipped and says so; one that runs out of memory says that.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from bench.gpu.sizes import Sizes
-from bench.objectives import CAPTION_DIM, NUM_CLASSES, objective_cases
+from bench.perf.objectives import CAPTION_DIM, NUM_CLASSES, objective_cases
 
 DIM = 128
 BYTES = 4  # float32

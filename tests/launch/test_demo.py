@@ -7,7 +7,7 @@ The script runs as the README runs it, each stage (torchrun's agent and ranks to
 from a pre-imported interpreter, its ``PYTHON`` the server's stand-in (``tests/prewarmed.py``).
 What this still proves: the stages, in the script's order with its arguments, make the
 demo's outputs. Each stage's module started in a fresh interpreter: ``app.pretrain`` and
-``app.evaluate`` in the GPU kit's dry run (``tests/bench/test_gpu_kit.py``, which also
+``app.evaluate`` in the GPU kit's dry run (``tests/bench/gpu/test_gpu_kit.py``, which also
 imports ``app.make_shards`` fresh), ``app.graph_precompute`` in
 ``tests/data_pipeline/graph/test_caption_store.py``."""
 

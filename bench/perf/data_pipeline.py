@@ -2,10 +2,10 @@
 ``ImageFolder`` with a ``DataLoader`` and the same transforms on the same JPEGs, plus the
 raw tar read rate.
 
-    python -m bench.data_pipeline                    # 600 JPEGs of ~400 x 350 px, 224 px views
-    python -m bench.data_pipeline --images 200       # quicker
-    python -m bench.data_pipeline --size 1000x750 --images 300   # full-size photos
-    python -m bench.data_pipeline --step-rate        # with a GPU: is ResNet-50 (bf16) fed?
+    python -m bench.perf.data_pipeline                    # 600 JPEGs of ~400 x 350 px, 224 px views
+    python -m bench.perf.data_pipeline --images 200       # quicker
+    python -m bench.perf.data_pipeline --size 1000x750 --images 300   # full-size photos
+    python -m bench.perf.data_pipeline --step-rate        # with a GPU: is ResNet-50 (bf16) fed?
 
 The JPEGs are the bundled digits upsampled to ImageNet's mean size with film-grain noise,
 so they compress like photographs (~60-90 KB) rather than like flat line drawings. Both

@@ -23,6 +23,7 @@ import torch
 
 from bench.gpu import pipeline, steps
 from bench.gpu.part import PARTS
+from pretrain.losses import OBJECTIVES
 from tests.app.helpers import REPO
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
@@ -42,8 +43,8 @@ def test_the_dry_run_measures_every_part(tmp_path):
     assert parts["tests"]["rows"][0]["tests"] >= 4 and parts["tests"]["rows"][0]["failed"] == 0
     assert len(parts["sync"]["rows"]) == 3 * len(steps.OBJECTIVE_CASES)
     losses = {row["loss"] for row in parts["objectives"]["rows"]}
-    assert {"infonce", "xclr[captions]", "projnce[kernel]", "siglip",
-            "open_clip SigLipLoss"} <= losses
+    assert {loss.split("[")[0] for loss in losses} == {*OBJECTIVES, "open_clip SigLipLoss",
+                                                        "open_clip ClipLoss"}
     assert all("fwd_bwd_ms" in row for row in parts["objectives"]["rows"])
     assert [(row["compiled"], row["backend"]) for row in parts["compile"]["rows"]] == [
         (False, "eager"), (True, "aot_eager")]  # inductor on CPU: tests/pretrain/loop
@@ -77,8 +78,8 @@ def test_a_part_out_of_time_is_killed_with_its_processes_and_the_others_are_kept
     exits 1."""
     code = ("import sys\n"
             "import bench.gpu.__main__ as kit\n"
-            "kit.FORKS.set_forkserver_preload(['bench.gpu.part', 'tests.bench.planted_part'])\n"
-            "import tests.bench.planted_part\n"
+            "kit.FORKS.set_forkserver_preload(['bench.gpu.part', 'tests.bench.gpu.planted_part'])\n"
+            "import tests.bench.gpu.planted_part\n"
             "kit.main()\n")
     kit = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), "--dry-run",
                             "--parts", "planted,objectives", "--budget", "130"],
@@ -121,7 +122,7 @@ def test_a_synchronising_call_is_named_by_the_project_line_that_made_it(monkeypa
     with steps.synchronisations(torch.device("cuda")) as found:
         collapse.backbone_measures(None, None)
         warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
-    assert len(found) == 1 and found[0].startswith("tests/bench/test_gpu_kit.py:")
+    assert len(found) == 1 and found[0].startswith("tests/bench/gpu/test_gpu_kit.py:")
 
 
 def test_the_stages_import_without_what_a_gpu_node_lacks():

@@ -1,7 +1,7 @@
 """Exact kNN against the machine's own matrix-multiply throughput.
 
-    python -m bench.knn                          # 10,000 queries x 100,000 x 512 bank, k = 200
-    python -m bench.knn --queries 2000 --bank 20000
+    python -m bench.perf.knn                          # 10,000 queries x 100,000 x 512 bank, k = 200
+    python -m bench.perf.knn --queries 2000 --bank 20000
 
 Measured in one process on the same random data: torch.mm of the queries against the bank
 in blocks into one reused output buffer (the floor every exact search pays; fresh output

@@ -1,8 +1,8 @@
 """Epoch boundaries of the training loader: a DataLoader made per epoch against one whose
 workers persist (``data.persistent_workers``).
 
-    python -m bench.epochs                     # cluttered digits, 32 px, 4 epochs
-    python -m bench.epochs --step-ms 300 --epochs 6
+    python -m bench.perf.epochs                     # cluttered digits, 32 px, 4 epochs
+    python -m bench.perf.epochs --step-ms 300 --epochs 6
 
 The consumer stands for an accelerator's training step: it sleeps ``--step-ms`` per batch,
 leaving the host's cores to the loader as a GPU step does. Reported per loader: the

@@ -1,7 +1,7 @@
 """Training throughput and the cost of X-CLR's soft targets.
 
-    python -m bench.training                      # both parts
-    python -m bench.training --part step          # X-CLR vs SimCLR step time only
+    python -m bench.perf.training                      # both parts
+    python -m bench.perf.training --part step          # X-CLR vs SimCLR step time only
 
 Part ``throughput``: the real ``pretrain`` command on the digits shards (32 px, 64 images
 per rank, SimCLR) for 1 process and for 2 processes (torchrun, DDP over gloo), with the
@@ -57,7 +57,7 @@ from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 
 RESULTS = Path("bench/results/training.json")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_shards(directory: Path) -> Path:

@@ -3,8 +3,8 @@ forward keeps, the peak tensor memory and the time of one forward + backward of 
 none against full and every 2nd block, in one process (ratios against ``none``, timed
 interleaved).
 
-    python -m bench.checkpointing                    # ResNet-50 and ViT-B/16, 224 px, batch 8
-    python -m bench.checkpointing --device cuda --dtype bfloat16 --batch 64 \\
+    python -m bench.perf.activation_checkpointing    # ResNet-50 and ViT-B/16, 224 px, batch 8
+    python -m bench.perf.activation_checkpointing --device cuda --dtype bfloat16 --batch 64 \\
         --backbones resnet50 vit_base_patch16_224 vit_large_patch16_224
 
 Writes ``bench/results/checkpointing.json`` and prints a table.

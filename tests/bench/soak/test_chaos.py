@@ -1,4 +1,4 @@
-"""The chaos soak's measurements (``bench/chaos_measure.py``) from a training log: each kill's
+"""The chaos soak's measurements (``bench/soak/chaos_measure.py``) from a training log: each kill's
 recovery to the first step at the new world and the steps trained again, a resume that
 follows two kills counted once."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from bench.chaos_measure import Kill, healed, log_events, measure_kills
+from bench.soak.chaos_measure import Kill, healed, log_events, measure_kills
 
 LOG = """\
 2026-12-02 10:00:00,000 rank0 pretrain INFO: 3 ranks on cpu, fp32; backend gloo
@@ -56,7 +56,7 @@ def test_a_pause_restarts_only_with_a_group_formed_before_the_next_fault(tmp_pat
     """A straggler paused at 10:00:02 is followed by a kill at 10:00:20, whose group forms
     at 10:00:30: the restart is the kill's, not the pause's; an agent tree frozen past the
     timeout restarts the group and heals at its next step."""
-    from bench.chaos import Soak
+    from bench.soak.chaos import Soak
 
     log = tmp_path / "train.log"
     log.write_text(PAUSES_LOG)

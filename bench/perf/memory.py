@@ -4,8 +4,8 @@ DeepSpeed ZeRO-2 and ZeRO-3, FSDP2 and FSDP2 with full activation checkpointing;
 figure each engine's layout gives at 8, 64 and 512 ranks for ViT-B/16, ViT-L/16 and a
 1B and a 2.5B ViT (counted on the meta device: no weights).
 
-    python -m bench.memory                                      # ViT-B/16 and ViT-L/16
-    python -m bench.memory --models vit_base_patch16_224 --batch 1
+    python -m bench.perf.memory                                      # ViT-B/16 and ViT-L/16
+    python -m bench.perf.memory --models vit_base_patch16_224 --batch 1
 
 Each setting is a fresh ``torchrun --nproc_per_node 2`` of this module (``worker``): three
 steps (InfoNCE, AdamW, fp32, ``--batch`` images x 2 views per rank, 224 px), the third
@@ -135,7 +135,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != str(MMAP_THRESHOLD):
-        raise SystemExit("bench.memory worker: run by bench.memory (MALLOC_MMAP_THRESHOLD_)")
+        raise SystemExit("bench.perf.memory worker: run by bench.perf.memory "
+                         "(MALLOC_MMAP_THRESHOLD_)")
     dist.init_process_group("gloo")
     live = one_step(args.model, args.setting, args.batch)
     if dist.get_rank() == 0:
@@ -150,7 +151,7 @@ def measure(model_name: str, setting: str, batch: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "live.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc_per_node", "2", "-m", "bench.memory", "worker", "--model",
+                   "--nproc_per_node", "2", "-m", "bench.perf.memory", "worker", "--model",
                    model_name, "--setting", setting, "--batch", str(batch), "--out", str(out)]
         env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
                             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),

@@ -1,8 +1,8 @@
 """SimCLR views per image (torchvision's transforms, one call per view) against the batched
 views the training loader renders (``data_pipeline/views.py``), on one core.
 
-    python -m bench.views
-    python -m bench.views --batch 256 --rounds 5
+    python -m bench.perf.views
+    python -m bench.perf.views --batch 256 --rounds 5
 
 Both produce the same tensors (``tests/data_pipeline/test_views.py``); the table reports
 milliseconds per view and the batched/per-view time ratio for each recipe and size.

@@ -3,8 +3,8 @@ encoder (forward, backward, AdamW) with contiguous images against channels-last 
 weights left contiguous as on CPU, in one process (ratios against contiguous, timed
 interleaved).
 
-    python -m bench.channels_last                     # small CNN (width 32), 32 px, batch 128
-    python -m bench.channels_last --backbones small_cnn resnet18 --batch 256 --threads 2
+    python -m bench.perf.channels_last                     # small CNN (width 32), 32 px, batch 128
+    python -m bench.perf.channels_last --backbones small_cnn resnet18 --batch 256 --threads 2
 
 Writes ``bench/results/channels_last.json`` and prints a table.
 """

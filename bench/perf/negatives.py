@@ -1,9 +1,9 @@
 """Memory and time of the objectives against many negatives: dense [n, N] logits against
 column tiles (``objective.tile_size``, docs/negatives.md).
 
-    python -m bench.negatives                         # N = 8192 ... 131072, D = 128
-    python -m bench.negatives --sizes 8192 16384      # a quick run
-    python -m bench.negatives --part peaks            # peak memory at N = 131072
+    python -m bench.perf.negatives                         # N = 8192 ... 131072, D = 128
+    python -m bench.perf.negatives --sizes 8192 16384      # a quick run
+    python -m bench.perf.negatives --part peaks            # peak memory at N = 131072
 
 One process holds all N embeddings as anchors and candidates (N/2 images x 2 views, 100
 classes). Each (path, N) runs forward + backward of infonce in a fresh child process with
@@ -48,7 +48,7 @@ from bench.common import (
     time_interleaved,
     write_json,
 )
-from bench.objectives import objective_cases
+from bench.perf.objectives import objective_cases
 from pretrain.losses import BatchOptions, BatchRows, local_batch, objective_function
 from pretrain.losses.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
 
@@ -111,7 +111,7 @@ def child(n: int, dim: int, tile_size: int | None, repeats: int,
 def run_child(n: int, dim: int, tile_size: int | None, repeats: int,
               objective: str = "infonce") -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "bench.negatives", "--child", str(n), str(tile_size or 0),
+        [sys.executable, "-m", "bench.perf.negatives", "--child", str(n), str(tile_size or 0),
          "--dim", str(dim), "--repeats", str(repeats), "--objective", objective],
         check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -209,7 +209,7 @@ def chunk_rows(rows: int, chunk_sizes: list[int], repeats: int) -> list[dict]:
     results = []
     for chunk in [0, *chunk_sizes]:
         out = subprocess.run(
-            [sys.executable, "-m", "bench.negatives", "--chunk-child", str(rows), str(chunk),
+            [sys.executable, "-m", "bench.perf.negatives", "--chunk-child", str(rows), str(chunk),
              "--repeats", str(repeats)], check=True, capture_output=True, text=True)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         results.append({"views": rows, "chunk_size": chunk or "off", **result})
@@ -261,7 +261,7 @@ def main() -> None:
                              "time_vs_plain", "memory_vs_plain"])
     write_json(args.out, payload)
     if not all(payload.get("targets", {}).values()):
-        raise SystemExit("bench.negatives: a check failed (above)")
+        raise SystemExit("bench.perf.negatives: a check failed (above)")
 
 
 def tiles_part(args: argparse.Namespace) -> dict:

@@ -1,12 +1,12 @@
 """One data set through the four stages at rising size: ``make-shards``, ``graph-precompute``,
 ``pretrain`` and ``evaluate``, each through its real command, so that a cost growing faster
 than the data set shows where the stages meet, not only in each stage measured alone
-(``bench/scale.py``).
+(``python -m bench.scale``).
 
-    python -m bench.rehearsal                                 # 125k, 250k, 500k, 1M
-    python -m bench.rehearsal --sizes 20000 40000 --workdir /tmp/r
-    python -m bench.rehearsal --sizes 125000 --merge          # one size again, the rest kept
-    python -m bench.rehearsal --stages graph --merge          # one stage again at every size
+    python -m bench.scale.rehearsal                                 # 125k, 250k, 500k, 1M
+    python -m bench.scale.rehearsal --sizes 20000 40000 --workdir /tmp/r
+    python -m bench.scale.rehearsal --sizes 125000 --merge          # one size again, the rest kept
+    python -m bench.scale.rehearsal --stages graph --merge          # one stage again at every size
 
 The data set: a CC-style caption table of ``size`` rows (captions of ~100 characters, 80%
 distinct, a class label 0-9), pointing at a pool of 256 tiny 16 px JPEGs whose class is
@@ -30,7 +30,7 @@ their label; a fixed 10,000-row test table beside it. Per size:
 
 Each stage records wall seconds, the peak resident memory of its command and of its
 largest child (rank or worker), and the bytes it wrote. Exponents are fitted per stage
-over the sizes (``bench.scale.exponent``). Writes ``bench/results/rehearsal.json``,
+over the sizes (``bench.scale.fit.exponent``). Writes ``bench/results/rehearsal.json``,
 ``rehearsal.png`` beside it, and prints a table.
 """
 
@@ -50,8 +50,9 @@ import numpy as np
 
 from bench.common import machine, print_table, write_json
 from bench.processes import run_command
-from bench.scale import IMAGES, exponent, tiny_jpegs
-from bench.scale_ingest import WORDS, stand_in_chunks
+from bench.scale.fit import exponent
+from bench.scale.ingest import WORDS, stand_in_chunks
+from bench.scale.tables import IMAGES, tiny_jpegs
 from data_pipeline.graph.config import GraphConfig
 
 SIZES = [125_000, 250_000, 500_000, 1_000_000]
@@ -61,7 +62,7 @@ PART = 2_500  # graph-precompute rows per part
 CLASSES = 10
 DISTINCT = 0.8  # share of distinct captions
 PER_RANK = 1024
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 # per stage and size: wall seconds; peak resident memory of the command and of its largest
 # child, MiB (VmHWM: file pages it mapped count too); their largest anonymous memory
 # sampled (RssAnon: what the process itself allocated); bytes written, MiB
@@ -141,7 +142,7 @@ def graph_config(rows: int, workdir: Path) -> GraphConfig:
 def graph(rows: int, workdir: Path) -> dict[str, Any]:
     store = workdir / f"store-{rows}"
     shutil.rmtree(store, ignore_errors=True)
-    captions = measured("bench.rehearsal", ["--child", str(rows), "--workdir", str(workdir)])
+    captions = measured("bench.scale.rehearsal", ["--child", str(rows), "--workdir", str(workdir)])
     phases = json.loads(captions.pop("printed").splitlines()[-1])
     neighbours = measured("app.graph_precompute", ["graph.task=neighbours", "graph.index=ivf",
                                                    f"graph.output={store}"])

@@ -9,9 +9,9 @@ watch to find) or of a whole agent tree (``freeze_agent``: a node that stops ans
 SIGCONT 5-20 s later); a pause of 2-8 s, under the hang watch's 15 s floor (``straggler``:
 SIGSTOP, then SIGCONT).
 
-    python -m bench.chaos                       # 12 faults over 180 epochs, then the references
-    python -m bench.chaos --kills 10 --epochs 50 --gap 25 45 --seed 1  # docs/benchmarks.md's
-    python -m bench.chaos --analyse-only        # measure the soak in --workdir again
+    python -m bench.soak.chaos                   # 12 faults over 180 epochs, then the references
+    python -m bench.soak.chaos --kills 10 --epochs 50 --gap 25 45 --seed 1  # docs/benchmarks.md's
+    python -m bench.soak.chaos --analyse-only        # measure the soak in --workdir again
 
 The rendezvous store runs in a process of its own, as on a cluster whose endpoint is a head
 node no fault reaches; every agent joins it as a client. The run: InfoNCE on 1,600
@@ -49,7 +49,8 @@ from pathlib import Path
 import psutil
 import yaml
 
-from bench.chaos_measure import (
+from bench.common import machine, write_json
+from bench.soak.chaos_measure import (
     BACK_S,
     KINDS,
     PAUSES,
@@ -58,11 +59,10 @@ from bench.chaos_measure import (
     log_events,
     log_span,
 )
-from bench.chaos_report import report
-from bench.common import machine, write_json
+from bench.soak.chaos_report import report
 from core.runtime import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 SAMPLES, BATCH, NODES = 1600, 16, 3
 SETTLED_STEPS = 5  # steps of the newest group before the next fault is drawn

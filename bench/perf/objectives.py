@@ -2,15 +2,18 @@
 pytorch-metric-learning's SupConLoss and open_clip's SigLipLoss, side by side in one
 process.
 
-    python -m bench.objectives                  # N in 1024 4096 8192, D = 128
-    python -m bench.objectives --sizes 1024     # the smallest case
+    python -m bench.perf.objectives                  # N in 1024 4096 8192, D = 128
+    python -m bench.perf.objectives --sizes 1024     # the smallest case
 
-N counts all embeddings: N/2 images x 2 views (lightly gets the two views as out0/out1;
-clip gets N/2 images and N/2 texts). 100 classes; captions are 384-d (all-MiniLM-L6-v2).
+The cases come from the table of objectives: each entry at its defaults and under each of
+its ``examples``. N counts all embeddings: N/2 images x 2 views (lightly gets the two views
+as out0/out1; clip gets N/2 images and N/2 texts). 100 classes; captions are 384-d
+(all-MiniLM-L6-v2).
 
-Targets: every objective within 1.3x of the fastest peer at N = 8192; xclr within 1.1x of
-infonce (checked for the class-graph and the caption path separately); siglip within 1.3x
-of open_clip's SigLipLoss on the same N/2 image-text pairs. Writes
+Targets, each objective at its defaults: within 1.3x of the fastest peer at N = 8192;
+xclr within 1.1x of infonce (checked for the class-graph and the caption path
+separately); siglip within 1.3x of open_clip's SigLipLoss on the same N/2 image-text
+pairs. Writes
 bench/results/objectives.json and prints a table. The peers are the ``bench`` extra
 (``bash launch/setup.sh dev,bench``).
 """
@@ -18,10 +21,12 @@ bench/results/objectives.json and prints a table. The peers are the ``bench`` ex
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from bench.common import (
     keep_freed_memory,
@@ -31,40 +36,52 @@ from bench.common import (
     time_interleaved,
     write_json,
 )
-from pretrain.losses import batch_loss
+from pretrain.losses import OBJECTIVES, ObjectiveSpec, batch_loss
+from pretrain.losses.parameters import ParameterShape, initial_values
 
 CAPTION_DIM = 384  # all-MiniLM-L6-v2
 NUM_CLASSES = 100
 TARGET_N = 8192
 
 
-def objective_cases(z, ids, labels, captions, graph, text, table, tile_size=None):
-    def case(name, **kw):
-        return lambda: batch_loss(name, z, ids, labels, temperature=0.1, tile_size=tile_size,
-                                  **kw)[0]
+def objective_cases(z: Tensor, ids: Tensor, labels: Tensor, captions: Tensor, graph: Tensor,
+                    text: Tensor, table: Tensor, tile_size: int | None = None
+                    ) -> dict[str, Callable[[], Tensor]]:
+    """One case per entry of the table of objectives at its defaults and under each of its
+    ``examples``; an objective with soft targets runs from captions and from the class
+    graph. A case hands the objective what its entry declares, as a run does: labels with
+    the number of classes, captions or the graph, the texts of N/2 image-text pairs (N
+    counts both views for the others), its loss parameters in place of the keys they
+    start from (shaped [C, D] as ``table``, leaves that require a gradient)."""
+    cases = {}
+    for name, spec in OBJECTIVES.items():
+        defaults = {key: getattr(spec.config(), key) for key in spec.hparams}
+        settings = [{}, *(e for e in spec.examples if e and defaults | dict(e) != defaults)]
+        sources = ("captions", "class_graph") if spec.soft_targets else ("",)
+        for example, source in itertools.product(settings, sources):
+            words = [source, *(f"{k}={v}" for k, v in example.items())]
+            label = f"{name}[{', '.join(filter(None, words))}]" if any(words) else name
+            cases[label] = _case(name, spec, defaults | dict(example), source,
+                                 (z, ids, labels, captions, graph, text, table), tile_size)
+    return cases
 
-    return {
-        "infonce": case("infonce"),
-        "supcon": case("supcon"),
-        "sincere": case("sincere"),
-        "eps_supinfonce": case("eps_supinfonce", eps=0.1),
-        "flatnce": case("flatnce"),
-        "holder_flatnce": case("holder_flatnce", gamma=2.0),
-        "xclr[captions]": case("xclr", captions=captions),
-        "xclr[class_graph]": case("xclr", class_graph=graph),
-        # the number of classes, as a run passes it (label groups are the classes)
-        "projnce[centroid]": case("projnce", num_classes=table.shape[0]),
-        "projnce[kernel]": case("projnce", projection="kernel", num_classes=table.shape[0]),
-        "projnce[median]": case("projnce", projection="median", num_classes=table.shape[0]),
-        "projnce[learned]": case("projnce", projection="learned", class_embeddings=table),
-        # N embeddings = N/2 images + N/2 texts, as N counts both views for the others
-        "clip": lambda: batch_loss("clip", z[: len(z) // 2], ids[: len(z) // 2],
-                                   text=text[: len(z) // 2], temperature=0.1,
-                                   tile_size=tile_size)[0],
-        "siglip": lambda: batch_loss("siglip", z[: len(z) // 2], ids[: len(z) // 2],
-                                     text=text[: len(z) // 2], temperature=0.1, bias=-10.0,
-                                     tile_size=tile_size)[0],
-    }
+
+def _case(name: str, spec: ObjectiveSpec, keys: dict, source: str, inputs: tuple,
+          tile_size: int | None) -> Callable[[], Tensor]:
+    z, ids, labels, captions, graph, text, table = inputs
+    shape = ParameterShape(table.shape[0], table.shape[1])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        parameters = {k: v.to(z).requires_grad_()
+                      for k, v in initial_values(spec.parameters, keys, shape).items()}
+    rows = len(z) // 2 if spec.text_tower else len(z)
+    given = {"labels": labels[:rows] if spec.labels or source == "class_graph" else None,
+             "num_classes": table.shape[0] if spec.labels else None,
+             "captions": captions if source == "captions" else None,
+             "class_graph": graph if source == "class_graph" else None,
+             "text": text[:rows] if spec.text_tower else None}
+    return lambda: batch_loss(name, z[:rows], ids[:rows], temperature=0.1, tile_size=tile_size,
+                              **given, **(keys | parameters))[0]
 
 
 def peer_cases(z, labels, text):
@@ -120,7 +137,7 @@ def run_size(n: int, dim: int, repeats: int, device: torch.device) -> list[dict]
     ms = {r["loss"]: r["fwd_bwd_ms"] for r in rows}
     for row in rows:
         row["vs_fastest_peer"] = row["fwd_bwd_ms"] / fastest_peer
-        if row["loss"].startswith("xclr"):
+        if row["loss"] in ("xclr[captions]", "xclr[class_graph]"):
             row["vs_infonce"] = row["fwd_bwd_ms"] / ms["infonce"]
         if row["loss"] == "siglip":
             row["vs_open_clip"] = row["fwd_bwd_ms"] / ms["open_clip SigLipLoss"]
@@ -138,7 +155,8 @@ def main() -> None:
     device = torch.device(args.device)
     allocator_tuned = device.type == "cpu" and keep_freed_memory()
     rows = [row for n in args.sizes for row in run_size(n, args.dim, args.repeats, device)]
-    at_target = [r for r in rows if r["N"] == TARGET_N and not r["peer"]]
+    # the targets hold each objective at its defaults (a name without key=value)
+    at_target = [r for r in rows if r["N"] == TARGET_N and not r["peer"] and "=" not in r["loss"]]
     checks = {}
     if at_target:
         checks[f"every objective <= 1.3x fastest peer at N={TARGET_N}"] = all(

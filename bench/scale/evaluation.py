@@ -1,7 +1,7 @@
-"""Evaluation at ImageNet's cardinality (``python -m bench.scale --part evaluation``; see
-``bench/scale.py``): a bank of synthetic features (1,000 Gaussian classes, 512-d, up to
-ImageNet's 1,281,167 rows) and 50,000 queries, each stage in its own process so that its
-peak resident memory is its own:
+"""Evaluation at ImageNet's cardinality (``python -m bench.scale --part evaluation``): a
+bank of synthetic features (1,000 Gaussian classes, 512-d, up to ImageNet's 1,281,167
+rows) and 50,000 queries, each stage in its own process so that its peak resident memory
+is its own:
 
 - ``knn``: exact search of the bank in blocks (``faiss_flat``: faiss's brute-force ``knn``
   per block) and the weighted kNN votes of every query, k up to 200;
@@ -32,7 +32,7 @@ import torch
 
 from bench.common import peak_rss_bytes, rss_bytes
 from bench.processes import run_command
-from bench.scale_ingest import SHARD, image_tree
+from bench.scale.ingest import SHARD, image_tree
 from evaluation.diagnostics import (
     alignment_uniformity,
     class_geometry,

@@ -1,4 +1,4 @@
-"""A GPU-kit part planted for ``tests/bench/test_gpu_kit.py``: it measures one row, starts a
+"""A GPU-kit part planted for ``tests/bench/gpu/test_gpu_kit.py``: it measures one row, starts a
 child process (as a part starts pytest, torchrun or loader workers), records its pid, and
 then never ends. Imported by the kit's fork server beside ``bench.gpu.part``, it adds itself to the
 part table there."""

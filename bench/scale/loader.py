@@ -1,5 +1,5 @@
 """The training stream at real cardinalities (``python -m bench.scale --part epochs`` and
-``--part resume``; see ``bench/scale.py``).
+``--part resume``; see ``python -m bench.scale``).
 
 - ``epochs``: the epoch plan of CC12M's 12M samples in 1,200 shards at simulated worlds, a
   chunk a rank (positions only: every chunk slot's order enumerated, nothing read):

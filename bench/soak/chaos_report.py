@@ -1,4 +1,4 @@
-"""The chaos soak's report (``bench/chaos.py``): each fault measured, the epochs' ledger,
+"""The chaos soak's report (``bench/soak/chaos.py``): each fault measured, the epochs' ledger,
 the final checkpoint loaded, the loss and the world plotted, the summary written."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.chaos_measure import (
+from bench.common import machine, print_table, write_json
+from bench.soak.chaos_measure import (
     KINDS,
     PAUSES,
     Kill,
@@ -24,10 +25,9 @@ from bench.chaos_measure import (
     measure_kills,
     weights_distance,
 )
-from bench.common import machine, print_table, write_json
 from pretrain.run.checkpoint import list_checkpoints
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def ledger(run_dir: Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The chaos soak's measurements (``bench/chaos.py``), read from rank 0's training log: each
+"""The chaos soak's measurements (``bench/soak/chaos.py``), read from rank 0's training log: each
 fault's recovery, the steps it made train again and a pause's restarts; the loss curve;
 the distance between two runs' final weights."""
 

@@ -2,7 +2,7 @@
 directly on the same captions, plus the gain from encoding each distinct caption once
 .
 
-    python -m bench.graph                      # 2,000 distinct captions, then 50% duplicates
+    python -m bench.perf.graph                      # 2,000 distinct captions, then 50% duplicates
 
 Captions are real text: ImageNet class names in varied sentence templates. The model is
 loaded once beforehand for both sides; the job's time includes reading the shards,

@@ -1,8 +1,8 @@
 """The training loader's throughput and memory at simulated worlds, against another
 checkout's loader (the baseline: an older commit, unpacked with ``git archive``).
 
-    python -m bench.loader_throughput --baseline /tmp/base       # 1x2, 2x2, 16x4
-    python -m bench.loader_throughput --worlds 1x2 --rounds 1    # this checkout alone
+    python -m bench.perf.loader_throughput --baseline /tmp/base       # 1x2, 2x2, 16x4
+    python -m bench.perf.loader_throughput --worlds 1x2 --rounds 1    # this checkout alone
 
 Rank 0 of a world of W ranks with K loader workers (the other ranks are simulated: each
 reads its own part of every global batch alike) reads real tars of 16 px JPEGs (SimCLR
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 WORLDS = ["1x2", "2x2", "16x4"]
 
@@ -96,7 +96,7 @@ def run(checkout: Path, shards: str, world: int, workers: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.scale_loader import tiny_shards
+    from bench.scale.loader import tiny_shards
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, help="another checkout's root")

@@ -1,8 +1,8 @@
-"""Ingestion at data-set size for ``bench/scale.py``: ``make-shards`` of an ImageNet-style
-class-sorted tree and ``graph-precompute`` of a caption set, each through its real command
-in a subprocess (time and peak resident memory, ``PeakMemory``), beside what the whole
-data set costs held in one process (the baseline, in a child of its own); and the
-caption-neighbour graph over a synthetic store (``run_neighbours``).
+"""Ingestion at data-set size for ``python -m bench.scale``: ``make-shards`` of an
+ImageNet-style class-sorted tree and ``graph-precompute`` of a caption set, each through
+its real command in a subprocess (time and peak resident memory, ``PeakMemory``), beside
+what the whole data set costs held in one process (the baseline, in a child of its own);
+and the caption-neighbour graph over a synthetic store (``run_neighbours``).
 
 Payloads are tiny: the tree's images are hard links to 256 tiny JPEGs (1.28M files cost
 inodes, not 1.28M image bodies), captions are ~100 characters like CC12M's.

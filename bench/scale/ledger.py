@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from bench.processes import run_command
+from bench.scale.tables import SHARD, img2dataset_tars
 from data_pipeline.loader.ledger import LedgerWriter
 
 
@@ -19,8 +20,6 @@ def run_ledger(tars: int, workdir: Path, global_batch: int = 2_048) -> dict[str,
     """The ledger command over one epoch of ``tars`` x 10,000 samples trained by 2 ranks in
     global batches of ``global_batch`` (the last, partial batch dropped): every key read
     from the tars' headers and judged against the ledger's reads."""
-    from bench.scale import SHARD, img2dataset_tars  # bench.scale imports this module
-
     folder = workdir / f"ledger-tars-{tars}"
     img2dataset_tars(folder, tars, SHARD)
     for t in range(tars):  # img2dataset's stats: the sample count without a counting pass

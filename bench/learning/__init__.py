@@ -1,0 +1,2 @@
+"""The learning benchmark: every recipe trained and evaluated, and the papers' claims
+checked (``python -m bench.learning``)."""
