@@ -28,7 +28,7 @@ from pretrain.losses.columns import (
 )
 
 # Dense logits are faster up to this many candidates; tiles of AUTO_TILE_SIZE above
-# (measured by bench/negatives.py, docs/benchmarks.md).
+# (measured by bench/perf/negatives.py, docs/benchmarks.md).
 DENSE_MAX_CANDIDATES = 8192
 AUTO_TILE_SIZE = 256
 

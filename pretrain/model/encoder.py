@@ -98,7 +98,7 @@ class Encoder(nn.Module):
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """images [B, 3, H, W] -> (features [B, F], projections [B, P]). Channels-last
         images take oneDNN's NHWC convolutions on CPU even with contiguous weights (faster:
-        ``python -m bench.channels_last``, docs/benchmarks.md). Float64 parameters
+        ``python -m bench.perf.channels_last``, docs/benchmarks.md). Float64 parameters
         (``train.precision=fp64``) take the images in float64."""
         if self.projector[0].weight.dtype == torch.float64:
             images = images.double()
