@@ -35,14 +35,14 @@ from data_pipeline.loader import TrainLoader
 from data_pipeline.loader.ledger import LedgerWriter, attempt_name, restart_count
 from data_pipeline.shards import ShardSet
 from data_pipeline.text import TextConfig
-from pretrain.loop.engine import build_engine, engine_spec
+from pretrain.distributed.engine import build_engine, engine_spec
 from pretrain.loop.optim import build_optimizer, optimizer_spec, warmup_cosine_in_samples
 from pretrain.loop.reports import Reports
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import RunLength, Trainer
 from pretrain.loop.utilisation import Utilisation, device_peak_tflops
 from pretrain.losses import objective_spec
-from pretrain.model.checkpointing import check_compilable
+from pretrain.model.activation_checkpointing import check_compilable
 from pretrain.model.encoder import build_model
 from pretrain.model.flops import encoder_flops
 from pretrain.run.batch_cut import BatchCut, recorded_global_batch

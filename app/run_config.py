@@ -24,7 +24,7 @@ from data_pipeline.graph.tasks import check_task
 from data_pipeline.loader.backends import backend_spec
 from data_pipeline.sources import check_source
 from evaluation.config import EvalConfig
-from pretrain.loop.engine import EngineConfig
+from pretrain.distributed.engine import EngineConfig
 from pretrain.loop.optim import OptimConfig
 from pretrain.loop.trainer import TrainConfig
 from pretrain.losses.config import ObjectiveConfig

@@ -39,5 +39,5 @@ start=$SECONDS
     tests/pretrain/losses tests/pretrain/distributed \
     tests/pretrain/loop/test_host_reads.py tests/pretrain/loop/test_cuda_dry_run.py \
     tests/pretrain/loop/test_device_metrics.py tests/pretrain/loop/test_chunked.py \
-    tests/pretrain/loop/test_engine.py tests/pretrain/run/test_checkpoint.py
+    tests/pretrain/distributed/test_engine.py tests/pretrain/run/test_checkpoint.py
 echo "compat: torch $version passed the core tests in $((SECONDS - start)) s"

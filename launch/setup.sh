@@ -36,7 +36,7 @@ pip --no-build-isolation --editable "$spec"
 # CPU (about 30 s on 2 cores) into .venv/torch_extensions (the engine's own_extension_cache);
 # here it is built once, with the install, not in the first run. Where the accelerator is a
 # GPU it returns at once.
-if ! .venv/bin/python -c 'from pretrain.loop.deepspeed_engine import own_extension_cache
+if ! .venv/bin/python -c 'from pretrain.distributed.deepspeed_engine import own_extension_cache
 own_extension_cache()
 from deepspeed.comm.torch import build_shm_op; build_shm_op()' >>"$log" 2>&1; then
     echo "setup: DeepSpeed's CPU op did not build (see $log); its first CPU run tries again" >&2

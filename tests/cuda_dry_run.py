@@ -125,7 +125,7 @@ def fake_mesh(world: int, device_type: str) -> Iterator[Any]:
     read on the host), handed to ``fsdp2.shard_model`` in place of the one it makes."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    import pretrain.loop.fsdp2 as fsdp2
+    import pretrain.distributed.fsdp2 as fsdp2
 
     mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     with mock.patch.object(fsdp2, "device_mesh", lambda replicate, device: mesh):

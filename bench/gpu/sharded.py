@@ -31,7 +31,7 @@ from bench.gpu.steps import (
     timed,
 )
 from core.config import load_config
-from pretrain.loop.engine import EngineConfig
+from pretrain.distributed.engine import EngineConfig
 from pretrain.losses import ObjectiveConfig, objective_spec
 from pretrain.model.encoder import ModelConfig
 from pretrain.model.text_tower import TextTowerConfig, random_text_model

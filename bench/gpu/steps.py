@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from bench.gpu.sizes import Sizes
 from core.runtime import Runtime, resolve_precision
-from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
+from pretrain.distributed.engine import EngineConfig, build_engine, engine_spec
 from pretrain.loop.optim import OptimConfig, build_optimizer, warmup_cosine_in_samples
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import RunLength, TrainConfig, Trainer

@@ -72,7 +72,7 @@ def resident_now() -> int:
 def one_step(model_name: str, setting: str, batch: int) -> dict[str, int]:
     """Build the model and engine of ``setting``, run one step; this rank's live tensor
     bytes after each phase (and the peak)."""
-    from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
+    from pretrain.distributed.engine import EngineConfig, build_engine, engine_spec
     from pretrain.loop.optim import OptimConfig, build_optimizer
     from pretrain.loop.step import Objective
     from pretrain.loop.trainer import forward_loss

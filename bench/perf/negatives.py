@@ -176,7 +176,7 @@ def linear_growth(rows: list[dict]) -> dict[str, float]:
 def chunk_child(rows: int, chunk_size: int, repeats: int) -> dict:
     """Training steps (forward, backward, SGD update) in this fresh process; chunk 0 is the
     plain step."""
-    from pretrain.loop.engine import EngineConfig, build_engine
+    from pretrain.distributed.engine import EngineConfig, build_engine
     from pretrain.loop.step import Objective
     from pretrain.loop.trainer import chunked_loss, forward_loss
     from pretrain.losses import ObjectiveConfig

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, print_table, time_interleaved, write_json
-from pretrain.loop.engine import DDPEngine, EngineConfig
+from pretrain.distributed.engine import DDPEngine, EngineConfig
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective, model_inputs
 from pretrain.loop.trainer import forward_loss

@@ -1,6 +1,10 @@
-"""The gathering boundary: the one place that builds each rank's global batch.
+"""Everything that spans ranks: the engines behind one interface (``engine``, one table of
+DDP, DeepSpeed, ZeRO-3 and FSDP2; ``engine_base`` what each is, ``engine_state`` its part
+of a checkpoint) and the gathering boundary (``global_batch``), the one place that builds
+each rank's global batch.
 
-May import ``pretrain.losses`` (the ContrastiveBatch it builds) and ``core``.
+May import ``pretrain.losses`` (the ContrastiveBatch it builds), ``pretrain.run`` (the
+checkpoint formats the engines write) and ``core``.
 """
 
 from pretrain.distributed.global_batch import build_global_batch

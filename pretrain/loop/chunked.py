@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pretrain.loop.engine_base import Engine
+from pretrain.distributed.engine_base import Engine
 from pretrain.loop.step import model_inputs
 from pretrain.losses import ObjectiveOutput
 from pretrain.model.encoder import ModelOutput

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from core.config import ConfigError, InvalidValue
 from core.tables import table_entry
@@ -60,7 +60,8 @@ class LARS(torch.optim.Optimizer):
 
     Like torch's fused optimisers under a GradScaler, it reads ``self.found_inf`` (a
     float tensor, 1 = skip): when set and nonzero, weights and velocities stay as they were,
-    decided on the device without a host synchronisation (:func:`step_unless`).
+    decided on the device without a host synchronisation
+    (``pretrain.distributed.engine_base.step_unless``).
     """
 
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.9,
@@ -196,22 +197,6 @@ def optimizer_spec(name: str) -> OptimizerSpec:
     """The entry of optimiser ``name``; :class:`InvalidValue` for ``optim.name`` naming
     the choices, if there is none."""
     return table_entry(OPTIMIZERS, name, "name", "optimizer")
-
-
-def step_unless(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
-    """``optimizer.step()``, leaving weights and state untouched where ``skip`` [] (bool,
-    on the device) is true: no host synchronisation (torch's fused optimisers and
-    :class:`LARS` read ``found_inf``, as under a GradScaler)."""
-    if isinstance(optimizer, torch.optim.SGD):  # a skipped first step must leave zeros
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if group["momentum"] and "momentum_buffer" not in optimizer.state[p]:
-                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    optimizer.found_inf = skip.float().reshape(())
-    try:
-        optimizer.step()
-    finally:
-        optimizer.found_inf = None
 
 
 def warmup_cosine(total_steps: float, warmup_steps: float) -> Callable[[float], float]:

@@ -45,6 +45,8 @@ from core.runtime import Runtime, autocast, peak_memory_mib
 from data_pipeline.loader import TrainLoader
 from data_pipeline.samples import SKIP_REASONS
 from pretrain.distributed import build_global_batch
+from pretrain.distributed.engine_base import Engine
+from pretrain.distributed.engine_state import add_engine_state, load_engine_state
 from pretrain.loop.chunked import chunked_forward_loss
 from pretrain.loop.collapse import (
     CollapseConfig,
@@ -58,8 +60,6 @@ from pretrain.loop.device_metrics import (
     agreed_flags,
     kept_buffers,
 )
-from pretrain.loop.engine_base import Engine
-from pretrain.loop.engine_state import add_engine_state, load_engine_state
 from pretrain.loop.reports import Monitors, Reports
 from pretrain.loop.run_length import RunLength
 from pretrain.loop.step import Objective, model_inputs, to_device

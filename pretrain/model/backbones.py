@@ -22,7 +22,11 @@ from torch.utils.checkpoint import checkpoint
 from core.config import InvalidValue
 from core.errors import RunError, first_line
 from core.tables import table_entry
-from pretrain.model.checkpointing import checkpoint_children, checkpointed, recompute_options
+from pretrain.model.activation_checkpointing import (
+    checkpoint_children,
+    checkpointed,
+    recompute_options,
+)
 
 
 class BackboneConfig(Protocol):
@@ -246,7 +250,8 @@ class BackboneSpec:
     """A backbone and what it takes from ``model.*``."""
 
     build: Callable[[str, BackboneConfig], Backbone]  # (name, model config) -> network, F
-    # (network, k, name): checkpoint blocks 0, k, 2k, ... (pretrain/model/checkpointing.py)
+    # (network, k, name): checkpoint blocks 0, k, 2k, ...
+    # (pretrain/model/activation_checkpointing.py)
     checkpoint: Callable[[nn.Module, int, str], None]
     # network -> its blocks in order, the units engine.name=fsdp2 shards one by one
     blocks: Callable[[nn.Module], list[nn.Module]]

@@ -18,13 +18,13 @@ from core.config import InvalidValue
 from pretrain.losses.config import ObjectiveConfig
 from pretrain.losses.objectives import objective_spec
 from pretrain.losses.parameters import ParameterShape
+from pretrain.model.activation_checkpointing import every_of
 from pretrain.model.backbones import (
     backbone_blocks,
     build_backbone,
     check_backbone,
     checkpoint_backbone,
 )
-from pretrain.model.checkpointing import every_of
 from pretrain.model.text_tower import TextTower, TextTowerConfig
 
 
@@ -50,7 +50,7 @@ class ModelConfig:
     sync_batchnorm: bool = True  # batch norm over the global batch on multi-GPU runs
     split_views: bool = False  # batch-norm statistics per view set (first views, second views)
     channels_last: bool = True  # channels-last images everywhere, and weights on GPU
-    # blocks recomputed in the backward instead of held (pretrain/model/checkpointing.py)
+    # blocks recomputed in the backward instead of held (pretrain/model/activation_checkpointing.py)
     activation_checkpointing: Literal["none", "full"] | int = "none"  # none, full, or every k
     text: TextTowerConfig = field(default_factory=TextTowerConfig)  # clip's text tower
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from core.config import InvalidValue
 from core.errors import RunError
 from data_pipeline.text import TextConfig, model_path
-from pretrain.model.checkpointing import checkpoint_children
+from pretrain.model.activation_checkpointing import checkpoint_children
 
 
 @dataclass
@@ -81,7 +81,8 @@ class TextTower(nn.Module):
 
     def checkpoint(self, every: int) -> None:
         """Activation checkpointing of the transformer's layers 0, k, 2k, ... (k =
-        ``every``; ``pretrain/model/checkpointing.py``); only a trainable tower holds them."""
+        ``every``; ``pretrain/model/activation_checkpointing.py``); only a trainable tower
+        holds them."""
         layers = self._layer_list()
         if layers is None:
             raise RunError(f"model.activation_checkpointing: {self.config.model} has no "

@@ -4,7 +4,7 @@ uninterrupted run, reshards it from 2 DeepSpeed ranks to 1, registers it with th
 and ``evaluate`` reports the classifier by cosine to the learned class embeddings from
 the checkpoint and from the registry alike. (The loss itself against the library function
 and a float64 loop: ``tests/pretrain/losses``; 2 ranks against 1 process under DDP and
-ZeRO: ``tests/pretrain/loop/test_engine.py``.)"""
+ZeRO: ``tests/pretrain/distributed/test_engine.py``.)"""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from data_pipeline.digits import DIGIT_NAMES
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.evaluation.test_evaluate import evaluate
-from tests.pretrain.loop.test_engine import ZERO3
+from tests.pretrain.distributed.test_engine import ZERO3
 from tests.pretrain.run.test_checkpoint import final_model
 from tests.pretrain.run.test_reshard import velocities
 

@@ -51,7 +51,7 @@ def sharded_features_on_rank(shards: str) -> dict | None:
     the kNN monitor runs it mid-run: within ``whole_root``, every rank in lockstep."""
     import torch.distributed as dist
 
-    from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
+    from pretrain.distributed.engine import EngineConfig, build_engine, engine_spec
     from pretrain.loop.optim import OptimConfig, build_optimizer
     from pretrain.losses import ObjectiveConfig
     from pretrain.model.encoder import build_model

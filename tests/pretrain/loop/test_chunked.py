@@ -17,8 +17,8 @@ from pretrain.loop.trainer import chunked_loss, loss_of_outputs
 from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, ModelOutput, build_model
 from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
-from tests.pretrain.loop import engine_tasks
-from tests.pretrain.loop.test_engine import ENGINES, tolerance
+from tests.pretrain.distributed import engine_tasks
+from tests.pretrain.distributed.test_engine import ENGINES, tolerance
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
 

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from pretrain.loop.fsdp2 import clean_name
+from pretrain.distributed.fsdp2 import clean_name
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import forward_loss
 from pretrain.losses import ObjectiveConfig

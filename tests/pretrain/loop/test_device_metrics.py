@@ -15,9 +15,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.runtime import Runtime
+from pretrain.distributed.engine import DDPEngine, EngineConfig
+from pretrain.distributed.engine_base import step_unless
 from pretrain.loop.device_metrics import MetricWindow, NonFiniteGuard, NonFiniteLoss
-from pretrain.loop.engine import DDPEngine, EngineConfig
-from pretrain.loop.optim import OptimConfig, build_optimizer, step_unless
+from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import RunLength, TrainConfig, Trainer
 from pretrain.losses import EssControlConfig, ObjectiveConfig

@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 
 import pretrain.loop.chunked as chunked
 from core.runtime import autocast
+from pretrain.distributed.engine import EngineConfig, FSDP2Engine, build_engine, engine_spec
 from pretrain.loop.device_metrics import MetricWindow, agreed_flags
-from pretrain.loop.engine import EngineConfig, FSDP2Engine, build_engine, engine_spec
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import chunked_loss, forward_loss

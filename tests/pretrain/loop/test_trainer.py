@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.app.helpers import run_pretrain, train_overrides
-from tests.pretrain.loop.test_engine import ZERO3
+from tests.pretrain.distributed.test_engine import ZERO3
 
 
 @pytest.mark.parametrize(("engine", "zero", "nproc"), [

@@ -23,7 +23,7 @@ MATRICES = {
     "tests/pretrain/losses/test_partition.py": "rank slices against the whole batch",
     "tests/pretrain/losses/test_precision.py": "bf16 autocast at tau 0.01",
     "tests/pretrain/distributed/test_global_batch.py": "two gloo ranks against one",
-    "tests/pretrain/loop/test_engine.py": "every engine, two ranks against one",
+    "tests/pretrain/distributed/test_engine.py": "every engine, two ranks against one",
     "tests/pretrain/loop/test_chunked.py": "chunks against the whole batch",
     "tests/pretrain/loop/test_host_reads.py": "no host reads, DDP and FSDP2",
     "tests/pretrain/loop/test_cuda_dry_run.py": "every tensor on the CUDA device",

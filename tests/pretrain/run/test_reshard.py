@@ -20,7 +20,7 @@ import torch
 from pretrain.run.checkpoint import model_state_of
 from pretrain.run.sharded import read_whole
 from tests.app.helpers import run_pretrain, train_overrides
-from tests.pretrain.loop.test_engine import ZERO3
+from tests.pretrain.distributed.test_engine import ZERO3
 from tests.pretrain.run.test_checkpoint import final_model
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py

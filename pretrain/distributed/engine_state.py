@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from pretrain.loop.engine_base import Engine
+from pretrain.distributed.engine_base import Engine
 from pretrain.run.checkpoint import CheckpointConfig
 from pretrain.run.reshard import per_parameter_state
 from pretrain.run.sharded import FORMAT as SHARDED_FORMAT

@@ -14,7 +14,7 @@ from torch import nn
 from core.config import ConfigError, load_config
 from core.errors import RunError
 from pretrain.losses import ObjectiveConfig
-from pretrain.model.checkpointing import check_compilable
+from pretrain.model.activation_checkpointing import check_compilable
 from pretrain.model.encoder import ContrastiveModel, ModelConfig, build_model
 
 CASES = {  # name -> model keys: every kind of block the table declares

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from data_pipeline.text import load_tokenizer, tokenize
-from pretrain.loop.deepspeed_engine import DeepSpeedEngine
-from pretrain.loop.engine import Engine, EngineConfig, build_engine, engine_spec
+from pretrain.distributed.deepspeed_engine import DeepSpeedEngine
+from pretrain.distributed.engine import Engine, EngineConfig, build_engine, engine_spec
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import chunked_loss, forward_loss

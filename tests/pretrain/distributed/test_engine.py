@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from core.config import ConfigError, load_config
-from pretrain.loop.deepspeed_engine import own_extension_cache
-from pretrain.loop.engine import EngineConfig, engine_spec
+from pretrain.distributed.deepspeed_engine import own_extension_cache
+from pretrain.distributed.engine import EngineConfig, engine_spec
 from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
-from tests.pretrain.loop import engine_tasks
+from tests.pretrain.distributed import engine_tasks
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
 

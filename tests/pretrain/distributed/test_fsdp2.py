@@ -21,12 +21,12 @@ import torch.distributed as dist
 
 from core.config import ConfigError, load_config
 from core.errors import RunError
-from pretrain.loop.engine import EngineConfig, build_engine, engine_spec
+from pretrain.distributed.engine import EngineConfig, build_engine, engine_spec
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import forward_loss
 from pretrain.model.encoder import ModelConfig, build_model
-from tests.pretrain.loop import engine_tasks
+from tests.pretrain.distributed import engine_tasks
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
 
@@ -222,7 +222,7 @@ def refusal_of_replicate(replicate: int) -> str:
 def test_loaded_moments_take_their_parameters_channels_last_layout():
     """FSDP2 writes contiguous moments; a DDP run with channels-last convolutions (on a GPU)
     loads them in its parameters' layout, as torch's fused CUDA optimisers require."""
-    from pretrain.loop.engine_base import match_parameter_layouts
+    from pretrain.distributed.engine_base import match_parameter_layouts
 
     conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(conv.parameters(), lr=0.1)

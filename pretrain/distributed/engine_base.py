@@ -94,3 +94,19 @@ def match_parameter_layouts(optimizer: torch.optim.Optimizer) -> None:
                 if isinstance(value, Tensor) and value.shape == p.shape and \
                         value.stride() != p.stride():
                     state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
+    """``optimizer.step()``, leaving weights and state untouched where ``skip`` [] (bool,
+    on the device) is true: no host synchronisation (torch's fused optimisers and
+    :class:`LARS` read ``found_inf``, as under a GradScaler)."""
+    if isinstance(optimizer, torch.optim.SGD):  # a skipped first step must leave zeros
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if group["momentum"] and "momentum_buffer" not in optimizer.state[p]:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    optimizer.found_inf = skip.float().reshape(())
+    try:
+        optimizer.step()
+    finally:
+        optimizer.found_inf = None

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from core.config import InvalidValue
-from pretrain.loop import zero3
-from pretrain.loop.engine_base import Engine
+from pretrain.distributed import zero3
+from pretrain.distributed.engine_base import Engine
 from pretrain.run.checkpoint import Unresumable
 from pretrain.run.reshard import (
     SUB_GROUPS,

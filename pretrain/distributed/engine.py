@@ -22,10 +22,9 @@ from torch import Tensor, nn
 
 from core.config import InvalidValue
 from core.tables import table_entry
-from pretrain.loop.deepspeed_engine import DeepSpeedEngine, read_deepspeed_config
-from pretrain.loop.engine_base import Engine
-from pretrain.loop.fsdp2 import full_state, load_full_state, shard_model
-from pretrain.loop.optim import step_unless
+from pretrain.distributed.deepspeed_engine import DeepSpeedEngine, read_deepspeed_config
+from pretrain.distributed.engine_base import Engine, step_unless
+from pretrain.distributed.fsdp2 import full_state, load_full_state, shard_model
 
 
 @dataclass
