@@ -18,7 +18,7 @@ from core.config import from_dict
 from evaluation.load import load_encoder
 from pretrain.model.encoder import ModelConfig
 from pretrain.run.tracking import tracking_uri
-from serving.evaluation_record import read_evaluation
+from registry.evaluation_record import read_evaluation
 from serving.export import Exported, chosen_space, export, log_export
 
 

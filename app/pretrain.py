@@ -51,7 +51,9 @@ from pretrain.run.hang import HangWatch, report_hangs
 from pretrain.run.preemption import MARKER, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch
 from pretrain.run.run_lock import RunLock
 from pretrain.run.tracking import Tracker
-from serving.model_registry import ModelCard, log_encoder
+from registry.package import ModelCard
+from registry.versions import log_encoder
+from serving.inputs import served_form
 
 log = logging.getLogger("pretrain")
 INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, as a shell reports Ctrl-C
@@ -292,8 +294,8 @@ def finish_tracking(tracker: Tracker, config: RunConfig, trainer: Trainer,
         card = model_card(config, trainer, name)
         classes = model.loss_parameters.get("class_embeddings")  # learned ones
         version = tracker.log_model(lambda uri, run_id: log_encoder(
-            uri, run_id, model.encoder, name, trainer.checkpointer.config_yaml, card, model.text,
-            classes))
+            uri, run_id, model.encoder, name, trainer.checkpointer.config_yaml, card,
+            served_form(), model.text, classes))
         if version is not None:
             log.info("registered model %s version %s", name, version)
     tracker.finish()

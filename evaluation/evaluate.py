@@ -43,7 +43,7 @@ from evaluation.report import plot_knn, plot_margin, plot_similarity, write_json
 from evaluation.retrieval import caption_evaluation, class_embedding_classifier, no_captions
 from evaluation.tracking import INDEX_DIR, end_failed, log_evaluation, upload_outputs
 from pretrain.run.tracking import TrackingConfig, tracking_uri
-from serving.model_registry import ModelRef
+from registry.versions import ModelRef
 
 log = logging.getLogger("evaluate")
 AGAIN = "the model and its checkpoints are untouched and the same command evaluates again"

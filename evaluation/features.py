@@ -31,7 +31,7 @@ from data_pipeline.config import DataConfig
 from data_pipeline.loader import eval_batches
 from data_pipeline.shards import ShardSet
 from evaluation.bank import Bank, BankWriter, open_bank
-from serving.model_registry import EmbeddingModel
+from registry.package import EmbeddingModel
 
 
 @dataclass

@@ -26,7 +26,8 @@ from pretrain.model.encoder import (
 )
 from pretrain.run.checkpoint import list_checkpoints, model_state_of
 from pretrain.run.tracking import run_id_of
-from serving.model_registry import EmbeddingModel, ModelRef, download_verified, resolve
+from registry.package import EmbeddingModel
+from registry.versions import ModelRef, download_verified, resolve
 
 
 def from_checkpoint(path: Path, key: str = "eval.model") -> tuple[EmbeddingModel, dict]:

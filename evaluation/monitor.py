@@ -14,7 +14,7 @@ from data_pipeline.config import DataConfig
 from evaluation.config import EvalConfig
 from evaluation.features import extract
 from evaluation.knn import build_index, knn_accuracy
-from serving.model_registry import EmbeddingModel
+from registry.package import EmbeddingModel
 
 
 class KnnMonitor:

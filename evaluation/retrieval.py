@@ -21,7 +21,7 @@ from core.errors import RunError
 from data_pipeline.text import load_tokenizer, tokenize
 from evaluation.config import EvalConfig
 from evaluation.features import Features
-from serving.model_registry import EmbeddingModel
+from registry.package import EmbeddingModel
 
 QUERY_CHUNK = 1024  # queries scored at once: memory O(chunk * candidates)
 

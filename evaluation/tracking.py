@@ -14,11 +14,11 @@ from typing import Any
 from core.config import flatten
 from core.errors import first_line
 from evaluation.config import EvalConfig
-from evaluation.promote import SCORE_TAG, promote
 from evaluation.report import scalars
 from pretrain.run.tracking import experiment_id, quiet_store_errors
-from serving.evaluation_record import EVALUATION_TAG, EvaluationRecord
-from serving.model_registry import ModelRef
+from registry.evaluation_record import EVALUATION_TAG, EvaluationRecord
+from registry.promote import SCORE_TAG, promote
+from registry.versions import ModelRef
 
 log = logging.getLogger(__name__)
 INDEX_DIR = "indexes"  # under the evaluation's output folder
@@ -60,7 +60,7 @@ def log_evaluation(uri: str, cfg: EvalConfig, experiment: str, run_name: str, re
 
 def evaluation_record(results: dict[str, Any], cfg: EvalConfig, run_id: str
                       ) -> EvaluationRecord:
-    """The figures an exported card carries (``serving/evaluation_record.py``)."""
+    """The figures an exported card carries (``registry/evaluation_record.py``)."""
     k = f"k{cfg.promote_k}"
     floor = results.get("untrained")
     return EvaluationRecord(

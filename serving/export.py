@@ -41,14 +41,15 @@ from pretrain.losses.config import ObjectiveConfig
 from pretrain.losses.parameters import ParameterShape
 from pretrain.model.backbones import backbone_spec, split_name
 from pretrain.model.encoder import ModelConfig
-from serving import open_clip_folder
-from serving.evaluation_record import (
+from registry.evaluation_record import (
     EvaluationRecord,
     card_table,
     model_index,
     unevaluated_line,
 )
-from serving.model_registry import EmbeddingModel, ModelRef
+from registry.package import EmbeddingModel
+from registry.versions import ModelRef
+from serving import open_clip_folder
 
 BUNDLED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # the bundled sentence model
 CROP_PCT = 7 / 8  # the evaluation view: short side to 8/7 R, centre crop R
@@ -210,7 +211,7 @@ def recipe(item: Exported) -> dict[str, Any]:
 
 
 def evaluation_section(item: Exported) -> list[str]:
-    """The card's figures (:mod:`serving.evaluation_record`), or the one line saying why
+    """The card's figures (:mod:`registry.evaluation_record`), or the one line saying why
     there are none."""
     if item.evaluation is None:
         return [unevaluated_line(item.source.startswith("models:/"))]

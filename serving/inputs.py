@@ -35,6 +35,7 @@ import time
 import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -45,6 +46,7 @@ from torch.nn import functional as F
 from data_pipeline.formats import SkipSample
 from data_pipeline.images import PILLOW_MAX_PIXELS, opened_image
 from data_pipeline.transforms import DecodeSize, decode, eval_view
+from registry.versions import ServedForm
 from serving.limits import ServeLimits
 from serving.paths import PathRefused, PathRoot
 
@@ -80,6 +82,12 @@ def signature() -> Any:
                        ColSpec(DataType.string, "path", required=False)]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, -1))]),
         params=ParamSchema([ParamSpec("space", DataType.string, "projector")]))
+
+
+def served_form() -> ServedForm:
+    """What registration logs for serving: the pyfunc file (:mod:`serving.pyfunc`, a
+    plain Python file MLflow stores and runs) and its signature."""
+    return ServedForm(Path(__file__).with_name("pyfunc.py"), signature())
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ Rows carry encoded image bytes (or a float32 .npy array [3, R, R]) or, where the
 started with a path root, a file path; the answer is float32 [B, D], each row
 L2-normalised (:mod:`serving.inputs` says what is accepted and how the work is bounded).
 It rebuilds the encoder with the project's code from the version's safetensors weights and
-YAML configuration (:func:`serving.model_registry.load_package`); serving needs this
+YAML configuration (:func:`registry.package.load_package`); serving needs this
 package installed (the version's requirements pin it). ``serving.server`` verifies every
 file of the version, this one included, before MLflow runs it.
 """
@@ -38,8 +38,8 @@ class EncoderModel(mlflow.pyfunc.PythonModel):
     """pyfunc ``predict``: request rows -> L2-normalised embeddings [B, D] (numpy)."""
 
     def load_context(self, context: Any) -> None:
+        from registry.package import load_package
         from serving.limits import ServeLimits
-        from serving.model_registry import load_package
 
         self.model, self.tree = load_package(Path(context.artifacts["encoder"]).parent)
         self.configure(ServeLimits())

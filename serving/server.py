@@ -5,7 +5,7 @@
 
 (``launch/serve.sh`` wraps it.) Before anything of the version runs, every file of it,
 the pyfunc's code included, is downloaded and checked against the SHA-256 digests
-recorded in the tracking store at registration (:func:`serving.model_registry.
+recorded in the tracking store at registration (:func:`registry.versions.
 fetch_verified`); a file that differs stops the server with one line naming it. Then
 MLflow loads the verified local copy (``mlflow.pyfunc.load_model``), its scoring app is
 built as ``mlflow models serve`` builds it (``scoring_server.init``, with its request
@@ -26,9 +26,10 @@ from typing import Any
 
 from core.cli import reported_faults
 from core.errors import RunError
+from registry.package import RegistryError
+from registry.versions import fetch_verified, resolve
 from serving.guard import RequestGuard
 from serving.limits import MIB, ServeLimits
-from serving.model_registry import RegistryError, fetch_verified, resolve
 from serving.paths import check_root
 
 REQUEST_TIMEOUT = "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"

@@ -1,6 +1,6 @@
 """The packages form layers that import one way only (docs/architecture.md):
 
-    core  <  data_pipeline  <  pretrain  <  serving  <  evaluation  <  app
+    core  <  data_pipeline  <  pretrain  <  registry  <  serving  <  evaluation  <  app
 
 A module may import from its own layer and the ones below, never above; models and
 losses never touch torch.distributed (the gathering boundary does). Within ``pretrain``
@@ -24,7 +24,7 @@ from pretrain.losses.objectives import OBJECTIVES
 from pretrain.model.backbones import BACKBONES, TIMM, TIMM_FAMILY
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = ["core", "data_pipeline", "pretrain", "serving", "evaluation", "app"]
+LAYERS = ["core", "data_pipeline", "pretrain", "registry", "serving", "evaluation", "app"]
 # the benchmarks' folders, by subject (bench/__init__.py), and the helpers they share
 BENCH_SUBJECTS = {"perf", "scale", "soak", "gpu", "learning"}
 BENCH_SHARED = {"__init__.py", "common.py", "processes.py"}

@@ -18,7 +18,7 @@ from data_pipeline.loader import LoaderState, train_batches
 from data_pipeline.shards import ShardSet
 from pretrain.loop.optim import build_optimizer, warmup_cosine
 from pretrain.model.encoder import Encoder
-from serving.model_registry import EmbeddingModel
+from registry.package import EmbeddingModel
 
 
 def train_cross_entropy(conf: Configuration, data: DataSet, root: Path) -> dict[str, Any]:

@@ -56,7 +56,7 @@ from evaluation.probe import linear_probe
 from evaluation.retrieval import caption_recall
 from pretrain.model.encoder import build_model
 from pretrain.run.checkpoint import list_checkpoints
-from serving.model_registry import EmbeddingModel
+from registry.package import EmbeddingModel
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN, TEST = 6000, 1000  # canvases, as in the learning benchmark

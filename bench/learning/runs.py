@@ -33,7 +33,8 @@ from evaluation.retrieval import caption_evaluation, class_embedding_classifier
 from pretrain.losses.objectives import objective_spec
 from pretrain.model.encoder import build_model
 from pretrain.run.checkpoint import list_checkpoints
-from serving.model_registry import EmbeddingModel, ModelRef
+from registry.package import EmbeddingModel
+from registry.versions import ModelRef
 
 REPO = Path(__file__).resolve().parents[2]
 KS = [1, 5, 10, 20, 50, 100, 200]

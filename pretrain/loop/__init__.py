@@ -4,7 +4,7 @@ forward and loss (``step``; ``chunked`` for gradient caching), the collapse watc
 samples (``run_length``) and the loop itself (``trainer``); the engines it drives are
 ``pretrain.distributed``'s.
 
-May import every other sub-package of ``pretrain``; never ``serving`` (publishing) or
+May import every other sub-package of ``pretrain``; never ``registry``, ``serving`` or
 ``evaluation``: the trainer takes its kNN monitor as a callable, and ``app`` registers the
 trained model.
 """

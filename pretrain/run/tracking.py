@@ -254,7 +254,7 @@ class Tracker:
 
     def log_model(self, register: Callable[[str, str], str]) -> str | None:
         """Register the encoder through ``register(tracking_uri, run_id) -> version`` (the
-        app passes :func:`serving.model_registry.log_encoder` with the model, card and
+        app passes :func:`registry.versions.log_encoder` with the model, card and
         configuration bound); returns the version, or None when the server is
         unreachable."""
         if not self._contact(force=True):

@@ -11,7 +11,7 @@ import json
 import mlflow
 import pytest
 
-from serving.evaluation_record import EVALUATION_TAG
+from registry.evaluation_record import EVALUATION_TAG
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.evaluation.test_evaluate import evaluate
 

@@ -9,7 +9,7 @@ import torch
 from data_pipeline.config import DataConfig
 from evaluation.features import extract, extract_bank
 from pretrain.model.encoder import Encoder, ModelConfig
-from serving.model_registry import EmbeddingModel
+from registry.package import EmbeddingModel
 
 
 def features_on_rank(shards: str, rank: int | None = None, world: int | None = None,

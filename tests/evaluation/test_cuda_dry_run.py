@@ -13,7 +13,7 @@ from data_pipeline.config import DataConfig
 from data_pipeline.loader import eval_batches
 from evaluation import features
 from pretrain.model.encoder import Encoder, ModelConfig
-from serving.model_registry import EmbeddingModel
+from registry.package import EmbeddingModel
 from tests.cuda_dry_run import cuda_world, fake_cuda
 from tests.data_pipeline.helpers import digit_sample, write_set
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from evaluation.load import load_model
-from serving.model_registry import RegistryError
+from registry.package import RegistryError
 from tests import prewarmed
 from tests.app.helpers import run_pretrain, train_overrides
 

@@ -15,8 +15,8 @@ import torch
 from core.errors import RunError
 from data_pipeline.transforms import MEAN, STD
 from pretrain.model.encoder import Encoder, ModelConfig
+from registry.package import EmbeddingModel
 from serving.export import ExportConfig, Exported, export
-from serving.model_registry import EmbeddingModel
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
 

@@ -157,8 +157,8 @@ def test_an_exception_in_the_decode_path_is_a_fault_not_a_refusal(monkeypatch, c
     from mlflow.exceptions import MlflowException
 
     from pretrain.model.encoder import Encoder, ModelConfig
+    from registry.package import EmbeddingModel
     from serving import inputs
-    from serving.model_registry import EmbeddingModel
     from serving.pyfunc import EncoderModel
     from tests.data_pipeline.helpers import digit_sample
 

@@ -17,9 +17,9 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
 from pretrain.model.encoder import Encoder, ModelConfig
+from registry.package import EmbeddingModel
 from serving.inputs import BadRequest, ServedImages, embed
 from serving.limits import ServeLimits
-from serving.model_registry import EmbeddingModel
 
 R = 16
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]

@@ -23,9 +23,9 @@ from core.errors import RunError
 from data_pipeline.text import BUNDLED, load_tokenizer, model_path, tokenize
 from pretrain.model.encoder import Encoder, ModelConfig
 from pretrain.model.text_tower import TextTower, TextTowerConfig
-from serving.evaluation_record import EvaluationRecord
+from registry.evaluation_record import EvaluationRecord
+from registry.package import EmbeddingModel
 from serving.export import BUNDLED_HUB_ID, ExportConfig, Exported, export
-from serving.model_registry import EmbeddingModel
 from serving.open_clip_folder import folded_projector
 
 CAPTIONS = ["a photo of a cat", "Two dogs   playing in the snow.", "x"]

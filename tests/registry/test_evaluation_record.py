@@ -10,8 +10,8 @@ from dataclasses import asdict, fields
 
 import pytest
 
-from serving.evaluation_record import MAX_TAG_CHARS, EvaluationRecord, card_table
-from serving.model_registry import RegistryError
+from registry.evaluation_record import MAX_TAG_CHARS, EvaluationRecord, card_table
+from registry.package import RegistryError
 
 GOOD = EvaluationRecord(date="2026-12-05", run_id="0123abcd", test_shards="test-shards",
                         test_samples=360, train_samples=1437, k=20, knn_top1=0.75,

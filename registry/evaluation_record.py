@@ -13,7 +13,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from serving.model_registry import ModelRef, RegistryError
+from registry.package import RegistryError
+from registry.versions import ModelRef
 
 EVALUATION_TAG = "evaluation"  # model version tag: the latest evaluation's figures
 MAX_TAG_CHARS = 4000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlflow
 import pytest
 
-from evaluation.promote import promote
+from registry.promote import promote
 
 
 @pytest.fixture
