@@ -41,10 +41,10 @@ from pretrain.loop.reports import Reports
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import RunLength, Trainer
 from pretrain.loop.utilisation import Utilisation, device_peak_tflops
-from pretrain.losses import objective_spec
 from pretrain.model.activation_checkpointing import check_compilable
 from pretrain.model.encoder import build_model
 from pretrain.model.flops import encoder_flops
+from pretrain.objectives import objective_spec
 from pretrain.run.batch_cut import BatchCut, recorded_global_batch
 from pretrain.run.checkpoint import Checkpointer, list_checkpoints, model_state_of
 from pretrain.run.hang import HangWatch, report_hangs

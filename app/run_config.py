@@ -27,9 +27,9 @@ from evaluation.config import EvalConfig
 from pretrain.distributed.engine import EngineConfig
 from pretrain.loop.optim import OptimConfig
 from pretrain.loop.trainer import TrainConfig
-from pretrain.losses.config import ObjectiveConfig
 from pretrain.model.backbones import backbone_spec
 from pretrain.model.encoder import ModelConfig
+from pretrain.objectives.config import ObjectiveConfig
 from pretrain.run.checkpoint import CheckpointConfig
 from pretrain.run.preemption import PreemptionConfig
 from pretrain.run.tracking import TrackingConfig

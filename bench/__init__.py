@@ -10,5 +10,6 @@
   (``python -m bench.learning``).
 
 ``common.py`` and ``processes.py`` are the helpers they share. Results are written under
-``bench/results/``.
+``bench/results/`` (not kept); ``records.py`` keeps what the docs cite under
+``bench/records/``, with the command, commit, date and machine that measured it.
 """

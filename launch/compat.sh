@@ -36,7 +36,7 @@ pip --constraint "$constraints" --no-build-isolation --editable ".[dev]"
 "$venv/bin/python" -c "import torch; print('compat: torch', torch.__version__)"
 start=$SECONDS
 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/pretrain/losses tests/pretrain/distributed \
+    tests/pretrain/objectives tests/pretrain/distributed \
     tests/pretrain/loop/test_host_reads.py tests/pretrain/loop/test_cuda_dry_run.py \
     tests/pretrain/loop/test_device_metrics.py tests/pretrain/loop/test_chunked.py \
     tests/pretrain/distributed/test_engine.py tests/pretrain/run/test_checkpoint.py

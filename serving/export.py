@@ -37,10 +37,10 @@ from core.config import from_dict
 from core.errors import RunError
 from core.tables import table_entry
 from data_pipeline.transforms import MEAN, STD
-from pretrain.losses.config import ObjectiveConfig
-from pretrain.losses.parameters import ParameterShape
+from pretrain.contrast.parameters import ParameterShape
 from pretrain.model.backbones import backbone_spec, split_name
 from pretrain.model.encoder import ModelConfig
+from pretrain.objectives.config import ObjectiveConfig
 from registry.evaluation_record import (
     EvaluationRecord,
     card_table,

@@ -4,7 +4,7 @@ One case per entry of ``OBJECTIVES`` and per setting in its ``examples``; an obj
 soft targets runs twice, its targets from captions and from a class graph. What a case
 hands the objective is what its entry declares: labels, captions or a class graph, a
 text embedding, its loss parameters. A new entry is in every matrix with no test edit
-(``tests/pretrain/losses/test_toy_objective.py`` shows it).
+(``tests/pretrain/objectives/test_toy_objective.py`` shows it).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pretrain.losses import OBJECTIVES, BatchRows, ObjectiveSpec
-from pretrain.losses.parameters import ParameterShape, initial_values
+from pretrain.contrast.parameters import ParameterShape, initial_values
+from pretrain.objectives import OBJECTIVES, BatchRows, ObjectiveSpec
 
 # modules that add entries to the table when imported, as "a.b,c.d" (the toy objective's
 # test sets it; spawned ranks inherit it and import this module to unpickle a case)

@@ -20,22 +20,23 @@ from data_pipeline.loader.backends import BACKENDS
 from data_pipeline.sources import SOURCES
 from pretrain.distributed.engine import ENGINES
 from pretrain.loop.optim import OPTIMIZERS
-from pretrain.losses.objectives import OBJECTIVES
 from pretrain.model.backbones import BACKBONES, TIMM, TIMM_FAMILY
+from pretrain.objectives.table import OBJECTIVES
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = ["core", "data_pipeline", "pretrain", "registry", "serving", "evaluation", "app"]
 # the benchmarks' folders, by subject (bench/__init__.py), and the helpers they share
 BENCH_SUBJECTS = {"perf", "scale", "soak", "gpu", "learning"}
-BENCH_SHARED = {"__init__.py", "common.py", "processes.py"}
-NO_DISTRIBUTED = ["pretrain/losses", "pretrain/model"]
+BENCH_SHARED = {"__init__.py", "common.py", "processes.py", "records.py", "records"}
+NO_DISTRIBUTED = ["pretrain/objectives", "pretrain/contrast", "pretrain/model"]
 # each sub-package of pretrain -> the sub-packages of pretrain it may import (itself included)
 SUBPACKAGES = {
-    "losses": {"losses"},
-    "distributed": {"distributed", "losses", "run"},
-    "model": {"model", "losses"},
+    "contrast": {"contrast"},
+    "objectives": {"objectives", "contrast"},
+    "distributed": {"distributed", "objectives", "contrast", "run"},
+    "model": {"model", "objectives", "contrast"},
     "run": {"run"},
-    "loop": {"loop", "model", "run", "distributed", "losses"},
+    "loop": {"loop", "model", "run", "distributed", "objectives", "contrast"},
 }
 
 
@@ -226,7 +227,7 @@ def test_tests_mirror_the_package_layout():
     assert not unmatched, f"test folders with no package folder: {unmatched}"
 
 
-TABLES = {"pretrain/losses/objectives.py": OBJECTIVES, "pretrain/model/backbones.py": BACKBONES,
+TABLES = {"pretrain/objectives/table.py": OBJECTIVES, "pretrain/model/backbones.py": BACKBONES,
           "pretrain/distributed/engine.py": ENGINES, "pretrain/loop/optim.py": OPTIMIZERS,
           "data_pipeline/sources.py": SOURCES, "data_pipeline/graph/tasks.py": TASKS,
           "data_pipeline/loader/backends.py": BACKENDS}

@@ -39,8 +39,8 @@ from bench.gpu.steps import project_trainer, synchronize, synthetic_batch, timed
 from data_pipeline.config import DataConfig
 from data_pipeline.dali.jpeg import JPEG_DECODERS
 from data_pipeline.loader import train_batches
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig
+from pretrain.objectives import ObjectiveConfig
 
 FEED_TARGET = 2.0  # the device backend's images/s over ResNet-50's step rate
 E2E_TARGET = 0.9  # training from shards over the same step on synthetic data

@@ -32,9 +32,9 @@ from bench.gpu.steps import (
 )
 from core.config import load_config
 from pretrain.distributed.engine import EngineConfig
-from pretrain.losses import ObjectiveConfig, objective_spec
 from pretrain.model.encoder import ModelConfig
 from pretrain.model.text_tower import TextTowerConfig, random_text_model
+from pretrain.objectives import ObjectiveConfig, objective_spec
 
 REPO = Path(__file__).resolve().parents[2]
 FSDP2 = EngineConfig(name="fsdp2")

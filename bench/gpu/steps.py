@@ -32,10 +32,10 @@ from pretrain.loop.optim import OptimConfig, build_optimizer, warmup_cosine_in_s
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import RunLength, TrainConfig, Trainer
 from pretrain.loop.utilisation import device_peak_tflops
-from pretrain.losses import OBJECTIVES, ObjectiveConfig, objective_spec
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.model.flops import Flops
 from pretrain.model.text_tower import TextTowerConfig, random_text_model
+from pretrain.objectives import OBJECTIVES, ObjectiveConfig, objective_spec
 from pretrain.run.checkpoint import CheckpointConfig, Checkpointer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,6 +20,7 @@ import torch
 
 from app.run_config import RunConfig
 from bench.learning.data import DataSet
+from bench.records import invocation, provenance
 from core.config import load_config
 from data_pipeline.config import DataConfig
 from data_pipeline.graph.class_graph import load_class_graph
@@ -30,8 +31,8 @@ from evaluation.features import extract
 from evaluation.identity import bank_digest, model_digest
 from evaluation.load import from_checkpoint
 from evaluation.retrieval import caption_evaluation, class_embedding_classifier
-from pretrain.losses.objectives import objective_spec
 from pretrain.model.encoder import build_model
+from pretrain.objectives.table import objective_spec
 from pretrain.run.checkpoint import list_checkpoints
 from registry.package import EmbeddingModel
 from registry.versions import ModelRef
@@ -154,7 +155,8 @@ def run(conf: Configuration, data: DataSet, root: Path, floor: bool = False) -> 
     if path.is_file():
         return json.loads(path.read_text())
     config, _ = run_config(conf, data, root)
-    result: dict[str, Any] = {"configuration": dataclasses.asdict(conf)}
+    result: dict[str, Any] = {"configuration": dataclasses.asdict(conf),
+                              "provenance": provenance(invocation())}
     if floor:
         model = untrained(conf, data, root)
     else:

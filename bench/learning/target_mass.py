@@ -22,7 +22,7 @@ import numpy as np
 
 from bench.common import print_table
 from bench.learning.data import caption_vectors
-from pretrain.losses.xclr import TIE  # objective.xclr's ties at the k-th
+from pretrain.objectives.xclr import TIE  # objective.xclr's ties at the k-th
 
 
 def target_mass(vectors: np.ndarray, labels: np.ndarray, tau_s: float, top_k: int,

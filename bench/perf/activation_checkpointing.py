@@ -27,8 +27,8 @@ from bench.common import (
     time_interleaved,
     write_json,
 )
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
+from pretrain.objectives import ObjectiveConfig
 
 BACKBONES = {"resnet50": {"backbone": "resnet50", "small_stem": False},
              "vit_base_patch16_224": {"backbone": "timm:vit_base_patch16_224",

@@ -76,8 +76,8 @@ def one_step(model_name: str, setting: str, batch: int) -> dict[str, int]:
     from pretrain.loop.optim import OptimConfig, build_optimizer
     from pretrain.loop.step import Objective
     from pretrain.loop.trainer import forward_loss
-    from pretrain.losses import ObjectiveConfig
     from pretrain.model.encoder import ModelConfig, build_model
+    from pretrain.objectives import ObjectiveConfig
 
     engine_keys, checkpointing = SETTINGS[setting]
     rows = 2 * batch

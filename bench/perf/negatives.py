@@ -49,8 +49,8 @@ from bench.common import (
     write_json,
 )
 from bench.perf.objectives import objective_cases
-from pretrain.losses import BatchOptions, BatchRows, local_batch, objective_function
-from pretrain.losses.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
+from pretrain.contrast.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
+from pretrain.objectives import BatchOptions, BatchRows, local_batch, objective_function
 
 NUM_CLASSES = 100
 RATIO_N = 8192
@@ -179,8 +179,8 @@ def chunk_child(rows: int, chunk_size: int, repeats: int) -> dict:
     from pretrain.distributed.engine import EngineConfig, build_engine
     from pretrain.loop.step import Objective
     from pretrain.loop.trainer import chunked_loss, forward_loss
-    from pretrain.losses import ObjectiveConfig
     from pretrain.model.encoder import ModelConfig, build_model
+    from pretrain.objectives import ObjectiveConfig
 
     torch.manual_seed(0)
     cfg = ObjectiveConfig(name="infonce", temperature=0.2)

@@ -36,8 +36,8 @@ from bench.common import (
     time_interleaved,
     write_json,
 )
-from pretrain.losses import OBJECTIVES, ObjectiveSpec, batch_loss
-from pretrain.losses.parameters import ParameterShape, initial_values
+from pretrain.contrast.parameters import ParameterShape, initial_values
+from pretrain.objectives import OBJECTIVES, ObjectiveSpec, batch_loss
 
 CAPTION_DIM = 384  # all-MiniLM-L6-v2
 NUM_CLASSES = 100

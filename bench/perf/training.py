@@ -53,8 +53,8 @@ from pretrain.distributed.engine import DDPEngine, EngineConfig
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective, model_inputs
 from pretrain.loop.trainer import forward_loss
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
+from pretrain.objectives import ObjectiveConfig
 
 RESULTS = Path("bench/results/training.json")
 REPO = Path(__file__).resolve().parents[2]

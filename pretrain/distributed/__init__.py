@@ -3,8 +3,8 @@ DDP, DeepSpeed, ZeRO-3 and FSDP2; ``engine_base`` what each is, ``engine_state``
 of a checkpoint) and the gathering boundary (``global_batch``), the one place that builds
 each rank's global batch.
 
-May import ``pretrain.losses`` (the ContrastiveBatch it builds), ``pretrain.run`` (the
-checkpoint formats the engines write) and ``core``.
+May import ``pretrain.objectives`` and ``pretrain.contrast`` (the ContrastiveBatch it
+builds), ``pretrain.run`` (the checkpoint formats the engines write) and ``core``.
 """
 
 from pretrain.distributed.global_batch import build_global_batch

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.collectives import active, gather_rows, rank_and_world
-from pretrain.losses.batch import (
+from pretrain.contrast.batch import (
     BatchOptions,
     BatchRows,
     ContrastiveBatch,
@@ -38,9 +38,9 @@ def build_global_batch(rows: BatchRows, options: BatchOptions | None = None,
 
     ``rows`` are this rank's local rows (:class:`BatchRows`; ``ids`` globally unique);
     ``options.class_graph`` is the same on every rank. Without a process group (or with
-    one rank) this is :func:`pretrain.losses.batch.local_batch`. ``options.tile_size``
+    one rank) this is :func:`pretrain.contrast.batch.local_batch`. ``options.tile_size``
     None chooses dense or tiled from the global batch size
-    (:func:`pretrain.losses.batch.auto_tile_size`).
+    (:func:`pretrain.contrast.batch.auto_tile_size`).
     """
     options = options or BatchOptions()
     if not active(group):

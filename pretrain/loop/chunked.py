@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from pretrain.distributed.engine_base import Engine
 from pretrain.loop.step import model_inputs
-from pretrain.losses import ObjectiveOutput
 from pretrain.model.encoder import ModelOutput
+from pretrain.objectives import ObjectiveOutput
 
 
 def chunks_of(rows: int, count: int) -> list[slice]:

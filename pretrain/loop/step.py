@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from data_pipeline.samples import stable_int
-from pretrain.losses import (
+from pretrain.objectives import (
     BatchOptions,
     EssTemperatureController,
     ObjectiveConfig,

@@ -13,7 +13,7 @@ count, the kNN monitor); it builds its own ``monitors``. One step
 3. the gathering boundary: every rank's embeddings in one global batch
    (:func:`pretrain.distributed.build_global_batch`, the one place that talks to the
    process group);
-4. the objective on that batch (the table's function, e.g. ``losses/supcon.py``);
+4. the objective on that batch (the table's function, e.g. ``objectives/supcon.py``);
 5. backward and the update through the engine, masked on the device when the loss is
    not finite on some rank (no host synchronisation);
 6. the metrics, summed on the device and read every ``log_every`` steps.
@@ -63,8 +63,8 @@ from pretrain.loop.device_metrics import (
 from pretrain.loop.reports import Monitors, Reports
 from pretrain.loop.run_length import RunLength
 from pretrain.loop.step import Objective, model_inputs, to_device
-from pretrain.losses import BatchRows, ObjectiveOutput
 from pretrain.model.encoder import ModelOutput
+from pretrain.objectives import BatchRows, ObjectiveOutput
 from pretrain.run.batch_cut import BatchCut
 from pretrain.run.checkpoint import Checkpointer, Unresumable, rng_state, set_rng_state
 from pretrain.run.config_drift import check_drift, unfit_checkpoint

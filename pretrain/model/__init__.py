@@ -2,6 +2,7 @@
 backbone), the encoder with its projector, the text tower and the objective's learnable
 loss parameters (``encoder``), and the CLIP text tower (``text_tower``).
 
-May import ``pretrain.losses`` (what an objective asks of the model) and ``core``; never
+May import ``pretrain.objectives`` and ``pretrain.contrast`` (what an objective asks of
+the model) and ``core``; never
 the loop, the run's operations or torch.distributed.
 """

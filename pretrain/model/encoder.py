@@ -15,9 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from core.config import InvalidValue
-from pretrain.losses.config import ObjectiveConfig
-from pretrain.losses.objectives import objective_spec
-from pretrain.losses.parameters import ParameterShape
+from pretrain.contrast.parameters import ParameterShape
 from pretrain.model.activation_checkpointing import every_of
 from pretrain.model.backbones import (
     backbone_blocks,
@@ -26,6 +24,8 @@ from pretrain.model.backbones import (
     checkpoint_backbone,
 )
 from pretrain.model.text_tower import TextTower, TextTowerConfig
+from pretrain.objectives.config import ObjectiveConfig
+from pretrain.objectives.table import objective_spec
 
 
 @dataclass

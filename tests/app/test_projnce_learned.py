@@ -3,7 +3,7 @@ commands: the run owns and trains the [C, D] matrix, checkpoints it, resumes to 
 uninterrupted run, reshards it from 2 DeepSpeed ranks to 1, registers it with the encoder,
 and ``evaluate`` reports the classifier by cosine to the learned class embeddings from
 the checkpoint and from the registry alike. (The loss itself against the library function
-and a float64 loop: ``tests/pretrain/losses``; 2 ranks against 1 process under DDP and
+and a float64 loop: ``tests/pretrain/objectives``; 2 ranks against 1 process under DDP and
 ZeRO: ``tests/pretrain/distributed/test_engine.py``.)"""
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ def sharded_features_on_rank(shards: str) -> dict | None:
 
     from pretrain.distributed.engine import EngineConfig, build_engine, engine_spec
     from pretrain.loop.optim import OptimConfig, build_optimizer
-    from pretrain.losses import ObjectiveConfig
     from pretrain.model.encoder import build_model
+    from pretrain.objectives import ObjectiveConfig
 
     torch.manual_seed(0)
     encoder = Encoder(ModelConfig(projector_hidden=32, projector_dim=8))

@@ -23,7 +23,7 @@ import torch
 
 from bench.gpu import pipeline, steps
 from bench.gpu.part import PARTS
-from pretrain.losses import OBJECTIVES
+from pretrain.objectives import OBJECTIVES
 from tests.app.helpers import REPO
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py

@@ -12,8 +12,8 @@ import yaml
 
 from bench.learning import configs
 from bench.perf.objectives import objective_cases
-from pretrain.losses import OBJECTIVES, ObjectiveSpec, batch_loss
-from tests.pretrain.losses.toy_decoupled import decoupled, plain_decoupled
+from pretrain.objectives import OBJECTIVES, ObjectiveSpec, batch_loss
+from tests.pretrain.objectives.toy_decoupled import decoupled, plain_decoupled
 
 N, DIM, CLASSES, CAPTION_DIM = 16, 8, 4, 12
 

@@ -16,10 +16,10 @@ from pretrain.distributed.engine import Engine, EngineConfig, build_engine, engi
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import chunked_loss, forward_loss
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
+from pretrain.objectives import ObjectiveConfig
 from tests.objective_cases import ObjectiveCase
-from tests.pretrain.losses.conftest import make_multiview_batch
+from tests.pretrain.objectives.conftest import make_multiview_batch
 
 NUM_CLASSES = 6  # the batch's labels lie in [0, 6)
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19)

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from pretrain.distributed import build_global_batch
-from pretrain.losses import BatchOptions, objective_function
+from pretrain.objectives import BatchOptions, objective_function
 from tests.objective_cases import ObjectiveCase
-from tests.pretrain.losses.conftest import make_multiview_batch
+from tests.pretrain.objectives.conftest import make_multiview_batch
 
 SPLIT = 6  # rank 0 holds rows [0, 6), rank 1 rows [6, 19): uneven and asymmetric
 ROWS_PER_RANK = 16  # every rank gathers 16 rows: rank 0 pads 10, rank 1 pads 3

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.losses import objective_function
+from pretrain.objectives import objective_function
 from tests.objective_cases import case_ids, objective_cases
 from tests.pretrain.distributed import rank_tasks
-from tests.pretrain.losses.batches import batch_of
-from tests.pretrain.losses.conftest import make_multiview_batch
+from tests.pretrain.objectives.batches import batch_of
+from tests.pretrain.objectives.conftest import make_multiview_batch
 
 CASES = objective_cases()
 

@@ -14,8 +14,8 @@ from bench.common import peak_memory_bytes
 from pretrain.loop.chunked import batch_stats_frozen, chunks_of
 from pretrain.loop.step import Objective, model_inputs
 from pretrain.loop.trainer import chunked_loss, loss_of_outputs
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, ModelOutput, build_model
+from pretrain.objectives import ObjectiveConfig
 from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 from tests.pretrain.distributed import engine_tasks
 from tests.pretrain.distributed.test_engine import ENGINES, tolerance

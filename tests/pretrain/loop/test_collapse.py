@@ -17,8 +17,8 @@ from pretrain.loop.collapse import (
 )
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import forward_loss
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ContrastiveModel, ModelConfig
+from pretrain.objectives import ObjectiveConfig
 from tests.app.helpers import run_pretrain, train_overrides
 
 

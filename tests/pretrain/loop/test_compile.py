@@ -18,8 +18,8 @@ import torch
 from pretrain.distributed.fsdp2 import clean_name
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import forward_loss
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
+from pretrain.objectives import ObjectiveConfig
 
 SMALL_CNN = ModelConfig(width=8, projector_hidden=32, projector_dim=16)
 VIT = ModelConfig(backbone="timm:vit_tiny_patch16_224", image_size=16, patch_size=8,

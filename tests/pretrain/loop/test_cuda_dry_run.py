@@ -19,8 +19,8 @@ from core.runtime import autocast
 from pretrain.loop.device_metrics import MetricWindow, finite_on_every_rank
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import forward_loss
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
+from pretrain.objectives import ObjectiveConfig
 from tests.cuda_dry_run import cuda_world, fake_cuda
 from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 

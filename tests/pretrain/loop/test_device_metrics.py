@@ -21,8 +21,8 @@ from pretrain.loop.device_metrics import MetricWindow, NonFiniteGuard, NonFinite
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import RunLength, TrainConfig, Trainer
-from pretrain.losses import EssControlConfig, ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
+from pretrain.objectives import EssControlConfig, ObjectiveConfig
 from pretrain.run.checkpoint import CheckpointConfig, Checkpointer
 
 CPU = torch.device("cpu")

@@ -34,9 +34,9 @@ from pretrain.loop.device_metrics import MetricWindow, agreed_flags
 from pretrain.loop.optim import OptimConfig, build_optimizer
 from pretrain.loop.step import Objective
 from pretrain.loop.trainer import chunked_loss, forward_loss
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.model.text_tower import TextTowerConfig
+from pretrain.objectives import ObjectiveConfig
 from tests.cuda_dry_run import cuda_world, driverless_streams, fake_cuda, fake_mesh
 from tests.objective_cases import ObjectiveCase, case_ids, objective_cases
 

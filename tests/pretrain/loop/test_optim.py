@@ -18,7 +18,7 @@ from pretrain.loop.optim import (
     warmup_cosine,
     warmup_cosine_in_samples,
 )
-from pretrain.losses import ObjectiveConfig
+from pretrain.objectives import ObjectiveConfig
 
 
 def naive_lars_step(params, grads, velocities, lr, momentum, wd, eta, adapt):
@@ -76,8 +76,8 @@ def test_warmup_then_cosine():
 
 
 def vit_model(layer_decay: float = 1.0):
-    from pretrain.losses import ObjectiveConfig
     from pretrain.model.encoder import ModelConfig, build_model
+    from pretrain.objectives import ObjectiveConfig
 
     cfg = ModelConfig(backbone="timm:test_vit", image_size=16, patch_size=4,
                       projector_hidden=16, projector_dim=8)

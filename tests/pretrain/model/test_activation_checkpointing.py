@@ -13,9 +13,9 @@ from torch import nn
 
 from core.config import ConfigError, load_config
 from core.errors import RunError
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.activation_checkpointing import check_compilable
 from pretrain.model.encoder import ContrastiveModel, ModelConfig, build_model
+from pretrain.objectives import ObjectiveConfig
 
 CASES = {  # name -> model keys: every kind of block the table declares
     "small_cnn": {"backbone": "small_cnn", "width": 8},

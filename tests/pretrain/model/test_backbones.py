@@ -16,7 +16,6 @@ from core.config import ConfigError, InvalidValue, load_config
 from core.errors import RunError
 from data_pipeline.digits import DIGIT_NAMES
 from pretrain.loop.optim import parameter_groups
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.backbones import (
     BACKBONES,
     TIMM_FAMILY,
@@ -25,6 +24,7 @@ from pretrain.model.backbones import (
     check_backbone,
 )
 from pretrain.model.encoder import ModelConfig, build_model, encoder_from_state
+from pretrain.objectives import ObjectiveConfig
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.evaluation.test_evaluate import evaluate

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.losses import ObjectiveConfig
 from pretrain.model.encoder import Encoder, ModelConfig, build_model
+from pretrain.objectives import ObjectiveConfig
 
 
 @pytest.mark.parametrize(("backbone", "features"), [("small_cnn", 256), ("resnet18", 512),

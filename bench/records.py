@@ -1,0 +1,184 @@
+"""Result records: what a benchmark run measured, with the command, commit, date and
+machine that measured it, kept in the repository under ``bench/records/`` so that a figure
+in the docs can cite it.
+
+A record is JSON: ``{"command", "commit", "dirty", "date", "machine", "renderer",
+"figures"}``; ``renderer`` names the module whose ``render(record, view) -> list[str]``
+turns the figures into the Markdown a page shows. A page cites a record around the lines it
+shows::
+
+    <!-- record: learning/xclr_levers levers -->
+    | lever | ... |
+    <!-- /record -->
+
+and ``tests/bench/test_records.py`` holds every cited block to its record's rendering, and
+every record's commit to an ancestor of HEAD.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDS = REPO / "bench" / "records"
+CITATION = re.compile(r"<!-- record: (?P<name>[\w./-]+) (?P<view>\w+) -->\n(?P<body>.*?)"
+                      r"<!-- /record -->", re.S)
+
+
+def git(*args: str, cwd: Path = REPO) -> str | None:
+    """``git args`` in ``cwd``'s checkout, its output stripped; None outside a checkout."""
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                          check=False)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def invocation() -> list[str]:
+    """This process's command line as typed: ``python -m <module> <args>``."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        parts = script.relative_to(REPO).with_suffix("").parts
+    except ValueError:
+        return ["python", *sys.argv]
+    module = ".".join(parts[:-1] if parts[-1] == "__main__" else parts)
+    return ["python", "-m", module, *sys.argv[1:]]
+
+
+def provenance(command: list[str], cwd: Path = REPO) -> dict[str, Any]:
+    """Where a measurement comes from: the command, the checkout's commit (None outside
+    a git checkout), whether tracked files differed from it, the date (UTC) and the
+    machine."""
+    import torch
+
+    commit = git("rev-parse", "HEAD", cwd=cwd)
+    changed = git("status", "--porcelain", "--untracked-files=no", cwd=cwd)
+    return {"command": " ".join(command), "commit": commit,
+            "dirty": bool(changed) if commit else None,
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+            "machine": {"cpu": cpu_model(), "cores": torch.get_num_threads(),
+                        "torch": torch.__version__,
+                        "cuda": torch.cuda.get_device_name()
+                        if torch.cuda.is_available() else None}}
+
+
+def write_record(name: str, command: list[str], renderer: str,
+                 figures: dict[str, Any]) -> Path:
+    """``bench/records/<name>.json``: ``figures`` with their provenance."""
+    path = RECORDS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {**provenance(command), "renderer": renderer, "figures": figures}
+    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def read_record(name: str) -> dict[str, Any]:
+    return json.loads((RECORDS / f"{name}.json").read_text())
+
+
+@dataclass(frozen=True)
+class Citation:
+    """A block of a page that shows record ``name`` as its ``view``."""
+
+    page: Path
+    line: int
+    name: str
+    view: str
+    body: str
+
+
+def citations(page: Path) -> list[Citation]:
+    text = page.read_text()
+    return [Citation(page, text.count("\n", 0, m.start()) + 1, m["name"], m["view"], m["body"])
+            for m in CITATION.finditer(text)]
+
+
+def rendered(name: str, view: str) -> str:
+    """What record ``name`` shows as ``view``, by its renderer."""
+    record = read_record(name)
+    module = importlib.import_module(record["renderer"])
+    return "\n".join(module.render(record, view)) + "\n"
+
+
+def mismatches(pages: list[Path]) -> list[str]:
+    """One line per cited block of ``pages`` that differs from its record's rendering."""
+    found = []
+    for citation in (c for page in pages for c in citations(page)):
+        expected = rendered(citation.name, citation.view)
+        if citation.body != expected:
+            page = (citation.page.relative_to(REPO) if citation.page.is_relative_to(REPO)
+                    else citation.page)
+            found.append(f"{page}:{citation.line}: the block "
+                         f"shows {citation.name} {citation.view} otherwise than its record "
+                         "(write it from the record: python -m bench.records --write)")
+    return found
+
+
+def write_citations(pages: list[Path]) -> None:
+    """Rewrite every cited block of ``pages`` from its record."""
+    for page in pages:
+        text = page.read_text()
+
+        def block(m: re.Match[str]) -> str:
+            return (f"<!-- record: {m['name']} {m['view']} -->\n"
+                    f"{rendered(m['name'], m['view'])}<!-- /record -->")
+
+        page.write_text(CITATION.sub(block, text))
+
+
+def records() -> list[str]:
+    """The names of every record kept."""
+    return sorted(p.relative_to(RECORDS).with_suffix("").as_posix()
+                  for p in RECORDS.rglob("*.json"))
+
+
+def commits(record: dict[str, Any]) -> set[str]:
+    """The commits a record names: its own, and any a figure carries as ``commit``."""
+    found = {record["commit"]} if record.get("commit") else set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            if isinstance(value.get("commit"), str):
+                found.add(value["commit"])
+            for item in value.values():
+                walk(item)
+
+    walk(record.get("figures"))
+    return found
+
+
+def pages() -> list[Path]:
+    """The pages that may cite records: the README and docs/."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Check, or write, the docs' cited blocks "
+                                                 "from their records.")
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks")
+    args = parser.parse_args()
+    if args.write:
+        write_citations(pages())
+    problems = mismatches(pages())
+    print("\n".join(problems) or "every cited block equals its record")
+    raise SystemExit(1 if problems else 0)

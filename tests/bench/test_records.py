@@ -1,0 +1,66 @@
+"""Figures in the docs equal their records: every block a page cites is its record's
+rendering, and every commit a record names is an ancestor of HEAD."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import records
+from bench.learning import xclr_record
+
+
+def test_every_cited_block_in_the_docs_equals_its_record():
+    assert records.mismatches(records.pages()) == []
+
+
+@pytest.mark.parametrize("name", records.records() or ["(none kept)"])
+def test_every_commit_a_record_names_is_an_ancestor_of_head(name):
+    if name == "(none kept)":
+        pytest.skip("no record kept")
+    for commit in records.commits(records.read_record(name)):
+        assert records.git("cat-file", "-e", f"{commit}^{{commit}}") is not None, (
+            f"{name}: commit {commit} is not in this repository")
+        assert records.git("merge-base", "--is-ancestor", commit, "HEAD") is not None, (
+            f"{name}: commit {commit} is not an ancestor of HEAD")
+
+
+def lever_record(tmp_path, monkeypatch) -> str:
+    """A record of two seeds of the recipe kept in a scratch records folder."""
+    monkeypatch.setattr(records, "RECORDS", tmp_path / "records")
+    runs = {"sweep_alt_xclr_tau_s0.05_centred": {
+        "0": {"knn": 0.5, "floor": 0.1, "probe": 0.6, "commit": None},
+        "1": {"knn": 0.4, "floor": 0.2, "probe": 0.5, "commit": None}}}
+    records.write_record("learning/scratch", ["python", "-m", "x"], xclr_record.__name__,
+                         {"runs": runs})
+    return "learning/scratch"
+
+
+def test_the_lever_view_is_the_mean_and_sample_deviation_of_each_seed(tmp_path, monkeypatch):
+    name = lever_record(tmp_path, monkeypatch)
+    # gains 40 and 20 points: mean 30, sample deviation 20 / sqrt(2) = 14.14
+    assert records.rendered(name, "levers").splitlines()[2] == (
+        "| tau_s 0.05, centred (the recipe) | 0, 1 | 0.500, 0.400 | +30.0 ± 14.1 | "
+        "0.550 ± 0.071 |")
+    kept = json.loads((tmp_path / "records" / f"{name}.json").read_text())
+    assert {"command", "commit", "date", "machine"} <= set(kept)
+
+
+def test_a_figure_changed_by_hand_is_found(tmp_path, monkeypatch):
+    name = lever_record(tmp_path, monkeypatch)
+    page = tmp_path / "page.md"
+    page.write_text(f"Intro.\n\n<!-- record: {name} levers -->\nold\n<!-- /record -->\n")
+    records.write_citations([page])
+    assert records.mismatches([page]) == []
+    planted = page.read_text().replace("+30.0", "+31.0")
+    page.write_text(planted)
+    assert records.mismatches([page]) == [
+        f"{page}:3: the block shows {name} levers otherwise than its record (write it from "
+        "the record: python -m bench.records --write)"]
+
+
+def test_a_commit_outside_the_history_is_named(tmp_path, monkeypatch):
+    record = {"commit": "0" * 40, "figures": {"runs": {"a": {"0": {"commit": "1" * 40}}}}}
+    assert records.commits(record) == {"0" * 40, "1" * 40}
+    assert records.git("merge-base", "--is-ancestor", "0" * 40, "HEAD") is None
