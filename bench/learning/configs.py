@@ -39,7 +39,7 @@ ALT_TEXT = {  # on the alt-text captions (data "alt_text"), each at the same 30 
     "alt_clip_scratch": ("clip.yaml", ("model.text.trainable=true", "model.text.scratch_layers=2",
                                        "model.text.scratch_width=128")),
     "alt_siglip": ("siglip.yaml", ()),
-    "alt_xclr_captions": ("xclr_captions.yaml", (), "alt_text_centred"),  # its store centred
+    "alt_xclr_captions": ("xclr_captions.yaml", ()),
     "alt_infonce": ("infonce.yaml", ()),
 }
 SMALL_BATCH = {  # FlatNCE's claim: global batch 16 (8 per rank)

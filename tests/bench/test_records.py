@@ -41,7 +41,7 @@ def test_the_lever_view_is_the_mean_and_sample_deviation_of_each_seed(tmp_path, 
     name = lever_record(tmp_path, monkeypatch)
     # gains 40 and 20 points: mean 30, sample deviation 20 / sqrt(2) = 14.14
     assert records.rendered(name, "levers").splitlines()[2] == (
-        "| tau_s 0.05, centred (the recipe) | 0, 1 | 0.500, 0.400 | +30.0 ± 14.1 | "
+        "| tau_s 0.05, centred store | 0, 1 | 0.500, 0.400 | +30.0 ± 14.1 | "
         "0.550 ± 0.071 |")
     kept = json.loads((tmp_path / "records" / f"{name}.json").read_text())
     assert {"command", "commit", "date", "machine"} <= set(kept)
