@@ -32,7 +32,7 @@ def lever_record(tmp_path, monkeypatch) -> str:
     runs = {"sweep_alt_xclr_tau_s0.05_centred": {
         "0": {"knn": 0.5, "floor": 0.1, "probe": 0.6, "commit": None},
         "1": {"knn": 0.4, "floor": 0.2, "probe": 0.5, "commit": None}}}
-    records.write_record("learning/scratch", ["python", "-m", "x"], xclr_record.__name__,
+    records.write_record("learning/scratch", ["python", "-m", "x"], xclr_record.RENDERER,
                          {"runs": runs})
     return "learning/scratch"
 
