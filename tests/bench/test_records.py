@@ -12,6 +12,7 @@ from bench.learning import xclr_record
 
 
 def test_every_cited_block_in_the_docs_equals_its_record():
+    assert sum(len(records.citations(page)) for page in records.pages()) >= 1
     assert records.mismatches(records.pages()) == []
 
 
@@ -19,7 +20,9 @@ def test_every_cited_block_in_the_docs_equals_its_record():
 def test_every_commit_a_record_names_is_an_ancestor_of_head(name):
     if name == "(none kept)":
         pytest.skip("no record kept")
-    for commit in records.commits(records.read_record(name)):
+    record = records.read_record(name)
+    assert record["dirty"] is False, f"{name}: made from a tree that differed from its commit"
+    for commit in records.commits(record):
         assert records.git("cat-file", "-e", f"{commit}^{{commit}}") is not None, (
             f"{name}: commit {commit} is not in this repository")
         assert records.git("merge-base", "--is-ancestor", commit, "HEAD") is not None, (
@@ -60,7 +63,15 @@ def test_a_figure_changed_by_hand_is_found(tmp_path, monkeypatch):
         "the record: python -m bench.records --write)"]
 
 
+def test_a_marker_the_pattern_cannot_read_is_named(tmp_path, monkeypatch):
+    name = lever_record(tmp_path, monkeypatch)
+    page = tmp_path / "page.md"
+    page.write_text(f"<!-- record: {name} levers --> \nold\n<!-- /record -->\n")
+    assert records.mismatches([page]) == ["page.md:1: a record marker not read",
+                                          "page.md:3: a record marker not read"]
+
+
 def test_a_commit_outside_the_history_is_named(tmp_path, monkeypatch):
-    record = {"commit": "0" * 40, "figures": {"runs": {"a": {"0": {"commit": "1" * 40}}}}}
+    record = {"commit": "0" * 40, "figures": {"runs": [{"0": {"commit": "1" * 40}}]}}
     assert records.commits(record) == {"0" * 40, "1" * 40}
     assert records.git("merge-base", "--is-ancestor", "0" * 40, "HEAD") is None
