@@ -91,14 +91,20 @@ def test_models_and_losses_never_call_torch_distributed():
     assert not violations, "\n".join(violations)
 
 
+# sub-packages of pretrain that import no lower layer but core (their docstrings say so)
+CORE_ONLY = {"contrast", "objectives"}
+
+
 def subpackage_violations(path: Path) -> list[str]:
     """The imports of ``path`` (a module under pretrain/<sub-package>/) of sub-packages
-    of pretrain its own may not import."""
+    of pretrain its own may not import, and, for a core-only sub-package, of any lower
+    layer but ``core``."""
     own = path.relative_to(REPO / "pretrain").parts[0]
+    lower = set(LAYERS[:LAYERS.index("pretrain")]) - {"core"} if own in CORE_ONLY else set()
     return [f"{path.relative_to(REPO)}:{line} imports {module}"
             for line, module in imported_modules(path)
-            if module.startswith("pretrain.")
-            and module.split(".")[1] not in SUBPACKAGES[own]]
+            if (module.startswith("pretrain.") and module.split(".")[1] not in SUBPACKAGES[own])
+            or module.split(".")[0] in lower]
 
 
 def test_pretrain_holds_its_sub_packages_and_nothing_else():
@@ -115,6 +121,14 @@ def test_a_pretrain_sub_package_imports_only_what_its_role_allows(subpackage):
     assert paths
     violations = [v for path in paths for v in subpackage_violations(path)]
     assert not violations, "\n".join(violations)
+
+
+def test_the_sub_package_check_sees_an_objective_importing_the_data_pipeline(monkeypatch):
+    bad = REPO / "pretrain" / "objectives" / "_layer_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        "import data_pipeline.text\n" if self == bad else Path.read_bytes(self).decode()))
+    assert subpackage_violations(bad) == [
+        "pretrain/objectives/_layer_probe.py:1 imports data_pipeline.text"]
 
 
 def test_the_sub_package_check_sees_a_model_importing_the_loop(monkeypatch):
