@@ -49,8 +49,7 @@ class ObjectiveCase:
     @property
     def keys(self) -> dict[str, Any]:
         """Every key of the objective's own section: its defaults, then the example."""
-        defaults = {key: getattr(self.spec.config(), key) for key in self.spec.hparams}
-        return defaults | self.example
+        return self.spec.defaults() | self.example
 
     @property
     def needs_labels(self) -> bool:

@@ -55,10 +55,9 @@ def objective_cases(z: Tensor, ids: Tensor, labels: Tensor, captions: Tensor, gr
     start from (shaped [C, D] as ``table``, leaves that require a gradient)."""
     cases = {}
     for name, spec in OBJECTIVES.items():
-        defaults = {key: getattr(spec.config(), key) for key in spec.hparams}
-        settings = [{}, *(e for e in spec.examples if e and defaults | dict(e) != defaults)]
+        defaults = spec.defaults()
         sources = ("captions", "class_graph") if spec.soft_targets else ("",)
-        for example, source in itertools.product(settings, sources):
+        for example, source in itertools.product(spec.settings(), sources):
             words = [source, *(f"{k}={v}" for k, v in example.items())]
             label = f"{name}[{', '.join(filter(None, words))}]" if any(words) else name
             cases[label] = _case(name, spec, defaults | dict(example), source,

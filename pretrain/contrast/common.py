@@ -68,33 +68,6 @@ def pair_logits(anchors: Tensor, columns: Tensor, pairs: tuple[Tensor, Tensor]) 
     return torch.linalg.vecdot(anchors[rows], as_float(columns)[cols])
 
 
-class _RowSoftmax(torch.autograd.Function):
-    """logsumexp of each row of masked logits, and that row softmax (no gradient).
-
-    Forward: one fused log_softmax and one exp. Backward: softmax * grad, computed in place
-    in the saved softmax, so a graph through it can be walked backward once
-    (``retain_graph`` is refused).
-    """
-
-    @staticmethod
-    def forward(ctx, masked: Tensor) -> tuple[Tensor, Tensor]:
-        ctx.set_materialize_grads(False)  # no [n, N] zeros for the probs output's grad
-        ctx.spent = False
-        lse, probs = _lse_and_softmax(masked)
-        ctx.save_for_backward(probs)
-        ctx.mark_non_differentiable(probs)
-        return lse, probs
-
-    @staticmethod
-    def backward(ctx, grad_lse: Tensor | None, grad_probs: None) -> Tensor | None:
-        _spend(ctx)
-        if grad_lse is None:
-            return None
-        (probs,) = ctx.saved_tensors
-        # in place: also, out of place a column-broadcast multiply is ~8x slower on CPU
-        return probs.mul_(grad_lse[:, None])
-
-
 class _RowSoftmaxAndTargets(torch.autograd.Function):
     """:class:`_RowSoftmax` with soft targets t [n, N] (no gradient, 0 at the left-out
     entries): also each row's sum_j t_ij l_ij, made in ``masked``'s buffer. Backward: the
@@ -105,7 +78,7 @@ class _RowSoftmaxAndTargets(torch.autograd.Function):
     def forward(ctx, masked: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         ctx.spent = False
-        lse, probs = _lse_and_softmax(masked)
+        lse, probs = lse_and_softmax(masked)
         # masked is spent: 0 * MASKED_LOGIT is 0 at the left-out entries
         term = masked.mul_(targets).sum(1)
         ctx.save_for_backward(probs, targets)
@@ -115,7 +88,7 @@ class _RowSoftmaxAndTargets(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lse: Tensor | None, grad_term: Tensor | None,
                  grad_probs: None) -> tuple[Tensor | None, None]:
-        _spend(ctx)
+        spend(ctx)
         probs, targets = ctx.saved_tensors
         if grad_lse is None and grad_term is None:
             return None, None
@@ -125,7 +98,7 @@ class _RowSoftmaxAndTargets(torch.autograd.Function):
         return grad, None
 
 
-def _lse_and_softmax(masked: Tensor) -> tuple[Tensor, Tensor]:
+def lse_and_softmax(masked: Tensor) -> tuple[Tensor, Tensor]:
     """([n] logsumexp of each row, [n, N] its softmax): one fused log_softmax and one exp."""
     row_max, argmax = masked.max(dim=1)
     log_probs = torch.log_softmax(masked, dim=1)
@@ -133,28 +106,15 @@ def _lse_and_softmax(masked: Tensor) -> tuple[Tensor, Tensor]:
     return lse, log_probs.exp_()
 
 
-def _spend(ctx) -> None:
+def spend(ctx) -> None:
     if ctx.spent:
         raise RuntimeError("row_softmax: backward ran twice; retain_graph is not supported")
     ctx.spent = True
 
 
-def row_softmax_(logits: Tensor, columns: Columns) -> tuple[Tensor, Tensor]:
-    """([n] logsumexp over each row's columns, with gradient; [n, N] its softmax, detached).
-
-    Writes MASKED_LOGIT into the left-out entries of ``logits`` *in place*, outside autograd:
-    valid because those entries get probability 0 and hence exactly zero gradient, and it
-    saves an [n, N] copy. ``logits`` must be a fresh tensor no autograd node saved (a
-    matmul output); read anything needed at the left-out entries (self, positives) before.
-    """
-    with torch.no_grad():
-        columns.fill_(logits, MASKED_LOGIT)
-    return _RowSoftmax.apply(logits)
-
-
 def row_softmax_and_targets_(logits: Tensor, columns: Columns,
                              targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`row_softmax_` beside soft ``targets`` [n, N] (no gradient, 0 wherever
+    """The row softmax (``rows.py``) beside soft ``targets`` [n, N] (no gradient, 0 wherever
     ``columns`` leaves an entry out): ([n] logsumexp, [n] sum_j t_ij l_ij, both with
     gradient; [n, N] the softmax, detached). ``logits`` is overwritten, and left as
     scratch."""

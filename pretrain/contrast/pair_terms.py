@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from pretrain.contrast.columns import MASKED_LOGIT, NEGLIGIBLE_LOG_WEIGHT, Columns, ColumnTiles
-from pretrain.contrast.common import _lse_and_softmax, _spend
+from pretrain.contrast.common import lse_and_softmax, spend
 from pretrain.contrast.tiles import (
     TileBuffers,
     TiledRows,
@@ -71,7 +71,7 @@ class _DenseRowsAndPairTerms(torch.autograd.Function):
                 eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         ctx.spent = False
-        lse, probs = _lse_and_softmax(masked)
+        lse, probs = lse_and_softmax(masked)
         shifted.sub_((lse + eps)[:, None])
         # the positives' log-sum-exp, lse_i + eps + log sum_p e^{y_ip}; the others' terms
         # 80 below the row's top, where exp stays on its fast path and adds nothing
@@ -89,7 +89,7 @@ class _DenseRowsAndPairTerms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lse: Tensor | None, grad_pairs: Tensor | None, *_: None,
                  ) -> tuple[Tensor | None, None, None, None]:
-        _spend(ctx)
+        spend(ctx)
         if grad_lse is None and grad_pairs is None:
             return None, None, None, None
         probs, shifted = ctx.saved_tensors

@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from pretrain.contrast.batch import ContrastiveBatch
 from pretrain.contrast.common import Temperature, add_log_columns_, as_float, pair_logits, scaled
-from pretrain.contrast.rows import RowTerms, row_logsumexp
+from pretrain.contrast.rows import RowTerms, logsumexp
 
 # The most [rows, neighbours, D] elements one tile of the kernel weights gathers
 GATHER_BUDGET = 2**24
@@ -209,9 +209,8 @@ def projected_rows(batch: ContrastiveBatch, temperature: Temperature, *, project
     anchors = scaled(batch.anchors, temperature)  # [n, D]
     if projection == "centroid":
         plus = _centroid_plus(batch)  # [N, D]
-        minus = row_logsumexp(batch, anchors, batch.candidates, "label", over="others",
-                              monitors=True)
-        plus_lse = row_logsumexp(batch, anchors, plus, "label", over="others").lse
+        minus = logsumexp(batch, anchors, batch.candidates, "label", over="others")
+        plus_lse = logsumexp(batch, anchors, plus, "label", over="others", monitors=False).lse
         return ProjectedRows(pair_logits(anchors, plus, batch.self_pairs()), minus.lse,
                              plus_lse, minus, {})
     projected, metrics = _group_projection(batch, projection, bandwidth, kernel_metric,
@@ -223,10 +222,11 @@ def projected_rows(batch: ContrastiveBatch, temperature: Temperature, *, project
         # [n, G] logits suffice (tiled: G the C classes, not N slots)
         lse = _group_lse(batch, anchors @ projected.T)
     else:
-        lse = row_logsumexp(batch, anchors, projected[groups], "label", over="others").lse
+        lse = logsumexp(batch, anchors, projected[groups], "label", over="others",
+                        monitors=False).lse
     with torch.no_grad():  # the monitors read the plain similarity logits
-        similarity = row_logsumexp(batch, anchors.detach(), batch.candidates.detach(),
-                                   "label", over="others", monitors=True)
+        similarity = logsumexp(batch, anchors.detach(), batch.candidates.detach(), "label",
+                               over="others")
     return ProjectedRows(plus_own, lse, lse, similarity, metrics)
 
 

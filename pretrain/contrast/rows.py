@@ -1,10 +1,13 @@
-"""The one row reduction every objective needs, dense or tiled.
+"""The row reductions the softmax objectives are written in, dense or tiled.
 
-``row_logsumexp(batch, anchors, columns, kind, over=...)`` is log sum_j exp(a_i . c_j) over
-the columns ``over`` names, with the monitors over the negatives of ``kind``. With
-``batch.tile_size`` unset it materialises the [n, N] logits (fastest while they fit); with
-it set it walks column tiles (``tiles.py``) and no [n, N] tensor exists. Both give the same
-values and gradients (``tests/pretrain/objectives/test_tiles.py``).
+``logsumexp(batch, anchors, columns, kind, over=...)`` is log sum_j exp(a_i . c_j) over
+the columns ``over`` names, with the monitors over the negatives of ``kind``; every
+softmax objective needs it. Three named operations add what one objective each needs:
+``logsumexp_both_ways`` (CLIP's second direction), ``logsumexp_with_positives`` (FlatNCE)
+and ``pair_terms`` (SINCERE). With ``batch.tile_size`` unset each materialises the [n, N]
+logits (fastest while they fit); with it set it walks column tiles (``tiles.py``) and no
+[n, N] tensor exists. Both give the same values and gradients
+(``tests/pretrain/objectives/test_tiles.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pretrain.contrast.columns import (
     ColumnSet,
     PositiveKind,
 )
-from pretrain.contrast.common import Temperature, as_float, row_softmax_, scaled
+from pretrain.contrast.common import Temperature, as_float, scaled, spend
 from pretrain.contrast.pair_terms import dense_rows_and_pair_terms, tiled_rows_and_pair_terms
 from pretrain.contrast.symmetric_tiles import symmetric_rows
 from pretrain.contrast.tiles import (
@@ -42,19 +45,34 @@ OVER: dict[str, dict[str, bool]] = {
 def columns_over(kind: PositiveKind, over: Over) -> ColumnSet:
     """The :class:`ColumnSet` a reduction ``over`` the columns of an anchor's row reads."""
     if over not in OVER:
-        raise ValueError(f"row_logsumexp: over={over!r}; one of {', '.join(OVER)}")
+        raise ValueError(f"logsumexp: over={over!r}; one of {', '.join(OVER)}")
     return ColumnSet(kind, **OVER[over])
 
 
 class RowTerms(NamedTuple):
-    """Per-anchor results [n]: ``lse`` with gradient; the rest when asked for."""
+    """Per-anchor results [n]: ``lse`` with gradient; the monitors when asked for."""
 
     lse: Tensor
     ess: Tensor | None = None  # ESS of the softmax restricted to the negatives
     negative_logit_sum: Tensor | None = None  # under num_negatives: sum of negatives' logits
-    positive_lse: Tensor | None = None  # log-sum-exp over the anchor's positives, no grad
-    column_lse: Tensor | None = None  # the anchor's own column down the candidates, with grad
-    pair_sum: Tensor | None = None  # sum_p softplus(lse_i - l_ip + eps) - eps, with grad
+
+
+class BothWays(NamedTuple):
+    """CLIP's two directions [n] each, with gradient."""
+
+    rows: RowTerms  # along each anchor's row: image -> text
+    column_lse: Tensor  # down each anchor's own column, over the candidates: text -> image
+
+
+class WithPositives(NamedTuple):
+    rows: RowTerms
+    positive_lse: Tensor  # [n] log-sum-exp over the anchor's positives, no gradient
+
+
+class PairTerms(NamedTuple):
+    rows: RowTerms
+    positive_lse: Tensor  # [n] as in :class:`WithPositives`
+    pair_sum: Tensor  # [n] sum_p softplus(lse_i - l_ip + eps) - eps, with gradient
 
 
 def ess_from_ratio(batch: ContrastiveBatch, kind: PositiveKind, ratio: Tensor) -> Tensor:
@@ -85,78 +103,127 @@ def tile_plan(batch: ContrastiveBatch, column_set: ColumnSet, *, monitors: bool,
         symmetric=symmetric and transposable(batch) and not batch.candidates.is_cuda)
 
 
-def row_logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                  kind: PositiveKind, *, over: Over, temperature: Temperature = 1.0,
-                  monitors: bool = False, positive_lse: bool = False,
-                  column_lse: bool = False, pair_terms: float | None = None) -> RowTerms:
+def logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor, kind: PositiveKind,
+              *, over: Over, temperature: Temperature = 1.0, monitors: bool = True
+              ) -> RowTerms:
     """log sum_j exp(``anchors`` [n, D] . ``columns`` [N, D] / ``temperature``), j ``over``:
     ``"others"`` every column but the anchor's own (its other positives of ``kind`` and
     its negatives), ``"negatives"`` the columns of another ``kind`` key alone, or
-    ``"negatives_and_self"`` those and the anchor's own column.
-
-    ``monitors`` adds the ESS over the negatives of ``kind`` and, under
-    ``num_negatives``, their logit sum; ``positive_lse`` adds the log-sum-exp over each
-    anchor's positives (without gradient; ``MASKED_LOGIT`` where an anchor has none).
-    ``column_lse`` adds each anchor's own column ``columns[anchor_index]`` read down every
-    candidate, log sum_k exp(x_k . c_i / tau) over the same columns (CLIP's text -> image
-    direction; the anchors must be ``batch.anchors``): from the same walk of the tiles when
-    every candidate is an anchor (:func:`transposable`), else from a second reduction.
-    ``pair_terms`` = eps adds, with the positives' log-sum-exp, the sum over each anchor's
-    positives p of softplus(lse_i - l_ip + eps) - eps (SINCERE's pair terms; tiled, one
-    pass whose backward recomputes each tile once, with no [P] pair list).
-    """
+    ``"negatives_and_self"`` those and the anchor's own column; with its ``monitors``, the
+    ESS over the negatives of ``kind`` and, under ``num_negatives``, their logit sum."""
     column_set = columns_over(kind, over)
-    if pair_terms is not None:
-        if column_lse:
-            raise ValueError("row_logsumexp: pair_terms and column_lse are not asked together")
-        return _with_pair_terms(batch, scaled(anchors, temperature), columns, column_set,
-                                pair_terms)
-    if not column_lse:
-        return _rows(batch, anchors, columns, column_set, temperature, monitors, positive_lse)
-    if anchors is not batch.anchors:
-        raise ValueError("row_logsumexp: column_lse reads the columns down batch.candidates, "
-                         "so the anchors must be batch.anchors")
-    if transposable(batch):
-        return _rows(batch, anchors, columns, column_set, temperature, monitors, positive_lse,
-                     column_lse=True)
-    rows = _rows(batch, anchors, columns, column_set, temperature, monitors, positive_lse)
-    own = columns[batch.anchor_index]  # [n, D] each anchor's own column
-    down = _rows(batch, own, batch.candidates, column_set, temperature, False, False)
-    return rows._replace(column_lse=down.lse)
-
-
-def _rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor, column_set: ColumnSet,
-          temperature: Temperature, monitors: bool, positive_lse: bool,
-          column_lse: bool = False) -> RowTerms:
-    """:func:`row_logsumexp` over column tiles when ``batch.tile_size`` is set, else over
-    the [n, N] logits (``column_lse``: tiled and :func:`transposable` only)."""
     if batch.tile_size is not None:
-        plan = tile_plan(batch, column_set, monitors=monitors, positive_lse=positive_lse,
-                         column_lse=column_lse)
+        plan = tile_plan(batch, column_set, monitors=monitors)
         tiled = tiled_batch_rows(batch, anchors, columns, plan, temperature)
         return _terms(batch, column_set, tiled, monitors)
-    return _dense_rows(batch, scaled(anchors, temperature), columns, column_set, monitors,
-                       positive_lse)
+    logits = scaled(anchors, temperature) @ as_float(columns).T  # [n, N]
+    with torch.no_grad():  # outside autograd: a left-out entry gets probability 0
+        batch.columns(column_set).fill_(logits, MASKED_LOGIT)
+    lse, probs = _RowSoftmax.apply(logits)
+    return _dense_monitors(batch, column_set, lse, logits, probs) if monitors else RowTerms(lse)
 
 
-def _dense_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                column_set: ColumnSet, monitors: bool, positive_lse: bool) -> RowTerms:
-    """The row terms of the [n, N] logits ``anchors`` (over tau) . ``columns``, masked and
-    softmaxed in place; the monitors then use them as scratch."""
-    logits = anchors @ as_float(columns).T  # [n, N]
-    pos_lse = None
-    if positive_lse:  # before the softmax masks the positives' entries
-        with torch.no_grad():
-            pos_lse = masked_logsumexp(logits, batch.columns(column_set.positives_only).drop)
-    lse, probs = row_softmax_(logits, batch.columns(column_set))
-    if not monitors:
-        return RowTerms(lse, positive_lse=pos_lse)
-    with torch.no_grad():
-        neg_logits = None
-        if batch.num_negatives is not None:
-            neg_logits = batch.columns(column_set.negatives).apply(logits, 0.0).sum(1)
-    return RowTerms(lse, softmax_ess(batch, column_set, probs, scratch=logits), neg_logits,
-                    pos_lse)
+def logsumexp_with_positives(batch: ContrastiveBatch, kind: PositiveKind, *, over: Over,
+                             temperature: Temperature) -> WithPositives:
+    """:func:`logsumexp` of the batch's anchors against its candidates, with the monitors,
+    and each anchor's log-sum-exp over its positives of ``kind`` (without gradient;
+    ``MASKED_LOGIT`` where it has none)."""
+    column_set = columns_over(kind, over)
+    if batch.tile_size is not None:
+        plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
+        tiled = tiled_batch_rows(batch, batch.anchors, batch.candidates, plan, temperature)
+        return WithPositives(_terms(batch, column_set, tiled, True), tiled.positive_lse)
+    logits = scaled(batch.anchors, temperature) @ as_float(batch.candidates).T  # [n, N]
+    with torch.no_grad():  # the positives' entries read before the mask leaves them out
+        positive_lse = masked_logsumexp(logits, batch.columns(column_set.positives_only).drop)
+        batch.columns(column_set).fill_(logits, MASKED_LOGIT)
+    lse, probs = _RowSoftmax.apply(logits)
+    return WithPositives(_dense_monitors(batch, column_set, lse, logits, probs), positive_lse)
+
+
+def logsumexp_both_ways(batch: ContrastiveBatch, columns: Tensor, kind: PositiveKind, *,
+                        over: Over, temperature: Temperature) -> BothWays:
+    """:func:`logsumexp` of the batch's anchors against ``columns`` (CLIP's image -> text),
+    with the monitors, and each anchor's own column ``columns[anchor_index]`` read down
+    every candidate, log sum_k exp(x_k . c_i / tau) over the same column set (text ->
+    image): from the same walk of the tiles when every candidate is an anchor
+    (:func:`transposable`), else from a second reduction."""
+    if transposable(batch):
+        column_set = columns_over(kind, over)
+        plan = tile_plan(batch, column_set, monitors=True, column_lse=True)
+        tiled = tiled_batch_rows(batch, batch.anchors, columns, plan, temperature)
+        return BothWays(_terms(batch, column_set, tiled, True), tiled.column_lse)
+    rows = logsumexp(batch, batch.anchors, columns, kind, over=over, temperature=temperature)
+    own = columns[batch.anchor_index]  # [n, D] each anchor's own column
+    down = logsumexp(batch, own, batch.candidates, kind, over=over, temperature=temperature,
+                     monitors=False)
+    return BothWays(rows, down.lse)
+
+
+def pair_terms(batch: ContrastiveBatch, kind: PositiveKind, *, over: Over,
+               temperature: Temperature, eps: float) -> PairTerms:
+    """:func:`logsumexp_with_positives` and, over each anchor's positives p, the sum of
+    softplus(lse_i - l_ip + eps) - eps: SINCERE's pair terms (``pair_terms.py``; tiled, one
+    pass whose backward recomputes each tile once, with no [P] pair list)."""
+    column_set = columns_over(kind, over)
+    positives = column_set.positives_only
+    anchors, columns = scaled(batch.anchors, temperature), as_float(batch.candidates)
+    if batch.tile_size is None:
+        dense = dense_rows_and_pair_terms(
+            anchors @ columns.T, batch.columns(column_set), batch.columns(positives), eps,
+            logit_sum=batch.num_negatives is not None)
+        rows = RowTerms(dense.lse, softmax_ess(batch, column_set, dense.probs),
+                        dense.logit_sum)
+        positive_lse, pair_sum = dense.positive_lse, dense.pair_sum
+    else:
+        plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
+        tiled, pair_sum = tiled_rows_and_pair_terms(anchors, columns, plan,
+                                                    batch.column_tiles(positives), eps)
+        rows, positive_lse = _terms(batch, column_set, tiled, True), tiled.positive_lse
+    num_positives = batch.num_positives_per_anchor(kind).to(pair_sum.dtype)
+    return PairTerms(rows, positive_lse, pair_sum - eps * num_positives)
+
+
+class _RowSoftmax(torch.autograd.Function):
+    """logsumexp of each row of masked logits, and that row softmax (no gradient).
+
+    Forward: one fused log_softmax and one exp. Backward: softmax * grad, computed in place
+    in the saved softmax, so a graph through it can be walked backward once
+    (``retain_graph`` is refused).
+    """
+
+    @staticmethod
+    def forward(ctx, masked: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # no [n, N] zeros for the probs output's grad
+        ctx.spent = False
+        row_max, argmax = masked.max(dim=1)
+        log_probs = torch.log_softmax(masked, dim=1)
+        lse = row_max - log_probs.gather(1, argmax[:, None]).squeeze(1)  # [n]
+        probs = log_probs.exp_()  # [n, N]
+        ctx.save_for_backward(probs)
+        ctx.mark_non_differentiable(probs)
+        return lse, probs
+
+    @staticmethod
+    def backward(ctx, grad_lse: Tensor | None, grad_probs: None) -> Tensor | None:
+        spend(ctx)
+        if grad_lse is None:
+            return None
+        (probs,) = ctx.saved_tensors
+        # in place: also, out of place a column-broadcast multiply is ~8x slower on CPU
+        return probs.mul_(grad_lse[:, None])
+
+
+@torch.no_grad()
+def _dense_monitors(batch: ContrastiveBatch, column_set: ColumnSet, lse: Tensor,
+                    masked: Tensor, probs: Tensor) -> RowTerms:
+    """``lse`` with the monitors of the row softmax ``probs`` [n, N] of the ``masked``
+    logits [n, N], which they then use as scratch."""
+    negative_logit_sum = None
+    if batch.num_negatives is not None:
+        negative_logit_sum = batch.columns(column_set.negatives).apply(masked, 0.0).sum(1)
+    return RowTerms(lse, softmax_ess(batch, column_set, probs, scratch=masked),
+                    negative_logit_sum)
 
 
 @torch.no_grad()
@@ -193,26 +260,6 @@ def tiled_batch_rows(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
     return tiled_rows(as_float(anchors), as_float(columns), plan, temperature)
 
 
-def _with_pair_terms(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor,
-                     column_set: ColumnSet, eps: float) -> RowTerms:
-    """:func:`row_logsumexp` of ``anchors`` (over tau) with its monitors, the positives'
-    log-sum-exp and the pair terms (``pair_terms.py``), dense or tiled."""
-    positives = column_set.positives_only
-    if batch.tile_size is None:
-        dense = dense_rows_and_pair_terms(
-            anchors @ as_float(columns).T, batch.columns(column_set),
-            batch.columns(positives), eps, logit_sum=batch.num_negatives is not None)
-        rows = RowTerms(dense.lse, softmax_ess(batch, column_set, dense.probs),
-                        dense.logit_sum, dense.positive_lse, pair_sum=dense.pair_sum)
-    else:
-        plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
-        tiled, pair_sum = tiled_rows_and_pair_terms(
-            anchors, as_float(columns), plan, batch.column_tiles(positives), eps)
-        rows = _terms(batch, column_set, tiled, monitors=True)._replace(pair_sum=pair_sum)
-    num_positives = batch.num_positives_per_anchor(column_set.kind).to(rows.pair_sum.dtype)
-    return rows._replace(pair_sum=rows.pair_sum - eps * num_positives)
-
-
 def masked_logsumexp(values: Tensor, drop: Tensor) -> Tensor:
     """[n] log sum_j exp(``values`` [n, N]) over the entries ``drop`` [n, N] leaves,
     ``MASKED_LOGIT`` where it leaves none; no gradient.
@@ -232,6 +279,6 @@ def masked_logsumexp(values: Tensor, drop: Tensor) -> Tensor:
 def _terms(batch: ContrastiveBatch, column_set: ColumnSet, rows: TiledRows,
            monitors: bool) -> RowTerms:
     if not monitors:
-        return RowTerms(rows.lse, positive_lse=rows.positive_lse, column_lse=rows.column_lse)
+        return RowTerms(rows.lse)
     return RowTerms(rows.lse, ess_from_ratio(batch, column_set.kind, rows.ess_ratio),
-                    rows.negative_logit_sum, rows.positive_lse, column_lse=rows.column_lse)
+                    rows.negative_logit_sum)

@@ -33,7 +33,7 @@ from pretrain.contrast.common import (
 )
 from pretrain.contrast.rows import (
     ess_from_ratio,
-    row_logsumexp,
+    logsumexp,
     softmax_ess,
     tile_plan,
     tiled_batch_rows,
@@ -91,8 +91,7 @@ def soft_target_rows(batch: ContrastiveBatch, temperature: Temperature,
     if batch.class_graph is None and batch.num_negatives is None:
         return _caption_rows(batch, anchors, target_temperature, top_k, tie)
     kind, sim = target_groups(batch, target_temperature)
-    rows = row_logsumexp(batch, anchors, batch.candidates, "instance", over="others",
-                         monitors=True)
+    rows = logsumexp(batch, anchors, batch.candidates, "instance", over="others")
     if batch.num_negatives is None:
         term, entropy = _grouped_target_term(batch, kind, sim, temperature, top_k, tie)
     else:

@@ -8,8 +8,10 @@ subset, lives in one process or was gathered from many; the loss never asks whic
 table's generic call checks what the entry declares (labels, text) and turns autocast off
 around the loss.
 
-Six names serve every loss. Three reductions beside them each serve one objective whose
-terms are not a softmax over a row: X-CLR's soft targets, SigLIP's sigmoid pairs and
+Six names serve every loss. Six operations beside them each serve one objective: three
+add to the row softmax what CLIP (its second direction), FlatNCE (the positives'
+log-sum-exp) and SINCERE (its pair terms) need; three are the reductions of objectives
+whose terms are not a softmax over a row: X-CLR's soft targets, SigLIP's sigmoid pairs and
 ProjNCE's class projections.
 """
 
@@ -18,7 +20,12 @@ from __future__ import annotations
 from pretrain.contrast.batch import BatchRows, ContrastiveBatch
 from pretrain.contrast.common import ObjectiveOutput, finish, positive_logit_mean
 from pretrain.contrast.projections import projected_rows
-from pretrain.contrast.rows import row_logsumexp
+from pretrain.contrast.rows import (
+    logsumexp,
+    logsumexp_both_ways,
+    logsumexp_with_positives,
+    pair_terms,
+)
 from pretrain.contrast.sigmoid_rows import sigmoid_rows
 from pretrain.contrast.soft_targets import soft_target_rows
 
@@ -26,9 +33,11 @@ __all__ = [
     # what a loss receives and returns
     "BatchRows", "ContrastiveBatch", "ObjectiveOutput",
     # what it computes with
-    "finish", "positive_logit_mean", "row_logsumexp",
-    # the reductions of one objective each: xclr, siglip, projnce
+    "finish", "positive_logit_mean", "logsumexp",
+    # the operations of one objective each: clip, flatnce, sincere, xclr, siglip, projnce
+    "logsumexp_both_ways", "logsumexp_with_positives", "pair_terms",
     "soft_target_rows", "sigmoid_rows", "projected_rows",
 ]
-ONE_OBJECTIVE = ("soft_target_rows", "sigmoid_rows", "projected_rows")
+ONE_OBJECTIVE = ("logsumexp_both_ways", "logsumexp_with_positives", "pair_terms",
+                 "soft_target_rows", "sigmoid_rows", "projected_rows")
 CORE = tuple(name for name in __all__ if name not in ONE_OBJECTIVE)

@@ -13,17 +13,21 @@ from torch import Tensor
 from data_pipeline.samples import stable_int
 from pretrain.objectives import (
     BatchOptions,
+    ContrastiveBatch,
     EssTemperatureController,
     ObjectiveConfig,
     ObjectiveOutput,
-    objective_function,
+    ObjectiveSpec,
+    check_declared,
+    objective_spec,
 )
 
 
 @dataclass
 class Objective:
     """The loss a run trains with: ``fn``, the table's function with the objective's own
-    keys bound (``fn(global_batch, temperature, **loss_parameters)``), its configuration,
+    keys bound (``fn(global_batch, temperature, **loss_parameters)``, called on a batch
+    that passes :meth:`check`, with autocast off), its entry and its configuration,
     the temperature (fixed, or steered towards a target ESS), and what the run knows of
     every global batch before it sees one, so that no step reads a count back from the
     device: the ``class_graph`` [C, C] (xclr), the number of classes C (labels lie in
@@ -35,14 +39,20 @@ class Objective:
     class_graph: Tensor | None = None
     num_classes: int | None = None
     rows_per_rank: int | None = None
+    spec: ObjectiveSpec = field(init=False)
     fn: Callable[..., ObjectiveOutput] = field(init=False)
     controller: EssTemperatureController | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.fn = objective_function(self.cfg.name, **self.cfg.hparams())
+        self.spec = objective_spec(self.cfg.name)
+        self.fn = self.spec.bound(**self.cfg.hparams())
         ess = self.cfg.ess_control
         self.controller = (EssTemperatureController(ess, self.cfg.temperature)
                            if ess.enabled else None)
+
+    def check(self, batch: ContrastiveBatch) -> None:
+        """That the global ``batch`` holds what the objective's entry declares."""
+        check_declared(self.cfg.name, self.spec, batch)
 
     @property
     def temperature(self) -> float:

@@ -122,8 +122,10 @@ def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Objectiv
                      None if captions is None else captions.to(out.projections.dtype),
                      out.text)
     global_batch = build_global_batch(rows, objective.options(step))
+    objective.check(global_batch)
     temperature = objective.temperature if out.temperature is None else out.temperature
-    result = objective.fn(global_batch, temperature, **out.loss_parameters)
+    with torch.autocast(global_batch.candidates.device.type, enabled=False):  # full precision
+        result = objective.fn(global_batch, temperature, **out.loss_parameters)
     if measure_rank:
         result.metrics["effective_rank"] = effective_rank(out.projections.detach())
     if out.features is not None:

@@ -19,8 +19,8 @@ from pretrain.contrast.vocabulary import (
     ContrastiveBatch,
     ObjectiveOutput,
     finish,
+    logsumexp_both_ways,
     positive_logit_mean,
-    row_logsumexp,
 )
 
 
@@ -39,11 +39,10 @@ def clip(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutpu
     """Symmetric image-text InfoNCE over ``batch.candidates`` and ``batch.text``."""
     # image -> text over the anchor's row, text -> image down its own text's column: [n]
     # each, over its own pair and the negatives (the other views of its image left out)
-    rows = row_logsumexp(batch, batch.anchors, batch.text, "instance",
-                         over="negatives_and_self", temperature=temperature, monitors=True,
-                         column_lse=True)
+    rows, column_lse = logsumexp_both_ways(batch, batch.text, "instance",
+                                           over="negatives_and_self", temperature=temperature)
     pos_logit, _ = positive_logit_mean(batch, "text", temperature)  # [n]
-    per_anchor = 0.5 * (rows.lse + rows.column_lse) - pos_logit
+    per_anchor = 0.5 * (rows.lse + column_lse) - pos_logit
     loss = batch.anchor_mean(per_anchor, None)
     return finish(batch, loss, "text", temperature, pos_mean=pos_logit,
                   infonce=rows.lse - pos_logit, ess=rows.ess,

@@ -18,8 +18,8 @@ from pretrain.contrast.vocabulary import (
     ContrastiveBatch,
     ObjectiveOutput,
     finish,
+    logsumexp_with_positives,
     positive_logit_mean,
-    row_logsumexp,
 )
 
 
@@ -53,13 +53,12 @@ def flat_nce(pos_logit: Tensor, lse_neg: Tensor, has_negative: Tensor) -> Tensor
 def flatnce(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
     """FlatNCE with instance positives (the FlatCLR objective)."""
     kind = "instance"
-    negatives = row_logsumexp(batch, batch.anchors, batch.candidates, kind,
-                              over="negatives", temperature=temperature, monitors=True,
-                              positive_lse=True)
+    negatives, positive_lse = logsumexp_with_positives(batch, kind, over="negatives",
+                                                       temperature=temperature)  # [n]
     pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
     has_negative = batch.num_negatives_per_anchor(kind) > 0
     loss = batch.anchor_mean(flat_nce(pos_mean, negatives.lse, has_negative), kind)
-    all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)
+    all_lse = torch.logaddexp(negatives.lse.detach(), positive_lse)
     return finish(batch, loss, kind, temperature, report_infonce=True, pos_mean=pos_mean,
                   infonce=all_lse - pos_mean.detach(),
                   ess=negatives.ess, negative_logit_sum=negatives.negative_logit_sum)

@@ -11,7 +11,7 @@ import dataclasses
 from torch import Tensor
 
 from pretrain.contrast.vocabulary import BatchRows, ContrastiveBatch, ObjectiveOutput
-from pretrain.objectives.supcon import multi_positive_nce, plain_supcon
+from pretrain.objectives.supcon import plain_supcon, supcon
 
 
 def plain_infonce(rows: BatchRows, tau: float | Tensor) -> Tensor:
@@ -23,4 +23,4 @@ def plain_infonce(rows: BatchRows, tau: float | Tensor) -> Tensor:
 
 def infonce(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
     """NT-Xent over instance positives; labels are ignored."""
-    return multi_positive_nce(batch, temperature, "instance")
+    return supcon(batch, temperature, kind="instance")

@@ -18,8 +18,8 @@ from pretrain.contrast.vocabulary import (
     ContrastiveBatch,
     ObjectiveOutput,
     finish,
+    pair_terms,
     positive_logit_mean,
-    row_logsumexp,
 )
 
 
@@ -44,12 +44,11 @@ def sincere_family(batch: ContrastiveBatch, temperature: float | Tensor,
     kind = "label"
     # lse_i over Neg(i), and sum_{p in P(i)} softplus(lse_i - l_ip + eps) - eps: the pair
     # terms -log(e^{l_ip} / (e^{l_ip - eps} + e^{lse_i}))
-    negatives = row_logsumexp(batch, batch.anchors, batch.candidates, kind,
-                              over="negatives", temperature=temperature, monitors=True,
-                              pair_terms=eps)
+    negatives, positive_lse, pair_sum = pair_terms(batch, kind, over="negatives",
+                                                   temperature=temperature, eps=eps)  # [n]
     pos_mean, num_pos = positive_logit_mean(batch, kind, temperature)
-    loss = batch.anchor_mean(negatives.pair_sum / num_pos.clamp(min=1), kind)
-    all_lse = torch.logaddexp(negatives.lse.detach(), negatives.positive_lse)
+    loss = batch.anchor_mean(pair_sum / num_pos.clamp(min=1), kind)
+    all_lse = torch.logaddexp(negatives.lse.detach(), positive_lse)
     return finish(batch, loss, kind, temperature, pos_mean=pos_mean,
                   infonce=all_lse - pos_mean.detach(), ess=negatives.ess,
                   negative_logit_sum=negatives.negative_logit_sum)

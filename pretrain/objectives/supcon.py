@@ -17,8 +17,8 @@ from pretrain.contrast.vocabulary import (
     ContrastiveBatch,
     ObjectiveOutput,
     finish,
+    logsumexp,
     positive_logit_mean,
-    row_logsumexp,
 )
 
 
@@ -36,19 +36,16 @@ def plain_supcon(rows: BatchRows, tau: float | Tensor) -> Tensor:
     return per_anchor[count > 0].mean()
 
 
-def multi_positive_nce(batch: ContrastiveBatch, temperature: float | Tensor,
-                       kind: Literal["instance", "label"]) -> ObjectiveOutput:
-    """Softmax cross-entropy averaged over each anchor's positives of ``kind``: the
-    other views of its image (instance) or the other samples of its class (label)."""
-    rows = row_logsumexp(batch, batch.anchors, batch.candidates, kind, over="others",
-                         temperature=temperature, monitors=True)  # [n]
+def supcon(batch: ContrastiveBatch, temperature: float | Tensor,
+           kind: Literal["instance", "label"] = "label") -> ObjectiveOutput:
+    """SupCon L_out: the softmax cross-entropy averaged over each anchor's positives of
+    ``kind``, the other samples of its class (label) or the other views of its image
+    (instance: InfoNCE)."""
+    rows = logsumexp(batch, batch.anchors, batch.candidates, kind, over="others",
+                     temperature=temperature)  # [n]
     pos_mean, _ = positive_logit_mean(batch, kind, temperature)  # [n]
     per_anchor = rows.lse - pos_mean
     loss = batch.anchor_mean(per_anchor, kind)
     return finish(batch, loss, kind, temperature, infonce=per_anchor, ess=rows.ess,
                   negative_logit_sum=rows.negative_logit_sum, pos_mean=pos_mean)
 
-
-def supcon(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
-    """SupCon L_out with label positives."""
-    return multi_positive_nce(batch, temperature, "label")

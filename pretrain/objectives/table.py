@@ -65,6 +65,22 @@ class ObjectiveSpec:
     # the settings of its own keys every test matrix checks it under (beside the defaults)
     examples: tuple[dict[str, object], ...] = ({},)
 
+    def defaults(self) -> dict[str, object]:
+        """Its own keys at the defaults its configuration writes."""
+        config = self.config() if self.config is not None else None
+        return {key: getattr(config, key) for key in self.hparams}
+
+    def bound(self, **keys: object) -> ObjectiveFn:
+        """``fn`` with its own keys bound: ``keys``, else their defaults; called as
+        ``(batch, temperature, **loss_parameters)``."""
+        return functools.partial(self.fn, **(self.defaults() | keys))
+
+    def settings(self) -> list[dict[str, object]]:
+        """What every matrix checks it under: its defaults ({}), then each example that
+        changes one of them."""
+        defaults = self.defaults()
+        return [{}, *(dict(e) for e in self.examples if e and defaults | dict(e) != defaults)]
+
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {
     "infonce": ObjectiveSpec(infonce, plain_infonce),
@@ -101,20 +117,23 @@ def objective_function(name: str, **keys: object) -> Callable[..., ObjectiveOutp
     **loss_parameters)``, on a batch that holds what its entry declares, in full
     precision."""
     spec = objective_spec(name)
-    defaults = {key: getattr(spec.config(), key) for key in spec.hparams}
-    return functools.partial(_declared_call, name, spec,
-                             functools.partial(spec.fn, **(defaults | keys)))
+    return functools.partial(_declared_call, name, spec, spec.bound(**keys))
+
+
+def check_declared(name: str, spec: ObjectiveSpec, batch: ContrastiveBatch) -> None:
+    """That ``batch`` holds what objective ``name``'s entry declares."""
+    if spec.labels and batch.labels is None:
+        raise ValueError(f"{name}: needs class labels (labels=, an [N] tensor); use infonce "
+                         "for instance positives")
+    if spec.text_tower and batch.text is None:
+        raise ValueError(f"{name}: needs the second modality's embeddings (text=)")
 
 
 def _declared_call(name: str, spec: ObjectiveSpec, fn: ObjectiveFn, batch: ContrastiveBatch,
                    temperature: Temperature, **loss_parameters: Tensor) -> ObjectiveOutput:
     """``fn`` on ``batch`` once the batch holds what ``spec`` declares, with autocast off
     on its device: every loss computes in float32, or float64 when given float64."""
-    if spec.labels and batch.labels is None:
-        raise ValueError(f"{name}: needs class labels (labels=, an [N] tensor); use infonce "
-                         "for instance positives")
-    if spec.text_tower and batch.text is None:
-        raise ValueError(f"{name}: needs the second modality's embeddings (text=)")
+    check_declared(name, spec, batch)
     with torch.autocast(device_type=batch.candidates.device.type, enabled=False):
         return fn(batch, temperature, **loss_parameters)
 

@@ -38,7 +38,7 @@ def test_every_entry_is_a_case_at_its_defaults_and_under_each_example():
     assert {objective_of(case) for case in cases} == set(OBJECTIVES)
     for name, spec in OBJECTIVES.items():
         sources = 2 if spec.soft_targets else 1
-        defaults = {key: getattr(spec.config(), key) for key in spec.hparams}
+        defaults = spec.defaults()
         settings = 1 + sum(1 for e in spec.examples if e and defaults | dict(e) != defaults)
         assert sum(objective_of(case) == name for case in cases) == sources * settings, name
 

@@ -10,7 +10,12 @@ import torch.nn.functional as F
 
 from pretrain.contrast import tiles
 from pretrain.contrast.columns import MASKED_LOGIT
-from pretrain.contrast.rows import masked_logsumexp, row_logsumexp
+from pretrain.contrast.rows import (
+    logsumexp,
+    logsumexp_both_ways,
+    logsumexp_with_positives,
+    masked_logsumexp,
+)
 from tests.pretrain.objectives.batches import batch_of
 
 
@@ -66,23 +71,15 @@ def test_column_lse_equals_the_transposed_rows_logsumexp(tile_size, anchors, row
             batch = dataclasses.replace(
                 batch_of(leaves[0], ids, text=leaves[1], tile_size=tile_size),
                 anchor_index=torch.arange(16)[own], anchor_start=own.start)
-            rows = row_logsumexp(batch, batch.anchors, batch.text, "instance",
-                                 over="negatives_and_self", temperature=leaves[2],
-                                 column_lse=True)
-            lse, column_lse = rows.lse, rows.column_lse
+            rows, column_lse = logsumexp_both_ways(batch, batch.text, "instance",
+                                                   over="negatives_and_self",
+                                                   temperature=leaves[2])
+            lse = rows.lse
         total = (row_weight[own] * lse).sum() + (column_weight[own] * column_lse).sum()
         results.append((lse, column_lse, torch.autograd.grad(total, leaves)))
     (*want, want_grads), (*got, got_grads) = results
     for got_value, want_value in zip([*got, *got_grads], [*want, *want_grads], strict=True):
         torch.testing.assert_close(got_value, want_value, rtol=1e-12, atol=1e-12)
-
-
-def test_column_lse_needs_the_batch_anchors():
-    z = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    batch = batch_of(z, torch.arange(8), text=z.flip(0), tile_size=4)
-    with pytest.raises(ValueError, match="column_lse"):
-        row_logsumexp(batch, batch.anchors * 2, batch.text, "instance",
-                      over="negatives_and_self", column_lse=True)
 
 
 def _kept_columns(over: str, labels: torch.Tensor) -> torch.Tensor:
@@ -109,8 +106,8 @@ def test_over_names_the_columns_of_each_row(over, tile_size):
             lse = logits.masked_fill(~_kept_columns(over, labels), float("-inf")).logsumexp(1)
         else:
             batch = batch_of(leaf, torch.arange(12), labels=labels, tile_size=tile_size)
-            lse = row_logsumexp(batch, batch.anchors, batch.candidates, "label", over=over,
-                                temperature=0.5).lse
+            lse = logsumexp(batch, batch.anchors, batch.candidates, "label", over=over,
+                            temperature=0.5).lse
         grads.append((lse, *torch.autograd.grad(lse.square().sum(), leaf)))
     for got, want in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -119,4 +116,31 @@ def test_over_names_the_columns_of_each_row(over, tile_size):
 def test_over_rejects_an_unknown_set_of_columns():
     batch = batch_of(torch.randn(4, 3), torch.arange(4))
     with pytest.raises(ValueError, match="over='positives'"):
-        row_logsumexp(batch, batch.anchors, batch.candidates, "instance", over="positives")
+        logsumexp(batch, batch.anchors, batch.candidates, "instance", over="positives")
+
+
+@pytest.mark.parametrize("num_negatives", [None, 3])
+@pytest.mark.parametrize("tile_size", [None, 1, 5])
+def test_logsumexp_with_positives_adds_the_plain_logsumexp_over_the_positives(tile_size,
+                                                                             num_negatives):
+    """float64: the positives' log-sum-exp of each row is the plain one over the other
+    samples of its class (MASKED_LOGIT for a row with none), dense and tiled, and the
+    row's own log-sum-exp is :func:`logsumexp`'s, with or without a negatives subset."""
+    gen = torch.Generator().manual_seed(4)
+    labels = torch.tensor([0, 0, 1, 2, 2, 2, 3, 1, 0, 4])  # class 4: a row with none
+    z = torch.randn(10, 5, dtype=torch.float64, generator=gen)
+    batch = batch_of(z, torch.arange(10), labels=labels, tile_size=tile_size,
+                     num_negatives=num_negatives)
+    rows, positive_lse = logsumexp_with_positives(batch, "label", over="negatives",
+                                                  temperature=0.3)
+    unit = F.normalize(z, dim=1)
+    logits = unit @ unit.T / 0.3
+    positive = (labels[:, None] == labels[None, :]) & ~torch.eye(10, dtype=torch.bool)
+    want = logits.masked_fill(~positive, float("-inf")).logsumexp(1)
+    has = positive.any(1)
+    torch.testing.assert_close(positive_lse[has], want[has], rtol=1e-12, atol=1e-12)
+    assert (positive_lse[~has] == MASKED_LOGIT).all()
+    alone = logsumexp(batch, batch.anchors, batch.candidates, "label", over="negatives",
+                      temperature=0.3)
+    torch.testing.assert_close(rows.lse, alone.lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rows.ess, alone.ess, rtol=1e-12, atol=1e-12)

@@ -7,7 +7,7 @@ import torch
 from pretrain.contrast.batch import Columns
 from pretrain.objectives import batch_loss
 from pretrain.objectives.flatnce import flat_nce
-from pretrain.objectives.supcon import multi_positive_nce
+from pretrain.objectives.supcon import supcon
 from tests.pretrain.objectives.batches import batch_of
 from tests.pretrain.objectives.conftest import make_multiview_batch
 
@@ -84,7 +84,7 @@ def test_flatnce_with_positive_among_negatives_has_infonce_gradient():
     with_positive = Columns(logits.shape[1], drop=~(batch.negative_mask("instance") | positives))
     lse = torch.logsumexp(with_positive.apply(logits, float("-inf")), dim=1)
     flat = flat_nce(pos_logit, lse, torch.ones_like(lse, dtype=torch.bool))
-    infonce = multi_positive_nce(batch_of(z, ids), TAU, "instance").loss
+    infonce = supcon(batch_of(z, ids), TAU, kind="instance").loss
     torch.testing.assert_close(grad(flat.mean(), z), grad(infonce, z), rtol=1e-9, atol=1e-12)
 
 

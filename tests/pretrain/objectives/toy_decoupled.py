@@ -16,8 +16,8 @@ from pretrain.contrast.vocabulary import (
     ContrastiveBatch,
     ObjectiveOutput,
     finish,
+    logsumexp,
     positive_logit_mean,
-    row_logsumexp,
 )
 
 
@@ -37,9 +37,8 @@ def plain_decoupled(rows: BatchRows, tau: float | Tensor) -> Tensor:
 def decoupled(batch: ContrastiveBatch, temperature: float | Tensor) -> ObjectiveOutput:
     """DCL with instance positives."""
     kind = "instance"
-    negatives = row_logsumexp(batch, batch.anchors, batch.candidates, kind,
-                              over="negatives", temperature=temperature,
-                              monitors=True)                            # [n]
+    negatives = logsumexp(batch, batch.anchors, batch.candidates, kind,
+                          over="negatives", temperature=temperature)    # [n]
     pos_mean, _ = positive_logit_mean(batch, kind, temperature)          # [n]
     per_anchor = negatives.lse - pos_mean
     loss = batch.anchor_mean(per_anchor, kind)
