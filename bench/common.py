@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler quiet
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -161,8 +162,23 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """A benchmark's result: ``payload`` with its ``provenance`` (the command as typed, the
+    commit, whether the tree differed from it, the date and the machine), which a record
+    under ``bench/records/`` keeps when a page cites it."""
+    from bench.records import invocation, provenance
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
+    path.write_text(json.dumps({**payload, "provenance": provenance(invocation())}, indent=1,
+                               default=_plain))
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy or 0-dim torch value as the plain number or list JSON holds."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return float(value)
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

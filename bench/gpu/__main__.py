@@ -34,6 +34,7 @@ import torch
 from bench.gpu import part
 from bench.gpu.part import PARTS, write_atomically
 from bench.gpu.tree import kill_tree
+from bench.records import invocation, provenance
 
 MARGIN = 0.85  # of its time limit, a part plans its own work to end within
 BUDGET_S = 540.0  # the default budget: 60 s of a 600 s command left for start-up and report
@@ -104,8 +105,10 @@ def write_report(report: dict[str, Any], out: Path) -> str:
     """``gpu.json`` and ``gpu.md`` of the parts finished so far; the tables, for printing."""
     write_atomically(out / "gpu.json", json.dumps(report, indent=2))
     m = report["machine"]
+    commit = report["provenance"]["commit"] or "no git checkout"
     header = (f"# GPU kit, {m['date']}: {m['gpu'] or 'CPU dry run'}, torch {m['torch']} "
-              f"(CUDA {m['cuda']}), Python {m['python']}, {m['cpu_cores']} CPU cores\n\n")
+              f"(CUDA {m['cuda']}), Python {m['python']}, {m['cpu_cores']} CPU cores, "
+              f"commit {commit}\n\n")
     tables = [table(PARTS[n].title, f"{r['status']}, {r['seconds']:.0f} s; "
                     f"{r.get('summary', '')}", r.get("rows", []), PARTS[n].columns)
               for n, r in report["parts"].items()]
@@ -131,8 +134,8 @@ def main() -> None:
         parser.error("--jobs: parts share a GPU only in the dry run (timings would mix)")
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     (args.out / "parts").mkdir(exist_ok=True)
-    report = {"machine": machine(), "dry_run": args.dry_run, "budget_s": args.budget,
-              "parts": {}}
+    report = {"machine": machine(), "provenance": provenance(invocation()),
+              "dry_run": args.dry_run, "budget_s": args.budget, "parts": {}}
     if args.jobs > 1:
         # each part's torch threads its share of the cores: more, and their spin-waits take
         # each other's cores (the dry run's sync part took 63 s beside another part, 8 s so)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import machine
+from bench.common import machine, write_json
 from bench.learning import configs, report
 from bench.learning.ceiling import train_cross_entropy
 from bench.learning.claims import Results, check
@@ -60,9 +59,8 @@ def write(results: Results, sweep: Results, datasets: dict[str, DataSet], out: P
           seeds: list[int]) -> list[dict[str, Any]]:
     claims = check(results)
     cluttered_set = datasets["cluttered"]
-    (out / "learning.json").write_text(json.dumps(
-        {"machine": machine(), "seeds": seeds, "claims": claims, "results": results,
-         "sweep": sweep}, indent=1, default=float))
+    write_json(out / "learning.json", {"machine": machine(), "seeds": seeds, "claims": claims,
+                                       "results": results, "sweep": sweep})
     report.plot_knn_curves(results, [*configs.OBJECTIVES, "cross_entropy", "untrained"],
                            out / "knn_vs_k.png")
     report.plot_negatives(results, out / "negatives.png")

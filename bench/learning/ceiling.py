@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from bench.common import write_json
 from bench.learning.data import DataSet
 from bench.learning.runs import Configuration, evaluate, run_config
 from data_pipeline.loader import LoaderState, train_batches
@@ -60,6 +61,5 @@ def train_cross_entropy(conf: Configuration, data: DataSet, root: Path) -> dict[
                            "last_loss": loss.item()},
               "evaluation": evaluate(EmbeddingModel(encoder.eval()), config, data,
                                      path.parent / "eval")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    write_json(path, result)
     return result

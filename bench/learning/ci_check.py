@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from app.run_config import RunConfig
+from bench.common import write_json
 from core.config import load_config
 from data_pipeline.config import DataConfig, ShardsConfig
 from data_pipeline.graph.config import GraphConfig
@@ -262,7 +263,7 @@ def measure(recipe: str, epochs: int, seed: int, root: Path, captions: str = "at
     result = {"untrained": scores(untrained(recipe, keys), *decoded, views),
               "trained": scores(trained(run_dir), *decoded, views)}
     result = {name: dataclasses.asdict(value) for name, value in result.items()}
-    (run_dir / "result.json").write_text(json.dumps(result))
+    write_json(run_dir / "result.json", result)
     return result
 
 
@@ -304,7 +305,7 @@ def main() -> None:
         print(f"| {name} | {cells} | {stats['mean']:.3f} ± {stats['sd']:.3f} "
               f"| {stats['mean_minus_3sd']:.3f} |")
     path = args.out / f"ci_check-{run_name(args.recipe, args.captions, args.epochs, args.set)}.json"
-    path.write_text(json.dumps(report, indent=2))
+    write_json(path, report)
 
 
 if __name__ == "__main__":

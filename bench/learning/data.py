@@ -5,12 +5,12 @@ graph, and the class-level similarity of their captions), in two caption styles
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from bench.common import write_json
 from data_pipeline.config import ShardsConfig
 from data_pipeline.graph.class_graph import build_class_graph, load_class_graph
 from data_pipeline.graph.config import GraphConfig
@@ -125,7 +125,7 @@ def cluttered(root: Path, train_samples: int, test_samples: int,
         vectors, labels = caption_vectors(train, captions)
         np.savez(caption_graph, graph=caption_class_graph(vectors, labels, len(names)),
                  class_names=np.array(names))
-        accuracy.write_text(json.dumps(caption_class_accuracy(vectors, labels)))
+        write_json(accuracy, caption_class_accuracy(vectors, labels))
     return DataSet(f"{name}{'_centred' * center}", train, test, graph, captions, caption_graph,
                    center)
 

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from app.run_config import RunConfig
+from bench.common import write_json
 from bench.learning.data import DataSet
-from bench.records import invocation, provenance
 from core.config import load_config
 from data_pipeline.config import DataConfig
 from data_pipeline.graph.class_graph import load_class_graph
@@ -155,8 +154,7 @@ def run(conf: Configuration, data: DataSet, root: Path, floor: bool = False) -> 
     if path.is_file():
         return json.loads(path.read_text())
     config, _ = run_config(conf, data, root)
-    result: dict[str, Any] = {"configuration": dataclasses.asdict(conf),
-                              "provenance": provenance(invocation())}
+    result: dict[str, Any] = {"configuration": dataclasses.asdict(conf)}
     if floor:
         model = untrained(conf, data, root)
     else:
@@ -164,14 +162,5 @@ def run(conf: Configuration, data: DataSet, root: Path, floor: bool = False) -> 
         model = trained(conf, root)
     if model is not None:
         result["evaluation"] = evaluate(model, config, data, path.parent / "eval")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=_plain))
+    write_json(path, result)  # with the provenance: command, commit, date, machine
     return result
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.common import write_json
 from bench.learning.claims import knn, probe
 
 RECIPES = ("infonce", "supcon")
@@ -78,7 +79,7 @@ def main() -> None:
         per_metric = gains(args.out, recipe, args.seeds)
         report[recipe] = {name: {"seeds": rows, "summary": summary(rows)}
                           for name, rows in per_metric.items()}
-    (args.out / "thresholds.json").write_text(json.dumps(report, indent=1))
+    write_json(args.out / "thresholds.json", report)
     print("\n".join(table(report)))
 
 

@@ -128,11 +128,9 @@ def main(argv: list[str] | None = None) -> None:
             row["memory_ratio"] = row["this_peak_rss_mib"] / row["baseline_peak_rss_mib"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    from bench.common import machine
-    args.output.write_text(json.dumps({"machine": machine(), "rounds": args.rounds,
-                                       "baseline": str(args.baseline or ""), "rows": rows},
-                                      indent=2))
+    from bench.common import machine, write_json
+    write_json(args.output, {"machine": machine(), "rounds": args.rounds,
+                             "baseline": str(args.baseline or ""), "rows": rows})
 
 
 if __name__ == "__main__":

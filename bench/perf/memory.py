@@ -140,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     live = one_step(args.model, args.setting, args.batch)
     if dist.get_rank() == 0:
-        args.out.write_text(json.dumps(live))
+        write_json(args.out, live)
     dist.destroy_process_group()
 
 

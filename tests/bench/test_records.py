@@ -3,11 +3,17 @@ rendering, and every commit a record names is an ancestor of HEAD."""
 
 from __future__ import annotations
 
+import ast
+import datetime
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from bench import records
+from bench.common import write_json
 from bench.learning import xclr_record
 
 
@@ -75,3 +81,46 @@ def test_a_commit_outside_the_history_is_named(tmp_path, monkeypatch):
     record = {"commit": "0" * 40, "figures": {"runs": [{"0": {"commit": "1" * 40}}]}}
     assert records.commits(record) == {"0" * 40, "1" * 40}
     assert records.git("merge-base", "--is-ancestor", "0" * 40, "HEAD") is None
+
+
+def test_a_benchmark_result_names_its_command_commit_date_and_machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(records.REPO / "bench/perf/views.py"), "--rounds",
+                                      "3"])
+    write_json(tmp_path / "result.json", {"ms": 1.5})
+    result = json.loads((tmp_path / "result.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=records.REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    seen = result["provenance"]
+    assert result["ms"] == 1.5
+    assert seen["command"] == "python -m bench.perf.views --rounds 3"
+    assert seen["commit"] == head
+    assert seen["date"] == datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    assert seen["machine"]["cpu"] and seen["machine"]["torch"]
+
+
+WRITERS = {"write_json", "write_record", "write_atomically"}  # each adds the provenance
+
+
+def _json_written_past_the_writers(path: Path) -> list[int]:
+    """Lines of ``path`` that write ``json.dumps`` output to a file by another way than
+    :data:`WRITERS` (``x.write_text(json.dumps(...))``, ``json.dump(obj, file)``)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        if "_stats.json" in name:  # a shard's statistics, data a rehearsal reads, no result
+            continue
+        if name == "json.dump" or (name.endswith(".write_text") and any(
+                isinstance(arg, ast.Call) and ast.unparse(arg.func) == "json.dumps"
+                for arg in node.args)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_every_benchmark_writes_its_results_through_a_writer_that_adds_the_provenance():
+    own = {records.REPO / "bench" / "common.py", records.REPO / "bench" / "records.py"}
+    found = {str(path.relative_to(records.REPO)): lines
+             for path in sorted((records.REPO / "bench").rglob("*.py")) if path not in own
+             for lines in [_json_written_past_the_writers(path)] if lines}
+    assert found == {}, f"JSON written past {sorted(WRITERS)}: {found}"

@@ -37,6 +37,9 @@ def test_the_dry_run_measures_every_part(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "gpu.json").read_text())
     assert report["dry_run"] and list(report["parts"]) == list(PARTS)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert report["provenance"]["commit"] == head  # what gpu.md names as the commit
     parts = report["parts"]
     for name, part in parts.items():
         assert part["status"] == "ok" and part["rows"], (name, part["log_tail"][-2000:])
@@ -68,6 +71,7 @@ def test_the_dry_run_measures_every_part(tmp_path):
     assert all(row["resumed"] and row["backend"] == "gloo" for row in sharded)
     table = (tmp_path / "out" / "gpu.md").read_text()
     assert table.count("\n### ") + table.startswith("### ") == len(PARTS)
+    assert f"commit {head}" in table.splitlines()[0]
 
 
 def test_a_part_out_of_time_is_killed_with_its_processes_and_the_others_are_kept(tmp_path):
