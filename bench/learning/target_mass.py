@@ -9,7 +9,9 @@ and computes t_ij = softmax_{j != i}(c_i . c_j / tau_s) in float64 from the stor
 caption embeddings, centred on the samples' mean and renormalised as ``graph.center``
 stores them, and over each anchor's ``top_k`` most similar candidates (ties kept, as
 ``objective.xclr.top_k``). Prints mean mass per row: own view, same class, other class, and
-the class precision same / (same + other).
+the class precision same / (same + other). With ``--record``, also writes
+``bench/records/learning/xclr_target_mass.json``, whose ``levers`` view is the table of
+``docs/learning.md``, "X-CLR on web captions".
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from bench.common import print_table
 from bench.learning.data import caption_vectors
+from bench.records import invocation, write_record
 from pretrain.objectives.xclr import TIE  # objective.xclr's ties at the k-th
 
 
@@ -54,6 +58,39 @@ def target_mass(vectors: np.ndarray, labels: np.ndarray, tau_s: float, top_k: in
             "class_precision": same_mass / max(same_mass + other_mass, 1e-12)}
 
 
+NAME = "learning/xclr_target_mass"
+RENDERER = "bench.learning.target_mass"  # this module, by the name a record imports it
+# the docs' rows: words -> (center, tau_s, top_k, images a step), one lever at a time from
+# the previous recipe, then the recipe and the levers beside it
+SETTINGS = {
+    "previous recipe (tau_s 0.1)": (False, 0.1, 0, 128),
+    "tau_s 0.05 (the recipe)": (False, 0.05, 0, 128),
+    "tau_s 0.2": (False, 0.2, 0, 128),
+    "centred store": (True, 0.1, 0, 128),
+    "`top_k=16`": (False, 0.1, 16, 128),
+    "256 images a step": (False, 0.1, 0, 256),
+    "tau_s 0.05, `top_k=16`": (False, 0.05, 16, 128),
+    "tau_s 0.05, centred": (True, 0.05, 0, 128),
+    "tau_s 0.05, centred, 256 images a step": (True, 0.05, 0, 256),
+}
+
+
+def render(record: dict[str, Any], view: str) -> list[str]:
+    """``levers``: the mass on the other view, the class and other classes, and the class's
+    share of the mass off the view, for each of :data:`SETTINGS`."""
+    if view != "levers":
+        raise ValueError(f"{NAME}: no view {view!r} (levers)")
+    rows = {(r["center"], r["tau_s"], r["top_k"], r["batch"]): r
+            for r in record["figures"]["rows"]}
+    lines = ["| setting | other view | same class | other classes | class share |",
+             "| --- | --- | --- | --- | --- |"]
+    for words, key in SETTINGS.items():
+        row = rows[key]
+        lines.append(f"| {words} | {row['own_view']:.3f} | {row['same_class']:.3f} | "
+                     f"{row['other_class']:.3f} | {row['class_precision']:.3f} |")
+    return lines
+
+
 def centred(vectors: np.ndarray) -> np.ndarray:
     """unit(v - mean over the samples), as ``graph.center`` stores the captions."""
     shifted = vectors - vectors.mean(0)
@@ -71,6 +108,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[128, 256],
                         help="images in a global batch")
     parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--record", action="store_true",
+                        help=f"also write bench/records/{NAME}.json (the docs' table)")
     args = parser.parse_args()
     vectors, labels = caption_vectors(args.shards, args.store)
     vectors = vectors.astype(np.float64)
@@ -83,6 +122,9 @@ def main() -> None:
         rows.append({"center": center, "tau_s": tau_s, "top_k": top_k, "batch": batch,
                      **{k: round(v, 3) for k, v in mass.items()}})
     print_table(rows, list(rows[0]))
+    if args.record:
+        path = write_record(NAME, invocation(), RENDERER, {"trials": args.trials, "rows": rows})
+        print(f"record: {path}")
 
 
 if __name__ == "__main__":
