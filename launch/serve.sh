@@ -4,7 +4,7 @@
 #   bash launch/serve.sh runs/cluttered-xclr-demo/mlflow.db models:/cluttered-encoder@champion
 #   curl -s 127.0.0.1:5001/invocations -H 'Content-Type: application/json' \
 #        -d "{\"dataframe_records\": [{\"image\": \"$(base64 -w0 photo.jpg)\"}]}"
-#   # -> {"predictions": [[...]]}: L2-normalised embeddings (docs/training.md, "serve")
+#   # -> {"predictions": [[...]]}: L2-normalised embeddings (docs/reliability.md, "The server")
 # Arguments: the run's SQLite store (or an http:// tracking URI), the model URI, the port
 # (default 5001), then any option of `python -m serving.server --help`, e.g.
 # `--path-root /data/images` to accept path rows under that directory (off by default).
