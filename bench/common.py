@@ -161,15 +161,17 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
+def write_json(path: Path, payload: dict[str, Any], seen: dict[str, Any] | None = None
+               ) -> None:
     """A benchmark's result: ``payload`` with its ``provenance`` (the command as typed, the
-    commit, whether the tree differed from it, the date and the machine), which a record
-    under ``bench/records/`` keeps when a page cites it."""
+    commit, whether the tree differed from it, the date and the machine: ``seen``, taken
+    when the measurement began, else now), which a record under ``bench/records/`` keeps
+    when a page cites it."""
     from bench.records import invocation, provenance
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**payload, "provenance": provenance(invocation())}, indent=1,
-                               default=_plain))
+    seen = seen or provenance(invocation())
+    path.write_text(json.dumps({**payload, "provenance": seen}, indent=1, default=_plain))
 
 
 def _plain(value: Any) -> Any:

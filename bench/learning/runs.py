@@ -20,6 +20,7 @@ import torch
 from app.run_config import RunConfig
 from bench.common import write_json
 from bench.learning.data import DataSet
+from bench.records import invocation, provenance
 from core.config import load_config
 from data_pipeline.config import DataConfig
 from data_pipeline.graph.class_graph import load_class_graph
@@ -154,6 +155,7 @@ def run(conf: Configuration, data: DataSet, root: Path, floor: bool = False) -> 
     if path.is_file():
         return json.loads(path.read_text())
     config, _ = run_config(conf, data, root)
+    seen = provenance(invocation())  # the tree the run starts from, not the one it ends in
     result: dict[str, Any] = {"configuration": dataclasses.asdict(conf)}
     if floor:
         model = untrained(conf, data, root)
@@ -162,5 +164,5 @@ def run(conf: Configuration, data: DataSet, root: Path, floor: bool = False) -> 
         model = trained(conf, root)
     if model is not None:
         result["evaluation"] = evaluate(model, config, data, path.parent / "eval")
-    write_json(path, result)  # with the provenance: command, commit, date, machine
+    write_json(path, result, seen)
     return result

@@ -1,5 +1,5 @@
-"""Pieces shared by the objectives: logits, the fused masked row softmax, positive terms,
-and the metrics every objective reports.
+"""Pieces shared by the objectives: logits, positive terms, and the metrics every objective
+reports (the fused masked row softmax is ``rows.py``'s).
 
 All loss arithmetic runs in float32 (float64 when given float64) with autocast disabled,
 and every log-softmax is max-shifted, so objectives stay finite at tau = 0.01 under
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from pretrain.contrast.batch import ContrastiveBatch, sum_by_group
-from pretrain.contrast.columns import MASKED_LOGIT, Columns, PositiveKind
+from pretrain.contrast.columns import MASKED_LOGIT, PositiveKind
 from pretrain.contrast.tiles import divided
 
 Temperature = float | Tensor
@@ -66,61 +66,6 @@ def pair_logits(anchors: Tensor, columns: Tensor, pairs: tuple[Tensor, Tensor]) 
     """[P] logits a_r . c_c of the (rows, cols) ``pairs``, without the [n, N] matrix."""
     rows, cols = pairs
     return torch.linalg.vecdot(anchors[rows], as_float(columns)[cols])
-
-
-class _RowSoftmaxAndTargets(torch.autograd.Function):
-    """:class:`_RowSoftmax` with soft targets t [n, N] (no gradient, 0 at the left-out
-    entries): also each row's sum_j t_ij l_ij, made in ``masked``'s buffer. Backward: the
-    gradient with respect to the logits, g_lse * softmax + g_term * t (for lse - term:
-    softmax - t), formed in place in the saved softmax; the targets never enter a matmul."""
-
-    @staticmethod
-    def forward(ctx, masked: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        ctx.set_materialize_grads(False)
-        ctx.spent = False
-        lse, probs = lse_and_softmax(masked)
-        # masked is spent: 0 * MASKED_LOGIT is 0 at the left-out entries
-        term = masked.mul_(targets).sum(1)
-        ctx.save_for_backward(probs, targets)
-        ctx.mark_non_differentiable(probs)
-        return lse, term, probs
-
-    @staticmethod
-    def backward(ctx, grad_lse: Tensor | None, grad_term: Tensor | None,
-                 grad_probs: None) -> tuple[Tensor | None, None]:
-        spend(ctx)
-        probs, targets = ctx.saved_tensors
-        if grad_lse is None and grad_term is None:
-            return None, None
-        grad = probs.mul_(grad_lse[:, None]) if grad_lse is not None else probs.zero_()
-        if grad_term is not None:
-            grad.addcmul_(targets, grad_term[:, None])
-        return grad, None
-
-
-def lse_and_softmax(masked: Tensor) -> tuple[Tensor, Tensor]:
-    """([n] logsumexp of each row, [n, N] its softmax): one fused log_softmax and one exp."""
-    row_max, argmax = masked.max(dim=1)
-    log_probs = torch.log_softmax(masked, dim=1)
-    lse = row_max - log_probs.gather(1, argmax[:, None]).squeeze(1)
-    return lse, log_probs.exp_()
-
-
-def spend(ctx) -> None:
-    if ctx.spent:
-        raise RuntimeError("row_softmax: backward ran twice; retain_graph is not supported")
-    ctx.spent = True
-
-
-def row_softmax_and_targets_(logits: Tensor, columns: Columns,
-                             targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The row softmax (``rows.py``) beside soft ``targets`` [n, N] (no gradient, 0 wherever
-    ``columns`` leaves an entry out): ([n] logsumexp, [n] sum_j t_ij l_ij, both with
-    gradient; [n, N] the softmax, detached). ``logits`` is overwritten, and left as
-    scratch."""
-    with torch.no_grad():
-        columns.fill_(logits, MASKED_LOGIT)
-    return _RowSoftmaxAndTargets.apply(logits, targets)
 
 
 def add_log_columns_(values: Tensor, anchor_group: Tensor, counts: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
 """SINCERE's pair terms over each anchor's positives, sum_p softplus(lse_i - l_ip + eps),
 beside the log-sum-exp lse_i over its negatives, in one autograd node: dense on the [n, N]
-logits, or tiled (``tiles.py``) with a backward that recomputes each tile's logits once.
+logits, or tiled (``tiles.py``) with a backward that recomputes each tile's logits once;
+:func:`pair_terms` is the operation SINCERE's loss calls.
 
 softplus(x) is taken as -log sigmoid(-x): two vectorised passes where torch's CPU softplus
 makes one several times slower. Its absolute error is float32's resolution near 1 (6e-8 a
@@ -16,8 +17,26 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pretrain.contrast.columns import MASKED_LOGIT, NEGLIGIBLE_LOG_WEIGHT, Columns, ColumnTiles
-from pretrain.contrast.common import lse_and_softmax, spend
+from pretrain.contrast.batch import ContrastiveBatch
+from pretrain.contrast.columns import (
+    MASKED_LOGIT,
+    NEGLIGIBLE_LOG_WEIGHT,
+    Columns,
+    ColumnTiles,
+    PositiveKind,
+)
+from pretrain.contrast.common import Temperature, as_float, scaled
+from pretrain.contrast.rows import (
+    Over,
+    PairTerms,
+    RowTerms,
+    columns_over,
+    lse_and_softmax,
+    softmax_ess,
+    spend,
+    tile_plan,
+    tiled_terms,
+)
 from pretrain.contrast.tiles import (
     TileBuffers,
     TiledRows,
@@ -171,3 +190,27 @@ def tiled_rows_and_pair_terms(anchors: Tensor, columns: Tensor, plan: TilePlan,
     over ``positives`` of softplus(lse_i - l_ij + eps), with gradient."""
     *sums, pair_sum = _RowsAndPairTerms.apply(anchors, columns, plan, positives, eps)
     return _tiled_rows(plan, _PassSums(*sums)), pair_sum
+
+
+def pair_terms(batch: ContrastiveBatch, kind: PositiveKind, *, over: Over,
+               temperature: Temperature, eps: float) -> PairTerms:
+    """:func:`logsumexp_with_positives` and, over each anchor's positives p, the sum of
+    softplus(lse_i - l_ip + eps) - eps: SINCERE's pair terms (tiled, one pass whose
+    backward recomputes each tile once, with no [P] pair list)."""
+    column_set = columns_over(kind, over)
+    positives = column_set.positives_only
+    anchors, columns = scaled(batch.anchors, temperature), as_float(batch.candidates)
+    if batch.tile_size is None:
+        dense = dense_rows_and_pair_terms(
+            anchors @ columns.T, batch.columns(column_set), batch.columns(positives), eps,
+            logit_sum=batch.num_negatives is not None)
+        rows = RowTerms(dense.lse, softmax_ess(batch, column_set, dense.probs),
+                        dense.logit_sum)
+        positive_lse, pair_sum = dense.positive_lse, dense.pair_sum
+    else:
+        plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
+        tiled, pair_sum = tiled_rows_and_pair_terms(anchors, columns, plan,
+                                                    batch.column_tiles(positives), eps)
+        rows, positive_lse = tiled_terms(batch, column_set, tiled, True), tiled.positive_lse
+    num_positives = batch.num_positives_per_anchor(kind).to(pair_sum.dtype)
+    return PairTerms(rows, positive_lse, pair_sum - eps * num_positives)

@@ -2,11 +2,12 @@
 
 ``logsumexp(batch, anchors, columns, kind, over=...)`` is log sum_j exp(a_i . c_j) over
 the columns ``over`` names, with the monitors over the negatives of ``kind``; every
-softmax objective needs it. Three named operations add what one objective each needs:
-``logsumexp_both_ways`` (CLIP's second direction), ``logsumexp_with_positives`` (FlatNCE)
-and ``pair_terms`` (SINCERE). With ``batch.tile_size`` unset each materialises the [n, N]
-logits (fastest while they fit); with it set it walks column tiles (``tiles.py``) and no
-[n, N] tensor exists. Both give the same values and gradients
+softmax objective builds on it, and its fused row softmax is here. Two named operations
+add what one objective each needs: ``logsumexp_both_ways`` (CLIP's second direction) and
+``logsumexp_with_positives`` (FlatNCE); SINCERE's ``pair_terms`` sits with its machinery in
+``pair_terms.py``. With ``batch.tile_size`` unset each materialises the [n, N] logits
+(fastest while they fit); with it set it walks column tiles (``tiles.py``) and no [n, N]
+tensor exists. Both give the same values and gradients
 (``tests/pretrain/objectives/test_tiles.py``).
 """
 
@@ -24,8 +25,7 @@ from pretrain.contrast.columns import (
     ColumnSet,
     PositiveKind,
 )
-from pretrain.contrast.common import Temperature, as_float, scaled, spend
-from pretrain.contrast.pair_terms import dense_rows_and_pair_terms, tiled_rows_and_pair_terms
+from pretrain.contrast.common import Temperature, as_float, scaled
 from pretrain.contrast.symmetric_tiles import symmetric_rows
 from pretrain.contrast.tiles import (
     TargetLogits,
@@ -115,7 +115,7 @@ def logsumexp(batch: ContrastiveBatch, anchors: Tensor, columns: Tensor, kind: P
     if batch.tile_size is not None:
         plan = tile_plan(batch, column_set, monitors=monitors)
         tiled = tiled_batch_rows(batch, anchors, columns, plan, temperature)
-        return _terms(batch, column_set, tiled, monitors)
+        return tiled_terms(batch, column_set, tiled, monitors)
     logits = scaled(anchors, temperature) @ as_float(columns).T  # [n, N]
     with torch.no_grad():  # outside autograd: a left-out entry gets probability 0
         batch.columns(column_set).fill_(logits, MASKED_LOGIT)
@@ -132,7 +132,7 @@ def logsumexp_with_positives(batch: ContrastiveBatch, kind: PositiveKind, *, ove
     if batch.tile_size is not None:
         plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
         tiled = tiled_batch_rows(batch, batch.anchors, batch.candidates, plan, temperature)
-        return WithPositives(_terms(batch, column_set, tiled, True), tiled.positive_lse)
+        return WithPositives(tiled_terms(batch, column_set, tiled, True), tiled.positive_lse)
     logits = scaled(batch.anchors, temperature) @ as_float(batch.candidates).T  # [n, N]
     with torch.no_grad():  # the positives' entries read before the mask leaves them out
         positive_lse = masked_logsumexp(logits, batch.columns(column_set.positives_only).drop)
@@ -152,36 +152,12 @@ def logsumexp_both_ways(batch: ContrastiveBatch, columns: Tensor, kind: Positive
         column_set = columns_over(kind, over)
         plan = tile_plan(batch, column_set, monitors=True, column_lse=True)
         tiled = tiled_batch_rows(batch, batch.anchors, columns, plan, temperature)
-        return BothWays(_terms(batch, column_set, tiled, True), tiled.column_lse)
+        return BothWays(tiled_terms(batch, column_set, tiled, True), tiled.column_lse)
     rows = logsumexp(batch, batch.anchors, columns, kind, over=over, temperature=temperature)
     own = columns[batch.anchor_index]  # [n, D] each anchor's own column
     down = logsumexp(batch, own, batch.candidates, kind, over=over, temperature=temperature,
                      monitors=False)
     return BothWays(rows, down.lse)
-
-
-def pair_terms(batch: ContrastiveBatch, kind: PositiveKind, *, over: Over,
-               temperature: Temperature, eps: float) -> PairTerms:
-    """:func:`logsumexp_with_positives` and, over each anchor's positives p, the sum of
-    softplus(lse_i - l_ip + eps) - eps: SINCERE's pair terms (``pair_terms.py``; tiled, one
-    pass whose backward recomputes each tile once, with no [P] pair list)."""
-    column_set = columns_over(kind, over)
-    positives = column_set.positives_only
-    anchors, columns = scaled(batch.anchors, temperature), as_float(batch.candidates)
-    if batch.tile_size is None:
-        dense = dense_rows_and_pair_terms(
-            anchors @ columns.T, batch.columns(column_set), batch.columns(positives), eps,
-            logit_sum=batch.num_negatives is not None)
-        rows = RowTerms(dense.lse, softmax_ess(batch, column_set, dense.probs),
-                        dense.logit_sum)
-        positive_lse, pair_sum = dense.positive_lse, dense.pair_sum
-    else:
-        plan = tile_plan(batch, column_set, monitors=True, positive_lse=True)
-        tiled, pair_sum = tiled_rows_and_pair_terms(anchors, columns, plan,
-                                                    batch.column_tiles(positives), eps)
-        rows, positive_lse = _terms(batch, column_set, tiled, True), tiled.positive_lse
-    num_positives = batch.num_positives_per_anchor(kind).to(pair_sum.dtype)
-    return PairTerms(rows, positive_lse, pair_sum - eps * num_positives)
 
 
 class _RowSoftmax(torch.autograd.Function):
@@ -196,10 +172,7 @@ class _RowSoftmax(torch.autograd.Function):
     def forward(ctx, masked: Tensor) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)  # no [n, N] zeros for the probs output's grad
         ctx.spent = False
-        row_max, argmax = masked.max(dim=1)
-        log_probs = torch.log_softmax(masked, dim=1)
-        lse = row_max - log_probs.gather(1, argmax[:, None]).squeeze(1)  # [n]
-        probs = log_probs.exp_()  # [n, N]
+        lse, probs = lse_and_softmax(masked)
         ctx.save_for_backward(probs)
         ctx.mark_non_differentiable(probs)
         return lse, probs
@@ -212,6 +185,20 @@ class _RowSoftmax(torch.autograd.Function):
         (probs,) = ctx.saved_tensors
         # in place: also, out of place a column-broadcast multiply is ~8x slower on CPU
         return probs.mul_(grad_lse[:, None])
+
+
+def lse_and_softmax(masked: Tensor) -> tuple[Tensor, Tensor]:
+    """([n] logsumexp of each row, [n, N] its softmax): one fused log_softmax and one exp."""
+    row_max, argmax = masked.max(dim=1)
+    log_probs = torch.log_softmax(masked, dim=1)
+    lse = row_max - log_probs.gather(1, argmax[:, None]).squeeze(1)
+    return lse, log_probs.exp_()
+
+
+def spend(ctx) -> None:
+    if ctx.spent:
+        raise RuntimeError("a row softmax's backward ran twice; retain_graph is not supported")
+    ctx.spent = True
 
 
 @torch.no_grad()
@@ -276,7 +263,7 @@ def masked_logsumexp(values: Tensor, drop: Tensor) -> Tensor:
     return torch.where(kept, total.log_() + top, MASKED_LOGIT)[:, 0]
 
 
-def _terms(batch: ContrastiveBatch, column_set: ColumnSet, rows: TiledRows,
+def tiled_terms(batch: ContrastiveBatch, column_set: ColumnSet, rows: TiledRows,
            monitors: bool) -> RowTerms:
     if not monitors:
         return RowTerms(rows.lse)

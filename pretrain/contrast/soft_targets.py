@@ -22,19 +22,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pretrain.contrast.batch import NORM_EPS, ContrastiveBatch, PositiveKind
-from pretrain.contrast.columns import MASKED_LOGIT, ColumnSet
+from pretrain.contrast.columns import MASKED_LOGIT, Columns, ColumnSet
 from pretrain.contrast.common import (
     Temperature,
     add_log_columns_,
     as_float,
     row_dot,
-    row_softmax_and_targets_,
     scaled,
 )
 from pretrain.contrast.rows import (
     ess_from_ratio,
     logsumexp,
+    lse_and_softmax,
     softmax_ess,
+    spend,
     tile_plan,
     tiled_batch_rows,
 )
@@ -229,3 +230,44 @@ class _CaptionTargets:
             self._block, self._anchors = block, self.captions[rows].mul_(scale)
         return torch.mm(self._anchors, self.captions[start:stop].T, out=out).mul_(
             self.inverse_norms[start:stop])
+
+
+def row_softmax_and_targets_(logits: Tensor, columns: Columns,
+                             targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The row softmax (``rows.py``) beside soft ``targets`` [n, N] (no gradient, 0 wherever
+    ``columns`` leaves an entry out): ([n] logsumexp, [n] sum_j t_ij l_ij, both with
+    gradient; [n, N] the softmax, detached). ``logits`` is overwritten, and left as
+    scratch."""
+    with torch.no_grad():
+        columns.fill_(logits, MASKED_LOGIT)
+    return _RowSoftmaxAndTargets.apply(logits, targets)
+
+
+class _RowSoftmaxAndTargets(torch.autograd.Function):
+    """``rows.py``'s row softmax with soft targets t [n, N] (no gradient, 0 at the left-out
+    entries): also each row's sum_j t_ij l_ij, made in ``masked``'s buffer. Backward: the
+    gradient with respect to the logits, g_lse * softmax + g_term * t (for lse - term:
+    softmax - t), formed in place in the saved softmax; the targets never enter a matmul."""
+
+    @staticmethod
+    def forward(ctx, masked: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        ctx.spent = False
+        lse, probs = lse_and_softmax(masked)
+        # masked is spent: 0 * MASKED_LOGIT is 0 at the left-out entries
+        term = masked.mul_(targets).sum(1)
+        ctx.save_for_backward(probs, targets)
+        ctx.mark_non_differentiable(probs)
+        return lse, term, probs
+
+    @staticmethod
+    def backward(ctx, grad_lse: Tensor | None, grad_term: Tensor | None,
+                 grad_probs: None) -> tuple[Tensor | None, None]:
+        spend(ctx)
+        probs, targets = ctx.saved_tensors
+        if grad_lse is None and grad_term is None:
+            return None, None
+        grad = probs.mul_(grad_lse[:, None]) if grad_lse is not None else probs.zero_()
+        if grad_term is not None:
+            grad.addcmul_(targets, grad_term[:, None])
+        return grad, None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from pretrain.objectives import (
     ObjectiveConfig,
     ObjectiveOutput,
     ObjectiveSpec,
-    check_declared,
+    declared,
     objective_spec,
 )
 
@@ -26,8 +27,8 @@ from pretrain.objectives import (
 @dataclass
 class Objective:
     """The loss a run trains with: ``fn``, the table's function with the objective's own
-    keys bound (``fn(global_batch, temperature, **loss_parameters)``, called on a batch
-    that passes :meth:`check`, with autocast off), its entry and its configuration,
+    keys bound (``fn(global_batch, temperature, **loss_parameters)``, called within
+    :meth:`declared`), its entry and its configuration,
     the temperature (fixed, or steered towards a target ESS), and what the run knows of
     every global batch before it sees one, so that no step reads a count back from the
     device: the ``class_graph`` [C, C] (xclr), the number of classes C (labels lie in
@@ -50,9 +51,10 @@ class Objective:
         self.controller = (EssTemperatureController(ess, self.cfg.temperature)
                            if ess.enabled else None)
 
-    def check(self, batch: ContrastiveBatch) -> None:
-        """That the global ``batch`` holds what the objective's entry declares."""
-        check_declared(self.cfg.name, self.spec, batch)
+    def declared(self, batch: ContrastiveBatch) -> contextlib.AbstractContextManager:
+        """Around :attr:`fn` on the global ``batch``: the batch checked to hold what the
+        entry declares, autocast off (``objectives.table.declared``)."""
+        return declared(self.cfg.name, self.spec, batch)
 
     @property
     def temperature(self) -> float:

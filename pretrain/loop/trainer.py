@@ -122,9 +122,8 @@ def loss_of_outputs(out: ModelOutput, batch: dict[str, Any], objective: Objectiv
                      None if captions is None else captions.to(out.projections.dtype),
                      out.text)
     global_batch = build_global_batch(rows, objective.options(step))
-    objective.check(global_batch)
     temperature = objective.temperature if out.temperature is None else out.temperature
-    with torch.autocast(global_batch.candidates.device.type, enabled=False):  # full precision
+    with objective.declared(global_batch):  # checked, and in full precision
         result = objective.fn(global_batch, temperature, **out.loss_parameters)
     if measure_rank:
         result.metrics["effective_rank"] = effective_rank(out.projections.detach())
@@ -240,9 +239,9 @@ class Trainer:
                     out, backward = chunked_loss(self.engine, batch, self.objective,
                                                  self.step, self.cfg.chunk_size, reports,
                                                  self.pieces)
-                else:  # 2-4
-                    out = forward_loss(self.engine, batch, self.objective, self.step,
-                                       reports)
+                else:  # 2-4, as forward_loss
+                    out = loss_of_outputs(self.engine(*model_inputs(batch)), batch,
+                                          self.objective, self.step, reports)
                     backward = functools.partial(self.engine.backward, out.loss)
             flags = self.update(out, backward, placeholder)  # 5
         if self.objective.controller:

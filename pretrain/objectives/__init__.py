@@ -24,7 +24,7 @@ from pretrain.objectives.table import (
     OBJECTIVES,
     ObjectiveFn,
     ObjectiveSpec,
-    check_declared,
+    declared,
     objective_function,
     objective_spec,
 )
@@ -79,7 +79,7 @@ def batch_loss(
 __all__ = [
     "OBJECTIVES", "BatchOptions", "BatchRows", "ContrastiveBatch", "EssControlConfig",
     "EssTemperatureController", "ObjectiveConfig", "ObjectiveFn", "ObjectiveOutput",
-    "ObjectiveSpec", "Temperature", "batch_loss", "check_declared", "local_batch",
+    "ObjectiveSpec", "Temperature", "batch_loss", "declared", "local_batch",
     "objective_function",
     "objective_spec",
 ]

@@ -9,8 +9,9 @@ objective"); the backbones and the engines keep their tables the same way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -120,21 +121,23 @@ def objective_function(name: str, **keys: object) -> Callable[..., ObjectiveOutp
     return functools.partial(_declared_call, name, spec, spec.bound(**keys))
 
 
-def check_declared(name: str, spec: ObjectiveSpec, batch: ContrastiveBatch) -> None:
-    """That ``batch`` holds what objective ``name``'s entry declares."""
+@contextlib.contextmanager
+def declared(name: str, spec: ObjectiveSpec, batch: ContrastiveBatch) -> Iterator[None]:
+    """Around a call of objective ``name`` on ``batch``: the batch holds what ``spec``
+    declares, and autocast is off on its device, so every loss computes in float32, or
+    float64 when given float64."""
     if spec.labels and batch.labels is None:
         raise ValueError(f"{name}: needs class labels (labels=, an [N] tensor); use infonce "
                          "for instance positives")
     if spec.text_tower and batch.text is None:
         raise ValueError(f"{name}: needs the second modality's embeddings (text=)")
+    with torch.autocast(device_type=batch.candidates.device.type, enabled=False):
+        yield
 
 
 def _declared_call(name: str, spec: ObjectiveSpec, fn: ObjectiveFn, batch: ContrastiveBatch,
                    temperature: Temperature, **loss_parameters: Tensor) -> ObjectiveOutput:
-    """``fn`` on ``batch`` once the batch holds what ``spec`` declares, with autocast off
-    on its device: every loss computes in float32, or float64 when given float64."""
-    check_declared(name, spec, batch)
-    with torch.autocast(device_type=batch.candidates.device.type, enabled=False):
+    with declared(name, spec, batch):
         return fn(batch, temperature, **loss_parameters)
 
 

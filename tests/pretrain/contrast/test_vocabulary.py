@@ -1,8 +1,8 @@
 """Every loss is written in one vocabulary (``pretrain/contrast/vocabulary.py``) and imports
 nothing else of the objectives or their machinery but the loss it is a case of, in any
 import form (absolute, relative, ``importlib``); each name of it is documented on "Writing
-a loss" (docs/architecture.md). Its six core names serve every loss; each of its six
-objective-specific operations serves exactly one."""
+a loss" (docs/architecture.md). Its six core names serve more than one loss (the toy
+among them); each of its six objective-specific operations serves exactly one."""
 
 from __future__ import annotations
 
@@ -100,6 +100,13 @@ def test_a_loss_imports_the_vocabulary_and_nothing_else_of_the_package(stem):
     losses = {f"pretrain.objectives.{other}" for other in LOSS_FILES}
     found = set(imports(stem)) - losses
     assert found == {"pretrain.contrast.vocabulary"}, f"{stem}.py imports {sorted(found)}"
+
+
+def test_each_core_name_serves_more_than_one_loss():
+    users = {name: [stem for stem in [*LOSS_FILES, TOY.stem]
+                    if name in imports(stem).get("pretrain.contrast.vocabulary", set())]
+             for name in vocabulary.CORE}
+    assert all(len(stems) >= 2 for stems in users.values()), users
 
 
 def test_each_objective_specific_reduction_serves_one_loss():
