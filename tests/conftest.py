@@ -24,6 +24,7 @@ from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.leftovers import lingering_threads, mark_session, remove_strays
 from tests.ports import free_port
+from tests.scratch import over_budget
 
 
 def share_the_cores() -> None:
@@ -237,7 +238,22 @@ def uninterrupted(digits_shards: Path, tmp_path_factory: pytest.TempPathFactory
     return run
 
 
-_SESSION = {"mark": mark_session(), "status": 0}
+_SESSION = {"mark": mark_session(), "status": 0, "over_budget": False}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test of a file, once its fixtures are gone: the worker's scratch
+    within its budget (tests/scratch.py), or an error naming the file, once a worker."""
+    result = yield
+    if _SESSION["over_budget"] or (nextitem is not None and nextitem.path == item.path):
+        return result
+    base = item.config._tmp_path_factory.getbasetemp()  # this worker's
+    complaint = over_budget(base, item.nodeid.split("::")[0])
+    if complaint:
+        _SESSION["over_budget"] = True
+        raise AssertionError(complaint)
+    return result
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

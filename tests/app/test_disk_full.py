@@ -22,6 +22,7 @@ from pretrain.run.checkpoint import list_checkpoints
 from pretrain.run.tracking import RUN_ID_FILE, Tracker, TrackingConfig
 from tests import prewarmed
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
+from tests.scratch import scratch_dir
 from tests.small_disk import resize, small_disk
 
 COMMON = {"train.max_steps": 8, "checkpoint.every": 4, "data.workers": 1,
@@ -65,10 +66,10 @@ def one_line_fault(result: subprocess.CompletedProcess, prog: str) -> str:
 @pytest.fixture(scope="module")
 def reference(digits_shards, tmp_path_factory):
     """An uninterrupted 8-step run with checkpoints at steps 4 and 8."""
-    root = tmp_path_factory.mktemp("disk-full")
-    result = run_pretrain(train_overrides(digits_shards, root, **COMMON))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root / "run"
+    with scratch_dir(tmp_path_factory, "disk-full") as root:
+        result = run_pretrain(train_overrides(digits_shards, root, **COMMON))
+        assert result.returncode == 0, result.stderr[-3000:]
+        yield root / "run"
 
 
 def test_a_checkpoint_on_a_full_disk(digits_shards, reference, tmp_path):

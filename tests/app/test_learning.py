@@ -41,8 +41,9 @@ asserts", with the command that measured them); the run here is seed 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,7 @@ from bench.learning.ci_check import (
 )
 from evaluation.identity import model_digest
 from tests.app.helpers import run_pretrain
+from tests.scratch import scratch_dir
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
 
@@ -94,24 +96,25 @@ CHECKS = [Check("infonce", 2, knn_gain=None, probe_gain=0.028,  # 0.061 +- 0.011
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    return cluttered(tmp_path_factory.mktemp("cluttered"))
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
+    with scratch_dir(tmp_path_factory, "cluttered") as root:
+        yield cluttered(root)
 
 
 @pytest.fixture(scope="module")
 def training_shards(tmp_path_factory: pytest.TempPathFactory,
-                    shards) -> Callable[[str], Path]:
+                    shards) -> Iterator[Callable[[str], Path]]:
     """The training shards with a caption set's captions, made once a set. Both sets hold
     the same canvases under the same keys (``tests/data_pipeline/test_cluttered.py``), so
     every check is scored on the attribute shards' canvases."""
     made = {"attributes": shards[0]}
-
-    def with_captions(captions: str) -> Path:
-        if captions not in made:
-            made[captions] = cluttered(tmp_path_factory.mktemp(captions), captions,
-                                       splits=("train",))[0]
-        return made[captions]
-    return with_captions
+    with contextlib.ExitStack() as made_dirs:
+        def with_captions(captions: str) -> Path:
+            if captions not in made:
+                root = made_dirs.enter_context(scratch_dir(tmp_path_factory, captions))
+                made[captions] = cluttered(root, captions, splits=("train",))[0]
+            return made[captions]
+        yield with_captions
 
 
 @pytest.fixture(scope="module")

@@ -14,22 +14,23 @@ import pytest
 from registry.evaluation_record import EVALUATION_TAG
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.evaluation.test_evaluate import evaluate
+from tests.scratch import scratch_dir
 
 NAME = "card-resnet"
 
 
 @pytest.fixture(scope="module")
 def registered(digits_shards, tmp_path_factory):
-    root = tmp_path_factory.mktemp("card")
-    overrides = train_overrides(digits_shards, root, **{
-        "model.backbone": "resnet18", "model.small_stem": False,
-        "tracking.enabled": True, "tracking.system_metrics": False, "train.max_steps": 2,
-        "tracking.registered_model": NAME, "eval.train_shards": digits_shards,
-        "eval.test_shards": digits_shards, "eval.probe_epochs": 3,
-        "eval.compare_untrained": True})
-    result = run_pretrain(overrides)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root, overrides
+    with scratch_dir(tmp_path_factory, "card") as root:
+        overrides = train_overrides(digits_shards, root, **{
+            "model.backbone": "resnet18", "model.small_stem": False,
+            "tracking.enabled": True, "tracking.system_metrics": False, "train.max_steps": 2,
+            "tracking.registered_model": NAME, "eval.train_shards": digits_shards,
+            "eval.test_shards": digits_shards, "eval.probe_epochs": 3,
+            "eval.compare_untrained": True})
+        result = run_pretrain(overrides)
+        assert result.returncode == 0, result.stderr[-3000:]
+        yield root, overrides
 
 
 def export(root, overrides, source: str, fmt: str, out) -> None:

@@ -24,6 +24,7 @@ from tests.evaluation.test_evaluate import evaluate
 from tests.pretrain.distributed.test_engine import ZERO3
 from tests.pretrain.run.test_checkpoint import final_model
 from tests.pretrain.run.test_reshard import velocities
+from tests.scratch import scratch_dir
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
 
@@ -34,15 +35,15 @@ LEARNED = {"objective.name": "projnce", "objective.projnce.projection": "learned
 
 @pytest.fixture(scope="module")
 def learned_run(digits_shards, tmp_path_factory):
-    root = tmp_path_factory.mktemp("projnce-learned")
-    write_set(root / "test", [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
-    overrides = train_overrides(digits_shards, root, **LEARNED, **{
-        "train.max_steps": 12, "tracking.enabled": True, "tracking.system_metrics": False,
-        "tracking.registered_model": "digits-projnce", "eval.train_shards": digits_shards,
-        "eval.test_shards": root / "test", "eval.probe_epochs": 5, "eval.save_index": False})
-    result = run_pretrain(overrides)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root, overrides
+    with scratch_dir(tmp_path_factory, "projnce-learned") as root:
+        write_set(root / "test", [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
+        overrides = train_overrides(digits_shards, root, **LEARNED, **{
+            "train.max_steps": 12, "tracking.enabled": True, "tracking.system_metrics": False,
+            "tracking.registered_model": "digits-projnce", "eval.train_shards": digits_shards,
+            "eval.test_shards": root / "test", "eval.probe_epochs": 5, "eval.save_index": False})
+        result = run_pretrain(overrides)
+        assert result.returncode == 0, result.stderr[-3000:]
+        yield root, overrides
 
 
 def checkpoint_model(root, step: int) -> dict[str, torch.Tensor]:

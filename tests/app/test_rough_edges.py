@@ -19,6 +19,7 @@ from data_pipeline.loader import train_batches
 from data_pipeline.loader.state import LoaderState
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
+from tests.scratch import scratch_dir
 
 BAD = 60
 
@@ -27,12 +28,12 @@ BAD = 60
 def holey_shards(tmp_path_factory):
     """A shard of good digits, a shard of 60 undecodable JPEGs, another good one: read with
     one lane, batches of 2 fall wholly inside the bad shard."""
-    directory = tmp_path_factory.mktemp("holey") / "shards"
     bad = [Sample(f"bad{i:04d}", b"\xff\xd8 not a jpeg", "jpg", i % 10, "a caption")
            for i in range(BAD)]
-    write_set(directory, [[digit_sample(i) for i in range(40)], bad,
-                          [digit_sample(i) for i in range(40, 80)]])
-    return directory
+    with scratch_dir(tmp_path_factory, "holey") as root:
+        write_set(root / "shards", [[digit_sample(i) for i in range(40)], bad,
+                                    [digit_sample(i) for i in range(40, 80)]])
+        yield root / "shards"
 
 
 def test_a_batch_of_skipped_samples_is_a_placeholder_and_the_epoch_keeps_its_length(

@@ -24,6 +24,7 @@ from tests.data_pipeline.gcs import GcsEndpoint
 from tests.data_pipeline.helpers import uneven_set
 from tests.data_pipeline.remote import img2dataset_shards
 from tests.ports import free_port
+from tests.scratch import scratch_dir
 
 BUCKET = "contrastive-shards"
 
@@ -70,9 +71,10 @@ def store(request, monkeypatch, tmp_path_factory):
     # the command-line tools installed beside this interpreter (the venv's bin)
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     make = s3_store if request.param == "s3" else gs_store
-    made, stop = make(monkeypatch, tmp_path_factory.mktemp(request.param))
-    yield made
-    stop()
+    with scratch_dir(tmp_path_factory, request.param) as root:
+        made, stop = make(monkeypatch, root)
+        yield made
+        stop()
 
 
 def config(shards, **kw) -> DataConfig:

@@ -18,30 +18,31 @@ from data_pipeline.graph.job import run_captions
 from tests import prewarmed
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_jpeg, digit_sample, write_set
+from tests.scratch import scratch_dir
 
 
 @pytest.fixture(scope="module")
 def trained(digits_shards, tmp_path_factory):
-    root = tmp_path_factory.mktemp("evaluate")
-    test_shards = root / "test-shards"
-    write_set(test_shards, [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
-    graph = root / "class_graph.npz"
-    rng = np.random.default_rng(0)
-    vectors = rng.normal(size=(10, 8))
-    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    np.savez(graph, graph=vectors @ vectors.T, class_names=np.array(DIGIT_NAMES))
-    overrides = train_overrides(digits_shards, root, **{
-        "tracking.enabled": True, "tracking.system_metrics": False, "train.max_steps": 4,
-        "tracking.registered_model": "digits-eval-test", "eval.class_graph": graph,
-        "eval.train_shards": digits_shards, "eval.test_shards": test_shards,
-        "eval.probe_epochs": 5, "eval.class_groups": "[[0,1,2,3],[4,5,6,7,8,9]]"})
-    # a caption store of the training shards: evaluation must not join it to its shards
-    run_captions(GraphConfig(shards=str(digits_shards), output=str(root / "captions")))
-    monitor = ["train.knn_every=2", "train.knn_samples=64"]
-    result = run_pretrain([*overrides, *monitor])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.count("knn monitor: top-1") == 2  # steps 2 and 4
-    return root, overrides
+    with scratch_dir(tmp_path_factory, "evaluate") as root:
+        test_shards = root / "test-shards"
+        write_set(test_shards, [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
+        graph = root / "class_graph.npz"
+        rng = np.random.default_rng(0)
+        vectors = rng.normal(size=(10, 8))
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        np.savez(graph, graph=vectors @ vectors.T, class_names=np.array(DIGIT_NAMES))
+        overrides = train_overrides(digits_shards, root, **{
+            "tracking.enabled": True, "tracking.system_metrics": False, "train.max_steps": 4,
+            "tracking.registered_model": "digits-eval-test", "eval.class_graph": graph,
+            "eval.train_shards": digits_shards, "eval.test_shards": test_shards,
+            "eval.probe_epochs": 5, "eval.class_groups": "[[0,1,2,3],[4,5,6,7,8,9]]"})
+        # a caption store of the training shards: evaluation must not join it to its shards
+        run_captions(GraphConfig(shards=str(digits_shards), output=str(root / "captions")))
+        monitor = ["train.knn_every=2", "train.knn_samples=64"]
+        result = run_pretrain([*overrides, *monitor])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stderr.count("knn monitor: top-1") == 2  # steps 2 and 4
+        yield root, overrides
 
 
 def evaluate(overrides: list[str], *extra: str, nproc: int = 1) -> subprocess.CompletedProcess:

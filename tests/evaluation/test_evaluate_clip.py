@@ -13,6 +13,7 @@ from data_pipeline.digits import DIGIT_NAMES
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.data_pipeline.helpers import digit_sample, write_set
 from tests.evaluation.test_evaluate import evaluate
+from tests.scratch import scratch_dir
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
 
@@ -20,24 +21,24 @@ pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
 @pytest.fixture(scope="module", params=["clip", "siglip"])
 def clip_run(digits_shards, tmp_path_factory, request):
     objective = request.param
-    root = tmp_path_factory.mktemp(f"evaluate-{objective}")
-    write_set(root / "test", [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
-    write_set(root / "captions", [[digit_sample(i) for i in range(460, 540)]], DIGIT_NAMES)
-    write_set(root / "no-captions", [[digit_sample(i, caption=None) for i in range(20)]],
-              DIGIT_NAMES)
-    overrides = train_overrides(digits_shards, root, **{
-        "objective.name": objective, "train.max_steps": 2, "tracking.enabled": True,
-        # heads open_clip expresses (projector_hidden = 2 x projector_dim already)
-        "model.backbone": "resnet18", "model.small_stem": False,
-        "model.projector_activation": "gelu", "model.text.projection_bias": False,
-        "tracking.system_metrics": False, "tracking.registered_model": f"digits-{objective}",
-        "objective.learnable_temperature": True,
-        "eval.train_shards": digits_shards, "eval.test_shards": root / "test",
-        "eval.probe_epochs": 5, "eval.save_index": False,
-        "eval.zero_shot_templates": "['a photo of the digit {}.','the number {}']"})
-    result = run_pretrain(overrides, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root, overrides, objective
+    with scratch_dir(tmp_path_factory, f"evaluate-{objective}") as root:
+        write_set(root / "test", [[digit_sample(i) for i in range(360, 460)]], DIGIT_NAMES)
+        write_set(root / "captions", [[digit_sample(i) for i in range(460, 540)]], DIGIT_NAMES)
+        write_set(root / "no-captions", [[digit_sample(i, caption=None) for i in range(20)]],
+                  DIGIT_NAMES)
+        overrides = train_overrides(digits_shards, root, **{
+            "objective.name": objective, "train.max_steps": 2, "tracking.enabled": True,
+            # heads open_clip expresses (projector_hidden = 2 x projector_dim already)
+            "model.backbone": "resnet18", "model.small_stem": False,
+            "model.projector_activation": "gelu", "model.text.projection_bias": False,
+            "tracking.system_metrics": False, "tracking.registered_model": f"digits-{objective}",
+            "objective.learnable_temperature": True,
+            "eval.train_shards": digits_shards, "eval.test_shards": root / "test",
+            "eval.probe_epochs": 5, "eval.save_index": False,
+            "eval.zero_shot_templates": "['a photo of the digit {}.','the number {}']"})
+        result = run_pretrain(overrides, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        yield root, overrides, objective
 
 
 def test_clip_run_reports_retrieval_and_zero_shot(clip_run):

@@ -17,6 +17,7 @@ from evaluation.load import load_model
 from registry.package import RegistryError
 from tests import prewarmed
 from tests.app.helpers import run_pretrain, train_overrides
+from tests.scratch import scratch_dir
 
 MODEL = "digits-safety"
 
@@ -33,21 +34,21 @@ class Payload:
 
 @pytest.fixture(scope="module")
 def registered(digits_shards, tmp_path_factory):
-    root = tmp_path_factory.mktemp("registry")
-    overrides = train_overrides(digits_shards, root, **{
-        "tracking.enabled": True, "tracking.system_metrics": False, "train.max_steps": 2,
-        "tracking.registered_model": MODEL})
-    result = run_pretrain(overrides)
-    assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = root / "run"
-    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
-    client = mlflow.MlflowClient(uri, registry_uri=uri)
-    version = client.get_model_version(MODEL, "1")
-    store = run_dir / "mlartifacts" / "models" / version.source.split("/")[-1] / "artifacts"
-    assert (store / "MLmodel").is_file()
-    files = sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file())
-    return root, overrides + [f"eval.train_shards={digits_shards}",
-                              f"eval.test_shards={digits_shards}"], uri, store, files
+    with scratch_dir(tmp_path_factory, "registry") as root:
+        overrides = train_overrides(digits_shards, root, **{
+            "tracking.enabled": True, "tracking.system_metrics": False, "train.max_steps": 2,
+            "tracking.registered_model": MODEL})
+        result = run_pretrain(overrides)
+        assert result.returncode == 0, result.stderr[-3000:]
+        run_dir = root / "run"
+        uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+        client = mlflow.MlflowClient(uri, registry_uri=uri)
+        version = client.get_model_version(MODEL, "1")
+        store = run_dir / "mlartifacts" / "models" / version.source.split("/")[-1] / "artifacts"
+        assert (store / "MLmodel").is_file()
+        files = sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file())
+        yield root, overrides + [f"eval.train_shards={digits_shards}",
+                                  f"eval.test_shards={digits_shards}"], uri, store, files
 
 
 def test_every_file_of_a_version_is_verified_and_a_payload_never_runs(registered, tmp_path):

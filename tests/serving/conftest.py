@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.data_pipeline.helpers import digit_sample
+from tests.scratch import scratch_dir
 from tests.serving.helpers import registered_encoder, serving
 
 
 @pytest.fixture(scope="package")
-def store(digits_shards, tmp_path_factory) -> Path:
-    return registered_encoder(digits_shards, tmp_path_factory.mktemp("served"))
+def store(digits_shards, tmp_path_factory) -> Iterator[Path]:
+    with scratch_dir(tmp_path_factory, "served") as root:
+        yield registered_encoder(digits_shards, root)
 
 
 @pytest.fixture(scope="package")
@@ -31,6 +34,6 @@ def image_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="package")
 def server(store, image_root, tmp_path_factory):
-    with serving(store, "models:/served/1", tmp_path_factory.mktemp("serve"), "--path-root",
-                 str(image_root)) as running:
+    with scratch_dir(tmp_path_factory, "serve") as root, \
+            serving(store, "models:/served/1", root, "--path-root", str(image_root)) as running:
         yield running

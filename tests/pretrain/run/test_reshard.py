@@ -22,6 +22,7 @@ from pretrain.run.sharded import read_whole
 from tests.app.helpers import run_pretrain, train_overrides
 from tests.pretrain.distributed.test_engine import ZERO3
 from tests.pretrain.run.test_checkpoint import final_model
+from tests.scratch import scratch_dir
 
 pytestmark = pytest.mark.long_file  # collected first: tests/conftest.py
 
@@ -65,15 +66,15 @@ def logged(stderr: str, key: str) -> dict[int, float]:
 def references(digits_shards, tmp_path_factory):
     """Uninterrupted runs at global batch 16 (1 rank x 16, 2 ranks x 8), made on first use:
     {(engine, world): (run dir, its log)}."""
-    root, runs = tmp_path_factory.mktemp("reshard"), {}
-
-    def reference(engine: str, world: int) -> tuple[Path, str]:
-        if (engine, world) not in runs:
-            result = train(digits_shards, root / f"{engine}{world}", engine, world)
-            assert result.returncode == 0, result.stderr[-3000:]
-            runs[engine, world] = (root / f"{engine}{world}" / "run", result.stderr)
-        return runs[engine, world]
-    return reference
+    runs = {}
+    with scratch_dir(tmp_path_factory, "reshard") as root:
+        def reference(engine: str, world: int) -> tuple[Path, str]:
+            if (engine, world) not in runs:
+                result = train(digits_shards, root / f"{engine}{world}", engine, world)
+                assert result.returncode == 0, result.stderr[-3000:]
+                runs[engine, world] = (root / f"{engine}{world}" / "run", result.stderr)
+            return runs[engine, world]
+        yield reference
 
 
 def test_the_loss_after_a_resharded_resume_follows_the_uninterrupted_run(references,
