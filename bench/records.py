@@ -90,6 +90,16 @@ def write_record(name: str, command: list[str], renderer: str,
     return path
 
 
+def source_line(record: dict[str, Any]) -> str:
+    """Where a record's figures come from, as a page states it: the command, the machine,
+    the date and the commit."""
+    machine = record["machine"]
+    where = machine["cuda"] or f"{machine['cpu']}, {machine['cores']} threads"
+    commit = (record["commit"] or "no commit")[:7] + (" with changes" if record["dirty"] else "")
+    return (f"`{record['command']}`; {where}, torch {machine['torch']}, {record['date']}, "
+            f"{commit}.")
+
+
 def read_record(name: str) -> dict[str, Any]:
     return json.loads((RECORDS / f"{name}.json").read_text())
 

@@ -12,7 +12,9 @@ merged; then the weighted vote), and scikit-learn's
 throughput (medians of interleaved rounds: this machine's speed drifts by tens of percent
 between minutes). Also projects the ImageNet kNN evaluation (50,000 x 1,281,167, 2048-d ResNet-50
 features) from the measured rate here, and for one H100 from an assumed sustained
-matmul rate (no GPU in this task; stated in the table). Writes bench/results/knn.json.
+matmul rate (no GPU in this task; stated in the table). Writes bench/results/knn.json;
+with ``--record``, also ``bench/records/perf/knn.json``, whose view ``table`` is the table
+docs/benchmarks.md shows.
 """
 
 from __future__ import annotations
@@ -20,15 +22,44 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import machine, print_table, time_interleaved, write_json
+from bench.records import invocation, source_line, write_record
 from evaluation.knn import BLOCK_BYTES, build_index, knn_accuracy
 
 RESULTS = Path("bench/results/knn.json")
 H100_TFLOPS_ASSUMED = 50.0  # sustained fp32 (TF32 off) GEMM; an assumption, not measured
+MIN_VS_MATMUL = 0.7  # the target: exact kNN at >= 70% of the matmul rate
+NAME = "perf/knn"
+RENDERER = "bench.perf.knn"  # this module, by the name a record imports it
+SHOWN = {"torch.mm (floor)": "torch.mm into one reused buffer (the floor)",
+         "exact index (mm + topk + vote)": "exact torch search (mm + top-k per block, merge, "
+                                           "vote)",
+         "faiss knn per bank block + vote": "faiss `knn` per block, merge, vote (default)",
+         "sklearn KNeighborsClassifier": "scikit-learn `KNeighborsClassifier` (brute, cosine)"}
+EXACT = ("exact index (mm + topk + vote)", "faiss knn per bank block + vote")
+
+
+def render(record: dict[str, Any], view: str) -> list[str]:
+    """``table``: the source and shape, each method's seconds and its rate against the
+    matmul floor, and the target."""
+    if view != "table":
+        raise ValueError(f"{NAME}: no view {view!r} (table)")
+    shape, rows = record["figures"]["shape"], record["figures"]["rows"]
+    by_method = {r["method"]: r for r in rows}
+    met = all(by_method[m]["vs_matmul"] >= MIN_VS_MATMUL for m in EXACT)
+    return [f"{source_line(record)} {shape['queries']:,} queries x {shape['bank']:,} x "
+            f"{shape['dim']} bank, k = {shape['k']}, median of {shape['rounds']} rounds:", "",
+            "| method | s | vs torch.mm |", "| --- | --- | --- |",
+            *(f"| {SHOWN[r['method']]} | {r['seconds']:.2f} | {r['vs_matmul']:.2f} |"
+              for r in rows),
+            "", f"Target, exact kNN at >= {MIN_VS_MATMUL:.0%} of the matmul rate: "
+            f"**{'met' if met else 'not met'}** by "
+            + " and ".join(f"{by_method[m]['vs_matmul']:.2f}" for m in EXACT) + "."]
 
 
 def timed(fn) -> float:
@@ -53,6 +84,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved; medians reported")
     parser.add_argument("--skip-sklearn", action="store_true")
+    parser.add_argument("--record", action="store_true",
+                        help=f"also write bench/records/{NAME}.json (the docs' table)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     bank = F.normalize(torch.randn(args.bank, args.dim, generator=gen), dim=1)
@@ -94,6 +127,9 @@ def main() -> None:
           f"H100 at an assumed {H100_TFLOPS_ASSUMED:.0f} TFLOP/s (not measured here)")
     write_json(RESULTS, {"machine": machine(), "shape": vars(args), "rows": rows,
                          "imagenet_projection": projection})
+    if args.record:
+        figures = {"shape": vars(args), "rows": rows}
+        print(f"record: {write_record(NAME, invocation(), RENDERER, figures)}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ Targets: tiled peak memory grows linearly in N (doubling N at most 2.3x the memo
 the idle process); every objective's tiled time at N = 8192 within 1.3x of its dense
 time; what every peak
 adds to its idle process at most 1.2x its recorded figure. Writes
-bench/results/negatives.json and prints tables.
+bench/results/negatives.json and prints tables; ``--part tiles --record`` also writes
+``bench/records/perf/tiled_vs_dense.json``, whose view ``table`` is the table of tiled
+against dense time docs/benchmarks.md shows.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +52,7 @@ from bench.common import (
     write_json,
 )
 from bench.perf.objectives import objective_cases
+from bench.records import invocation, source_line, write_record
 from pretrain.contrast.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
 from pretrain.objectives import BatchOptions, BatchRows, local_batch, objective_function
 
@@ -65,6 +69,17 @@ PEAK_N = 131072
 RECORDED_ABOVE_IDLE_GIB = {("infonce", 256): 0.25, ("infonce", 4096): 0.26,
                            ("xclr", 256): 0.25, ("xclr", 4096): 0.26}
 PEAK_TOLERANCE = 1.2
+NAME = "perf/tiled_vs_dense"
+RENDERER = "bench.perf.negatives"  # this module, by the name a record imports it
+# the docs' cells: words -> case, in two columns of seven
+SHOWN = {"infonce": "infonce", "supcon": "supcon", "sincere": "sincere",
+         "eps_supinfonce": "eps_supinfonce", "flatnce": "flatnce",
+         "holder_flatnce": "holder_flatnce", "clip": "clip",
+         "xclr (captions)": "xclr[captions]", "xclr (class graph)": "xclr[class_graph]",
+         "projnce centroid": "projnce",
+         "projnce kernel": "projnce[projection=kernel, bandwidth=2.0]",
+         "projnce median": "projnce[projection=median]",
+         "projnce learned": "projnce[projection=learned]", "siglip": "siglip"}
 
 
 def embeddings(n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,6 +237,27 @@ def chunk_rows(rows: int, chunk_sizes: list[int], repeats: int) -> list[dict]:
     return results
 
 
+def render(record: dict[str, Any], view: str) -> list[str]:
+    """``table``: the source, each of :data:`SHOWN`'s dense time and tiled over dense time at
+    N = RATIO_N, and the target over every case measured."""
+    if view != "table":
+        raise ValueError(f"{NAME}: no view {view!r} (table)")
+    rows = {r["objective"]: r for r in record["figures"]["objectives"]}
+    cells = [f"{words} | {rows[case]['dense_ms']:,.0f} | {rows[case]['tiled_vs_dense']:.2f}"
+             for words, case in SHOWN.items()]
+    half = (len(cells) + 1) // 2
+    worst = max(rows.values(), key=lambda r: r["tiled_vs_dense"])
+    met = worst["tiled_vs_dense"] <= MAX_TILED_VS_DENSE
+    return [source_line(record), "",
+            "| objective | dense ms | tiled / dense | objective | dense ms | tiled / dense |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *(f"| {left} | {right} |"
+              for left, right in zip(cells[:half], cells[half:], strict=True)),
+            "", f"Target, tiled within {MAX_TILED_VS_DENSE}x of dense for each of the "
+            f"{len(rows)} cases (every objective and setting): **{'met' if met else 'not met'}"
+            f"** (largest {worst['tiled_vs_dense']:.2f}x, {worst['objective']})."]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+",
@@ -238,7 +274,11 @@ def main() -> None:
     parser.add_argument("--child", type=int, nargs=2, metavar=("N", "TILE"), help=argparse.SUPPRESS)
     parser.add_argument("--chunk-child", type=int, nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/negatives.json"))
+    parser.add_argument("--record", action="store_true",
+                        help=f"with --part tiles: also write bench/records/{NAME}.json")
     args = parser.parse_args()
+    if args.record and args.part != "tiles":
+        parser.error("--record records the tiles part: add --part tiles")
     if args.child:
         n, tile = args.child
         print(json.dumps(child(n, args.dim, tile or None, args.repeats, args.objective)))
@@ -260,6 +300,9 @@ def main() -> None:
         print_table(chunks, ["views", "chunk_size", "seconds", "peak_gib", "above_idle_gib",
                              "time_vs_plain", "memory_vs_plain"])
     write_json(args.out, payload)
+    if args.record:
+        figures = {"tile_size": args.tile_size, "objectives": payload["objectives"]}
+        print(f"record: {write_record(NAME, invocation(), RENDERER, figures)}")
     if not all(payload.get("targets", {}).values()):
         raise SystemExit("bench.perf.negatives: a check failed (above)")
 

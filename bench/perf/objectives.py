@@ -14,8 +14,9 @@ Targets, each objective at its defaults: within 1.3x of the fastest peer at N = 
 xclr within 1.1x of infonce (checked for the class-graph and the caption path
 separately); siglip within 1.3x of open_clip's SigLipLoss on the same N/2 image-text
 pairs. Writes
-bench/results/objectives.json and prints a table. The peers are the ``bench`` extra
-(``bash launch/setup.sh dev,bench``).
+bench/results/objectives.json and prints a table; with ``--record``, also
+``bench/records/perf/objectives.json``, whose view ``table`` is the table docs/benchmarks.md
+shows. The peers are the ``bench`` extra (``bash launch/setup.sh dev,bench``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,12 +39,30 @@ from bench.common import (
     time_interleaved,
     write_json,
 )
+from bench.records import invocation, source_line, write_record
 from pretrain.contrast.parameters import ParameterShape, initial_values
 from pretrain.objectives import OBJECTIVES, ObjectiveSpec, batch_loss
 
 CAPTION_DIM = 384  # all-MiniLM-L6-v2
 NUM_CLASSES = 100
 TARGET_N = 8192
+PEERS = ("lightly", "pytorch-metric-learning", "open_clip_torch")
+NAME = "perf/objectives"
+RENDERER = "bench.perf.objectives"  # this module, by the name a record imports it
+# the docs' rows: words -> the cases they show, side by side
+GROUPS = {
+    "lightly NTXentLoss (peer)": ["lightly NTXentLoss"],
+    "pml SupConLoss (peer)": ["pml SupConLoss"],
+    "open_clip SigLipLoss (peer)": ["open_clip SigLipLoss"],
+    "infonce / supcon": ["infonce", "supcon"],
+    "sincere / eps_supinfonce": ["sincere", "eps_supinfonce"],
+    "flatnce / holder_flatnce": ["flatnce", "holder_flatnce"],
+    "xclr captions / class graph": ["xclr[captions]", "xclr[class_graph]"],
+    "projnce centroid / kernel / median / learned": [
+        "projnce", "projnce[projection=kernel, bandwidth=2.0]", "projnce[projection=median]",
+        "projnce[projection=learned]"],
+    "clip / siglip": ["clip", "siglip"],
+}
 
 
 def objective_cases(z: Tensor, ids: Tensor, labels: Tensor, captions: Tensor, graph: Tensor,
@@ -143,6 +164,46 @@ def run_size(n: int, dim: int, repeats: int, device: torch.device) -> list[dict]
     return rows
 
 
+def _side_by_side(values: list[float | None], digits: int) -> str:
+    """``a / b`` for up to two figures, ``low-high`` for more, one figure when all agree."""
+    shown = [f"{v:,.{digits}f}" for v in values if v is not None]
+    if not shown:
+        return ""
+    if len(set(shown)) == 1:
+        return shown[0]
+    if len(shown) > 2:
+        low, high = min(v for v in values if v is not None), max(v for v in values
+                                                                 if v is not None)
+        return f"{low:,.{digits}f}-{high:,.{digits}f}"
+    return " / ".join(shown)
+
+
+def render(record: dict[str, Any], view: str) -> list[str]:
+    """``table``: the source, then each of :data:`GROUPS` at N = 8,192 (ms, peak MiB, and the
+    ratios the targets read), then the targets."""
+    if view != "table":
+        raise ValueError(f"{NAME}: no view {view!r} (table)")
+    rows = {r["loss"]: r for r in record["figures"]["rows"] if r["N"] == TARGET_N}
+    peers = ", ".join(f"{k} {v}" for k, v in record["figures"]["peers"].items())
+    lines = [f"{source_line(record)} Peers: {peers}.", "",
+             "| loss | ms | peak MiB | vs fastest peer | vs infonce | vs open_clip |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for words, names in GROUPS.items():
+        group = [rows[name] for name in names]
+        ms = " / ".join(f"{r['fwd_bwd_ms']:,.0f}" for r in group)
+        versus_peer = [None if r["loss"] == "open_clip SigLipLoss" else r["vs_fastest_peer"]
+                       for r in group]  # siglip's own peer, not a softmax's
+        columns = [_side_by_side([r["peak_mib"] for r in group], 0),
+                   _side_by_side(versus_peer, 2),
+                   _side_by_side([r.get("vs_infonce") for r in group], 2),
+                   _side_by_side([r.get("vs_open_clip") for r in group], 2)]
+        lines.append(f"| {words} | {ms} | {' | '.join(columns)} |")
+    lines += ["", "Targets at N = 8,192: " + "; ".join(
+        f"{name}: **{'met' if ok else 'not met'}**"
+        for name, ok in record["figures"]["targets"].items()) + "."]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -150,6 +211,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("bench/results/objectives.json"))
+    parser.add_argument("--record", action="store_true",
+                        help=f"also write bench/records/{NAME}.json (the docs' table)")
     args = parser.parse_args()
     device = torch.device(args.device)
     allocator_tuned = device.type == "cpu" and keep_freed_memory()
@@ -168,6 +231,10 @@ def main() -> None:
                     row["vs_open_clip"] <= 1.3)
     write_json(args.out, {"machine": machine(), "dim": args.dim, "rows": rows,
                           "targets": checks, "cpu_allocator_keeps_freed_memory": allocator_tuned})
+    if args.record:
+        figures = {"dim": args.dim, "rows": rows, "targets": checks,
+                   "peers": {name: version(name) for name in PEERS}}
+        print(f"record: {write_record(NAME, invocation(), RENDERER, figures)}")
     print_table(rows, ["N", "loss", "fwd_bwd_ms", "peak_mib", "vs_fastest_peer", "vs_infonce",
                        "vs_open_clip"])
     for name, ok in checks.items():

@@ -22,6 +22,11 @@ def test_every_cited_block_in_the_docs_equals_its_record():
     assert records.mismatches(records.pages()) == []
 
 
+def test_every_record_kept_is_cited_by_a_page():
+    cited = {c.name for page in records.pages() for c in records.citations(page)}
+    assert set(records.records()) - cited == set()
+
+
 @pytest.mark.parametrize("name", records.records() or ["(none kept)"])
 def test_every_commit_a_record_names_is_an_ancestor_of_head(name):
     if name == "(none kept)":
