@@ -199,7 +199,7 @@ def render(record: dict[str, Any], view: str) -> list[str]:
                    _side_by_side([r.get("vs_open_clip") for r in group], 2)]
         lines.append(f"| {words} | {ms} | {' | '.join(columns)} |")
     lines += ["", "Targets at N = 8,192: " + "; ".join(
-        f"{name}: **{'met' if ok else 'not met'}**"
+        f"{name.replace(f' at N={TARGET_N}', '')}: **{'met' if ok else 'not met'}**"
         for name, ok in record["figures"]["targets"].items()) + "."]
     return lines
 
