@@ -26,8 +26,8 @@ the idle process); every objective's tiled time at N = 8192 within 1.3x of its d
 time; what every peak
 adds to its idle process at most 1.2x its recorded figure. Writes
 bench/results/negatives.json and prints tables; ``--part tiles --record`` also writes
-``bench/records/perf/tiled_vs_dense.json``, whose view ``table`` is the table of tiled
-against dense time docs/benchmarks.md shows.
+``bench/records/perf/tiles.json``, whose views ``ratios`` (tiled against dense time) and
+``memory`` (time and peak memory against N) are the tables docs/benchmarks.md shows.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ PEAK_N = 131072
 RECORDED_ABOVE_IDLE_GIB = {("infonce", 256): 0.25, ("infonce", 4096): 0.26,
                            ("xclr", 256): 0.25, ("xclr", 4096): 0.26}
 PEAK_TOLERANCE = 1.2
-NAME = "perf/tiled_vs_dense"
+NAME = "perf/tiles"
 RENDERER = "bench.perf.negatives"  # this module, by the name a record imports it
 # the docs' cells: words -> case, in two columns of seven
 SHOWN = {"infonce": "infonce", "supcon": "supcon", "sincere": "sincere",
@@ -238,24 +238,46 @@ def chunk_rows(rows: int, chunk_sizes: list[int], repeats: int) -> list[dict]:
 
 
 def render(record: dict[str, Any], view: str) -> list[str]:
-    """``table``: the source, each of :data:`SHOWN`'s dense time and tiled over dense time at
-    N = RATIO_N, and the target over every case measured."""
-    if view != "table":
-        raise ValueError(f"{NAME}: no view {view!r} (table)")
-    rows = {r["objective"]: r for r in record["figures"]["objectives"]}
+    """``ratios``: the source, each of :data:`SHOWN`'s dense time and tiled over dense time
+    at N = RATIO_N, and the target over every case measured. ``memory``: the source, and
+    infonce's time and peak resident memory against N, dense and tiled."""
+    views = {"ratios": _ratio_lines, "memory": _memory_lines}
+    if view not in views:
+        raise ValueError(f"{NAME}: no view {view!r} ({', '.join(views)})")
+    return [source_line(record), "", *views[view](record["figures"])]
+
+
+def _ratio_lines(figures: dict[str, Any]) -> list[str]:
+    rows = {r["objective"]: r for r in figures["objectives"]}
     cells = [f"{words} | {rows[case]['dense_ms']:,.0f} | {rows[case]['tiled_vs_dense']:.2f}"
              for words, case in SHOWN.items()]
     half = (len(cells) + 1) // 2
     worst = max(rows.values(), key=lambda r: r["tiled_vs_dense"])
     met = worst["tiled_vs_dense"] <= MAX_TILED_VS_DENSE
-    return [source_line(record), "",
-            "| objective | dense ms | tiled / dense | objective | dense ms | tiled / dense |",
+    return ["| objective | dense ms | tiled / dense | objective | dense ms | tiled / dense |",
             "| --- | --- | --- | --- | --- | --- |",
             *(f"| {left} | {right} |"
               for left, right in zip(cells[:half], cells[half:], strict=True)),
             "", f"Target, tiled within {MAX_TILED_VS_DENSE}x of dense for each of the "
             f"{len(rows)} cases (every objective and setting): **{'met' if met else 'not met'}"
             f"** (largest {worst['tiled_vs_dense']:.2f}x, {worst['objective']})."]
+
+
+def _memory_lines(figures: dict[str, Any]) -> list[str]:
+    by_size: dict[int, dict[str, dict]] = {}
+    for row in figures["scaling"]:
+        by_size.setdefault(row["N"], {})[row["path"]] = row
+    idle = [r["idle_gib"] for r in figures["scaling"] if r["fits"]]
+
+    def cells(row: dict) -> str:
+        return (f"{row['seconds']:.3g} | {row['peak_gib']:.2f}" if row["fits"]
+                else "does not fit | ")
+    return [f"Peak VmHWM, the idle process {min(idle):.2f}-{max(idle):.2f} GiB "
+            f"(T = {figures['tile_size']}):", "",
+            "| N | dense s | dense peak GiB | tiled s | tiled peak GiB |",
+            "| --- | --- | --- | --- | --- |",
+            *(f"| {n:,} | {cells(paths['dense'])} | {cells(paths['tiled'])} |"
+              for n, paths in sorted(by_size.items()))]
 
 
 def main() -> None:
@@ -301,7 +323,8 @@ def main() -> None:
                              "time_vs_plain", "memory_vs_plain"])
     write_json(args.out, payload)
     if args.record:
-        figures = {"tile_size": args.tile_size, "objectives": payload["objectives"]}
+        figures = {"tile_size": args.tile_size, "objectives": payload["objectives"],
+                   "scaling": payload["scaling"]}
         print(f"record: {write_record(NAME, invocation(), RENDERER, figures)}")
     if not all(payload.get("targets", {}).values()):
         raise SystemExit("bench.perf.negatives: a check failed (above)")
