@@ -198,7 +198,7 @@ def render(record: dict[str, Any], view: str) -> list[str]:
                    _side_by_side([r.get("vs_infonce") for r in group], 2),
                    _side_by_side([r.get("vs_open_clip") for r in group], 2)]
         lines.append(f"| {words} | {ms} | {' | '.join(columns)} |")
-    lines += ["", "Targets at N = 8,192: " + "; ".join(
+    lines += ["", "Targets at N = 8,192, each objective at its defaults: " + "; ".join(
         f"{name.replace(f' at N={TARGET_N}', '')}: **{'met' if ok else 'not met'}**"
         for name, ok in record["figures"]["targets"].items()) + "."]
     return lines

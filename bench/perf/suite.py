@@ -19,6 +19,7 @@ from bench.records import invocation, write_record
 
 NAME = "perf/suite"
 RENDERER = "bench.perf.suite"  # this module, by the name a record imports it
+INTERRUPTED = re.compile(r"^!+ (KeyboardInterrupt|Interrupted)", re.M)
 SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s(?: \([\d:]+\))? =+$", re.M)
 
 
@@ -29,7 +30,20 @@ def summary(log: str) -> dict[str, Any]:
         raise ValueError("no pytest summary line ('= ... in N s =') in the log")
     counts = {word: int(number) for number, word in
               re.findall(r"(\d+) (\w+)", found[-1]["counts"])}
+    if INTERRUPTED.search(log):  # pytest's banner; its summary line does not say so
+        counts["interrupted"] = 1
     return {"counts": counts, "seconds": float(found[-1]["seconds"])}
+
+
+def not_a_pass(counts: dict[str, int]) -> str | None:
+    """Why a summary's ``counts`` are not a passing run's (failures, errors, an interrupted
+    session, nothing passed); None for a pass."""
+    bad = {k: v for k, v in counts.items() if k in ("failed", "error", "errors") and v}
+    if bad:
+        return str(bad)
+    if counts.get("interrupted"):
+        return "interrupted"
+    return None if counts.get("passed") else "nothing passed"
 
 
 def render(record: dict[str, Any], view: str) -> list[str]:
@@ -49,9 +63,8 @@ def main() -> None:
     parser.add_argument("log", type=Path, help="what pytest printed")
     args = parser.parse_args()
     got = summary(args.log.read_text(errors="replace"))
-    bad = {k: v for k, v in got["counts"].items() if k in ("failed", "error", "errors") and v}
-    if bad:
-        raise SystemExit(f"bench.perf.suite: {args.log}: the run did not pass ({bad})")
+    if problem := not_a_pass(got["counts"]):
+        raise SystemExit(f"bench.perf.suite: {args.log}: the run did not pass ({problem})")
     print(f"record: {write_record(NAME, invocation(), RENDERER, got)}")
 
 
