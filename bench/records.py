@@ -3,9 +3,11 @@ machine that measured it, kept in the repository under ``bench/records/`` so tha
 in the docs can cite it.
 
 A record is JSON: ``{"command", "commit", "dirty", "date", "machine", "renderer",
-"figures"}``; ``renderer`` names the module whose ``render(record, view) -> list[str]``
-turns the figures into the Markdown a page shows. A page cites a record around the lines it
-shows::
+"figures"}``; ``renderer`` names the module whose ``VIEWS`` maps each view's name to a
+function ``(record) -> list[str]`` that turns the figures into the Markdown a page shows.
+The provenance is taken when a run starts (``provenance(invocation())``), so that editing
+the tree while it runs does not change what it says it measured. A page cites a record
+around the lines it shows::
 
     <!-- record: learning/xclr_levers levers -->
     | lever | ... |
@@ -80,12 +82,13 @@ def provenance(command: list[str], cwd: Path = REPO) -> dict[str, Any]:
                         if torch.cuda.is_available() else None}}
 
 
-def write_record(name: str, command: list[str], renderer: str,
+def write_record(name: str, seen: dict[str, Any], renderer: str,
                  figures: dict[str, Any]) -> Path:
-    """``bench/records/<name>.json``: ``figures`` with their provenance."""
+    """``bench/records/<name>.json``: ``figures`` with ``seen``, the provenance taken when
+    the run that measured them started."""
     path = RECORDS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {**provenance(command), "renderer": renderer, "figures": figures}
+    record = {**seen, "renderer": renderer, "figures": figures}
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return path
 
@@ -124,8 +127,10 @@ def citations(page: Path) -> list[Citation]:
 def rendered(name: str, view: str) -> str:
     """What record ``name`` shows as ``view``, by its renderer."""
     record = read_record(name)
-    module = importlib.import_module(record["renderer"])
-    return "\n".join(module.render(record, view)) + "\n"
+    views = importlib.import_module(record["renderer"]).VIEWS
+    if view not in views:
+        raise ValueError(f"{name}: no view {view!r} ({', '.join(views)})")
+    return "\n".join(views[view](record)) + "\n"
 
 
 def unparsed(page: Path) -> list[str]:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.records import REPO, invocation, write_record
+from bench.records import REPO, invocation, provenance, write_record
 
 NAME = "learning/demo"
 RENDERER = "bench.learning.demo_record"  # this module, by the name a record imports it
@@ -31,16 +31,17 @@ def figures(results: dict[str, Any]) -> dict[str, float]:
             "probe_untrained": results["untrained"]["linear_probe"]["top1"]}
 
 
-def render(record: dict[str, Any], view: str) -> list[str]:
+def render_summary(record: dict[str, Any]) -> list[str]:
     """``summary``: where the demo ran, and its kNN and probe beside the untrained
     encoder's."""
-    if view != "summary":
-        raise ValueError(f"{NAME}: no view {view!r} (summary)")
     got, machine = record["figures"], record["machine"]
     return [f"From a checkout of {record['commit'][:7]} ({machine['cpu']}, {machine['cores']} "
             f"threads, {record['date']}): backbone kNN top-1 {got['knn']:.3f} at k = 20 "
             f"(untrained {got['knn_untrained']:.3f}), linear probe {got['probe']:.3f} "
             f"(untrained {got['probe_untrained']:.3f})."]
+
+
+VIEWS = {"summary": render_summary}
 
 
 def main() -> None:
@@ -50,8 +51,9 @@ def main() -> None:
     parser.add_argument("demo_dir", type=Path, nargs="?", default=REPO,
                         help="where the demo ran (its DEMO_DIR; default this checkout)")
     args = parser.parse_args()
+    seen = provenance(invocation())  # the tree the run starts from
     results = json.loads((args.demo_dir / RESULTS).read_text())
-    print(f"record: {write_record(NAME, invocation(), RENDERER, figures(results))}")
+    print(f"record: {write_record(NAME, seen, RENDERER, figures(results))}")
 
 
 if __name__ == "__main__":

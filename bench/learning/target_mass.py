@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.common import print_table
 from bench.learning.data import caption_vectors
-from bench.records import invocation, write_record
+from bench.records import invocation, provenance, write_record
 from pretrain.objectives.xclr import TIE  # objective.xclr's ties at the k-th
 
 
@@ -75,11 +75,9 @@ SETTINGS = {
 }
 
 
-def render(record: dict[str, Any], view: str) -> list[str]:
+def render_levers(record: dict[str, Any]) -> list[str]:
     """``levers``: the mass on the other view, the class and other classes, and the class's
     share of the mass off the view, for each of :data:`SETTINGS`."""
-    if view != "levers":
-        raise ValueError(f"{NAME}: no view {view!r} (levers)")
     rows = {(r["center"], r["tau_s"], r["top_k"], r["batch"]): r
             for r in record["figures"]["rows"]}
     lines = ["| setting | other view | same class | other classes | class share |",
@@ -97,6 +95,9 @@ def centred(vectors: np.ndarray) -> np.ndarray:
     return shifted / np.maximum(np.linalg.norm(shifted, axis=1, keepdims=True), 1e-12)
 
 
+VIEWS = {"levers": render_levers}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.learning.target_mass",
                                      description=__doc__,
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--record", action="store_true",
                         help=f"also write bench/records/{NAME}.json (the docs' table)")
     args = parser.parse_args()
+    seen = provenance(invocation())  # the tree the run starts from
     vectors, labels = caption_vectors(args.shards, args.store)
     vectors = vectors.astype(np.float64)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -123,7 +125,7 @@ def main() -> None:
                      **{k: round(v, 3) for k, v in mass.items()}})
     print_table(rows, list(rows[0]))
     if args.record:
-        path = write_record(NAME, invocation(), RENDERER, {"trials": args.trials, "rows": rows})
+        path = write_record(NAME, seen, RENDERER, {"trials": args.trials, "rows": rows})
         print(f"record: {path}")
 
 

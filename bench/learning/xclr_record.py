@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.records import invocation, write_record
+from bench.records import invocation, provenance, write_record
 
 NAME = "learning/xclr_levers"
 RENDERER = "bench.learning.xclr_record"  # this module, by the name a record imports it
@@ -76,10 +76,8 @@ def _mean_sd(values: list[float], digits: int, sign: str = "") -> str:
     return f"{mean} ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else mean
 
 
-def render(record: dict[str, Any], view: str) -> list[str]:
+def render_levers(record: dict[str, Any]) -> list[str]:
     """``levers``: each configuration's kNN per seed, gain and probe (mean ± sd)."""
-    if view != "levers":
-        raise ValueError(f"{NAME}: no view {view!r} (levers)")
     lines = ["| configuration | seeds | kNN per seed | gain | linear probe |",
              "| --- | --- | --- | --- | --- |"]
     for conf, words in ROWS.items():
@@ -95,15 +93,19 @@ def render(record: dict[str, Any], view: str) -> list[str]:
     return lines
 
 
+VIEWS = {"levers": render_levers}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/learning"))
     args = parser.parse_args()
+    seen = provenance(invocation())  # the tree the run starts from
     runs, missing = collect(args.out)
-    path = write_record(NAME, invocation(), RENDERER, {"runs": runs})
+    path = write_record(NAME, seen, RENDERER, {"runs": runs})
     for name in missing:
         print(f"not run: {name}")
-    print("\n".join(render(json.loads(path.read_text()), "levers")))
+    print("\n".join(render_levers(json.loads(path.read_text()))))
     print(f"record: {path}")
 
 

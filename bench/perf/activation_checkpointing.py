@@ -7,7 +7,9 @@ interleaved).
     python -m bench.perf.activation_checkpointing --device cuda --dtype bfloat16 --batch 64 \\
         --backbones resnet50 vit_base_patch16_224 vit_large_patch16_224
 
-Writes ``bench/results/checkpointing.json`` and prints a table.
+Writes ``bench/results/checkpointing.json`` and prints a table; ``--record`` also writes
+``bench/records/perf/checkpointing_<device>.json``, whose view ``table`` docs/benchmarks.md
+shows.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +30,7 @@ from bench.common import (
     time_interleaved,
     write_json,
 )
+from bench.records import invocation, provenance, source_line, write_record
 from pretrain.model.encoder import ModelConfig, build_model
 from pretrain.objectives import ObjectiveConfig
 
@@ -36,6 +40,10 @@ BACKBONES = {"resnet50": {"backbone": "resnet50", "small_stem": False},
              "vit_large_patch16_224": {"backbone": "timm:vit_large_patch16_224",
                                        "image_size": 224}}
 SETTINGS = ("none", "full", 2)
+RENDERER = "bench.perf.activation_checkpointing"  # this module, by the name a record imports it
+SHOWN = {"resnet50": "ResNet-50", "vit_base_patch16_224": "ViT-B/16",
+         "vit_large_patch16_224": "ViT-L/16"}
+WORDS = {"2": "every 2nd"}
 
 
 class Passes:
@@ -77,6 +85,21 @@ def measure(name: str, keys: dict, images: torch.Tensor, dtype: torch.dtype,
             for s in passes]
 
 
+def render_table(record: dict[str, Any]) -> list[str]:
+    """The source, and each backbone's checkpointed settings against ``none``: the
+    activations the forward keeps and the time of forward + backward."""
+    got = record["figures"]
+    return [f"{source_line(record)} {got['dtype']}, batch {got['batch']} at {got['size']} px:",
+            "", "| backbone | checkpointing | activations MiB | activations / none | "
+            "time / none |", "| --- | --- | --- | --- | --- |",
+            *(f"| {SHOWN[r['backbone']]} | {WORDS.get(r['checkpointing'], r['checkpointing'])} | "
+              f"{r['activations MiB']:,} | {r['activations / none']:.2f} | "
+              f"{r['time / none']:.2f} |" for r in got["rows"] if r["checkpointing"] != "none")]
+
+
+VIEWS = {"table": render_table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backbones", nargs="+", choices=sorted(BACKBONES),
@@ -87,15 +110,21 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", type=Path, default=Path("bench/results/checkpointing.json"))
+    parser.add_argument("--record", action="store_true",
+                        help="also write bench/records/perf/checkpointing_<device>.json")
     args = parser.parse_args()
+    seen = provenance(invocation())  # the tree the run starts from
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     images = torch.randn(args.batch, 3, args.size, args.size, device=device).to(
         memory_format=torch.channels_last)
     rows = [row for name in args.backbones
             for row in measure(name, BACKBONES[name], images, dtype, args.rounds)]
-    write_json(args.out, {"machine": machine(), "batch": args.batch, "size": args.size,
-                          "dtype": args.dtype, "rows": rows})
+    figures = {"batch": args.batch, "size": args.size, "dtype": args.dtype, "rows": rows}
+    write_json(args.out, {"machine": machine(), **figures})
     print_table(rows, list(rows[0]))
+    if args.record:
+        name = f"perf/checkpointing_{device.type}"
+        print(f"record: {write_record(name, seen, RENDERER, figures)}")
 
 
 if __name__ == "__main__":

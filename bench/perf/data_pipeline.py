@@ -12,6 +12,8 @@ so they compress like photographs (~60-90 KB) rather than like flat line drawing
 loaders use every core as a worker; the table reports images per second (each image gives
 two augmented views) and per core. With DALI installed a row times ``data.backend=dali``:
 nvJPEG and the views on the GPU when there is one, DALI's CPU operators otherwise.
+``--record`` measures the three sizes docs/benchmarks.md shows and writes
+``bench/records/perf/data_pipeline.json`` (view ``table``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +34,7 @@ from torchvision.models import resnet50
 from torchvision.transforms import v2
 
 from bench.common import machine, print_table, write_json
+from bench.records import invocation, provenance, source_line, write_record
 from data_pipeline.config import DataConfig, ShardsConfig
 from data_pipeline.dali import dali_available
 from data_pipeline.digits import DigitsSource
@@ -41,6 +45,9 @@ from data_pipeline.tario import iter_shard
 from data_pipeline.transforms import simclr_view
 
 RESOLUTION = 224
+NAME = "perf/data_pipeline"
+RENDERER = "bench.perf.data_pipeline"  # this module, by the name a record imports it
+RECORD_CASES = (("400x350", 600, 32), ("1000x750", 200, 32), ("4000x3000", 96, 16))
 
 
 def write_jpegs(root: Path, count: int, size: tuple[int, int] = (400, 350),
@@ -140,6 +147,97 @@ def tar_read_rate(shards: Path) -> tuple[float, float]:
     return samples / seconds, size / seconds / 2**20
 
 
+def measure(images: int, size: str, batch: int, workdir: Path, step_rate_too: bool = False
+            ) -> dict[str, Any]:
+    """``images`` JPEGs of ``size`` ("WxH") through each loader, 3 interleaved rounds: the
+    rows (images/s, per core, against ImageFolder) and the raw tar read rate."""
+    cores = os.cpu_count() or 1
+    name = f"{size}-{images}"
+    tree, shards = workdir / f"jpegs-{name}", workdir / f"shards-{name}"
+    if not tree.exists():
+        write_jpegs(tree, images, tuple(int(x) for x in size.split("x")))
+    # at least two shards per worker: a shard is read by one worker, so with fewer shards
+    # than workers the stream would run on fewer cores than ImageFolder
+    shard_size = max(1, min(100, math.ceil(images / (2 * cores))))
+    make_shards(ShardsConfig(source="imagenet", input=str(tree), output=str(shards),
+                             shard_size=shard_size, workers=cores))
+    mean_kb = np.mean([p.stat().st_size for p in tree.rglob("*.JPEG")]) / 1024
+    rounds: dict[str, list[float]] = {"stream": [], "imagefolder": [],
+                                      "imagefolder_our_transforms": [], "stream_full_decode": []}
+    for _ in range(3):  # interleaved rounds
+        rounds["stream"].append(time_stream(shards, batch, cores))
+        rounds["stream_full_decode"].append(time_stream(shards, batch, cores, False))
+        rounds["imagefolder"].append(time_imagefolder(tree, batch, cores, stock=True))
+        rounds["imagefolder_our_transforms"].append(
+            time_imagefolder(tree, batch, cores, stock=False))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dali_available():  # DALI's CPU operators here, nvJPEG with a GPU
+        rounds["dali"] = [time_stream(shards, batch, cores, backend="dali", device=device)
+                          for _ in range(3)]
+    median = {k: float(np.median(v)) for k, v in rounds.items()}
+    folder = median["imagefolder"]
+    tar_samples, tar_mib = tar_read_rate(shards)
+    loaders = {"stream": "WebDataset stream (ours)",
+               "stream_full_decode": "WebDataset stream, full-size decode "
+                                     "(data.draft_decode=false)",
+               "dali": f"WebDataset stream, data.backend=dali on {device.type}",
+               "imagefolder": "ImageFolder + DataLoader, torchvision transforms",
+               "imagefolder_our_transforms": "ImageFolder + DataLoader, our transforms"}
+    rows = [{"loader": words, "key": key, "images_per_s": median[key],
+             "per_core": median[key] / cores, "vs_imagefolder": median[key] / folder}
+            for key, words in loaders.items() if key in median]
+    rows.append({"loader": "raw tar read (no decode)", "key": "tar",
+                 "images_per_s": tar_samples, "per_core": tar_samples, "vs_imagefolder": None})
+    if step_rate_too:
+        rows.append({"loader": f"ResNet-50 training steps on {device.type} (to feed)",
+                     "key": "step", "images_per_s": step_rate(batch, device),
+                     "per_core": None, "vs_imagefolder": None})
+    print(f"{images} JPEGs of {size}, mean {mean_kb:.0f} KiB, two {RESOLUTION}px "
+          f"SimCLR views each, {cores} workers")
+    print_table(rows, ["loader", "images_per_s", "per_core", "vs_imagefolder"])
+    print(f"raw tar read: {tar_mib:.0f} MiB/s")
+    met = median["stream"] >= folder
+    print(f"{'PASS' if met else 'FAIL'}  stream >= 1.0x ImageFolder")
+    return {"cores": cores, "images": images, "size": size, "batch": batch,
+            "mean_jpeg_kib": mean_kb, "resolution": RESOLUTION, "rows": rows,
+            "tar_mib_per_s": tar_mib, "rounds": rounds, "target_at_least_1x": met}
+
+
+def render_table(record: dict[str, Any]) -> list[str]:
+    """The source; per JPEG size, each loader's images/s (ours against ImageFolder with
+    torchvision's transforms); the raw tar read; the target."""
+    cases = record["figures"]["cases"]
+    columns = {"stream": "ours", "stream_full_decode": "ours, full-size decode",
+               "dali": "`data.backend=dali`", "imagefolder": "ImageFolder, torchvision's "
+               "transforms", "imagefolder_our_transforms": "ImageFolder, our transforms"}
+    shown = [k for k in columns if any(r["key"] == k for c in cases for r in c["rows"])]
+
+    def cell(case: dict[str, Any], key: str) -> str:
+        row = next((r for r in case["rows"] if r["key"] == key), None)
+        if row is None:
+            return ""
+        ratio = f" (**{row['vs_imagefolder']:.2f}x**)" if key == "stream" else ""
+        return f"{row['images_per_s']:.1f}{ratio}"
+    first = cases[0]
+    tar = next(r for r in first["rows"] if r["key"] == "tar")
+    stream = next(r for r in first["rows"] if r["key"] == "stream")
+    met = all(c["target_at_least_1x"] for c in cases)
+    return [f"{source_line(record)} Images/s, two {first['resolution']} px views an image, "
+            f"{first['cores']} workers, median of 3 interleaved rounds:", "",
+            "| JPEGs | " + " | ".join(columns[k] for k in shown) + " |",
+            "| --- |" + " --- |" * len(shown),
+            *(f"| {c['images']} of {c['size'].replace('x', ' x ')} "
+              f"({c['mean_jpeg_kib']:.0f} KiB) | " + " | ".join(cell(c, k) for k in shown)
+              + " |" for c in cases),
+            "", f"Raw tar reads ({first['size'].replace('x', ' x ')}): "
+            f"{tar['images_per_s']:,.0f} samples/s ({first['tar_mib_per_s']:.0f} MiB/s), "
+            f"{tar['images_per_s'] / stream['images_per_s']:.0f}x the decode. Target, ours "
+            f">= 1.0x ImageFolder at every size: **{'met' if met else 'not met'}**."]
+
+
+VIEWS = {"table": render_table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=600)
@@ -150,67 +248,20 @@ def main() -> None:
                         help="also time ResNet-50 training steps: is the GPU fed?")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: bench/results/data_pipeline[-WxH].json")
+    parser.add_argument("--record", action="store_true",
+                        help=f"measure the sizes of {NAME}'s table ({RECORD_CASES}, as "
+                             "(size, images, batch)) and write its record")
     args = parser.parse_args()
-    cores = os.cpu_count() or 1
-    size = tuple(int(x) for x in args.size.split("x"))
+    seen = provenance(invocation())  # the tree the run starts from
+    if args.record:
+        cases = [measure(images, size, batch, args.workdir)
+                 for size, images, batch in RECORD_CASES]
+        print(f"record: {write_record(NAME, seen, RENDERER, {'cases': cases})}")
+        return
     suffix = "" if args.size == "400x350" else f"-{args.size}"
     out = args.out or Path(f"bench/results/data_pipeline{suffix}.json")
-    name = f"{args.size}-{args.images}"
-    tree, shards = args.workdir / f"jpegs-{name}", args.workdir / f"shards-{name}"
-    if not tree.exists():
-        write_jpegs(tree, args.images, size)
-    # at least two shards per worker: a shard is read by one worker, so with fewer shards
-    # than workers the stream would run on fewer cores than ImageFolder
-    shard_size = max(1, min(100, math.ceil(args.images / (2 * cores))))
-    make_shards(ShardsConfig(source="imagenet", input=str(tree), output=str(shards),
-                             shard_size=shard_size, workers=cores))
-    mean_kb = np.mean([p.stat().st_size for p in tree.rglob("*.JPEG")]) / 1024
-    rounds = {"stream": [], "imagefolder": [], "imagefolder_our_transforms": [],
-              "stream_full_decode": []}
-    for _ in range(3):  # interleaved rounds
-        rounds["stream"].append(time_stream(shards, args.batch, cores))
-        rounds["stream_full_decode"].append(time_stream(shards, args.batch, cores, False))
-        rounds["imagefolder"].append(time_imagefolder(tree, args.batch, cores, stock=True))
-        rounds["imagefolder_our_transforms"].append(
-            time_imagefolder(tree, args.batch, cores, stock=False))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dali_available():  # DALI's CPU operators here, nvJPEG with a GPU
-        rounds["dali"] = [time_stream(shards, args.batch, cores, backend="dali", device=device)
-                          for _ in range(3)]
-    stream, folder, folder_ours, full = (float(np.median(rounds[k])) for k in (
-        "stream", "imagefolder", "imagefolder_our_transforms", "stream_full_decode"))
-    tar_samples, tar_mib = tar_read_rate(shards)
-    rows = [
-        {"loader": "WebDataset stream (ours)", "images_per_s": stream,
-         "per_core": stream / cores, "vs_imagefolder": stream / folder},
-        {"loader": "WebDataset stream, full-size decode (data.draft_decode=false)",
-         "images_per_s": full, "per_core": full / cores, "vs_imagefolder": full / folder},
-        {"loader": "ImageFolder + DataLoader, torchvision transforms", "images_per_s": folder,
-         "per_core": folder / cores, "vs_imagefolder": 1.0},
-        {"loader": "ImageFolder + DataLoader, our transforms", "images_per_s": folder_ours,
-         "per_core": folder_ours / cores, "vs_imagefolder": folder_ours / folder},
-        {"loader": "raw tar read (no decode)", "images_per_s": tar_samples,
-         "per_core": tar_samples, "vs_imagefolder": None},
-    ]
-    if "dali" in rounds:
-        dali = float(np.median(rounds["dali"]))
-        rows.insert(2, {"loader": f"WebDataset stream, data.backend=dali on {device.type}",
-                        "images_per_s": dali, "per_core": dali / cores,
-                        "vs_imagefolder": dali / folder})
-    if args.step_rate:
-        rate = step_rate(args.batch, device)
-        rows.append({"loader": f"ResNet-50 training steps on {device.type} (to feed)",
-                     "images_per_s": rate, "per_core": None, "vs_imagefolder": None})
-    write_json(out, {"machine": machine(), "cores": cores, "images": args.images,
-                          "size": args.size,
-                          "mean_jpeg_kib": mean_kb, "resolution": RESOLUTION, "rows": rows,
-                          "tar_mib_per_s": tar_mib, "rounds": rounds,
-                          "target_at_least_1x": stream >= folder})
-    print(f"{args.images} JPEGs of {args.size}, mean {mean_kb:.0f} KiB, two {RESOLUTION}px "
-          f"SimCLR views each, {cores} workers")
-    print_table(rows, ["loader", "images_per_s", "per_core", "vs_imagefolder"])
-    print(f"raw tar read: {tar_mib:.0f} MiB/s")
-    print(f"{'PASS' if stream >= folder else 'FAIL'}  stream >= 1.0x ImageFolder")
+    write_json(out, {"machine": machine(), **measure(args.images, args.size, args.batch,
+                                                     args.workdir, args.step_rate)})
 
 
 if __name__ == "__main__":

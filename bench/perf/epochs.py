@@ -8,7 +8,8 @@ The consumer stands for an accelerator's training step: it sleeps ``--step-ms`` 
 leaving the host's cores to the loader as a GPU step does. Reported per loader: the
 wall time of the epochs, the wait for the first batch of each epoch after the first (the
 stall a trainer sees at the boundary), and the mean wait for the other batches. Both
-loaders run in the same process, interleaved, and deliver the same batches.
+loaders run in the same process, interleaved, and deliver the same batches. ``--record``
+also writes ``bench/records/perf/epochs.json`` (view ``summary``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from bench.common import machine, print_table, write_json
+from bench.records import invocation, provenance, source_line, write_record
 from data_pipeline.config import DataConfig, ShardsConfig
 from data_pipeline.loader import LoaderState, TrainLoader
 from data_pipeline.make_shards import make_shards
+
+NAME = "perf/epochs"
+RENDERER = "bench.perf.epochs"  # this module, by the name a record imports it
 
 
 def timed_epochs(cfg: DataConfig, epochs: int, step_s: float) -> dict[str, float]:
@@ -48,6 +54,20 @@ def timed_epochs(cfg: DataConfig, epochs: int, step_s: float) -> dict[str, float
             "batch_wait_ms": 1000 * statistics.mean(other)}
 
 
+def render_summary(record: dict[str, Any]) -> list[str]:
+    """The source, and the wait for an epoch's first batch with and without persistent
+    workers."""
+    got = record["figures"]
+    per_epoch, persistent = got["rows"]
+    return [f"{source_line(record)} Persistent workers cut the wait for an epoch's first "
+            f"batch from {per_epoch['boundary_wait_s']:.3f} s to "
+            f"**{persistent['boundary_wait_s']:.3f} s** ({got['samples']:,} canvases, "
+            f"{got['epochs']} epochs, {got['step_ms']:.0f} ms steps)."]
+
+
+VIEWS = {"summary": render_summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=6000)
@@ -57,7 +77,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path("bench/results/epochs"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/epochs.json"))
+    parser.add_argument("--record", action="store_true",
+                        help=f"also write bench/records/{NAME}.json")
     args = parser.parse_args()
+    seen = provenance(invocation())  # the tree the run starts from
     workers = os.cpu_count() or 1
     shards = args.workdir / f"cluttered-{args.samples}"
     make_shards(ShardsConfig(source="cluttered_digits", split="train", samples=args.samples,
@@ -74,10 +97,12 @@ def main() -> None:
     rows = [{"loader": "a DataLoader per epoch" if not p else "persistent workers",
              **median[p], "time_vs_per_epoch": median[p]["seconds"] / median[False]["seconds"]}
             for p in (False, True)]
-    write_json(args.out, {"machine": machine(), "workers": workers, "samples": args.samples,
-                          "batch": args.batch, "epochs": args.epochs,
-                          "step_ms": args.step_ms, "rows": rows,
+    figures = {"workers": workers, "samples": args.samples, "batch": args.batch,
+               "epochs": args.epochs, "step_ms": args.step_ms, "rows": rows}
+    write_json(args.out, {"machine": machine(), **figures,
                           "rounds": {str(k): v for k, v in rounds.items()}})
+    if args.record:
+        print(f"record: {write_record(NAME, seen, RENDERER, figures)}")
     print(f"{args.epochs} epochs of {args.samples // args.batch} batches of {args.batch}, "
           f"{workers} workers, a {args.step_ms:.0f} ms step per batch")
     print_table(rows, ["loader", "seconds", "boundary_wait_s", "batch_wait_ms",

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import machine, print_table, write_json
-from bench.records import invocation, source_line, write_record
+from bench.records import invocation, provenance, source_line, write_record
 from data_pipeline.formats import Sample
 from data_pipeline.graph.config import GraphConfig
 from data_pipeline.graph.encoder import load_encoder
@@ -39,11 +39,9 @@ NAME = "perf/graph"
 RENDERER = "bench.perf.graph"  # this module, by the name a record imports it
 
 
-def render(record: dict[str, Any], view: str) -> list[str]:
+def render_summary(record: dict[str, Any]) -> list[str]:
     """``summary``: the source, the job's rate against direct encoding with and without
     duplicates, the target, and CC12M's hours at the job's rate."""
-    if view != "summary":
-        raise ValueError(f"{NAME}: no view {view!r} (summary)")
     figures = record["figures"]
     rate = {r["case"]: r for r in figures["rows"]}
     job, direct = rate["job, distinct captions"], rate["SentenceTransformer.encode, distinct"]
@@ -91,6 +89,9 @@ def time_direct(model, texts: list[str], batch: int) -> float:
     return time.perf_counter() - start
 
 
+VIEWS = {"summary": render_summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--captions", type=int, default=2000)
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--record", action="store_true",
                         help=f"also write bench/records/{NAME}.json (the docs' paragraph)")
     args = parser.parse_args()
+    seen = provenance(invocation())  # the tree the run starts from
     model = load_encoder("bundled")
     distinct = captions(args.captions)
     repeated = distinct[: args.captions // 2] * 2  # same count, 50% duplicates
@@ -133,7 +135,7 @@ def main() -> None:
                           "target_at_least_0.9x": ok})
     if args.record:
         figures = {"captions": n, "batch": args.batch, "rows": rows, "projection": projection}
-        print(f"record: {write_record(NAME, invocation(), RENDERER, figures)}")
+        print(f"record: {write_record(NAME, seen, RENDERER, figures)}")
     print_table(rows, ["case", "captions_per_s", "vs_direct"])
     print(f"projected on this CPU: CC3M {projection['cc3m_hours_this_cpu']:.1f} h, "
           f"CC12M {projection['cc12m_hours_this_cpu']:.1f} h (no GPU in this run)")

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine, print_table, time_interleaved, write_json
-from bench.records import invocation, source_line, write_record
+from bench.records import invocation, provenance, source_line, write_record
 from evaluation.knn import BLOCK_BYTES, build_index, knn_accuracy
 
 RESULTS = Path("bench/results/knn.json")
@@ -44,11 +44,9 @@ SHOWN = {"torch.mm (floor)": "torch.mm into one reused buffer (the floor)",
 EXACT = ("exact index (mm + topk + vote)", "faiss knn per bank block + vote")
 
 
-def render(record: dict[str, Any], view: str) -> list[str]:
+def render_table(record: dict[str, Any]) -> list[str]:
     """``table``: the source and shape, each method's seconds and its rate against the
     matmul floor, and the target."""
-    if view != "table":
-        raise ValueError(f"{NAME}: no view {view!r} (table)")
     shape, rows = record["figures"]["shape"], record["figures"]["rows"]
     by_method = {r["method"]: r for r in rows}
     met = all(by_method[m]["vs_matmul"] >= MIN_VS_MATMUL for m in EXACT)
@@ -76,6 +74,9 @@ def matmul_only(queries: torch.Tensor, bank: torch.Tensor) -> None:
         torch.mm(chunk, bank.T, out=out[: len(chunk)])
 
 
+VIEWS = {"table": render_table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, default=10_000)
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--record", action="store_true",
                         help=f"also write bench/records/{NAME}.json (the docs' table)")
     args = parser.parse_args()
+    seen = provenance(invocation())  # the tree the run starts from
     gen = torch.Generator().manual_seed(0)
     bank = F.normalize(torch.randn(args.bank, args.dim, generator=gen), dim=1)
     queries = F.normalize(torch.randn(args.queries, args.dim, generator=gen), dim=1)
@@ -129,7 +131,7 @@ def main() -> None:
                          "imagenet_projection": projection})
     if args.record:
         figures = {"shape": vars(args), "rows": rows}
-        print(f"record: {write_record(NAME, invocation(), RENDERER, figures)}")
+        print(f"record: {write_record(NAME, seen, RENDERER, figures)}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ engine's buffers, optimiser state), the activations (what the forward adds) and 
 each above the resident memory before the model was built; the weights' and the
 optimiser's own bytes (moments, ZeRO's fp32 master partition) counted from their tensors,
 the rest of the state is gradients and the engines' buffers. Writes
-``bench/results/memory.json`` and prints two tables.
+``bench/results/memory.json`` and prints two tables; ``--record`` also writes
+``bench/records/perf/memory.json``, whose view ``table`` docs/benchmarks.md shows.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from bench.common import machine, peak_rss_bytes, print_table, rss_bytes, write_json
+from bench.records import invocation, provenance, source_line, write_record
 
 MODELS = ("vit_base_patch16_224", "vit_large_patch16_224")
 # engine setting -> (engine.*, model.activation_checkpointing)
@@ -57,6 +59,14 @@ COUNTED = {"vit_base_patch16_224": {}, "vit_large_patch16_224": {},
 WORLDS = (2, 8, 64, 512)
 MiB = 2**20
 MMAP_THRESHOLD = 65536  # glibc: larger allocations are mappings of their own
+NAME = "perf/memory"
+RENDERER = "bench.perf.memory"  # this module, by the name a record imports it
+MAX_FSDP2_STATE_VS_DDP = 0.6  # the targets: FSDP2's per-rank state against DDP's,
+MIN_CHECKPOINTING_CUT = 3.0  # and how many times fewer activations checkpointing keeps
+# the table's rows: words -> the settings shown in it, joined by " / "
+SHOWN = {"ddp": ("ddp",), "deepspeed ZeRO-2 / ZeRO-3": ("zero2", "zero3"),
+         "fsdp2": ("fsdp2",), "fsdp2 + checkpointing": ("fsdp2+checkpointing",)}
+MODEL_WORDS = {"vit_base_patch16_224": "ViT-B/16", "vit_large_patch16_224": "ViT-L/16"}
 
 
 # --- one rank's measurement (run under torchrun) -------------------------------------------
@@ -222,6 +232,38 @@ def computed_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def render_table(record: dict[str, Any]) -> list[str]:
+    """The source, each model's per-rank state and activations by engine against DDP's,
+    and the targets."""
+    got = record["figures"]
+    rows = {(r["model"], r["engine"]): r for r in got["measured"]}
+    models = list(dict.fromkeys(r["model"] for r in got["measured"]))
+
+    def cells(model: str, settings: tuple[str, ...]) -> str:
+        found = [rows[model, s] for s in settings]
+        return " | ".join(" / ".join(fmt.format(r[key]) for r in found) for key, fmt in (
+            ("state MiB", "{:,.0f}"), ("state / ddp", "{:.2f}"),
+            ("activations / ddp", "{:.2f}")))
+    fsdp2 = [rows[m, "fsdp2"]["state / ddp"] for m in models]
+    cuts = [rows[m, "fsdp2"]["activations MiB"] / rows[m, "fsdp2+checkpointing"]["activations MiB"]
+            for m in models]
+    return [f"{source_line(record)} {got['ranks']} ranks, {got['batch']} images a rank:", "",
+            "| model | engine | state MiB | state / ddp | activations / ddp |",
+            "| --- | --- | --- | --- | --- |",
+            *(f"| {MODEL_WORDS.get(m, m)} | {words} | {cells(m, settings)} |"
+              for m in models for words, settings in SHOWN.items()
+              if all((m, s) in rows for s in settings)),
+            "", f"Targets: FSDP2 at most {MAX_FSDP2_STATE_VS_DDP}x DDP's per-rank state, **"
+            f"{'met' if max(fsdp2) <= MAX_FSDP2_STATE_VS_DDP else 'not met'}** "
+            f"({', '.join(f'{x:.2f}x' for x in fsdp2)}); checkpointing cuts FSDP2's "
+            f"activations at least {MIN_CHECKPOINTING_CUT:.0f}x, **"
+            f"{'met' if min(cuts) >= MIN_CHECKPOINTING_CUT else 'not met'}** "
+            f"({', '.join(f'{x:.1f}x' for x in cuts)})."]
+
+
+VIEWS = {"table": render_table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -234,10 +276,13 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--batch", type=int, default=2, help="images per rank (2 views each)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/memory.json"))
+    parser.add_argument("--record", action="store_true",
+                        help=f"also write bench/records/{NAME}.json")
     args = parser.parse_args()
     if args.command == "worker":
         worker(args)
         return
+    seen = provenance(invocation())  # the tree the run starts from
     measured = with_ratios([measure(m, s, args.batch) for m in args.models
                             for s in args.settings])
     computed = computed_rows()
@@ -246,6 +291,9 @@ def main() -> None:
     print_table(measured, list(measured[0]))
     print()
     print_table(computed, list(computed[0]))
+    if args.record:
+        figures = {"batch": args.batch, "ranks": 2, "measured": measured}
+        print(f"record: {write_record(NAME, seen, RENDERER, figures)}")
 
 
 if __name__ == "__main__":

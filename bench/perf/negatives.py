@@ -25,9 +25,10 @@ Targets: tiled peak memory grows linearly in N (doubling N at most 2.3x the memo
 the idle process); every objective's tiled time at N = 8192 within 1.3x of its dense
 time; what every peak
 adds to its idle process at most 1.2x its recorded figure. Writes
-bench/results/negatives.json and prints tables; ``--part tiles --record`` also writes
-``bench/records/perf/tiles.json``, whose views ``ratios`` (tiled against dense time) and
-``memory`` (time and peak memory against N) are the tables docs/benchmarks.md shows.
+bench/results/negatives.json and prints tables; ``--record`` also writes each part's record,
+``bench/records/perf/{tiles,peaks,chunks}.json``, whose views (tiles: ``ratios``, tiled
+against dense time, and ``memory``, time and peak memory against N; ``peaks``; ``chunks``)
+are the tables docs/benchmarks.md shows.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from bench.common import (
     write_json,
 )
 from bench.perf.objectives import objective_cases
-from bench.records import invocation, source_line, write_record
+from bench.records import invocation, provenance, source_line, write_record
 from pretrain.contrast.batch import AUTO_TILE_SIZE, DENSE_MAX_CANDIDATES
 from pretrain.objectives import BatchOptions, BatchRows, local_batch, objective_function
 
@@ -69,7 +70,7 @@ PEAK_N = 131072
 RECORDED_ABOVE_IDLE_GIB = {("infonce", 256): 0.25, ("infonce", 4096): 0.26,
                            ("xclr", 256): 0.25, ("xclr", 4096): 0.26}
 PEAK_TOLERANCE = 1.2
-NAME = "perf/tiles"
+RECORDS = {"tiles": "perf/tiles", "peaks": "perf/peaks", "chunks": "perf/chunks"}  # per part
 RENDERER = "bench.perf.negatives"  # this module, by the name a record imports it
 # the docs' cells: words -> case, in two columns of seven
 SHOWN = {"infonce": "infonce", "supcon": "supcon", "sincere": "sincere",
@@ -237,14 +238,16 @@ def chunk_rows(rows: int, chunk_sizes: list[int], repeats: int) -> list[dict]:
     return results
 
 
-def render(record: dict[str, Any], view: str) -> list[str]:
-    """``ratios``: the source, each of :data:`SHOWN`'s dense time and tiled over dense time
-    at N = RATIO_N, and the target over every case measured. ``memory``: the source, and
-    infonce's time and peak resident memory against N, dense and tiled."""
-    views = {"ratios": _ratio_lines, "memory": _memory_lines}
-    if view not in views:
-        raise ValueError(f"{NAME}: no view {view!r} ({', '.join(views)})")
-    return [source_line(record), "", *views[view](record["figures"])]
+def render_ratios(record: dict[str, Any]) -> list[str]:
+    """The source, each of :data:`SHOWN`'s dense time and tiled over dense time at
+    N = RATIO_N, and the target over every case measured."""
+    return [source_line(record), "", *_ratio_lines(record["figures"])]
+
+
+def render_memory(record: dict[str, Any]) -> list[str]:
+    """The source, and infonce's time and peak resident memory against N, dense and
+    tiled."""
+    return [source_line(record), "", *_memory_lines(record["figures"])]
 
 
 def _ratio_lines(figures: dict[str, Any]) -> list[str]:
@@ -280,6 +283,37 @@ def _memory_lines(figures: dict[str, Any]) -> list[str]:
               for n, paths in sorted(by_size.items()))]
 
 
+def render_peaks(record: dict[str, Any]) -> list[str]:
+    """The source, what each (objective, tile size) adds to its idle process at N = PEAK_N
+    against its recorded figure, and the target."""
+    rows = record["figures"]["rows"]
+    met = all(r["above_idle_gib"] <= PEAK_TOLERANCE * r["recorded_above_idle_gib"]
+              for r in rows)
+    return [source_line(record), "",
+            "| objective | tile | s | GiB above the idle process | recorded GiB |",
+            "| --- | --- | --- | --- | --- |",
+            *(f"| {r['objective']} | {r['tile_size']:,} | {r['seconds']:.0f} | "
+              f"{r['above_idle_gib']:.2f} | {r['recorded_above_idle_gib']:.2f} |" for r in rows),
+            "", f"Target, each at most {PEAK_TOLERANCE}x its recorded figure: "
+            f"**{'met' if met else 'not met'}**."]
+
+
+def render_chunks(record: dict[str, Any]) -> list[str]:
+    """The source, and the chunked step's time and peak memory against the plain step."""
+    def chunk(size: int | str) -> str:
+        return "off (plain step)" if size == "off" else f"{size:,}"
+    return [source_line(record), "",
+            "| chunk size | s / step | peak GiB | time / plain | memory above idle / plain |",
+            "| --- | --- | --- | --- | --- |",
+            *(f"| {chunk(r['chunk_size'])} | {r['seconds']:.1f} | {r['peak_gib']:.2f} | "
+              f"{r['time_vs_plain']:.2f} | {r['memory_vs_plain']:.2f} |"
+              for r in record["figures"]["rows"])]
+
+
+VIEWS = {"ratios": render_ratios, "memory": render_memory, "peaks": render_peaks,
+         "chunks": render_chunks}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+",
@@ -297,10 +331,8 @@ def main() -> None:
     parser.add_argument("--chunk-child", type=int, nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/negatives.json"))
     parser.add_argument("--record", action="store_true",
-                        help=f"with --part tiles: also write bench/records/{NAME}.json")
+                        help="also write each part's record, bench/records/perf/<part>.json")
     args = parser.parse_args()
-    if args.record and args.part != "tiles":
-        parser.error("--record records the tiles part: add --part tiles")
     if args.child:
         n, tile = args.child
         print(json.dumps(child(n, args.dim, tile or None, args.repeats, args.objective)))
@@ -308,6 +340,7 @@ def main() -> None:
     if args.chunk_child:
         print(json.dumps(chunk_child(*args.chunk_child, args.repeats)))
         return
+    seen = provenance(invocation())  # the tree the run starts from
     payload = {"machine": machine()}
     if args.part in ("tiles", "all"):
         payload.update(tiles_part(args))
@@ -322,10 +355,13 @@ def main() -> None:
         print_table(chunks, ["views", "chunk_size", "seconds", "peak_gib", "above_idle_gib",
                              "time_vs_plain", "memory_vs_plain"])
     write_json(args.out, payload)
-    if args.record:
-        figures = {"tile_size": args.tile_size, "objectives": payload["objectives"],
-                   "scaling": payload["scaling"]}
-        print(f"record: {write_record(NAME, invocation(), RENDERER, figures)}")
+    figures = {"tiles": {"tile_size": args.tile_size, "objectives": payload.get("objectives"),
+                         "scaling": payload.get("scaling")},
+               "peaks": {"rows": payload.get("peaks")},
+               "chunks": {"views": args.chunk_views, "rows": payload.get("chunks")}}
+    for part in RECORDS if args.record else ():
+        if args.part in (part, "all"):
+            print(f"record: {write_record(RECORDS[part], seen, RENDERER, figures[part])}")
     if not all(payload.get("targets", {}).values()):
         raise SystemExit("bench.perf.negatives: a check failed (above)")
 

@@ -39,7 +39,7 @@ from bench.common import (
     time_interleaved,
     write_json,
 )
-from bench.records import invocation, source_line, write_record
+from bench.records import invocation, provenance, source_line, write_record
 from pretrain.contrast.parameters import ParameterShape, initial_values
 from pretrain.objectives import OBJECTIVES, ObjectiveSpec, batch_loss
 
@@ -178,11 +178,9 @@ def _side_by_side(values: list[float | None], digits: int) -> str:
     return " / ".join(shown)
 
 
-def render(record: dict[str, Any], view: str) -> list[str]:
+def render_table(record: dict[str, Any]) -> list[str]:
     """``table``: the source, then each of :data:`GROUPS` at N = 8,192 (ms, peak MiB, and the
     ratios the targets read), then the targets."""
-    if view != "table":
-        raise ValueError(f"{NAME}: no view {view!r} (table)")
     rows = {r["loss"]: r for r in record["figures"]["rows"] if r["N"] == TARGET_N}
     peers = ", ".join(f"{k} {v}" for k, v in record["figures"]["peers"].items())
     lines = [f"{source_line(record)} Peers: {peers}.", "",
@@ -204,6 +202,9 @@ def render(record: dict[str, Any], view: str) -> list[str]:
     return lines
 
 
+VIEWS = {"table": render_table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -214,6 +215,7 @@ def main() -> None:
     parser.add_argument("--record", action="store_true",
                         help=f"also write bench/records/{NAME}.json (the docs' table)")
     args = parser.parse_args()
+    seen = provenance(invocation())  # the tree the run starts from
     device = torch.device(args.device)
     allocator_tuned = device.type == "cpu" and keep_freed_memory()
     rows = [row for n in args.sizes for row in run_size(n, args.dim, args.repeats, device)]
@@ -234,7 +236,7 @@ def main() -> None:
     if args.record:
         figures = {"dim": args.dim, "rows": rows, "targets": checks,
                    "peers": {name: version(name) for name in PEERS}}
-        print(f"record: {write_record(NAME, invocation(), RENDERER, figures)}")
+        print(f"record: {write_record(NAME, seen, RENDERER, figures)}")
     print_table(rows, ["N", "loss", "fwd_bwd_ms", "peak_mib", "vs_fastest_peer", "vs_infonce",
                        "vs_open_clip"])
     for name, ok in checks.items():

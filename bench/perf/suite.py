@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bench.records import invocation, write_record
+from bench.records import invocation, provenance, write_record
 
 NAME = "perf/suite"
 RENDERER = "bench.perf.suite"  # this module, by the name a record imports it
@@ -46,10 +46,8 @@ def not_a_pass(counts: dict[str, int]) -> str | None:
     return None if counts.get("passed") else "nothing passed"
 
 
-def render(record: dict[str, Any], view: str) -> list[str]:
+def render_summary(record: dict[str, Any]) -> list[str]:
     """``summary``: where the suite ran, its minutes and what passed."""
-    if view != "summary":
-        raise ValueError(f"{NAME}: no view {view!r} (summary)")
     got, machine = record["figures"], record["machine"]
     minutes, seconds = divmod(round(got["seconds"]), 60)
     return [f"The test suite (what CI runs), a checkout of {record['commit'][:7]}, "
@@ -57,15 +55,19 @@ def render(record: dict[str, Any], view: str) -> list[str]:
             f"two xdist workers, {got['counts']['passed']:,} passed."]
 
 
+VIEWS = {"summary": render_summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.perf.suite", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log", type=Path, help="what pytest printed")
     args = parser.parse_args()
+    seen = provenance(invocation())  # the tree the run starts from
     got = summary(args.log.read_text(errors="replace"))
     if problem := not_a_pass(got["counts"]):
         raise SystemExit(f"bench.perf.suite: {args.log}: the run did not pass ({problem})")
-    print(f"record: {write_record(NAME, invocation(), RENDERER, got)}")
+    print(f"record: {write_record(NAME, seen, RENDERER, got)}")
 
 
 if __name__ == "__main__":

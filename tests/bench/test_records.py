@@ -46,8 +46,8 @@ def lever_record(tmp_path, monkeypatch) -> str:
     runs = {"sweep_alt_xclr_tau_s0.05_centred": {
         "0": {"knn": 0.5, "floor": 0.1, "probe": 0.6, "commit": None},
         "1": {"knn": 0.4, "floor": 0.2, "probe": 0.5, "commit": None}}}
-    records.write_record("learning/scratch", ["python", "-m", "x"], xclr_record.RENDERER,
-                         {"runs": runs})
+    records.write_record("learning/scratch", records.provenance(["python", "-m", "x"]),
+                         xclr_record.RENDERER, {"runs": runs})
     return "learning/scratch"
 
 
@@ -80,6 +80,20 @@ def test_a_marker_the_pattern_cannot_read_is_named(tmp_path, monkeypatch):
     page.write_text(f"<!-- record: {name} levers --> \nold\n<!-- /record -->\n")
     assert records.mismatches([page]) == ["page.md:1: a record marker not read",
                                           "page.md:3: a record marker not read"]
+
+
+def test_a_view_its_renderer_does_not_have_is_named_with_those_it_has(tmp_path, monkeypatch):
+    name = lever_record(tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match=r"learning/scratch: no view 'table' \(levers\)"):
+        records.rendered(name, "table")
+
+
+def test_a_record_keeps_the_provenance_its_run_started_from(tmp_path, monkeypatch):
+    monkeypatch.setattr(records, "RECORDS", tmp_path / "records")
+    started = {**records.provenance(["python", "-m", "x"]), "commit": "a" * 40, "dirty": False}
+    path = records.write_record("perf/scratch", started, xclr_record.RENDERER, {"runs": {}})
+    kept = json.loads(path.read_text())
+    assert {k: kept[k] for k in started} == started  # not the tree as it is when it ends
 
 
 def test_a_commit_outside_the_history_is_named(tmp_path, monkeypatch):

@@ -45,7 +45,8 @@ def test_a_log_of_a_failing_run_is_refused_and_writes_nothing(tmp_path):
 
 def test_the_summary_view_states_minutes_seconds_and_passed(tmp_path, monkeypatch):
     monkeypatch.setattr(records, "RECORDS", tmp_path / "records")
-    records.write_record("perf/scratch", ["python", "-m", "x"], suite.RENDERER,
+    records.write_record("perf/scratch", records.provenance(["python", "-m", "x"]),
+                         suite.RENDERER,
                          suite.summary(PASSED))
     line = records.rendered("perf/scratch", "summary")
     assert "**31 min 38 s** of pytest on two xdist workers, 2,192 passed." in line
