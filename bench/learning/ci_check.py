@@ -292,7 +292,8 @@ def main() -> None:
                                  tuple(args.set))
         print(seed, json.dumps(per_seed[seed]), flush=True)
     report = {"recipe": args.recipe, "captions": args.captions, "epochs": args.epochs,
-              "set": args.set, "per_seed": per_seed}
+              "set": args.set, "per_seed": per_seed,
+              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     print("| measure | per seed: untrained -> trained (gain) | gain mean ± sd | mean - 3 sd |")
     print("| --- | --- | --- | --- |")
     for name in MEASURES:

@@ -44,7 +44,7 @@ def check_figures(report: dict[str, Any]) -> dict[str, Any]:
     return {"recipe": report["recipe"], "captions": report["captions"],
             "epochs": report["epochs"], "measures": measures, "command": seen["command"],
             "commit": seen["commit"], "dirty": seen["dirty"], "date": seen["date"],
-            "cpu": seen["machine"]["cpu"]}
+            "cpu": seen["machine"]["cpu"], "kernels": report.get("cpu_capability")}
 
 
 def gather(out: Path) -> list[dict[str, Any]]:
@@ -62,8 +62,8 @@ def render_table(record: dict[str, Any]) -> list[str]:
     """Each check's commands and sources, then per measure the gain per seed, mean ± sd and
     mean - 3 sd."""
     checks = record["figures"]["checks"]
-    sources = sorted({f"{c['cpu']}, {c['commit'][:7]}{' with changes' if c['dirty'] else ''}"
-                      f", {c['date']}" for c in checks})
+    sources = sorted({f"{c['cpu']} ({c['kernels']} kernels), {c['commit'][:7]}"
+                      f"{' with changes' if c['dirty'] else ''}, {c['date']}" for c in checks})
     lines = ["```bash", *(c["command"] for c in checks), "```", "",
              f"Measured on {'; '.join(sources)}:", "",
              "| recipe | measure | gain per seed | mean ± sd | mean - 3 sd |",
