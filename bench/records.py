@@ -93,6 +93,15 @@ def write_record(name: str, seen: dict[str, Any], renderer: str,
     return path
 
 
+def write_and_show(name: str, seen: dict[str, Any], renderer: str, figures: dict[str, Any],
+                   view: str) -> Path:
+    """:func:`write_record`, then print the record as ``view`` and where it was written."""
+    path = write_record(name, seen, renderer, figures)
+    print(rendered(name, view), end="")
+    print(f"record: {path}")
+    return path
+
+
 def source_line(record: dict[str, Any]) -> str:
     """Where a record's figures come from, as a page states it: the command, the machine,
     the date and the commit."""
@@ -151,10 +160,14 @@ def mismatches(pages: list[Path]) -> list[str]:
     per record marker the citation pattern does not read."""
     found = [line for page in pages for line in unparsed(page)]
     for citation in (c for page in pages for c in citations(page)):
+        page = (citation.page.relative_to(REPO) if citation.page.is_relative_to(REPO)
+                else citation.page)
+        if not (RECORDS / f"{citation.name}.json").is_file():
+            found.append(f"{page}:{citation.line}: cites {citation.name}, which is not kept "
+                         f"(bench/records/{citation.name}.json)")
+            continue
         expected = rendered(citation.name, citation.view)
         if citation.body != expected:
-            page = (citation.page.relative_to(REPO) if citation.page.is_relative_to(REPO)
-                    else citation.page)
             found.append(f"{page}:{citation.line}: the block "
                          f"shows {citation.name} {citation.view} otherwise than its record "
                          "(write it from the record: python -m bench.records --write)")
@@ -162,11 +175,14 @@ def mismatches(pages: list[Path]) -> list[str]:
 
 
 def write_citations(pages: list[Path]) -> None:
-    """Rewrite every cited block of ``pages`` from its record."""
+    """Rewrite every cited block of ``pages`` from its record (a block whose record is not
+    kept stays as it is)."""
     for page in pages:
         text = page.read_text()
 
         def block(m: re.Match[str]) -> str:
+            if not (RECORDS / f"{m['name']}.json").is_file():
+                return m[0]  # named by mismatches
             return (f"<!-- record: {m['name']} {m['view']} -->\n"
                     f"{rendered(m['name'], m['view'])}<!-- /record -->")
 

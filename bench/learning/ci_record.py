@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.learning.ci_check import MEASURES, REPO, run_name
-from bench.records import invocation, provenance, write_record
+from bench.records import invocation, provenance, write_and_show
 
 NAME = "learning/ci_check"
 RENDERER = "bench.learning.ci_record"  # this module, by the name a record imports it
@@ -87,9 +87,7 @@ def main() -> None:
                         help="where ci_check wrote its reports")
     args = parser.parse_args()
     seen = provenance(invocation())  # the tree the gathering starts from
-    path = write_record(NAME, seen, RENDERER, {"checks": gather(args.out)})
-    print("\n".join(render_table(json.loads(path.read_text()))))
-    print(f"record: {path}")
+    write_and_show(NAME, seen, RENDERER, {"checks": gather(args.out)}, "table")
 
 
 if __name__ == "__main__":

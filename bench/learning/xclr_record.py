@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.records import invocation, provenance, write_record
+from bench.records import invocation, provenance, write_and_show
 
 NAME = "learning/xclr_levers"
 RENDERER = "bench.learning.xclr_record"  # this module, by the name a record imports it
@@ -102,11 +102,9 @@ def main() -> None:
     args = parser.parse_args()
     seen = provenance(invocation())  # the tree the run starts from
     runs, missing = collect(args.out)
-    path = write_record(NAME, seen, RENDERER, {"runs": runs})
     for name in missing:
         print(f"not run: {name}")
-    print("\n".join(render_levers(json.loads(path.read_text()))))
-    print(f"record: {path}")
+    write_and_show(NAME, seen, RENDERER, {"runs": runs}, "levers")
 
 
 if __name__ == "__main__":

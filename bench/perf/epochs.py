@@ -59,7 +59,8 @@ def render_summary(record: dict[str, Any]) -> list[str]:
     workers."""
     got = record["figures"]
     per_epoch, persistent = got["rows"]
-    return [f"{source_line(record)} Persistent workers cut the wait for an epoch's first "
+    verb = "cut" if persistent["boundary_wait_s"] < per_epoch["boundary_wait_s"] else "raise"
+    return [f"{source_line(record)} Persistent workers {verb} the wait for an epoch's first "
             f"batch from {per_epoch['boundary_wait_s']:.3f} s to "
             f"**{persistent['boundary_wait_s']:.3f} s** ({got['samples']:,} canvases, "
             f"{got['epochs']} epochs, {got['step_ms']:.0f} ms steps)."]

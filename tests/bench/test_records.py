@@ -82,6 +82,17 @@ def test_a_marker_the_pattern_cannot_read_is_named(tmp_path, monkeypatch):
                                           "page.md:3: a record marker not read"]
 
 
+def test_a_block_citing_a_record_not_kept_is_named_and_left_as_it_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(records, "RECORDS", tmp_path / "records")
+    page = tmp_path / "page.md"
+    text = "<!-- record: perf/gone table -->\nold\n<!-- /record -->\n"
+    page.write_text(text)
+    records.write_citations([page])
+    assert page.read_text() == text
+    assert records.mismatches([page]) == [
+        f"{page}:1: cites perf/gone, which is not kept (bench/records/perf/gone.json)"]
+
+
 def test_a_view_its_renderer_does_not_have_is_named_with_those_it_has(tmp_path, monkeypatch):
     name = lever_record(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match=r"learning/scratch: no view 'table' \(levers\)"):
