@@ -293,7 +293,7 @@ def main() -> None:
         print(seed, json.dumps(per_seed[seed]), flush=True)
     report = {"recipe": args.recipe, "captions": args.captions, "epochs": args.epochs,
               "set": args.set, "per_seed": per_seed,
-              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "summary": {}}
     print("| measure | per seed: untrained -> trained (gain) | gain mean ± sd | mean - 3 sd |")
     print("| --- | --- | --- | --- |")
     for name in MEASURES:
@@ -301,7 +301,7 @@ def main() -> None:
                 if r["trained"].get(name) is not None]
         if not rows:
             continue
-        stats = report[name] = summary([after - before for before, after in rows])
+        stats = report["summary"][name] = summary([after - before for before, after in rows])
         cells = ", ".join(f"{b:.3f} -> {a:.3f} ({a - b:+.3f})" for b, a in rows)
         print(f"| {name} | {cells} | {stats['mean']:.3f} ± {stats['sd']:.3f} "
               f"| {stats['mean_minus_3sd']:.3f} |")

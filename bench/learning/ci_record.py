@@ -8,7 +8,8 @@
 Reads the report ``ci_check`` writes for each of :data:`CHECKS` (under ``--out``, its own
 default) and writes ``bench/records/learning/ci_check.json``; each check keeps its report's
 provenance (command, commit, date, machine). A check not run stops the gathering, naming
-the command that runs it.
+the command that runs it. Each seed's run keeps its own commit too (``runs``): a report
+made again from runs already made reads them, it does not train them again.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ def check_figures(report: dict[str, Any]) -> dict[str, Any]:
     provenance of the run that measured them."""
     measures = {}
     for name in MEASURES:
-        if name not in report:
+        if name not in report["summary"]:
             continue
         gains = {seed: r["trained"][name] - r["untrained"][name]
                  for seed, r in report["per_seed"].items()}
-        measures[name] = {"gains": gains, **report[name]}
+        measures[name] = {"gains": gains, **report["summary"][name]}
     seen = report["provenance"]
+    runs = [{"seed": seed, "commit": (r.get("provenance") or {}).get("commit")}
+            for seed, r in report["per_seed"].items()]  # each seed's run, where it says
     return {"recipe": report["recipe"], "captions": report["captions"],
-            "epochs": report["epochs"], "measures": measures, "command": seen["command"],
+            "epochs": report["epochs"], "measures": measures, "runs": runs,
+            "command": seen["command"],
             "commit": seen["commit"], "dirty": seen["dirty"], "date": seen["date"],
             "cpu": seen["machine"]["cpu"], "kernels": report.get("cpu_capability")}
 
