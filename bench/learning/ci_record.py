@@ -66,7 +66,9 @@ def render_table(record: dict[str, Any]) -> list[str]:
     """Each check's commands and sources, then per measure the gain per seed, mean ± sd and
     mean - 3 sd."""
     checks = record["figures"]["checks"]
-    sources = sorted({f"{c['cpu']} ({c['kernels']} kernels), {c['commit'][:7]}"
+    sources = sorted({f"{c['cpu']} ({c['kernels']} kernels), trained at "
+                      f"{', '.join(sorted({r['commit'][:7] for r in c['runs'] if r['commit']}))}"
+                      f", summarised at {c['commit'][:7]}"
                       f"{' with changes' if c['dirty'] else ''}, {c['date']}" for c in checks})
     lines = ["```bash", *(c["command"] for c in checks), "```", "",
              f"Measured on {'; '.join(sources)}:", "",
