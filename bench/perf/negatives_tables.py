@@ -1,0 +1,97 @@
+"""The tables docs/benchmarks.md shows from ``bench.perf.negatives``'s records: ``ratios``
+and ``memory`` (perf/tiles), ``peaks`` (perf/peaks) and ``chunks`` (perf/chunks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.perf.negatives import MAX_TILED_VS_DENSE, PEAK_TOLERANCE
+from bench.records import source_line
+
+# the docs' cells: words -> case, in two columns of seven
+SHOWN = {"infonce": "infonce", "supcon": "supcon", "sincere": "sincere",
+         "eps_supinfonce": "eps_supinfonce", "flatnce": "flatnce",
+         "holder_flatnce": "holder_flatnce", "clip": "clip",
+         "xclr (captions)": "xclr[captions]", "xclr (class graph)": "xclr[class_graph]",
+         "projnce centroid": "projnce",
+         "projnce kernel": "projnce[projection=kernel, bandwidth=2.0]",
+         "projnce median": "projnce[projection=median]",
+         "projnce learned": "projnce[projection=learned]", "siglip": "siglip"}
+
+
+
+def render_ratios(record: dict[str, Any]) -> list[str]:
+    """The source, each of :data:`SHOWN`'s dense time and tiled over dense time at
+    N = RATIO_N, and the target over every case measured."""
+    return [source_line(record), "", *_ratio_lines(record["figures"])]
+
+
+def render_memory(record: dict[str, Any]) -> list[str]:
+    """The source, and infonce's time and peak resident memory against N, dense and
+    tiled."""
+    return [source_line(record), "", *_memory_lines(record["figures"])]
+
+
+def _ratio_lines(figures: dict[str, Any]) -> list[str]:
+    rows = {r["objective"]: r for r in figures["objectives"]}
+    cells = [f"{words} | {rows[case]['dense_ms']:,.0f} | {rows[case]['tiled_vs_dense']:.2f}"
+             for words, case in SHOWN.items()]
+    half = (len(cells) + 1) // 2
+    worst = max(rows.values(), key=lambda r: r["tiled_vs_dense"])
+    met = worst["tiled_vs_dense"] <= MAX_TILED_VS_DENSE
+    return ["| objective | dense ms | tiled / dense | objective | dense ms | tiled / dense |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *(f"| {left} | {right} |"
+              for left, right in zip(cells[:half], cells[half:], strict=True)),
+            "", f"Target, tiled within {MAX_TILED_VS_DENSE}x of dense for each of the "
+            f"{len(rows)} cases (every objective and setting): **{'met' if met else 'not met'}"
+            f"** (largest {worst['tiled_vs_dense']:.2f}x, {worst['objective']})."]
+
+
+def _memory_lines(figures: dict[str, Any]) -> list[str]:
+    by_size: dict[int, dict[str, dict]] = {}
+    for row in figures["scaling"]:
+        by_size.setdefault(row["N"], {})[row["path"]] = row
+    idle = [r["idle_gib"] for r in figures["scaling"] if r["fits"]]
+
+    def cells(row: dict) -> str:
+        return (f"{row['seconds']:.3g} | {row['peak_gib']:.2f}" if row["fits"]
+                else "does not fit | ")
+    return [f"Peak VmHWM, the idle process {min(idle):.2f}-{max(idle):.2f} GiB "
+            f"(T = {figures['tile_size']}):", "",
+            "| N | dense s | dense peak GiB | tiled s | tiled peak GiB |",
+            "| --- | --- | --- | --- | --- |",
+            *(f"| {n:,} | {cells(paths['dense'])} | {cells(paths['tiled'])} |"
+              for n, paths in sorted(by_size.items()))]
+
+
+def render_peaks(record: dict[str, Any]) -> list[str]:
+    """The source, what each (objective, tile size) adds to its idle process at N = PEAK_N
+    against its recorded figure, and the target (memory alone: the seconds are not shown,
+    a peak being the same on busy cores)."""
+    rows = record["figures"]["rows"]
+    met = all(r["above_idle_gib"] <= PEAK_TOLERANCE * r["recorded_above_idle_gib"]
+              for r in rows)
+    return [source_line(record), "",
+            "| objective | tile | GiB above the idle process | recorded GiB |",
+            "| --- | --- | --- | --- |",
+            *(f"| {r['objective']} | {r['tile_size']:,} | {r['above_idle_gib']:.2f} | "
+              f"{r['recorded_above_idle_gib']:.2f} |" for r in rows),
+            "", f"Target, each at most {PEAK_TOLERANCE}x its recorded figure: "
+            f"**{'met' if met else 'not met'}**."]
+
+
+def render_chunks(record: dict[str, Any]) -> list[str]:
+    """The source, and the chunked step's time and peak memory against the plain step."""
+    def chunk(size: int | str) -> str:
+        return "off (plain step)" if size == "off" else f"{size:,}"
+    return [source_line(record), "",
+            "| chunk size | s / step | peak GiB | time / plain | memory above idle / plain |",
+            "| --- | --- | --- | --- | --- |",
+            *(f"| {chunk(r['chunk_size'])} | {r['seconds']:.1f} | {r['peak_gib']:.2f} | "
+              f"{r['time_vs_plain']:.2f} | {r['memory_vs_plain']:.2f} |"
+              for r in record["figures"]["rows"])]
+
+
+VIEWS = {"ratios": render_ratios, "memory": render_memory, "peaks": render_peaks,
+         "chunks": render_chunks}
