@@ -10,7 +10,7 @@ SIGCONT 5-20 s later); a pause of 2-8 s, under the hang watch's 15 s floor (``st
 SIGSTOP, then SIGCONT).
 
     python -m bench.soak.chaos                   # 12 faults over 180 epochs, then the references
-    python -m bench.soak.chaos --kills 10 --epochs 50 --gap 25 45 --seed 1  # docs/benchmarks.md's
+    python -m bench.soak.chaos --kills 15 --epochs 80 --gap 15 30 --seed 1 --record  # the docs
     python -m bench.soak.chaos --analyse-only        # measure the soak in --workdir again
 
 The rendezvous store runs in a process of its own, as on a cluster whose endpoint is a head
@@ -50,6 +50,7 @@ import psutil
 import yaml
 
 from bench.common import machine, write_json
+from bench.records import invocation, provenance, write_and_show
 from bench.soak.chaos_measure import (
     BACK_S,
     KINDS,
@@ -60,6 +61,7 @@ from bench.soak.chaos_measure import (
     log_span,
 )
 from bench.soak.chaos_report import report
+from bench.soak.chaos_tables import NAME, RENDERER
 from core.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -266,15 +268,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--analyse-only", action="store_true",
                         help="measure the soak already in --workdir again, from the kills "
                              "--output recorded")
+    parser.add_argument("--record", action="store_true",
+                        help=f"also write bench/records/{NAME}.json (with --analyse-only: "
+                             "the soak's own command, commit and date)")
     args = parser.parse_args(argv)
     if args.analyse_only:
         recorded = json.loads(args.output.read_text())
         kills = [Kill(**kill) for kill in recorded["kills"]]
         args.epochs = recorded["summary"]["epochs_asked"]
-        report(args, kills, recorded["summary"]["soak_s"],
-               recorded["summary"]["uninterrupted_s"]
-               or log_span(args.workdir / "reference" / "train.log"), SAMPLES, BATCH * NODES)
+        written = report(args, kills, recorded["summary"]["soak_s"],
+                         recorded["summary"]["uninterrupted_s"]
+                         or log_span(args.workdir / "reference" / "train.log"), SAMPLES,
+                         BATCH * NODES, recorded["provenance"])
+        if args.record:
+            keep(recorded["provenance"], written)
         return
+    seen = provenance(invocation())  # the tree the soak starts from
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     references = {"reference": NODES, "reference-1": 1}
@@ -293,12 +302,21 @@ def main(argv: list[str] | None = None) -> None:
         write_json(args.output, {"machine": machine(), "seed": args.seed,  # the soak kept
                                  "summary": {"soak_s": soak_s, "epochs_asked": args.epochs,
                                              "uninterrupted_s": None},
-                                 "kills": [asdict(k) for k in soak.kills]})
+                                 "kills": [asdict(k) for k in soak.kills]}, seen)
         for name, nproc in references.items():
             if name not in kept:
                 uninterrupted(args.workdir, args.epochs, log, name, nproc=nproc)
-    report(args, soak.kills, soak_s, log_span(args.workdir / "reference" / "train.log"),
-           SAMPLES, BATCH * NODES)
+    written = report(args, soak.kills, soak_s,
+                     log_span(args.workdir / "reference" / "train.log"), SAMPLES,
+                     BATCH * NODES, seen)
+    if args.record:
+        keep(seen, written)
+
+
+def keep(seen: dict, written: dict) -> None:
+    """The soak's record: its seed, summary and faults, with the provenance ``seen``."""
+    write_and_show(NAME, seen, RENDERER, {key: written[key] for key in
+                                          ("seed", "summary", "kills")}, "faults")
 
 
 if __name__ == "__main__":

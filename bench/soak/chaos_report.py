@@ -87,9 +87,10 @@ def plot(path: Path, soak: tuple, reference: tuple, kills: list[Kill], events: l
 
 
 def report(args: argparse.Namespace, kills: list[Kill], soak_s: float, reference_s: float,
-           samples: int, global_batch: int) -> None:
-    """Measure the kills, read the ledger, load the final checkpoint, plot, and write; the
-    run read ``samples`` an epoch in global batches of ``global_batch``."""
+           samples: int, global_batch: int, seen: dict[str, Any]) -> dict[str, Any]:
+    """Measure the kills, read the ledger, load the final checkpoint, plot, and write (with
+    ``seen``, the soak's provenance); the run read ``samples`` an epoch in global batches of
+    ``global_batch``. Returns what it wrote."""
     events = log_events(args.workdir / "soak" / "train.log")
     for kill in kills:
         kill.recovery_s = kill.redone = kill.world_after = kill.restarts = None
@@ -139,5 +140,7 @@ def report(args: argparse.Namespace, kills: list[Kill], soak_s: float, reference
                 ["kind", "faults", "survived", "recovery_median_s", "recovery_max_s",
                  "restarts"])
     print(json.dumps(summary, indent=2))
-    write_json(args.output, {"machine": machine(), "seed": args.seed, "summary": summary,
-                             "kills": [asdict(k) for k in kills]})
+    written = {"machine": machine(), "seed": args.seed, "summary": summary,
+               "kills": [asdict(k) for k in kills]}
+    write_json(args.output, written, seen)
+    return written
