@@ -4,6 +4,7 @@
 
     python -m bench.scale                               # every part, default sizes
     python -m bench.scale --part captions --rows 100000 1000000
+    python -m bench.scale --part tree graph --record ingest   # also bench/records/scale/ingest.json
 
 Parts:
 
@@ -46,7 +47,8 @@ Parts:
   memory-mapped in a scratch folder (as graph-precompute runs it).
 
 Each size runs in a fresh process so that peak memory is its own. Writes JSON and prints a
-table; ``docs/benchmarks.md`` records the numbers.
+table; with ``--record NAME`` also the record ``scale/NAME`` that ``docs/benchmarks.md``
+cites (``bench/scale/scale_tables.py`` renders it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, print_table, write_json
+from bench.records import invocation, provenance, write_record
 from bench.scale.evaluation import STAGES, run_evaluate, run_stage
 from bench.scale.fit import exponent, extrapolate
 from bench.scale.ingest import (
@@ -80,6 +83,10 @@ from bench.scale.tables import (
     run_index,
     run_whole_table,
 )
+
+PARTS = ("captions", "index", "ledger", "counts", "epochs", "resume", "tree", "graph",
+         "neighbours", "evaluation", "evaluate_run")
+RENDERER = "bench.scale.scale_tables"
 
 
 def loader_epochs(worlds: list[tuple[int, int]]) -> dict[str, Any]:
@@ -123,10 +130,7 @@ def sized(results: dict[str, Any], name: str, rows: list[dict[str, Any]], size: 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["all", "captions", "index", "counts", "epochs",
-                                           "resume", "tree", "graph", "neighbours",
-                                           "evaluation", "evaluate_run", "ledger"],
-                        default="all")
+    parser.add_argument("--part", nargs="+", choices=["all", *PARTS], default=["all"])
     parser.add_argument("--worlds", nargs="+", default=["8x8", "64x8", "512x8"])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
     parser.add_argument("--tars", type=int, nargs="+", default=[4, 16])
@@ -149,6 +153,8 @@ def main() -> None:
     parser.add_argument("--stage", default="")
     parser.add_argument("--size", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--record", metavar="NAME",
+                        help="also write the figures as bench/records/scale/NAME.json")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -162,8 +168,10 @@ def main() -> None:
                "evaluation": lambda: run_stage(args.stage, args.size)}[args.child]
         print(json.dumps(run()))
         return
+    seen = provenance(invocation())  # the tree the run starts from
+    parts = set(PARTS) if "all" in args.part else set(args.part)
     results: dict[str, Any] = {"machine": machine()}
-    if args.part in ("all", "captions"):
+    if "captions" in parts:
         rows = []
         for n in args.rows:
             row = run_captions(n, args.workdir) | child("whole_table", n, 1, args.workdir)
@@ -179,7 +187,7 @@ def main() -> None:
                            "worker_rss_mib", "whole_table_rss_mib", "table_mib"])
         print("exponent:", {k: round(v, 2) for k, v in fit.items()})
         print("at CC12M:", {k: round(v, 1) for k, v in results["captions"]["cc12m"].items()})
-    if args.part in ("all", "index"):
+    if "index" in parts:
         rows = [run_index(t, w, args.workdir) for t in args.tars for w in (1, 2)]
         two = [r for r in rows if r["workers"] == 2]
         slope = exponent([r["tars"] for r in two], [r["seconds"] for r in two])
@@ -190,22 +198,22 @@ def main() -> None:
                            "worker_rss_mib"])
         print(f"exponent {slope:.2f}; at CC12M ({CC12M_SHARDS} tars, 2 workers): "
               f"{results['index']['cc12m_seconds'] / 60:.1f} min")
-    if args.part in ("all", "ledger"):
+    if "ledger" in parts:
         rows = [run_ledger(t, args.workdir) for t in args.ledger_tars]
         sized(results, "ledger", rows, "samples", ["seconds", "command_rss_mib"], CC12M_ROWS,
               "the ledger command over one epoch (keys from the tars' headers, 2 ranks):",
               ["samples", "tars", "seconds", "keys_per_s", "command_rss_mib", "once",
                "unread"])
-    if args.part in ("all", "counts"):
+    if "counts" in parts:
         rows = [child("counts", s, 1, args.workdir) for s in args.shards]
         results["counts"] = {"rows": rows}
         print("remote shard list without a manifest, requests per open:")
         print_table(rows, ["shards", "first_open_requests", "first_open_s",
                            "later_open_requests", "later_open_s"])
-    if args.part in ("all", "epochs"):
+    if "epochs" in parts:
         results["epochs"] = loader_epochs([tuple(map(int, w.split("x")))
                                            for w in args.worlds])
-    if args.part in ("all", "resume"):
+    if "resume" in parts:
         rows = resume_latency(args.workdir)
         seconds = {(r["source"], r["fraction"]): r["seconds"] for r in rows}
         ratios = {where: seconds[where, 0.9] / seconds[where, 0.1] for where in ("local", "http")}
@@ -213,7 +221,7 @@ def main() -> None:
         print("resume latency (first batch after building the loader, median of 3):")
         print_table(rows, ["source", "fraction", "seconds", "samples", "world"])
         print("90% / 10%:", {k: round(v, 2) for k, v in ratios.items()})
-    if args.part in ("all", "tree"):
+    if "tree" in parts:
         rows = [run_tree(n, args.workdir) | child("tree_listing", n, 1, args.workdir)
                 for n in args.images]
         sized(results, "tree", rows, "images",
@@ -221,7 +229,7 @@ def main() -> None:
               "make-shards of a class-sorted tree (1,000 classes, 2 workers, shards of 10,000):",
               ["images", "seconds", "images_per_s", "command_rss_mib", "worker_rss_mib",
                "listing_rss_mib"])
-    if args.part in ("all", "graph"):
+    if "graph" in parts:
         rows = [run_graph(n, args.workdir, lambda name, size: child(name, size, 1, args.workdir))
                 | child("all_captions", n, 1, args.workdir) for n in args.graph_rows]
         sized(results, "graph", rows, "rows",
@@ -231,7 +239,7 @@ def main() -> None:
               ["rows", "parts", "collect_s", "collect_rss_mib", "encode_s", "encode_rss_mib",
                "merge_s", "merge_rss_mib", "merge_center_s", "merge_center_rss_mib",
                "all_captions_rss_mib", "store_mib"])
-    if args.part in ("all", "neighbours"):
+    if "neighbours" in parts:
         both = [child("neighbours", n, 1, args.workdir, where)
                 for n in args.captions for where in ("memory", "scratch")]
         rows = [r for r in both if r["where"] == "scratch"]  # what graph-precompute runs
@@ -245,7 +253,7 @@ def main() -> None:
                            "store_mib"])
         print("exponent:", {k: round(v, 2) for k, v in fit.items()})
         print("at CC12M:", {k: round(v, 1) for k, v in results["neighbours"]["cc12m"].items()})
-    if args.part in ("all", "evaluation"):
+    if "evaluation" in parts:
         rows = [child("evaluation", n, 1, args.workdir, stage)
                 for n in args.bank for stage in args.eval_stages]
         fit = {stage: {key: exponent(args.bank, [r[key] for r in rows if r["stage"] == stage])
@@ -255,15 +263,18 @@ def main() -> None:
         print_table(rows, ["stage", "rows", "seconds", "peak_rss_mib", "features_mib",
                            "stage_added_mib", "value"])
         print("exponent:", {s: {k: round(v, 2) for k, v in f.items()} for s, f in fit.items()})
-    if args.part in ("all", "evaluate_run"):
+    if "evaluate_run" in parts:
         rows = [run_evaluate(n, args.workdir, args.probe_epochs) for n in args.eval_images]
         results["evaluate_run"] = {"rows": rows, "probe_epochs": args.probe_epochs}
         print("evaluate on 2 ranks, twice into one run (small CNN, 16 px, 1,000 classes):")
         print_table(rows, ["images", "bank_mib", "first_s", "first_rss_mib", "second_s",
                            "second_rss_mib", "run_mib_after_first", "second_adds_mib",
                            "growth"])
-    write_json(args.out, results)
+    write_json(args.out, results, seen)
     print(f"written: {args.out}")
+    if args.record:
+        figures = {key: value for key, value in results.items() if key != "machine"}
+        print(f"record: {write_record(f'scale/{args.record}', seen, RENDERER, figures)}")
 
 
 if __name__ == "__main__":
