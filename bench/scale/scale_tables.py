@@ -25,8 +25,27 @@ def span(rows: list[dict[str, Any]], key: str) -> str:
     return f"{count(rows[0][key])}-{count(rows[-1][key])}"
 
 
+def fitted(value: float) -> str:
+    """An exponent to two places, never "-0.00"."""
+    return f"{round(value, 2) + 0.0:.2f}"
+
+
 def mib(value: float) -> str:
     return f"{value:,.0f} MiB"
+
+
+def row(stage: str, sizes: str, time_exponent: str, memory_exponent: str,
+        largest: str) -> str:
+    return f"| {stage} | {sizes} | {time_exponent} | {memory_exponent} | {largest} |"
+
+
+def command_row(stage: str, part: dict[str, Any], size: str, unit: str, more: str = "") -> str:
+    """A command fitted on its wall seconds and its parent's peak memory; ``more`` follows
+    its cost at the largest size."""
+    last, fit = part["rows"][-1], part["exponent"]
+    return row(stage, f"{span(part['rows'], size)}{unit}", f"{fitted(fit['seconds'])}",
+               f"{fitted(fit['command_rss_mib'])}",
+               f"{last['seconds']:.0f} s, {mib(last['command_rss_mib'])}{more}")
 
 
 def cost_rows(got: dict[str, Any]) -> list[str]:
@@ -34,54 +53,43 @@ def cost_rows(got: dict[str, Any]) -> list[str]:
     cost at the largest size."""
     rows = []
     if "captions" in got:
-        part = got["captions"]
-        last, fit = part["rows"][-1], part["exponent"]
-        rows.append(f"| make-shards of a caption table (2 workers) | {span(part['rows'], 'rows')}"
-                    f" rows | {fit['seconds']:.2f} | {fit['command_rss_mib']:.2f} | "
-                    f"{last['seconds']:.0f} s, {mib(last['command_rss_mib'])}; CC12M "
-                    f"~{part['cc12m']['seconds'] / 60:.0f} min |")
+        rows.append(command_row("make-shards of a caption table (2 workers)", got["captions"],
+                                "rows", " rows",
+                                f"; CC12M ~{got['captions']['cc12m']['seconds'] / 60:.0f} min"))
     if "index" in got:
         two = [r for r in got["index"]["rows"] if r["workers"] == 2]
         workers = [r["worker_rss_mib"] for r in two]
-        memory = (f"{exponent([r['tars'] for r in two], workers):.2f}" if min(workers) > 0
+        memory = (f"{fitted(exponent([r['tars'] for r in two], workers))}" if min(workers) > 0
                   else "-")  # a worker given no tar
-        rows.append(f"| indexing img2dataset tars in place (2 workers) | "
-                    f"{two[0]['tars']}-{two[-1]['tars']} tars | {got['index']['exponent']:.2f}"
-                    f" | {memory} ({mib(workers[-1])} a worker) | "
-                    f"{two[-1]['seconds']:.1f} s; CC12M's 1,200 tars "
-                    f"~{got['index']['cc12m_seconds'] / 60:.0f} min |")
+        rows.append(row("indexing img2dataset tars in place (2 workers)",
+                        f"{two[0]['tars']}-{two[-1]['tars']} tars",
+                        f"{fitted(got['index']['exponent'])}",
+                        f"{memory} ({mib(workers[-1])} a worker)",
+                        f"{two[-1]['seconds']:.1f} s; CC12M's 1,200 tars "
+                        f"~{got['index']['cc12m_seconds'] / 60:.0f} min"))
     if "tree" in got:
-        part = got["tree"]
-        last, fit = part["rows"][-1], part["exponent"]
-        rows.append(f"| make-shards of a class-sorted tree (2 workers) | "
-                    f"{span(part['rows'], 'images')} images | {fit['seconds']:.2f} | "
-                    f"{fit['command_rss_mib']:.2f} | {last['seconds']:.0f} s, "
-                    f"{mib(last['command_rss_mib'])} |")
+        rows.append(command_row("make-shards of a class-sorted tree (2 workers)", got["tree"],
+                                "images", " images"))
     if "graph" in got:
-        part = got["graph"]
-        last, fit = part["rows"][-1], part["exponent"]
-        sizes = f"{span(part['rows'], 'rows')} captions"
-        rows.append(f"| graph-precompute collect (part 0) / merge | {sizes} | - / "
-                    f"{fit['merge_s']:.2f} | {fit['collect_rss_mib']:.2f} / "
-                    f"{fit['merge_rss_mib']:.2f} | merge {last['merge_s']:.1f} s, "
-                    f"{mib(last['merge_rss_mib'])} |")
-        rows.append(f"| the merge centred (`graph.center`) | {sizes} | "
-                    f"{fit['merge_center_s']:.2f} | {fit['merge_center_rss_mib']:.2f} | "
-                    f"{last['merge_center_s']:.1f} s, {mib(last['merge_center_rss_mib'])} |")
+        last, fit = got["graph"]["rows"][-1], got["graph"]["exponent"]
+        sizes = f"{span(got['graph']['rows'], 'rows')} captions"
+        rows.append(row("graph-precompute collect (part 0) / merge", sizes,
+                        f"- / {fitted(fit['merge_s'])}",
+                        f"{fitted(fit['collect_rss_mib'])} / {fitted(fit['merge_rss_mib'])}",
+                        f"merge {last['merge_s']:.1f} s, {mib(last['merge_rss_mib'])}"))
+        rows.append(row("the merge centred (`graph.center`)", sizes,
+                        fitted(fit["merge_center_s"]), fitted(fit["merge_center_rss_mib"]),
+                        f"{last['merge_center_s']:.1f} s, "
+                        f"{mib(last['merge_center_rss_mib'])}"))
     if "neighbours" in got:
-        part = got["neighbours"]
-        scratch = [r for r in part["rows"] if r["where"] == "scratch"]
-        fit = part["exponent"]
-        rows.append(f"| caption-neighbour graph (scratch files) | {span(scratch, 'rows')} | "
-                    f"{fit['seconds']:.2f} | {fit['rss_mib']:.2f} (anonymous "
-                    f"**{fit['anon_mib']:.2f}**) | {scratch[-1]['seconds']:.1f} s, recall "
-                    f"{scratch[-1]['recall']:.3f} |")
+        scratch = [r for r in got["neighbours"]["rows"] if r["where"] == "scratch"]
+        fit = got["neighbours"]["exponent"]
+        rows.append(row("caption-neighbour graph (scratch files)", span(scratch, "rows"),
+                        f"{fitted(fit['seconds'])}",
+                        f"{fitted(fit['rss_mib'])} (anonymous **{fitted(fit['anon_mib'])}**)",
+                        f"{scratch[-1]['seconds']:.1f} s, recall {scratch[-1]['recall']:.3f}"))
     if "ledger" in got:
-        part = got["ledger"]
-        last, fit = part["rows"][-1], part["exponent"]
-        rows.append(f"| ledger tool over 2 ranks' epoch | {span(part['rows'], 'samples')} | "
-                    f"{fit['seconds']:.2f} | {fit['command_rss_mib']:.2f} | "
-                    f"{last['seconds']:.0f} s, {mib(last['command_rss_mib'])} |")
+        rows.append(command_row("ledger tool over 2 ranks' epoch", got["ledger"], "samples", ""))
     return rows
 
 
@@ -141,7 +149,7 @@ def render_evaluation(record: dict[str, Any]) -> list[str]:
     for stage in stages:
         small, large = at[stage, sizes[0]], at[stage, sizes[-1]]
         lines.append(f"| {STAGE_NAMES[stage]} | {small['seconds']:.1f} s | "
-                     f"{large['seconds']:.1f} s | {part['exponent'][stage]['seconds']:.2f} | "
+                     f"{large['seconds']:.1f} s | {fitted(part['exponent'][stage]['seconds'])} | "
                      f"{mib(small['stage_added_mib'])} / {mib(large['stage_added_mib'])} |")
     return lines
 

@@ -16,9 +16,9 @@ import mlflow
 import pytest
 import torch
 
-from app.pretrain import RunLogFile
 from core.errors import RunError
 from pretrain.run.checkpoint import list_checkpoints
+from pretrain.run.run_log import RunLogFile
 from pretrain.run.tracking import RUN_ID_FILE, Tracker, TrackingConfig
 from tests import prewarmed
 from tests.app.helpers import REPO, pretrain_command, run_pretrain, train_overrides
