@@ -275,13 +275,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.analyse_only:
         recorded = json.loads(args.output.read_text())
         kills = [Kill(**kill) for kill in recorded["kills"]]
-        args.epochs = recorded["summary"]["epochs_asked"]
+        args.epochs, args.seed = recorded["summary"]["epochs_asked"], recorded["seed"]
+        soak_seen = recorded.get("provenance")  # absent from a soak older than provenance
+        if args.record and soak_seen is None:
+            raise SystemExit(f"{args.output}: no provenance (the soak predates it): its "
+                             "record cannot name the commit that ran it")
         written = report(args, kills, recorded["summary"]["soak_s"],
                          recorded["summary"]["uninterrupted_s"]
                          or log_span(args.workdir / "reference" / "train.log"), SAMPLES,
-                         BATCH * NODES, recorded["provenance"])
+                         BATCH * NODES, soak_seen or provenance(invocation()))
         if args.record:
-            keep(recorded["provenance"], written)
+            keep(soak_seen, written)
         return
     seen = provenance(invocation())  # the tree the soak starts from
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,11 @@ def fault_row(kind: str, row: dict[str, Any], kills: list[dict[str, Any]]) -> st
     pauses = [k["pause_s"] for k in kills if k["kind"] == kind and k["pause_s"] is not None]
     if pauses:
         label += f" ({', '.join(seconds(p) for p in pauses)})"
+    timed = sum(1 for k in kills if k["kind"] == kind and k["recovery_s"] is not None)
     recovery = ("" if row["recovery_median_s"] is None else
-                f"{seconds(row['recovery_median_s'])} ({seconds(row['recovery_max_s'])})")
+                f"{seconds(row['recovery_median_s'])} ({seconds(row['recovery_max_s'])})"
+                + (f", {timed} of {row['faults']} restarted the group" if timed < row["faults"]
+                   else ""))
     restarts = str(row["restarts"]) if kind in PAUSES else ""
     return f"| {label} | {row['faults']} | {row['survived']} | {recovery} | {restarts} |"
 

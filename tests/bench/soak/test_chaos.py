@@ -4,8 +4,12 @@ follows two kills counted once."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
+import pytest
+
+from bench.soak import chaos
 from bench.soak.chaos_measure import Kill, healed, log_events, measure_kills
 
 LOG = """\
@@ -80,3 +84,12 @@ def test_a_pause_restarts_only_with_a_group_formed_before_the_next_fault(tmp_pat
     assert not soak.settled(log, {2: 0.0})  # a node away
     soak.alive = lambda: [0, 1]
     assert not soak.settled(log, {})  # an agent that is not in the group
+
+
+def test_a_soak_without_provenance_is_not_recorded_and_is_named(tmp_path):
+    kept = tmp_path / "chaos.json"  # as a soak older than provenance wrote it
+    kept.write_text(json.dumps({"seed": 1, "kills": [], "summary": {
+        "epochs_asked": 80, "soak_s": 900.0, "uninterrupted_s": 500.0}}))
+    with pytest.raises(SystemExit, match="chaos.json: no provenance"):
+        chaos.main(["--analyse-only", "--record", "--output", str(kept),
+                    "--workdir", str(tmp_path)])
