@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         written = report(args, kills, recorded["summary"]["soak_s"],
                          recorded["summary"]["uninterrupted_s"]
                          or log_span(args.workdir / "reference" / "train.log"), SAMPLES,
-                         BATCH * NODES, soak_seen or provenance(invocation()))
+                         BATCH * NODES, soak_seen)
         if args.record:
             keep(soak_seen, written)
         return

@@ -87,10 +87,11 @@ def plot(path: Path, soak: tuple, reference: tuple, kills: list[Kill], events: l
 
 
 def report(args: argparse.Namespace, kills: list[Kill], soak_s: float, reference_s: float,
-           samples: int, global_batch: int, seen: dict[str, Any]) -> dict[str, Any]:
+           samples: int, global_batch: int, seen: dict[str, Any] | None
+           ) -> dict[str, Any]:
     """Measure the kills, read the ledger, load the final checkpoint, plot, and write (with
-    ``seen``, the soak's provenance); the run read ``samples`` an epoch in global batches of
-    ``global_batch``. Returns what it wrote."""
+    ``seen``, the soak's provenance; None: now's); the run read ``samples`` an epoch in
+    global batches of ``global_batch``. Returns what it wrote."""
     events = log_events(args.workdir / "soak" / "train.log")
     for kill in kills:
         kill.recovery_s = kill.redone = kill.world_after = kill.restarts = None
