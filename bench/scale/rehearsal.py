@@ -31,7 +31,9 @@ their label; a fixed 10,000-row test table beside it. Per size:
 Each stage records wall seconds, the peak resident memory of its command and of its
 largest child (rank or worker), and the bytes it wrote. Exponents are fitted per stage
 over the sizes (``bench.scale.fit.exponent``). Writes ``bench/results/rehearsal.json``,
-``rehearsal.png`` beside it, and prints a table.
+``rehearsal.png`` beside it, and prints a table; with ``--record``, once every size is
+measured, also the record ``scale/rehearsal`` (``bench/scale/rehearsal_tables.py`` renders
+it). A record holds one run: ``--record`` refuses ``--merge``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import numpy as np
 
 from bench.common import machine, print_table, write_json
 from bench.processes import run_command
+from bench.records import invocation, provenance, write_record
 from bench.scale.fit import exponent
 from bench.scale.ingest import WORDS, stand_in_chunks
 from bench.scale.tables import IMAGES, tiny_jpegs
@@ -63,6 +66,8 @@ CLASSES = 10
 DISTINCT = 0.8  # share of distinct captions
 PER_RANK = 1024
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+RECORD = "scale/rehearsal"
+RENDERER = "bench.scale.rehearsal_tables"
 # per stage and size: wall seconds; peak resident memory of the command and of its largest
 # child, MiB (VmHWM: file pages it mapped count too); their largest anonymous memory
 # sampled (RssAnon: what the process itself allocated); bytes written, MiB
@@ -269,14 +274,25 @@ def earlier(out: Path) -> dict[int, dict[str, dict[str, Any]]]:
     return {int(size): stages for size, stages in json.loads(out.read_text())["results"].items()}
 
 
-def report(results: dict[int, dict[str, dict[str, Any]]], out: Path,
-           complete: bool) -> dict[str, dict[str, float]]:
+def report(results: dict[int, dict[str, dict[str, Any]]], out: Path, complete: bool,
+           seen: dict[str, Any] | None) -> dict[str, dict[str, float]]:
     """Writes the JSON and the plot of the sizes measured so far; returns the exponents."""
     exponents = fitted(results) if len(results) > 1 else {}
     write_json(out, {"machine": machine(), "sizes": sorted(results), "complete": complete,
-                     "results": results, "exponents": exponents})
+                     "results": results, "exponents": exponents}, seen)
     plot(results, out.with_suffix(".png"))
     return exponents
+
+
+def figures(results: dict[int, dict[str, dict[str, Any]]],
+            exponents: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """What the record keeps: every size's measures (its strings left out), the exponents
+    and pretrain's global batch (2 ranks)."""
+    return {"sizes": sorted(results), "exponents": exponents, "global_batch": 2 * PER_RANK,
+            "results": {str(size): {stage: {k: v for k, v in measures.items()
+                                            if not isinstance(v, str)}
+                                    for stage, measures in stages.items()}
+                        for size, stages in sorted(results.items())}}
 
 
 def main() -> None:
@@ -288,25 +304,35 @@ def main() -> None:
                         help="measure only these (the others' files must be in --workdir)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other sizes and stages already in --out")
+    parser.add_argument("--record", action="store_true",
+                        help=f"once every size is measured, also write the record {RECORD}")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.record and args.merge:
+        parser.error("--record keeps one run's figures: leave out --merge")
+    if args.record and len(args.sizes) < 2:
+        parser.error("--record fits exponents over the sizes: give at least two --sizes")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.child:
         print(json.dumps(graph_child(args.child, args.workdir)))
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    seen = provenance(invocation())  # the tree the run starts from
     test = args.workdir / "test-shards"
     if not (test / "manifest.json").is_file():
         make_shards(caption_table(args.workdir, TEST_ROWS, seed=2), test)
     results = earlier(args.out) if args.merge else {}
     for rows in args.sizes:  # written after every size, so a stopped run keeps what it measured
         results[rows] = {**results.get(rows, {}), **rehearse(rows, args.workdir, args.stages)}
-        exponents = report(results, args.out, complete=rows == args.sizes[-1])
+        exponents = report(results, args.out, rows == args.sizes[-1],
+                           None if args.merge else seen)
     rows = [{"samples": size, "stage": stage, **{k: v for k, v in measures.items()
                                                  if not isinstance(v, str)}}
             for size, stages in sorted(results.items()) for stage, measures in stages.items()]
     print_table(rows, ["samples", "stage", *MEASURES])
     print("exponents:", json.dumps(exponents))
+    if args.record:
+        print(f"record: {write_record(RECORD, seen, RENDERER, figures(results, exponents))}")
     sys.stdout.flush()
 
 
