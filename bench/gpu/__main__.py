@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from bench.gpu import part
+from bench.gpu.kit_tables import part_status, table
 from bench.gpu.part import PARTS, write_atomically
 from bench.gpu.tree import kill_tree
 from bench.records import invocation, provenance
@@ -87,20 +88,6 @@ def reported(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, A
     return result
 
 
-def table(title: str, status: str, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
-    lines = [f"### {title}: {status}", ""]
-    if rows:
-        lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
-    return "" if value is None else str(value).replace("|", "/")
-
-
 def write_report(report: dict[str, Any], out: Path) -> str:
     """``gpu.json`` and ``gpu.md`` of the parts finished so far; the tables, for printing."""
     write_atomically(out / "gpu.json", json.dumps(report, indent=2))
@@ -109,8 +96,8 @@ def write_report(report: dict[str, Any], out: Path) -> str:
     header = (f"# GPU kit, {m['date']}: {m['gpu'] or 'CPU dry run'}, torch {m['torch']} "
               f"(CUDA {m['cuda']}), Python {m['python']}, {m['cpu_cores']} CPU cores, "
               f"commit {commit}\n\n")
-    tables = [table(PARTS[n].title, f"{r['status']}, {r['seconds']:.0f} s; "
-                    f"{r.get('summary', '')}", r.get("rows", []), PARTS[n].columns)
+    tables = ["\n".join(table(PARTS[n].title, part_status(r), r.get("rows", []),
+                               PARTS[n].columns)) + "\n"
               for n, r in report["parts"].items()]
     write_atomically(out / "gpu.md", header + "\n".join(tables))
     return header + "\n".join(tables)

@@ -4,13 +4,15 @@
     python -m bench.learning --part main --seeds 0 --only infonce supcon
     python -m bench.learning --part sweep         # the sweeps behind the recipes
     python -m bench.learning --report-only        # the report from the finished runs
+    python -m bench.learning --part main --report-only --record   # the record learning/main
 
 Trains every configuration (``bench/learning/configs.py``) on the cluttered digits with
 the real ``pretrain`` command (2 DDP processes), evaluates the encoder and the untrained
 encoder it started from, and checks the claims (``bench/learning/claims.py``). Finished
 runs are kept (``<out>/runs/<name>/result.json``) and skipped when run again, so an
 interrupted benchmark continues. Writes ``learning.json``, ``learning.md`` and PNG plots
-to ``--out``, and prints the claims.
+to ``--out``, and prints the claims; ``--record`` also writes the record ``learning/PART``
+of every finished run and the claims (``bench/learning/benchmark_tables.py`` renders it).
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import machine, write_json
-from bench.learning import configs, report
+from bench.learning import benchmark_tables, configs, report
 from bench.learning.ceiling import train_cross_entropy
 from bench.learning.claims import Results, check
 from bench.learning.data import DataSet, cluttered, digits
 from bench.learning.runs import Configuration, run
+from bench.records import invocation, provenance, write_record
 from data_pipeline.graph.class_graph import load_class_graph
 
+RENDERER = "bench.learning.benchmark_tables"  # the module that renders its records
 MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES, *configs.BACKBONES,
               *configs.BACKBONE_REFERENCES]
 
@@ -120,7 +124,12 @@ def main() -> None:
     parser.add_argument("--set", nargs="+", default=[], metavar="key=value",
                         help="overrides for every configuration (e.g. train.max_steps=5 for "
                              "a smoke run; use another --out)")
+    parser.add_argument("--record", action="store_true",
+                        help="also write the record learning/PART of the finished runs")
     args = parser.parse_args()
+    if args.record and args.set:
+        parser.error("--record keeps the recipes' runs: leave out --set")
+    seen = provenance(invocation())  # the tree the benchmark starts from
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     datasets = {"cluttered": cluttered(out / "data", args.train_samples, args.test_samples),
@@ -149,6 +158,17 @@ def main() -> None:
     results = run_all(confs, datasets, out, args.report_only)
     sweep = run_all(sweep_confs, datasets, out, args.report_only)
     claims = write(results, sweep, datasets, out, args.seeds)
+    if args.record:  # with the untrained floor of each seed, which every gain is against
+        seeds = sorted({*args.seeds, *args.sweep_seeds})
+        floor = run_all(configs.floor_and_ceiling("cluttered", seeds)[0], datasets, out,
+                        report_only=True)
+        found: Results = defaultdict(list)  # a seed in two of them is kept once
+        for part in (floor, results, sweep):
+            for name, runs in part.items():
+                found[name] += runs
+        record = write_record(f"learning/{args.part}", seen, RENDERER,
+                              benchmark_tables.figures(found, claims))
+        print(f"record: {record}")
     for claim in claims:
         verdict = {True: "reproduces", False: "does NOT reproduce",
                    None: "not run" if claim.get("missing") else "report"}

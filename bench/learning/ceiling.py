@@ -15,6 +15,7 @@ from tqdm import tqdm
 from bench.common import write_json
 from bench.learning.data import DataSet
 from bench.learning.runs import Configuration, evaluate, run_config
+from bench.records import invocation, provenance
 from data_pipeline.loader import LoaderState, train_batches
 from data_pipeline.shards import ShardSet
 from pretrain.loop.optim import build_optimizer, warmup_cosine
@@ -26,6 +27,7 @@ def train_cross_entropy(conf: Configuration, data: DataSet, root: Path) -> dict[
     path = root / "runs" / conf.name / "result.json"
     if path.is_file():
         return json.loads(path.read_text())
+    seen = provenance(invocation())  # the tree the run starts from
     config, _ = run_config(conf, data, root)
     torch.manual_seed(config.seed)
     encoder = Encoder(config.model)
@@ -61,5 +63,5 @@ def train_cross_entropy(conf: Configuration, data: DataSet, root: Path) -> dict[
                            "last_loss": loss.item()},
               "evaluation": evaluate(EmbeddingModel(encoder.eval()), config, data,
                                      path.parent / "eval")}
-    write_json(path, result)
+    write_json(path, result, seen)
     return result

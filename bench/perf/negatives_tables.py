@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.perf.negatives import MAX_TILED_VS_DENSE, PEAK_TOLERANCE
+from bench.perf.negatives import MAX_TILED_VS_DENSE, PEAK_N, PEAK_TOLERANCE
 from bench.records import source_line
 
 # the docs' cells: words -> case, in two columns of seven
@@ -66,18 +66,23 @@ def _memory_lines(figures: dict[str, Any]) -> list[str]:
 
 
 def render_peaks(record: dict[str, Any]) -> list[str]:
-    """The source, what each (objective, tile size) adds to its idle process at N = PEAK_N
-    against its recorded figure, and the target (memory alone: the seconds are not shown,
-    a peak being the same on busy cores)."""
+    """The source, then one sentence: what each objective adds to its idle process at
+    N = PEAK_N, tile size by tile size, and the target against the budgets
+    (``RECORDED_ABOVE_IDLE_GIB``; memory alone: a peak is the same on busy cores)."""
     rows = record["figures"]["rows"]
     met = all(r["above_idle_gib"] <= PEAK_TOLERANCE * r["recorded_above_idle_gib"]
               for r in rows)
-    return [source_line(record), "",
-            "| objective | tile | GiB above the idle process | recorded GiB |",
-            "| --- | --- | --- | --- |",
-            *(f"| {r['objective']} | {r['tile_size']:,} | {r['above_idle_gib']:.2f} | "
-              f"{r['recorded_above_idle_gib']:.2f} |" for r in rows),
-            "", f"Target, each at most {PEAK_TOLERANCE}x its recorded figure: "
+    objectives = list(dict.fromkeys(r["objective"] for r in rows))
+
+    def per_objective(key: str) -> str:
+        return ", ".join(name + " " + " / ".join(f"{r[key]:.2f}" for r in rows
+                                                  if r["objective"] == name)
+                         for name in objectives)
+
+    tiles = " / ".join(f"{r['tile_size']:,}" for r in rows if r["objective"] == objectives[0])
+    return [f"{source_line(record)} At N = {PEAK_N:,}, each in a fresh process, GiB above the "
+            f"idle process at T = {tiles}: {per_objective('above_idle_gib')}; target, each at "
+            f"most {PEAK_TOLERANCE}x its budget ({per_objective('recorded_above_idle_gib')}): "
             f"**{'met' if met else 'not met'}**."]
 
 

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 
-from bench.gpu import pipeline, steps
+from bench.gpu import kit_tables, pipeline, record, steps
 from bench.gpu.part import PARTS
 from pretrain.objectives import OBJECTIVES
 from tests.app.helpers import REPO
@@ -72,6 +72,13 @@ def test_the_dry_run_measures_every_part(tmp_path):
     table = (tmp_path / "out" / "gpu.md").read_text()
     assert table.count("\n### ") + table.startswith("### ") == len(PARTS)
     assert f"commit {head}" in table.splitlines()[0]
+    refused = subprocess.run([sys.executable, "-m", "bench.gpu.record", str(tmp_path / "out")],
+                             cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and "a dry run measures nothing" in refused.stderr
+    kit_record = {**report["provenance"], "figures": record.figures(report)}
+    for name, part in parts.items():  # every part renders from the record as gpu.md shows it
+        shown = "\n".join(kit_tables.VIEWS[name](kit_record)[2:])
+        assert shown in table and len(shown.splitlines()) == 4 + len(part["rows"]), name
 
 
 def test_a_part_out_of_time_is_killed_with_its_processes_and_the_others_are_kept(tmp_path):

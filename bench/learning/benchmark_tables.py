@@ -1,0 +1,144 @@
+"""The learning benchmark's record (``python -m bench.learning --part PART --record``, kept
+as ``learning/PART``) and its views as ``docs/learning.md`` shows them.
+
+The record keeps, per configuration and seed, the figures the pages show and the run's own
+provenance (a run made at another commit than the gathering keeps its own), and the
+claims as ``bench/learning/claims.py`` checked them. Runs finished in earlier sessions are
+gathered by ``--report-only``: the record holds the runs the folder holds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from bench.learning.claims import Results, diagnostic, knn, probe
+from bench.records import source_line
+
+Figures = dict[str, float | None]
+
+
+def _or_none(metric: Callable[[dict[str, Any]], float], result: dict[str, Any]) -> float | None:
+    try:
+        return metric(result)
+    except (KeyError, TypeError):
+        return None
+
+
+RUN_FIGURES: dict[str, Callable[[dict[str, Any]], float]] = {
+    "knn": knn,
+    "knn_projector": lambda r: knn(r, "projector"),
+    "probe": probe,
+    "margin_projector": diagnostic("margin", "projector"),
+    "class_mean_cosine": diagnostic("class_mean_cosine", "projector"),
+    "intra_class_variance": diagnostic("intra_class_variance", "projector"),
+    "retrieval_r1": lambda r: r["evaluation"]["retrieval"]["image_to_text"]["R@1"],
+    "zero_shot": lambda r: r["evaluation"]["zero_shot"]["accuracy"]["top1"],
+}
+
+
+def run_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """A finished run's figures (None where its evaluation lacks one) and its provenance."""
+    seen = result.get("provenance") or {}
+    return {**{name: _or_none(metric, result) for name, metric in RUN_FIGURES.items()},
+            "commit": seen.get("commit"), "date": seen.get("date"),
+            "cpu": (seen.get("machine") or {}).get("cpu")}
+
+
+def figures(results: Results, claims: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the record keeps: {configuration: {seed: figures}} of the evaluated runs, their
+    order as the benchmark ran them (a record's keys are sorted), and the claims."""
+    runs: dict[str, dict[str, Any]] = {}
+    for name, found in results.items():
+        for result in found:
+            if "evaluation" in result:
+                seed = str(result["configuration"]["seed"])
+                runs.setdefault(name, {})[seed] = run_figures(result)
+    return {"runs": runs, "order": list(runs), "claims": claims}
+
+
+def values(record: dict[str, Any], name: str, figure: str) -> list[float]:
+    """``figure`` of each seed of ``name`` that has it, in seed order."""
+    seeds = record["figures"]["runs"].get(name, {})
+    return [seeds[s][figure] for s in sorted(seeds, key=int) if seeds[s][figure] is not None]
+
+
+def mean(found: list[float]) -> str:
+    """The mean over the seeds, blank for none."""
+    return f"{statistics.fmean(found):.3f}" if found else ""
+
+
+def mean_sd(found: list[float], digits: int = 3, sign: str = "") -> str:
+    """'mean ± sd' over the seeds, the mean alone for one seed, blank for none."""
+    if not found:
+        return ""
+    mean = f"{statistics.fmean(found):{sign}.{digits}f}"
+    return f"{mean} ± {statistics.stdev(found):.{digits}f}" if len(found) > 1 else mean
+
+
+def commits(record: dict[str, Any], names: list[str]) -> str:
+    """Where the shown runs ran: their commits and dates, and how many predate provenance."""
+    shown = [f for name in names for f in record["figures"]["runs"].get(name, {}).values()]
+    known = sorted({f["commit"][:7] for f in shown if f["commit"]})
+    dates = sorted({f["date"] for f in shown if f["date"]})
+    unknown = sum(1 for f in shown if not f["commit"])
+    parts = [f"{len(shown)} runs"]
+    if known:
+        parts.append(f"at {', '.join(known)}, {dates[0]}"
+                     + (f" to {dates[-1]}" if dates[-1] != dates[0] else ""))
+    if unknown:
+        parts.append(f"{unknown} without a recorded commit")
+    return "; ".join(parts) + "."
+
+
+MAIN_COLUMNS = (("kNN (backbone)", "knn", True), ("kNN (projector)", "knn_projector", True),
+                ("linear probe", "probe", True),
+                ("class-mean cosine (projector)", "class_mean_cosine", False),
+                ("intra-class variance (projector)", "intra_class_variance", False))
+
+
+def render_main(record: dict[str, Any]) -> list[str]:
+    """``main``: every configuration of the record but the alt-text and sweep ones, with
+    its seeds; kNN and probe as mean ± sd, the geometry as the mean."""
+    names = [n for n in record["figures"]["order"]
+             if not n.startswith(("alt_", "sweep_", "digits_"))]
+    lines = [source_line(record), commits(record, names), "",
+             "| configuration | seeds | " + " | ".join(t for t, _, _ in MAIN_COLUMNS) + " |",
+             "| --- | --- |" + " --- |" * len(MAIN_COLUMNS)]
+    for name in names:
+        cells = [(mean_sd if spread else mean)(values(record, name, key))
+                 for _, key, spread in MAIN_COLUMNS]
+        seeds = len(record["figures"]["runs"][name])
+        lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_gains(record: dict[str, Any]) -> list[str]:
+    """``gains``: each alt-text configuration's kNN per seed, its gain over the untrained
+    encoder of the same seed (kNN points), probe and zero-shot top-1."""
+    runs = record["figures"]["runs"]
+    floor = runs.get("untrained", {})
+    names = [n for n in record["figures"]["order"] if n.startswith(("alt_", "sweep_alt_"))]
+    lines = [source_line(record), commits(record, names), "",
+             "| configuration | seeds | kNN per seed | gain | linear probe | zero-shot top-1 |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        seeds = [s for s in sorted(runs[name], key=int) if s in floor]
+        gain = [100 * (runs[name][s]["knn"] - floor[s]["knn"]) for s in seeds]
+        per_seed = ", ".join(f"{runs[name][s]['knn']:.3f}" for s in seeds)
+        lines.append(f"| {name} | {', '.join(seeds)} | {per_seed} | "
+                     f"{mean_sd(gain, 1, '+')} | {mean_sd(values(record, name, 'probe'))} | "
+                     f"{mean_sd(values(record, name, 'zero_shot'))} |")
+    return lines
+
+
+def render_claims(record: dict[str, Any]) -> list[str]:
+    """``claims``: each claim's verdict as the benchmark checked it."""
+    verdicts = {True: "reproduces", False: "does not reproduce", None: "report"}
+    return [f"- ({c['claim']}) {c['title']}: **"
+            f"{'not run' if c.get('missing') else verdicts[c['reproduced']]}**"
+            for c in record["figures"]["claims"]]
+
+
+VIEWS = {"main": render_main, "gains": render_gains, "claims": render_claims}

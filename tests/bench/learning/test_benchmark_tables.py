@@ -1,0 +1,77 @@
+"""The learning benchmark's record (``bench/learning/benchmark_tables.py``) keeps each
+finished run's figures and provenance, and its views show them as the page does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench.learning import benchmark_tables
+from bench.records import REPO, provenance
+
+
+def result(seed: int, knn: float, probe: float, commit: str | None = None,
+           captions: bool = False) -> dict:
+    geometry = {"margin": 0.01, "class_mean_cosine": -0.05 + seed / 100,
+                "intra_class_variance": 0.5}
+    evaluation = {"knn": {"backbone": {"k20": {"top1": knn}},
+                          "projector": {"k20": {"top1": knn + 0.01}}},
+                  "linear_probe": {"top1": probe},
+                  "diagnostics": {"backbone": geometry, "projector": geometry}}
+    if captions:
+        evaluation["retrieval"] = {"image_to_text": {"R@1": 0.3}}
+        evaluation["zero_shot"] = {"accuracy": {"top1": 0.6 + seed / 10}}
+    seen = {"commit": commit, "date": "2026-12-07", "machine": {"cpu": "AMD EPYC"}} \
+        if commit else None
+    return {"configuration": {"seed": seed}, "evaluation": evaluation,
+            **({"provenance": seen} if seen else {})}
+
+
+def record_of(results: dict, claims: list | None = None) -> dict:
+    figures = benchmark_tables.figures(results, claims or [])
+    return {**provenance(["python", "-m", "bench.learning", "--record"]),  # as the file holds it
+            "figures": json.loads(json.dumps(figures, sort_keys=True))}
+
+
+def test_the_main_view_shows_mean_and_sd_over_the_seeds_and_where_the_runs_ran():
+    # in the order the benchmark ran them, though the record file sorts its keys
+    results = {"untrained": [result(0, 0.15, 0.17, "a" * 40), result(1, 0.17, 0.19, "a" * 40)],
+               "supcon": [result(0, 0.66, 0.70, "b" * 40), result(1, 0.70, 0.72)],
+               "projnce_learned": [{"configuration": {"seed": 0}, "evaluation": {
+                   "knn": {"backbone": {"k20": {"top1": 0.74}}}, "linear_probe": {"top1": 0.76}}}],
+               "supcon_k1": [{"configuration": {"seed": 0}, "training": {"stopped": "x"}}],
+               "alt_clip": [result(0, 0.6, 0.7, captions=True)]}
+    lines = benchmark_tables.render_main(record_of(results))
+    assert lines[1] == "5 runs; at aaaaaaa, bbbbbbb, 2026-12-07; 2 without a recorded commit."
+    assert lines[5:] == [
+        "| untrained | 2 | 0.160 ± 0.014 | 0.170 ± 0.014 | 0.180 ± 0.014 | -0.045 | 0.500 |",
+        "| supcon | 2 | 0.680 ± 0.028 | 0.690 ± 0.028 | 0.710 ± 0.014 | -0.045 | 0.500 |",
+        "| projnce_learned | 1 | 0.740 |  | 0.760 |  |  |"]
+
+
+def test_the_gains_view_measures_each_seed_against_its_own_untrained_encoder():
+    results = {"untrained": [result(0, 0.14, 0.1), result(1, 0.16, 0.1)],
+               "alt_clip": [result(0, 0.64, 0.74, captions=True),
+                            result(1, 0.55, 0.72, captions=True)],
+               "sweep_alt_xclr_tau_s0.05": [result(0, 0.52, 0.56)]}
+    lines = benchmark_tables.render_gains(record_of(results))
+    assert lines[5:] == [
+        "| alt_clip | 0, 1 | 0.640, 0.550 | +44.5 ± 7.8 | 0.730 ± 0.014 | 0.650 ± 0.071 |",
+        "| sweep_alt_xclr_tau_s0.05 | 0 | 0.520 | +38.0 | 0.560 |  |"]
+
+
+def test_the_claims_view_gives_each_verdict():
+    claims = [{"claim": "a", "title": "t", "reproduced": True},
+              {"claim": "b", "title": "u", "reproduced": None, "missing": ["x"]},
+              {"claim": "c", "title": "v", "reproduced": False}]
+    assert benchmark_tables.render_claims(record_of({}, claims)) == [
+        "- (a) t: **reproduces**", "- (b) u: **not run**", "- (c) v: **does not reproduce**"]
+
+
+def test_a_smoke_run_is_not_recorded():
+    done = subprocess.run([sys.executable, "-m", "bench.learning", "--record", "--set",
+                           "train.max_steps=5"], cwd=REPO, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 2
+    assert "--record keeps the recipes' runs: leave out --set" in done.stderr
