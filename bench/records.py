@@ -20,8 +20,10 @@ every record's commit to an ancestor of HEAD.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib
 import json
+import os
 import platform
 import re
 import subprocess
@@ -80,6 +82,28 @@ def provenance(command: list[str], cwd: Path = REPO) -> dict[str, Any]:
                         "torch": torch.__version__,
                         "cuda": torch.cuda.get_device_name()
                         if torch.cuda.is_available() else None}}
+
+
+SOURCE_SUFFIXES = (".py", ".sh", ".yaml", ".yml", ".toml")
+# what runs write into a checkout (its .gitignore), not the code
+NOT_SOURCE = ("bench/results", "bench/records", "bench/gpu/wheels", "runs", "mlruns", "data",
+              "build")
+
+
+def tree_digest(root: Path = REPO) -> str:
+    """sha256 over the path and bytes of every source file under ``root`` (hidden folders,
+    ``__pycache__`` and :data:`NOT_SOURCE` left out): equal on a node's copy of a tree and
+    on the checkout it was copied from, with or without git."""
+    sources = []
+    for folder, subfolders, files in os.walk(root):
+        here = Path(folder).relative_to(root)
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "__pycache__"
+                         and (here / d).as_posix() not in NOT_SOURCE]
+        sources += [(here / name).as_posix() for name in files if name.endswith(SOURCE_SUFFIXES)]
+    digest = hashlib.sha256()
+    for relative in sorted(sources):
+        digest.update(relative.encode() + b"\0" + (root / relative).read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def write_record(name: str, seen: dict[str, Any], renderer: str,

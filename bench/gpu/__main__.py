@@ -35,7 +35,7 @@ from bench.gpu import part
 from bench.gpu.kit_tables import part_status, table
 from bench.gpu.part import PARTS, write_atomically
 from bench.gpu.tree import kill_tree
-from bench.records import invocation, provenance
+from bench.records import invocation, provenance, tree_digest
 
 MARGIN = 0.85  # of its time limit, a part plans its own work to end within
 BUDGET_S = 540.0  # the default budget: 60 s of a 600 s command left for start-up and report
@@ -76,6 +76,7 @@ def run_part(name: str, out: Path, seconds: float, dry_run: bool) -> dict[str, A
     if status == "ok" and not result.get("ok", False):
         status = "failed (its check)"
     return {"status": status, "seconds": time.perf_counter() - start, **result,
+            "title": PARTS[name].title, "columns": list(PARTS[name].columns),
             "log_tail": log.read_text()[-4000:]}
 
 
@@ -96,9 +97,8 @@ def write_report(report: dict[str, Any], out: Path) -> str:
     header = (f"# GPU kit, {m['date']}: {m['gpu'] or 'CPU dry run'}, torch {m['torch']} "
               f"(CUDA {m['cuda']}), Python {m['python']}, {m['cpu_cores']} CPU cores, "
               f"commit {commit}\n\n")
-    tables = ["\n".join(table(PARTS[n].title, part_status(r), r.get("rows", []),
-                               PARTS[n].columns)) + "\n"
-              for n, r in report["parts"].items()]
+    tables = ["\n".join(table(r["title"], part_status(r), r.get("rows", []), r["columns"]))
+              + "\n" for r in report["parts"].values()]
     write_atomically(out / "gpu.md", header + "\n".join(tables))
     return header + "\n".join(tables)
 
@@ -122,6 +122,7 @@ def main() -> None:
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     (args.out / "parts").mkdir(exist_ok=True)
     report = {"machine": machine(), "provenance": provenance(invocation()),
+              "tree_sha256": tree_digest(),  # the record's check where the node has no git
               "dry_run": args.dry_run, "budget_s": args.budget, "parts": {}}
     if args.jobs > 1:
         # each part's torch threads its share of the cores: more, and their spin-waits take

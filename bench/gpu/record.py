@@ -6,8 +6,9 @@ time (``bench/gpu/kit_tables.py``).
 The record keeps each part's status, summary, rows and columns, and the run's provenance
 (its command, date and GPU). A node that holds a copy of the tree but no git checkout
 records no commit; the record then takes this checkout's, refused unless its tracked files
-are unchanged (the copy sent to the node being this tree). A dry run measures nothing and
-is refused.
+are unchanged and the digest of its source files is the one the node took of its copy
+(``tree_sha256``, ``bench.records.tree_digest``). A
+node's own checkout that differed from its commit, and a dry run, are refused.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.part import PARTS
-from bench.records import REPO, git, write_and_show
+from bench.records import REPO, git, tree_digest, write_and_show
 
 NAME = "gpu/kit"
 RENDERER = "bench.gpu.kit_tables"
@@ -29,6 +29,8 @@ def kit_provenance(report: dict[str, Any], cwd: Path = REPO) -> dict[str, Any]:
     """The run's provenance, with this checkout's commit where the node had none; raises
     ValueError naming what is wrong."""
     seen = dict(report["provenance"])
+    if seen["dirty"]:
+        raise ValueError(f"the node's checkout differed from its commit {seen['commit'][:7]}")
     if seen["commit"] is None:
         changed = git("status", "--porcelain", "--untracked-files=no", cwd=cwd)
         if changed is None:
@@ -37,16 +39,20 @@ def kit_provenance(report: dict[str, Any], cwd: Path = REPO) -> dict[str, Any]:
             raise ValueError("the run names no commit and this checkout's tracked files "
                              f"differ from HEAD ({changed.splitlines()[0].strip()}, ...): "
                              "record from the tree that was sent to the node")
+        if report["tree_sha256"] != tree_digest(cwd):
+            raise ValueError("the run names no commit and its tree_sha256 is not this "
+                             "checkout's: the node ran another tree")
         seen.update(commit=git("rev-parse", "HEAD", cwd=cwd), dirty=False)
     return seen
 
 
 def figures(report: dict[str, Any]) -> dict[str, Any]:
-    """Each part's status, seconds, summary, rows, title and columns (its log left out)."""
+    """Each part's status, seconds, summary, rows, and its title and columns as the run
+    had them (its log left out)."""
     return {"budget_s": report["budget_s"], "machine": report["machine"],
             "parts": {name: {"status": got["status"], "seconds": got["seconds"],
                              "summary": got.get("summary", ""), "rows": got.get("rows", []),
-                             "title": PARTS[name].title, "columns": list(PARTS[name].columns)}
+                             "title": got["title"], "columns": got["columns"]}
                       for name, got in report["parts"].items()}}
 
 

@@ -114,22 +114,28 @@ def render_main(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+def over(shown: list[dict[str, Any]], figure: str) -> str:
+    """``figure`` as mean ± sd over the shown runs that have it."""
+    return mean_sd([f[figure] for f in shown if f[figure] is not None])
+
+
 def render_gains(record: dict[str, Any]) -> list[str]:
     """``gains``: each alt-text configuration's kNN per seed, its gain over the untrained
     encoder of the same seed (kNN points), probe and zero-shot top-1."""
     runs = record["figures"]["runs"]
     floor = runs.get("untrained", {})
     names = [n for n in record["figures"]["order"] if n.startswith(("alt_", "sweep_alt_"))]
-    lines = [source_line(record), commits(record, names), "",
+    lines = [source_line(record), commits(record, [*names, "untrained"]), "",
              "| configuration | seeds | kNN per seed | gain | linear probe | zero-shot top-1 |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name in names:
-        seeds = [s for s in sorted(runs[name], key=int) if s in floor]
+        seeds = [s for s in sorted(runs[name], key=int) if s in floor]  # each beside its floor
+        shown = [runs[name][s] for s in seeds]
         gain = [100 * (runs[name][s]["knn"] - floor[s]["knn"]) for s in seeds]
-        per_seed = ", ".join(f"{runs[name][s]['knn']:.3f}" for s in seeds)
+        per_seed = ", ".join(f"{figures['knn']:.3f}" for figures in shown)
         lines.append(f"| {name} | {', '.join(seeds)} | {per_seed} | "
-                     f"{mean_sd(gain, 1, '+')} | {mean_sd(values(record, name, 'probe'))} | "
-                     f"{mean_sd(values(record, name, 'zero_shot'))} |")
+                     f"{mean_sd(gain, 1, '+')} | {over(shown, 'probe')} | "
+                     f"{over(shown, 'zero_shot')} |")
     return lines
 
 

@@ -64,4 +64,4 @@ def train_cross_entropy(conf: Configuration, data: DataSet, root: Path) -> dict[
               "evaluation": evaluate(EmbeddingModel(encoder.eval()), config, data,
                                      path.parent / "eval")}
     write_json(path, result, seen)
-    return result
+    return json.loads(path.read_text())  # as a later report reads it: its provenance too

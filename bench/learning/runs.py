@@ -165,4 +165,4 @@ def run(conf: Configuration, data: DataSet, root: Path, floor: bool = False) -> 
     if model is not None:
         result["evaluation"] = evaluate(model, config, data, path.parent / "eval")
     write_json(path, result, seen)
-    return result
+    return json.loads(path.read_text())  # as a later report reads it: its provenance too

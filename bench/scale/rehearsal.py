@@ -310,7 +310,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.record and args.merge:
         parser.error("--record keeps one run's figures: leave out --merge")
-    if args.record and len(args.sizes) < 2:
+    if args.record and len(set(args.sizes)) < 2:
         parser.error("--record fits exponents over the sizes: give at least two --sizes")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.child:

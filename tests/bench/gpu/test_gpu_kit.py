@@ -79,6 +79,12 @@ def test_the_dry_run_measures_every_part(tmp_path):
     for name, part in parts.items():  # every part renders from the record as gpu.md shows it
         shown = "\n".join(kit_tables.VIEWS[name](kit_record)[2:])
         assert shown in table and len(shown.splitlines()) == 4 + len(part["rows"]), name
+    compiled = kit_tables.VIEWS["compile"](kit_record)
+    assert compiled[0].startswith(f"`python -m bench.gpu {tmp_path / 'out'} --dry-run --jobs=2`")
+    assert compiled[2].startswith("### train.compile: ok, ")
+    assert compiled[4:6] == ["| backbone | compiled | backend | first_step_s | step_s | vs_eager |",
+                             "|---|---|---|---|---|---|"]
+    assert compiled[6].startswith("| small_cnn | False | eager | ")
 
 
 def test_a_part_out_of_time_is_killed_with_its_processes_and_the_others_are_kept(tmp_path):

@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from bench.learning import benchmark_tables
-from bench.records import REPO, provenance
+from bench.learning import benchmark_tables, runs
+from bench.records import REPO, git, provenance
 
 
 def result(seed: int, knn: float, probe: float, commit: str | None = None,
@@ -51,14 +51,17 @@ def test_the_main_view_shows_mean_and_sd_over_the_seeds_and_where_the_runs_ran()
 
 
 def test_the_gains_view_measures_each_seed_against_its_own_untrained_encoder():
-    results = {"untrained": [result(0, 0.14, 0.1), result(1, 0.16, 0.1)],
-               "alt_clip": [result(0, 0.64, 0.74, captions=True),
-                            result(1, 0.55, 0.72, captions=True)],
-               "sweep_alt_xclr_tau_s0.05": [result(0, 0.52, 0.56)]}
+    # seeds in numeric order (2 before 10); seed 3 has no floor, so none of its figures show
+    results = {"untrained": [result(10, 0.16, 0.1), result(2, 0.14, 0.1)],
+               "alt_clip": [result(10, 0.55, 0.72, captions=True),
+                            result(3, 0.90, 0.99, captions=True),
+                            result(2, 0.64, 0.74, captions=True)],
+               "sweep_alt_xclr_tau_s0.05": [result(2, 0.52, 0.56)]}
     lines = benchmark_tables.render_gains(record_of(results))
+    assert lines[1] == "6 runs; 6 without a recorded commit."  # the floors' runs counted
     assert lines[5:] == [
-        "| alt_clip | 0, 1 | 0.640, 0.550 | +44.5 ± 7.8 | 0.730 ± 0.014 | 0.650 ± 0.071 |",
-        "| sweep_alt_xclr_tau_s0.05 | 0 | 0.520 | +38.0 | 0.560 |  |"]
+        "| alt_clip | 2, 10 | 0.640, 0.550 | +44.5 ± 7.8 | 0.730 ± 0.014 | 1.200 ± 0.566 |",
+        "| sweep_alt_xclr_tau_s0.05 | 2 | 0.520 | +38.0 | 0.560 |  |"]
 
 
 def test_the_claims_view_gives_each_verdict():
@@ -75,3 +78,16 @@ def test_a_smoke_run_is_not_recorded():
                           check=False)
     assert done.returncode == 2
     assert "--record keeps the recipes' runs: leave out --set" in done.stderr
+
+
+def test_a_run_made_now_hands_back_the_provenance_its_file_keeps(tmp_path, monkeypatch):
+    """A run trained by the same command that records carries its commit, as one read
+    back from its folder in a later session does."""
+    monkeypatch.setattr(runs, "run_config", lambda conf, data, root: (None, []))
+    monkeypatch.setattr(runs, "untrained", lambda conf, data, root: object())
+    monkeypatch.setattr(runs, "evaluate", lambda model, config, data, out: {"knn": 0.5})
+    conf = runs.Configuration("untrained-s0", "infonce.yaml", "cluttered", seed=0)
+    made = runs.run(conf, None, tmp_path, floor=True)
+    assert made["provenance"]["commit"] == git("rev-parse", "HEAD")
+    assert benchmark_tables.run_figures(made)["commit"] == made["provenance"]["commit"]
+    assert runs.run(conf, None, tmp_path, floor=True) == made  # read back from its file

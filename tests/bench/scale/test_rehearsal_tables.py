@@ -54,3 +54,24 @@ def test_a_record_is_one_run_so_record_refuses_merge():
                           cwd=REPO, capture_output=True, text=True, check=False)
     assert done.returncode == 2
     assert "--record keeps one run's figures: leave out --merge" in done.stderr
+
+
+def test_a_flat_linear_run_meets_the_targets_and_its_ledger_reads_every_sample_once():
+    results = measured_run()
+    results[1_000_000]["pretrain"]["child_rss_mib"] = 600  # flat children
+    results[1_000_000]["ledger"].update(more_than_once=0, exact=True)
+    figures = rehearsal.figures(results, rehearsal.fitted(results))
+    lines = rehearsal_tables.render_stages(
+        {**provenance(["python"]), "figures": json.loads(json.dumps(figures))})
+    assert lines[-2:] == [
+        "Targets: time exponents <= 1.05 and memory flat (exponents <= 0.1) at every stage, "
+        "**met**.",
+        "At 1,000,000 the ledger found 0 samples read twice and 576 unread (one global batch "
+        "is 2,048): every sample read once but the epoch's last partial batch."]
+
+
+def test_a_record_needs_two_distinct_sizes():
+    done = subprocess.run([sys.executable, "-m", "bench.scale.rehearsal", "--record",
+                           "--sizes", "1000", "1000"], cwd=REPO, capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 2 and "give at least two --sizes" in done.stderr
