@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,6 @@ def main(argv: list[str] | None = None) -> None:
     if first is None:
         parser.error(f"{path}: no part finished")
     write_and_show(NAME, seen, RENDERER, figures(report), first)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

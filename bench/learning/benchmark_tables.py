@@ -16,8 +16,6 @@ from typing import Any
 from bench.learning.claims import Results, diagnostic, knn, probe
 from bench.records import source_line
 
-Figures = dict[str, float | None]
-
 
 def _or_none(metric: Callable[[dict[str, Any]], float], result: dict[str, Any]) -> float | None:
     try:

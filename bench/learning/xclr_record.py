@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.learning.benchmark_tables import mean_sd
 from bench.records import invocation, provenance, write_and_show
 
 NAME = "learning/xclr_levers"
@@ -71,11 +71,6 @@ def collect(root: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
     return figures, missing
 
 
-def _mean_sd(values: list[float], digits: int, sign: str = "") -> str:
-    mean = f"{statistics.mean(values):{sign}.{digits}f}"
-    return f"{mean} ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else mean
-
-
 def render_levers(record: dict[str, Any]) -> list[str]:
     """``levers``: each configuration's kNN per seed, gain and probe (mean ± sd)."""
     lines = ["| configuration | seeds | kNN per seed | gain | linear probe |",
@@ -89,7 +84,7 @@ def render_levers(record: dict[str, Any]) -> list[str]:
         gain = [100 * (runs[s]["knn"] - runs[s]["floor"]) for s in seeds]
         probe = [runs[s]["probe"] for s in seeds]
         lines.append(f"| {words} | {', '.join(seeds)} | {', '.join(f'{k:.3f}' for k in knn)} "
-                     f"| {_mean_sd(gain, 1, '+')} | {_mean_sd(probe, 3)} |")
+                     f"| {mean_sd(gain, 1, '+')} | {mean_sd(probe, 3)} |")
     return lines
 
 
