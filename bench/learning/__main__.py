@@ -4,7 +4,8 @@
     python -m bench.learning --part main --seeds 0 --only infonce supcon
     python -m bench.learning --part sweep         # the sweeps behind the recipes
     python -m bench.learning --report-only        # the report from the finished runs
-    python -m bench.learning --part main --report-only --record   # the record learning/main
+    python -m bench.learning --part main --keep       # over several sittings: commit the kept runs
+    python -m bench.learning --part main --report-only --keep --record   # the record learning/main
 
 Trains every configuration (``bench/learning/configs.py``) on the cluttered digits with
 the real ``pretrain`` command (2 DDP processes), evaluates the encoder and the untrained
@@ -27,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import machine, write_json
-from bench.learning import benchmark_tables, configs, report
+from bench.learning import benchmark_tables, configs, finished, report
 from bench.learning.ceiling import train_cross_entropy
 from bench.learning.claims import Results, check
 from bench.learning.data import DataSet, cluttered, digits
@@ -41,19 +42,24 @@ MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES, *co
 
 
 def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path,
-            report_only: bool = False) -> Results:
+            report_only: bool = False, kept: bool = False) -> Results:
     """One result per finished configuration; ``report_only`` trains nothing and leaves
-    out the configurations that have no result yet (their claims say "not run")."""
+    out the configurations that have no result yet (their claims say "not run");
+    ``kept`` restores the runs kept in the repository and keeps each one finished here."""
     results: Results = defaultdict(list)
     for conf in tqdm(confs, desc="learning benchmark", unit="run"):
         group = conf.tags["group"]
-        if report_only and not (root / "runs" / conf.name / "result.json").is_file():
+        if kept:
+            finished.restore(conf, root)
+        if report_only and not finished.result_path(conf, root).is_file():
             continue
         data = datasets[conf.data]
         if group.startswith("cross_entropy"):
             result = train_cross_entropy(conf, data, root)
         else:
             result = run(conf, data, root, floor=group.startswith("untrained"))
+        if kept:
+            finished.keep(conf, root)
         key = f"{conf.name.split(group)[0]}{group}"  # keeps the digits_ prefix
         results[key].append(result)
     return results
@@ -126,9 +132,16 @@ def main() -> None:
                              "a smoke run; use another --out)")
     parser.add_argument("--record", action="store_true",
                         help="also write the record learning/PART of the finished runs")
+    parser.add_argument("--keep", action="store_true",
+                        help="restore the runs kept in bench/finished/learning and keep each "
+                             "run finished here there (commit them: a benchmark of several "
+                             "sittings continues from any checkout)")
     args = parser.parse_args()
-    if args.record and args.set:
-        parser.error("--record keeps the recipes' runs: leave out --set")
+    for flag in ("record", "keep"):
+        if getattr(args, flag) and (args.set or (args.train_samples, args.test_samples)
+                                    != (6000, 1000)):
+            parser.error(f"--{flag} keeps the recipes' runs: leave out --set and the sample "
+                         "counts")
     seen = provenance(invocation())  # the tree the benchmark starts from
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -155,13 +168,13 @@ def main() -> None:
     confs = [dataclasses.replace(c, overrides=(*c.overrides, *args.set)) for c in confs]
     sweep_confs = [dataclasses.replace(c, overrides=(*c.overrides, *args.set))
                    for c in sweep_confs]
-    results = run_all(confs, datasets, out, args.report_only)
-    sweep = run_all(sweep_confs, datasets, out, args.report_only)
+    results = run_all(confs, datasets, out, args.report_only, args.keep)
+    sweep = run_all(sweep_confs, datasets, out, args.report_only, args.keep)
     claims = write(results, sweep, datasets, out, args.seeds)
     if args.record:  # with the untrained floor of each seed, which every gain is against
         seeds = sorted({*args.seeds, *args.sweep_seeds})
         floor = run_all(configs.floor_and_ceiling("cluttered", seeds)[0], datasets, out,
-                        report_only=True)
+                        report_only=True, kept=args.keep)
         found: Results = defaultdict(list)  # a seed in two of them is kept once
         for part in (floor, results, sweep):
             for name, runs in part.items():

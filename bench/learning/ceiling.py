@@ -57,8 +57,7 @@ def train_cross_entropy(conf: Configuration, data: DataSet, root: Path) -> dict[
             if step >= steps:
                 break
     bar.close()
-    result = {"configuration": {"name": conf.name, "recipe": conf.recipe, "data": conf.data,
-                                "seed": conf.seed, "overrides": list(conf.overrides)},
+    result = {"configuration": dataclasses.asdict(conf),
               "training": {"seconds": time.perf_counter() - start, "steps": steps,
                            "last_loss": loss.item()},
               "evaluation": evaluate(EmbeddingModel(encoder.eval()), config, data,

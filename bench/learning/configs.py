@@ -228,3 +228,10 @@ def sweep(seeds: list[int], only: set[str] | None = None) -> list[Configuration]
     table = {k: v for k, v in SWEEP.items() if not only or k in only}
     alt = {k: v for k, v in ALT_SWEEP.items() if not only or k in only}
     return _configs(table, "cluttered", seeds) + _configs(alt, "alt_text", seeds)
+
+
+def every(seeds: list[int]) -> list[Configuration]:
+    """Every configuration the benchmark runs at ``seeds``, in all its parts."""
+    return [*(conf for data, prefix in (("cluttered", ""), ("digits", "digits_"))
+              for part in floor_and_ceiling(data, seeds, prefix) for conf in part),
+            *main(seeds), *alt_text(seeds), *digits(seeds), *sweep(seeds)]

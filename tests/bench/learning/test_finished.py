@@ -1,0 +1,102 @@
+"""The learning benchmark's kept runs (``bench/learning/finished.py``): a run kept in the
+repository is restored only for the configuration that made it, only a clean commit's run
+is kept, and every kept run matches today's table and names an ancestor of HEAD."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from bench.learning import configs, finished, runs
+from bench.learning.__main__ import run_all
+from bench.records import REPO, git
+
+TABLE = {conf.name: conf for conf in configs.every(list(range(5)))}
+KEPT = sorted(p.stem for p in finished.FINISHED.glob("*.json")) if finished.FINISHED.is_dir() \
+    else []
+
+
+def made(conf: runs.Configuration, commit: str | None = "abc", dirty: bool = False) -> dict:
+    return json.loads(json.dumps({"configuration": dataclasses.asdict(conf),
+                                  "evaluation": {"knn": 0.5},
+                                  "provenance": {"commit": commit, "dirty": dirty}}))
+
+
+def write(path, payload) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload))
+
+
+def test_a_kept_run_is_restored_for_its_own_configuration(tmp_path):
+    conf = TABLE["supcon-s1"]
+    write(tmp_path / "kept" / "supcon-s1.json", made(conf))
+    assert finished.restore(conf, tmp_path / "out", tmp_path / "kept")
+    assert json.loads(finished.result_path(conf, tmp_path / "out").read_text()) == made(conf)
+    assert not finished.restore(conf, tmp_path / "out", tmp_path / "kept")  # one is there
+
+
+def test_a_kept_run_of_another_configuration_is_trained_again(tmp_path, capsys):
+    conf = TABLE["supcon-s1"]
+    changed = dataclasses.replace(conf, overrides=("objective.temperature=0.1",))
+    write(tmp_path / "kept" / "supcon-s1.json", made(changed))
+    assert not finished.restore(conf, tmp_path / "out", tmp_path / "kept")
+    assert not finished.result_path(conf, tmp_path / "out").exists()
+    assert capsys.readouterr().out == (
+        f"{tmp_path / 'kept' / 'supcon-s1'}.json: kept for another configuration than the "
+        "table's supcon-s1; trained again\n")
+
+
+@pytest.mark.parametrize("commit, dirty, line", [
+    (None, None, "not kept: made from no git checkout"),
+    ("abc", True, "not kept: made from a changed tree")])
+def test_only_a_clean_commits_run_is_kept(tmp_path, capsys, commit, dirty, line):
+    conf = TABLE["infonce-s0"]
+    write(finished.result_path(conf, tmp_path), made(conf, commit, dirty))
+    assert not finished.keep(conf, tmp_path, tmp_path / "kept")
+    assert not (tmp_path / "kept").exists()
+    assert capsys.readouterr().out.endswith(f"{line}\n")
+    write(finished.result_path(conf, tmp_path), made(conf))
+    assert finished.keep(conf, tmp_path, tmp_path / "kept")
+    assert finished.kept("infonce-s0", tmp_path / "kept") == made(conf)
+
+
+def test_the_report_gathers_kept_runs_and_keeps_those_finished_here(tmp_path, monkeypatch):
+    """``run_all(kept=True)``: a kept run is read back without training, a run finished
+    here is kept, and a configuration with neither is left out of a report."""
+    monkeypatch.setattr(finished, "FINISHED", tmp_path / "kept")
+    restored, here, missing = TABLE["supcon-s0"], TABLE["supcon-s1"], TABLE["supcon-s2"]
+    write(tmp_path / "kept" / "supcon-s0.json", made(restored, "k"))
+    write(finished.result_path(here, tmp_path / "out"), made(here, "h"))
+    results = run_all([restored, here, missing], {"cluttered": None}, tmp_path / "out",
+                      report_only=True, kept=True)
+    assert [r["provenance"]["commit"] for r in results["supcon"]] == ["k", "h"]
+    assert finished.kept("supcon-s1", tmp_path / "kept")["provenance"]["commit"] == "h"
+    assert finished.kept("supcon-s2", tmp_path / "kept") is None
+
+
+@pytest.mark.parametrize("flags", [["--keep", "--set", "train.max_steps=5"],
+                                   ["--keep", "--train-samples", "600"]])
+def test_a_smoke_run_is_not_kept(flags):
+    done = subprocess.run([sys.executable, "-m", "bench.learning", *flags], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert "--keep keeps the recipes' runs: leave out --set and the sample counts" in done.stderr
+
+
+@pytest.mark.parametrize("name", KEPT or ["(none kept)"])
+def test_each_kept_run_is_the_tables_configuration_made_at_an_ancestor(name):
+    if not KEPT:
+        pytest.skip("no run is kept")
+    result = finished.kept(name)
+    assert name in TABLE, f"{name}: no configuration of the benchmark has this name"
+    assert result["configuration"] == json.loads(json.dumps(dataclasses.asdict(TABLE[name])))
+    seen = result["provenance"]
+    assert re.fullmatch(r"[0-9a-f]{40}", seen["commit"]) and seen["dirty"] is False
+    assert git("merge-base", "--is-ancestor", seen["commit"], "HEAD") is not None, \
+        f"{name}: made at {seen['commit']}, not an ancestor of HEAD"
+    assert "evaluation" in result
