@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--record", action="store_true",
                         help="also write the record learning/PART of the finished runs")
     parser.add_argument("--keep", action="store_true",
-                        help="restore the runs kept in bench/finished/learning and keep each "
+                        help="restore the runs kept in bench/learning/finished_runs and keep each "
                              "run finished here there (commit them: a benchmark of several "
                              "sittings continues from any checkout)")
     args = parser.parse_args()

@@ -2,9 +2,9 @@
 
 The main part alone is 81 runs, more than one sitting on 2 CPU cores. With ``--keep`` each
 run's ``result.json`` (its figures and provenance: command, commit, date, machine) is
-copied to ``bench/finished/learning/<name>.json`` when it finishes, and a kept run whose
-configuration equals the table's is restored into the run folder instead of trained again,
-so a benchmark committed part by part continues from another checkout.
+copied to ``bench/learning/finished_runs/<name>.json`` when it finishes, and a kept run
+whose configuration equals the table's is restored into the run folder instead of trained
+again, so a benchmark committed part by part continues from another checkout.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from bench.learning.runs import REPO, Configuration
 
-FINISHED = REPO / "bench" / "finished" / "learning"
+FINISHED = REPO / "bench" / "learning" / "finished_runs"
 
 
 def kept(name: str, folder: Path | None = None) -> dict[str, Any] | None:
