@@ -147,12 +147,14 @@ def render_evaluation(record: dict[str, Any]) -> list[str]:
     at = {(r["stage"], r["rows"]): r for r in part["rows"]}
     lines = [source_line(record), "",
              f"| stage | bank {sizes[0]:,} | {sizes[-1]:,} | time exponent | added memory, "
-             "smallest / largest |", "| --- | --- | --- | --- | --- |"]
+             "smallest / largest | memory exponent |", "| --- | --- | --- | --- | --- | --- |"]
     for stage in stages:
         small, large = at[stage, sizes[0]], at[stage, sizes[-1]]
+        fit = part["exponent"][stage]
         lines.append(f"| {STAGE_NAMES[stage]} | {small['seconds']:.1f} s | "
-                     f"{large['seconds']:.1f} s | {fitted(part['exponent'][stage]['seconds'])} | "
-                     f"{mib(small['stage_added_mib'])} / {mib(large['stage_added_mib'])} |")
+                     f"{large['seconds']:.1f} s | {fitted(fit['seconds'])} | "
+                     f"{mib(small['stage_added_mib'])} / {mib(large['stage_added_mib'])} | "
+                     f"{fitted(fit['stage_added_mib'])} |")
     return lines
 
 

@@ -1,6 +1,8 @@
 """The caption-embedding store: float16 rows of the distinct captions, a sorted key index
 and the row of each key, all memory-mapped, so a loader worker joins a sample to its row by
-``__key__`` without holding the store in memory (docs/graph.md).
+``__key__`` without holding the store in memory (docs/graph.md). The pages its lookups and
+row reads map are let go after every ``DROP_BYTES`` (``data_pipeline/graph/pages.py``): an
+epoch's pass over the store leaves no more of it resident than a pass over a few batches.
 
 Files: ``keys.npy`` [N] sorted fixed-width bytes, ``rows.npy`` [N] int32, ``embeddings.npy``
 [U, E] float16, ``captions.jsonl`` (the U distinct captions, for inspection), ``meta.json``.
@@ -9,13 +11,15 @@ Files: ``keys.npy`` [N] sorted fixed-width bytes, ``rows.npy`` [N] int32, ``embe
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from core.errors import RunError
+from data_pipeline.graph import pages
 
 FILES = ("keys.npy", "rows.npy", "embeddings.npy")
 META_LIMIT = 1 << 20  # meta.json is a few hundred bytes: read no more
@@ -32,6 +36,8 @@ class CaptionStore:
     rows: np.ndarray
     embeddings: np.ndarray
     meta: dict
+    looked_up: int = field(default=0, repr=False)  # bytes of key pages mapped since a drop
+    paged: pages.PagedRows | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, directory: str | Path) -> CaptionStore:
@@ -60,6 +66,7 @@ class CaptionStore:
         if len(rows) and int(rows.max()) >= len(embeddings):
             raise StoreError(f"{directory / 'rows.npy'}: a row beyond the "
                              f"{len(embeddings)} embeddings")
+        pages.drop_pages(rows)  # the check's pass touched every row
         return cls(directory, keys, rows, embeddings, meta)
 
     def find(self, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +74,21 @@ class CaptionStore:
         wanted = np.array([k.encode() for k in keys], dtype=self.keys.dtype)
         pos = np.searchsorted(self.keys, wanted).clip(max=max(len(self.keys) - 1, 0))
         found = self.keys[pos] == wanted if len(self.keys) else np.zeros(len(keys), bool)
-        return np.where(found, self.rows[pos], -1), found
+        rows = np.where(found, self.rows[pos], -1)
+        # a key's binary search maps a page-fault window at each of its ~log2(N) steps
+        steps = math.ceil(math.log2(len(self.keys) + 1)) + 1
+        self.looked_up += len(keys) * steps * pages.FAULT_AROUND_BYTES
+        if self.looked_up >= pages.DROP_BYTES:
+            pages.drop_pages(self.keys, self.rows)
+            self.looked_up = 0
+        return rows, found
+
+    def embedding_rows(self, rows: Iterable[int]) -> np.ndarray:
+        """[n, E] float16 copy of the embedding ``rows``, read through
+        :class:`~data_pipeline.graph.pages.PagedRows`."""
+        if self.paged is None:
+            self.paged = pages.PagedRows(self.embeddings, pages.DROP_BYTES)
+        return self.paged[np.asarray(list(rows), dtype=np.int64)]
 
     def captions(self, rows: Iterable[int] | None = None) -> list[str]:
         """The distinct captions (all, or those of ``rows`` in that order), read line by

@@ -14,7 +14,6 @@ import functools
 import itertools
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -155,7 +154,7 @@ class ChunkJoiner:
             batch["text_repeated"] = True  # the second half of token rows repeats the first
         if self.store is not None:  # [2B, E] float16, the views share their caption's row
             batch["caption_embeddings"] = torch.from_numpy(
-                np.asarray(self.store.embeddings[[s.row for s in heads]])).repeat(2, 1)
+                self.store.embedding_rows(s.row for s in heads)).repeat(2, 1)
         return batch
 
     def _instances(self, rows: list[tuple[int, int, int, int]],
