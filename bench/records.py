@@ -69,12 +69,13 @@ def invocation() -> list[str]:
 
 def provenance(command: list[str], cwd: Path = REPO) -> dict[str, Any]:
     """Where a measurement comes from: the command, the checkout's commit (None outside
-    a git checkout), whether tracked files differed from it, the date (UTC) and the
-    machine."""
+    a git checkout), whether tracked files differed from it (results the repository keeps,
+    :data:`KEPT_OUTPUTS`, aside), the date (UTC) and the machine."""
     import torch
 
     commit = git("rev-parse", "HEAD", cwd=cwd)
-    changed = git("status", "--porcelain", "--untracked-files=no", cwd=cwd)
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                  *(f":(exclude){path}" for path in KEPT_OUTPUTS), cwd=cwd)
     return {"command": " ".join(command), "commit": commit,
             "dirty": bool(changed) if commit else None,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
@@ -85,8 +86,10 @@ def provenance(command: list[str], cwd: Path = REPO) -> dict[str, Any]:
 
 
 SOURCE_SUFFIXES = (".py", ".sh", ".yaml", ".yml", ".toml")
-# what runs write into a checkout (its .gitignore), not the code
-NOT_SOURCE = ("bench/results", "bench/records", "bench/gpu/wheels", "runs", "mlruns", "data",
+# what benchmarks write into a checkout and the repository keeps: records, learning runs
+KEPT_OUTPUTS = ("bench/records", "bench/learning/finished_runs")
+# what runs write into a checkout (its .gitignore, and the kept outputs), not the code
+NOT_SOURCE = ("bench/results", *KEPT_OUTPUTS, "bench/gpu/wheels", "runs", "mlruns", "data",
               "build")
 
 

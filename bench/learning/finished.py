@@ -2,9 +2,10 @@
 
 The main part alone is 81 runs, more than one sitting on 2 CPU cores. With ``--keep`` each
 run's ``result.json`` (its figures and provenance: command, commit, date, machine) is
-copied to ``bench/learning/finished_runs/<name>.json`` when it finishes, and a kept run
-whose configuration equals the table's is restored into the run folder instead of trained
-again, so a benchmark committed part by part continues from another checkout.
+copied to ``bench/learning/finished_runs/<name>.json`` when it finishes, and a kept run is
+restored into the run folder instead of trained again when its configuration equals the
+table's and its recipe and data code are unchanged since its commit, so a benchmark
+committed part by part continues from another checkout.
 """
 
 from __future__ import annotations
@@ -16,48 +17,82 @@ from pathlib import Path
 from typing import Any
 
 from bench.learning.runs import REPO, Configuration
+from bench.records import git
 
 FINISHED = REPO / "bench" / "learning" / "finished_runs"
+# what makes a run's data, beside its recipe: unchanged since a kept run's commit
+DATA_SOURCES = ("bench/learning/data.py", "data_pipeline/cluttered.py",
+                "data_pipeline/alt_text.py")
 
 
 def kept(name: str, folder: Path | None = None) -> dict[str, Any] | None:
-    """The run ``name`` as kept in ``folder`` (:data:`FINISHED`), or None."""
+    """The run ``name`` as kept in ``folder`` (:data:`FINISHED`), or None (said so when the
+    file is not a kept run)."""
     path = (folder or FINISHED) / f"{name}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        result = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        result = None
+    if not isinstance(result, dict) or not isinstance(result.get("configuration"), dict):
+        print(f"{path}: not a kept run (no JSON object with a configuration); trained again")
+        return None
+    return result
 
 
 def result_path(conf: Configuration, root: Path) -> Path:
     return root / "runs" / conf.name / "result.json"
 
 
+def same_configuration(result: dict[str, Any], conf: Configuration) -> bool:
+    return result.get("configuration") == json.loads(json.dumps(dataclasses.asdict(conf)))
+
+
+def unchanged_since(commit: str | None, conf: Configuration) -> bool:
+    """Whether ``conf``'s recipe and the data code are as they were at ``commit``."""
+    return bool(commit) and git("diff", "--quiet", str(commit), "--", conf.recipe,
+                                *DATA_SOURCES, cwd=REPO) is not None
+
+
 def restore(conf: Configuration, root: Path, folder: Path | None = None) -> bool:
     """Copy the kept run of ``conf`` into ``root``'s run folder unless one is there; a kept
-    run of another configuration (the table changed since) is left, and said so."""
+    run of another configuration, or of a recipe or data since changed, is left, and said
+    so."""
     folder = folder or FINISHED
     target = result_path(conf, root)
     result = kept(conf.name, folder)
     if target.is_file() or result is None:
         return False
-    if result.get("configuration") != json.loads(json.dumps(dataclasses.asdict(conf))):
-        print(f"{folder / conf.name}.json: kept for another configuration than the table's "
-              f"{conf.name}; trained again")
+    path = folder / f"{conf.name}.json"
+    commit = (result.get("provenance") or {}).get("commit")
+    if not same_configuration(result, conf):
+        print(f"{path}: kept for another configuration than the table's {conf.name}; "
+              "trained again")
+        return False
+    if not unchanged_since(commit, conf):
+        print(f"{path}: its recipe or data code changed since {str(commit)[:7]}; trained again")
         return False
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(folder / f"{conf.name}.json", target)
+    shutil.copyfile(path, target)
     return True
 
 
 def keep(conf: Configuration, root: Path, folder: Path | None = None) -> bool:
-    """Copy a finished run of ``conf`` to ``folder`` (:data:`FINISHED`) when a commit of a
-    clean tree made it (a record names that commit); returns whether it was kept."""
+    """Copy a finished run of ``conf`` to ``folder`` (:data:`FINISHED`) when it is of the
+    table's configuration and a commit of a clean tree made it (a record names that
+    commit); returns whether it was kept."""
     folder = folder or FINISHED
     source = result_path(conf, root)
     if not source.is_file():
         return False
-    seen = json.loads(source.read_text()).get("provenance") or {}
-    if not seen.get("commit") or seen.get("dirty"):
-        print(f"{source}: not kept: made from "
-              f"{'a changed tree' if seen.get('commit') else 'no git checkout'}")
+    result = json.loads(source.read_text())
+    seen = result.get("provenance") or {}
+    why = ("of another configuration than the table's" if not same_configuration(result, conf)
+           else "made from no git checkout" if not seen.get("commit")
+           else "made from a changed tree" if seen.get("dirty") else None)
+    if why:
+        print(f"{source}: not kept: {why}")
         return False
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, folder / f"{conf.name}.json")

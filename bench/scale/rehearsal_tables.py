@@ -32,11 +32,11 @@ def memory_exponents(stage: str, record: dict[str, Any]) -> list[float]:
 
 
 def misses(stage: str, record: dict[str, Any]) -> list[str]:
-    """Each exponent of ``stage`` above its target, to three places (0.101 misses 0.1)."""
+    """Each exponent of ``stage`` above its target (a record keeps them to three places)."""
     fit = record["figures"]["exponents"][stage]
-    exponents = {"time": fit["seconds"]}
-    for label, value in zip(("memory", "children's memory"), memory_exponents(stage, record)):
-        exponents[label] = value
+    labels = ("memory", "children's memory")  # the command's, then its children's if any
+    exponents = {"time": fit["seconds"],
+                 **dict(zip(labels, memory_exponents(stage, record), strict=False))}
     return [f"{STAGE_NAMES[stage]} {label} {value:.3f}" for label, value in exponents.items()
             if value > (TIME_TARGET if label == "time" else MEMORY_TARGET)]
 

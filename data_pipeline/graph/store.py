@@ -71,9 +71,11 @@ class CaptionStore:
 
     def find(self, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """([n] embedding row of each key, [n] bool found)."""
+        if not len(self.keys):
+            return np.full(len(keys), -1), np.zeros(len(keys), bool)
         wanted = np.array([k.encode() for k in keys], dtype=self.keys.dtype)
-        pos = np.searchsorted(self.keys, wanted).clip(max=max(len(self.keys) - 1, 0))
-        found = self.keys[pos] == wanted if len(self.keys) else np.zeros(len(keys), bool)
+        pos = np.searchsorted(self.keys, wanted).clip(max=len(self.keys) - 1)
+        found = self.keys[pos] == wanted
         rows = np.where(found, self.rows[pos], -1)
         # a key's binary search maps a page-fault window at each of its ~log2(N) steps
         steps = math.ceil(math.log2(len(self.keys) + 1)) + 1

@@ -158,3 +158,23 @@ def test_every_benchmark_writes_its_results_through_a_writer_that_adds_the_prove
              for path in sorted((records.REPO / "bench").rglob("*.py")) if path not in own
              for lines in [_json_written_past_the_writers(path)] if lines}
     assert found == {}, f"JSON written past write_json and write_record: {found}"
+
+
+def test_a_tree_is_changed_by_its_sources_not_by_the_results_it_keeps(tmp_path):
+    """Runs write records and kept learning runs into the checkout they measure: those do
+    not make the next run's tree "dirty"; a changed source does."""
+    def run(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    files = ["src.py", *(f"{path}/a.json" for path in records.KEPT_OUTPUTS)]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("1\n")
+    run("init", "-q")
+    run("add", ".")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    for name in files[1:]:
+        (tmp_path / name).write_text("2\n")
+    assert records.provenance(["python"], cwd=tmp_path)["dirty"] is False
+    (tmp_path / "src.py").write_text("2\n")
+    assert records.provenance(["python"], cwd=tmp_path)["dirty"] is True

@@ -1,6 +1,7 @@
 """The learning benchmark's kept runs (``bench/learning/finished.py``): a run kept in the
-repository is restored only for the configuration that made it, only a clean commit's run
-is kept, and every kept run matches today's table and names an ancestor of HEAD."""
+repository is restored only for the configuration that made it and a recipe unchanged
+since, only a clean commit's run of the table's configuration is kept, and every kept run
+matches today's table and names an ancestor of HEAD."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ from bench.learning.__main__ import run_all
 from bench.records import REPO, git
 
 TABLE = {conf.name: conf for conf in configs.every(list(range(5)))}
+HEAD = git("rev-parse", "HEAD")
 KEPT = sorted(p.stem for p in finished.FINISHED.glob("*.json")) if finished.FINISHED.is_dir() \
     else []
 
 
-def made(conf: runs.Configuration, commit: str | None = "abc", dirty: bool = False) -> dict:
+def made(conf: runs.Configuration, commit: str | None = HEAD, dirty: bool = False,
+         knn: float = 0.5) -> dict:
     return json.loads(json.dumps({"configuration": dataclasses.asdict(conf),
-                                  "evaluation": {"knn": 0.5},
+                                  "evaluation": {"knn": knn},
                                   "provenance": {"commit": commit, "dirty": dirty}}))
 
 
@@ -51,12 +54,36 @@ def test_a_kept_run_of_another_configuration_is_trained_again(tmp_path, capsys):
         "table's supcon-s1; trained again\n")
 
 
-@pytest.mark.parametrize("commit, dirty, line", [
-    (None, None, "not kept: made from no git checkout"),
-    ("abc", True, "not kept: made from a changed tree")])
-def test_only_a_clean_commits_run_is_kept(tmp_path, capsys, commit, dirty, line):
+def test_a_kept_run_whose_recipe_changed_since_is_trained_again(tmp_path, capsys):
+    conf = TABLE["supcon-s1"]
+    changed_it = git("log", "-1", "--format=%H", "--", conf.recipe)  # the recipe before it
+    before = git("rev-parse", f"{changed_it}^")
+    write(tmp_path / "kept" / "supcon-s1.json", made(conf, before))
+    assert not finished.restore(conf, tmp_path / "out", tmp_path / "kept")
+    assert capsys.readouterr().out == (
+        f"{tmp_path / 'kept' / 'supcon-s1'}.json: its recipe or data code changed since "
+        f"{before[:7]}; trained again\n")
+
+
+def test_a_file_that_is_not_a_kept_run_is_named_and_trained_again(tmp_path, capsys):
+    conf = TABLE["supcon-s1"]
+    for text in ("{not json", "[1, 2]", '{"evaluation": {}}'):
+        (tmp_path / "supcon-s1.json").write_text(text)
+        assert not finished.restore(conf, tmp_path / "out", tmp_path)
+        assert capsys.readouterr().out == (
+            f"{tmp_path / 'supcon-s1'}.json: not a kept run (no JSON object with a "
+            "configuration); trained again\n")
+
+
+@pytest.mark.parametrize("commit, dirty, other, line", [
+    (None, None, False, "not kept: made from no git checkout"),
+    ("abc", True, False, "not kept: made from a changed tree"),
+    (HEAD, False, True, "not kept: of another configuration than the table's")])
+def test_only_a_clean_commits_run_of_the_tables_configuration_is_kept(
+        tmp_path, capsys, commit, dirty, other, line):
     conf = TABLE["infonce-s0"]
-    write(finished.result_path(conf, tmp_path), made(conf, commit, dirty))
+    made_of = dataclasses.replace(conf, seed=7) if other else conf
+    write(finished.result_path(conf, tmp_path), made(made_of, commit, dirty))
     assert not finished.keep(conf, tmp_path, tmp_path / "kept")
     assert not (tmp_path / "kept").exists()
     assert capsys.readouterr().out.endswith(f"{line}\n")
@@ -70,22 +97,24 @@ def test_the_report_gathers_kept_runs_and_keeps_those_finished_here(tmp_path, mo
     here is kept, and a configuration with neither is left out of a report."""
     monkeypatch.setattr(finished, "FINISHED", tmp_path / "kept")
     restored, here, missing = TABLE["supcon-s0"], TABLE["supcon-s1"], TABLE["supcon-s2"]
-    write(tmp_path / "kept" / "supcon-s0.json", made(restored, "k"))
-    write(finished.result_path(here, tmp_path / "out"), made(here, "h"))
+    write(tmp_path / "kept" / "supcon-s0.json", made(restored, knn=0.1))
+    write(finished.result_path(here, tmp_path / "out"), made(here, knn=0.2))
     results = run_all([restored, here, missing], {"cluttered": None}, tmp_path / "out",
                       report_only=True, kept=True)
-    assert [r["provenance"]["commit"] for r in results["supcon"]] == ["k", "h"]
-    assert finished.kept("supcon-s1", tmp_path / "kept")["provenance"]["commit"] == "h"
+    assert [r["evaluation"]["knn"] for r in results["supcon"]] == [0.1, 0.2]
+    assert finished.kept("supcon-s1", tmp_path / "kept")["evaluation"]["knn"] == 0.2
     assert finished.kept("supcon-s2", tmp_path / "kept") is None
 
 
-@pytest.mark.parametrize("flags", [["--keep", "--set", "train.max_steps=5"],
-                                   ["--keep", "--train-samples", "600"]])
-def test_a_smoke_run_is_not_kept(flags):
-    done = subprocess.run([sys.executable, "-m", "bench.learning", *flags], cwd=REPO,
-                          capture_output=True, text=True, check=False)
+@pytest.mark.parametrize("flag", ["--keep", "--record"])
+@pytest.mark.parametrize("smoke", [["--set", "train.max_steps=5"], ["--train-samples", "600"]])
+def test_a_smoke_run_is_neither_kept_nor_recorded(flag, smoke, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "bench.learning", flag, *smoke, "--out",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          check=False, timeout=120)
     assert done.returncode == 2
-    assert "--keep keeps the recipes' runs: leave out --set and the sample counts" in done.stderr
+    assert f"{flag} keeps the recipes' runs: leave out --set and the sample counts" in \
+        done.stderr
 
 
 @pytest.mark.parametrize("name", KEPT or ["(none kept)"])

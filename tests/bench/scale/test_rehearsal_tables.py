@@ -77,3 +77,18 @@ def test_a_record_needs_two_distinct_sizes():
                            "--sizes", "1000", "1000"], cwd=REPO, capture_output=True,
                           text=True, check=False)
     assert done.returncode == 2 and "give at least two --sizes" in done.stderr
+
+
+def test_each_miss_is_named_time_included_at_the_places_it_is_shown():
+    """make-shards 10x slower over 8x the data (exponent 1.107), the ledger's memory 700 ->
+    862 MiB (exponent 0.1001, shown 0.100: not a miss)."""
+    results = measured_run()
+    results[1_000_000]["make_shards"]["seconds"] = 330.0
+    results[1_000_000]["ledger"]["rss_mib"] = 862
+    results[1_000_000]["pretrain"]["child_rss_mib"] = 600
+    figures = rehearsal.figures(results, rehearsal.fitted(results))
+    lines = rehearsal_tables.render_stages(
+        {**provenance(["python"]), "figures": json.loads(json.dumps(figures))})
+    assert lines[-2].startswith(
+        "Targets: time exponents <= 1.05 and memory flat (exponents <= 0.1) at every stage, "
+        "**not met**: make-shards time 1.107. The stages took")

@@ -420,5 +420,37 @@ def test_a_pass_over_the_store_keeps_about_a_budget_of_its_pages(tmp_path, monke
         batch = keys[order[start:start + 256]]
         rows = [int(store.find([key.decode()])[0][0]) for key in batch]
         np.testing.assert_array_equal(store.embedding_rows(rows), want[rows])
-    for name in ("keys.npy", "rows.npy", "embeddings.npy"):
+    for name in ("keys.npy", "embeddings.npy"):
         assert mapped_resident_bytes(directory / name) <= 2 * MIB, name
+
+
+def write_store(directory, keys: list[str]) -> None:
+    directory.mkdir()
+    np.save(directory / "keys.npy", np.array(sorted(k.encode() for k in keys), dtype="S8"))
+    np.save(directory / "rows.npy", np.zeros(len(keys), np.int32))
+    np.save(directory / "embeddings.npy", np.zeros((1, 4), np.float16))
+    (directory / "meta.json").write_text(json.dumps({"num_keys": len(keys), "num_unique": 1,
+                                                     "dim": 4}))
+
+
+def test_lookups_drop_the_key_pages_each_time_their_estimate_reaches_the_budget(
+        tmp_path, monkeypatch):
+    """1,000 keys: a key's search costs (ceil(log2 1,001) + 1) = 11 windows of 64 KiB, so
+    a budget of 5 keys' worth drops at every 5th key, a batch of 12 keys once."""
+    drops = []
+    monkeypatch.setattr(pages, "DROP_BYTES", 5 * 11 * pages.FAULT_AROUND_BYTES)
+    monkeypatch.setattr(pages, "drop_pages", lambda *arrays: drops.append(len(arrays)))
+    write_store(tmp_path / "s", [f"k{i:05d}" for i in range(1000)])
+    store = CaptionStore.open(tmp_path / "s")
+    drops.clear()  # the open's
+    for i in range(14):
+        store.find([f"k{i:05d}"])
+    assert drops == [2, 2]  # after the 5th and the 10th key: keys and rows
+    store.find([f"k{i:05d}" for i in range(12)])
+    assert drops == [2, 2, 2] and store.looked_up == 0
+
+
+def test_an_empty_store_finds_nothing(tmp_path):
+    write_store(tmp_path / "s", [])
+    rows, found = CaptionStore.open(tmp_path / "s").find(["a", "b"])
+    assert rows.tolist() == [-1, -1] and found.tolist() == [False, False]
