@@ -138,8 +138,9 @@ def main() -> None:
                              "sittings continues from any checkout)")
     args = parser.parse_args()
     for flag in ("record", "keep"):
-        if getattr(args, flag) and (args.set or (args.train_samples, args.test_samples)
-                                    != (6000, 1000)):
+        if getattr(args, flag) and (args.set or any(
+                getattr(args, n) != parser.get_default(n) for n in ("train_samples",
+                                                                    "test_samples"))):
             parser.error(f"--{flag} keeps the recipes' runs: leave out --set and the sample "
                          "counts")
     seen = provenance(invocation())  # the tree the benchmark starts from

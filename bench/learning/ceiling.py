@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from bench.common import write_json
 from bench.learning.data import DataSet
-from bench.learning.runs import Configuration, evaluate, run_config
+from bench.learning.runs import Configuration, evaluate, result_path, run_config
 from bench.records import invocation, provenance
 from data_pipeline.loader import LoaderState, train_batches
 from data_pipeline.shards import ShardSet
@@ -24,7 +24,7 @@ from registry.package import EmbeddingModel
 
 
 def train_cross_entropy(conf: Configuration, data: DataSet, root: Path) -> dict[str, Any]:
-    path = root / "runs" / conf.name / "result.json"
+    path = result_path(conf, root)
     if path.is_file():
         return json.loads(path.read_text())
     seen = provenance(invocation())  # the tree the run starts from

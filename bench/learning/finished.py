@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from bench.learning.runs import REPO, Configuration
+from bench.learning.runs import REPO, Configuration, result_path
 from bench.records import git
 
 FINISHED = REPO / "bench" / "learning" / "finished_runs"
@@ -39,10 +39,6 @@ def kept(name: str, folder: Path | None = None) -> dict[str, Any] | None:
         print(f"{path}: not a kept run (no JSON object with a configuration); trained again")
         return None
     return result
-
-
-def result_path(conf: Configuration, root: Path) -> Path:
-    return root / "runs" / conf.name / "result.json"
 
 
 def same_configuration(result: dict[str, Any], conf: Configuration) -> bool:

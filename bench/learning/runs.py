@@ -74,10 +74,19 @@ def run_config(conf: Configuration, data: DataSet, root: Path) -> tuple[RunConfi
     return load_config(RunConfig, REPO / conf.recipe, overrides), overrides
 
 
+def run_dir_of(conf: Configuration, root: Path) -> Path:
+    """Where ``conf``'s run, its log and its ``result.json`` live under ``root``."""
+    return root / "runs" / conf.name
+
+
+def result_path(conf: Configuration, root: Path) -> Path:
+    return run_dir_of(conf, root) / "result.json"
+
+
 def train(conf: Configuration, data: DataSet, root: Path) -> dict[str, Any]:
     """Train with 2 processes; returns the run's last metric row and wall time."""
     _, overrides = run_config(conf, data, root)
-    run_dir = root / "runs" / conf.name
+    run_dir = run_dir_of(conf, root)
     run_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "2", "-m", "app.pretrain", "--config",
@@ -144,14 +153,14 @@ def untrained(conf: Configuration, data: DataSet, root: Path) -> EmbeddingModel:
 
 
 def trained(conf: Configuration, root: Path) -> EmbeddingModel | None:
-    checkpoints = list_checkpoints(root / "runs" / conf.name)
+    checkpoints = list_checkpoints(run_dir_of(conf, root))
     return from_checkpoint(checkpoints[0])[0] if checkpoints else None
 
 
 def run(conf: Configuration, data: DataSet, root: Path, floor: bool = False) -> dict[str, Any]:
     """Train (unless ``floor``: the untrained encoder) and evaluate; cached in
     ``runs/<name>/result.json``."""
-    path = root / "runs" / conf.name / "result.json"
+    path = result_path(conf, root)
     if path.is_file():
         return json.loads(path.read_text())
     config, _ = run_config(conf, data, root)

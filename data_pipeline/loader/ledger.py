@@ -33,23 +33,27 @@ file and line (the command then exits 2).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
 import tempfile
 import zlib
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 import torch
 import yaml
 from tqdm import tqdm
 
 LEDGER_DIR = "ledger"
 KEYS_IN_MEMORY = 1 << 20  # the reader tallies at most about this many keys at a time
+LINES_AT_ONCE = 1 << 14  # bucket lines parsed into arrays at a time
+UNKNOWN_EXAMPLES = 5  # unknown reads named per epoch
 SHARD_KEY = "S"  # the epoch field of a spilled shard key
 
 
@@ -266,40 +270,80 @@ def counts_of(attempts: list[Attempt], shard_keys: Iterator[str], total: int,
 def tally_bucket(path: Path, counts: dict[int, EpochCount], keep_keys: bool) -> None:
     """Add one bucket's reads to ``counts`` (every epoch's): each read key is the shards'
     (once or more than once) or unknown; the bucket's shard keys an epoch never read are
-    its unread ones."""
-    shard: set[str] = set()
-    reads: Counter = Counter()
-    where: dict[tuple[int, str], str] = {}
+    its unread ones. Keys are held as one byte array (a few bytes a key, not a Python
+    string and dictionary entry each), counted by sorting."""
+    shard, read_keys, read_epochs = read_bucket(path)
+    unknown_by_epoch: dict[int, np.ndarray] = {}
+    for epoch, count in counts.items():
+        keys, reads = np.unique(read_keys[read_epochs == epoch], return_counts=True)
+        known = sorted_member(keys, shard)
+        count.total += len(shard)
+        count.once += int(np.count_nonzero(known & (reads == 1)))
+        count.more_than_once += int(np.count_nonzero(known & (reads > 1)))
+        count.unread += len(shard) - int(np.count_nonzero(known))
+        count.unknown += int(reads[~known].sum())
+        unknown_by_epoch[epoch] = keys[~known]
+        if keep_keys:
+            unread = shard[~sorted_member(shard, keys[known])]
+            count.unread_keys = sorted([*(count.unread_keys or []), *decoded(unread)])
+            count.more_keys = sorted([*(count.more_keys or []),
+                                      *decoded(keys[known & (reads > 1)])])
+    if any(len(keys) for keys in unknown_by_epoch.values()):
+        name_unknown_reads(path, counts, unknown_by_epoch)
+
+
+def read_bucket(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A bucket's shard keys (sorted, distinct) and its reads' keys and epochs, as arrays
+    of UTF-8 bytes and int64, built :data:`LINES_AT_ONCE` lines at a time."""
+    shard: list[np.ndarray] = []
+    keys: list[np.ndarray] = []
+    epochs: list[np.ndarray] = []
+    with path.open(encoding="utf-8") as lines:
+        while chunk := list(itertools.islice(lines, LINES_AT_ONCE)):
+            fields = [text.split("\t", 2) for text in chunk]
+            shard.append(encoded([key for epoch, key, _ in fields if epoch == SHARD_KEY]))
+            reads = [(int(epoch), key) for epoch, key, _ in fields if epoch != SHARD_KEY]
+            keys.append(encoded([key for _, key in reads]))
+            epochs.append(np.array([epoch for epoch, _ in reads], dtype=np.int64))
+    return (np.unique(np.concatenate([encoded([]), *shard])),
+            np.concatenate([encoded([]), *keys]),
+            np.concatenate([np.zeros(0, dtype=np.int64), *epochs]))
+
+
+def encoded(keys: list[str]) -> np.ndarray:
+    """``keys`` as one array of UTF-8 bytes (tar member names hold no NUL, which numpy's
+    bytes arrays would trim)."""
+    return np.array([key.encode() for key in keys], dtype=np.bytes_)
+
+
+def decoded(keys: np.ndarray) -> list[str]:
+    return [key.decode() for key in keys.tolist()]
+
+
+def sorted_member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Which of ``values`` are in ``sorted_set`` (sorted, distinct), by binary search."""
+    if len(sorted_set) == 0:
+        return np.zeros(len(values), dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
+    return sorted_set[at] == values
+
+
+def name_unknown_reads(path: Path, counts: dict[int, EpochCount],
+                       unknown_by_epoch: dict[int, np.ndarray]) -> None:
+    """Name the first few unknown keys of each epoch (in the ledger's order) with the file
+    and line that read them: a second pass over the bucket, taken only when there are
+    unknown reads."""
+    unknown = {epoch: set(decoded(keys)) for epoch, keys in unknown_by_epoch.items()}
+    named: set[tuple[int, str]] = set()
     with path.open(encoding="utf-8") as lines:
         for text in lines:
             epoch, key, origin = text.rstrip("\n").split("\t")
-            if epoch == SHARD_KEY:
-                shard.add(key)
-            else:
-                reads[int(epoch), key] += 1
-                where.setdefault((int(epoch), key), origin)
-    read_by_epoch: dict[int, set[str]] = defaultdict(set)
-    for (epoch, key), n in reads.items():
-        count = counts[epoch]
-        if key not in shard:
-            count.unknown += n
-            if len(count.unknown_examples) < 5:
-                count.unknown_examples.append(f"{key!r} ({where[epoch, key]})")
-            continue
-        read_by_epoch[epoch].add(key)
-        if n == 1:
-            count.once += 1
-        else:
-            count.more_than_once += 1
-            if keep_keys:
-                count.more_keys = [*(count.more_keys or []), key]
-    for epoch, count in counts.items():
-        count.total += len(shard)
-        unread = shard - read_by_epoch[epoch]
-        count.unread += len(unread)
-        if keep_keys:
-            count.unread_keys = sorted([*(count.unread_keys or []), *unread])
-            count.more_keys = sorted(count.more_keys or [])
+            if epoch == SHARD_KEY or key not in unknown.get(int(epoch), ()):
+                continue
+            examples = counts[int(epoch)].unknown_examples
+            if (int(epoch), key) not in named and len(examples) < UNKNOWN_EXAMPLES:
+                examples.append(f"{key!r} ({origin})")
+                named.add((int(epoch), key))
 
 
 def shard_set_keys(run_dir: Path, shards: str | None) -> tuple[Iterator[str], int]:
