@@ -33,7 +33,6 @@ file and line (the command then exits 2).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -45,16 +44,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import numpy as np
 import torch
 import yaml
 from tqdm import tqdm
 
+from data_pipeline.loader.ledger_buckets import SHARD_KEY, EpochCount, bucket_line, tally_bucket
+
 LEDGER_DIR = "ledger"
 KEYS_IN_MEMORY = 1 << 20  # the reader tallies at most about this many keys at a time
-LINES_AT_ONCE = 1 << 14  # bucket lines parsed into arrays at a time
-UNKNOWN_EXAMPLES = 5  # unknown reads named per epoch
-SHARD_KEY = "S"  # the epoch field of a spilled shard key
 
 
 def attempt_name(start_ms: int, restart: int) -> str:
@@ -149,26 +146,6 @@ class LedgerWriter:
 # -- reading ------------------------------------------------------------------------------
 
 @dataclass
-class EpochCount:
-    """One epoch's samples, by key against the keys the shards hold: ``once`` and
-    ``more_than_once`` count shard keys by how often the epoch trained on them, ``unread``
-    the shard keys it never trained on (the loader's skips among them), ``skipped`` the
-    loader's skip count, ``unknown`` the reads of keys the shards do not hold (a fault: named
-    in ``unknown_examples`` with the ledger file and line). With ``keys``, the unread and
-    repeated keys themselves."""
-
-    total: int
-    once: int = 0
-    more_than_once: int = 0
-    unread: int = 0
-    skipped: int = 0
-    unknown: int = 0
-    unknown_examples: list[str] = field(default_factory=list)
-    unread_keys: list[str] | None = None
-    more_keys: list[str] | None = None
-
-
-@dataclass
 class Attempt:
     """One attempt's files (all its ranks) and what bounds its steps: the step it resumed
     from, the checkpoints it completed, and how many keys its step lines hold."""
@@ -247,10 +224,10 @@ def counts_of(attempts: list[Attempt], shard_keys: Iterator[str], total: int,
     counts: dict[int, EpochCount] = {}
     with tempfile.TemporaryDirectory(prefix="ledger-") as spill:
         paths = [Path(spill) / f"{b}.txt" for b in range(buckets)]
-        files = [path.open("w", encoding="utf-8") for path in paths]
+        files = [path.open("w", encoding="utf-8", newline="\n") for path in paths]
 
         def write(epoch: str, key: str, where: str) -> None:
-            files[zlib.crc32(key.encode()) % buckets].write(f"{epoch}\t{key}\t{where}\n")
+            files[zlib.crc32(key.encode()) % buckets].write(bucket_line(epoch, key, where))
 
         for key in shard_keys:
             write(SHARD_KEY, key, "")
@@ -265,85 +242,6 @@ def counts_of(attempts: list[Attempt], shard_keys: Iterator[str], total: int,
         for path in paths:
             tally_bucket(path, counts, keep_keys)
     return dict(sorted(counts.items()))
-
-
-def tally_bucket(path: Path, counts: dict[int, EpochCount], keep_keys: bool) -> None:
-    """Add one bucket's reads to ``counts`` (every epoch's): each read key is the shards'
-    (once or more than once) or unknown; the bucket's shard keys an epoch never read are
-    its unread ones. Keys are held as one byte array (a few bytes a key, not a Python
-    string and dictionary entry each), counted by sorting."""
-    shard, read_keys, read_epochs = read_bucket(path)
-    unknown_by_epoch: dict[int, np.ndarray] = {}
-    for epoch, count in counts.items():
-        keys, reads = np.unique(read_keys[read_epochs == epoch], return_counts=True)
-        known = sorted_member(keys, shard)
-        count.total += len(shard)
-        count.once += int(np.count_nonzero(known & (reads == 1)))
-        count.more_than_once += int(np.count_nonzero(known & (reads > 1)))
-        count.unread += len(shard) - int(np.count_nonzero(known))
-        count.unknown += int(reads[~known].sum())
-        unknown_by_epoch[epoch] = keys[~known]
-        if keep_keys:
-            unread = shard[~sorted_member(shard, keys[known])]
-            count.unread_keys = sorted([*(count.unread_keys or []), *decoded(unread)])
-            count.more_keys = sorted([*(count.more_keys or []),
-                                      *decoded(keys[known & (reads > 1)])])
-    if any(len(keys) for keys in unknown_by_epoch.values()):
-        name_unknown_reads(path, counts, unknown_by_epoch)
-
-
-def read_bucket(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A bucket's shard keys (sorted, distinct) and its reads' keys and epochs, as arrays
-    of UTF-8 bytes and int64, built :data:`LINES_AT_ONCE` lines at a time."""
-    shard: list[np.ndarray] = []
-    keys: list[np.ndarray] = []
-    epochs: list[np.ndarray] = []
-    with path.open(encoding="utf-8") as lines:
-        while chunk := list(itertools.islice(lines, LINES_AT_ONCE)):
-            fields = [text.split("\t", 2) for text in chunk]
-            shard.append(encoded([key for epoch, key, _ in fields if epoch == SHARD_KEY]))
-            reads = [(int(epoch), key) for epoch, key, _ in fields if epoch != SHARD_KEY]
-            keys.append(encoded([key for _, key in reads]))
-            epochs.append(np.array([epoch for epoch, _ in reads], dtype=np.int64))
-    return (np.unique(np.concatenate([encoded([]), *shard])),
-            np.concatenate([encoded([]), *keys]),
-            np.concatenate([np.zeros(0, dtype=np.int64), *epochs]))
-
-
-def encoded(keys: list[str]) -> np.ndarray:
-    """``keys`` as one array of UTF-8 bytes (tar member names hold no NUL, which numpy's
-    bytes arrays would trim)."""
-    return np.array([key.encode() for key in keys], dtype=np.bytes_)
-
-
-def decoded(keys: np.ndarray) -> list[str]:
-    return [key.decode() for key in keys.tolist()]
-
-
-def sorted_member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """Which of ``values`` are in ``sorted_set`` (sorted, distinct), by binary search."""
-    if len(sorted_set) == 0:
-        return np.zeros(len(values), dtype=bool)
-    at = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
-    return sorted_set[at] == values
-
-
-def name_unknown_reads(path: Path, counts: dict[int, EpochCount],
-                       unknown_by_epoch: dict[int, np.ndarray]) -> None:
-    """Name the first few unknown keys of each epoch (in the ledger's order) with the file
-    and line that read them: a second pass over the bucket, taken only when there are
-    unknown reads."""
-    unknown = {epoch: set(decoded(keys)) for epoch, keys in unknown_by_epoch.items()}
-    named: set[tuple[int, str]] = set()
-    with path.open(encoding="utf-8") as lines:
-        for text in lines:
-            epoch, key, origin = text.rstrip("\n").split("\t")
-            if epoch == SHARD_KEY or key not in unknown.get(int(epoch), ()):
-                continue
-            examples = counts[int(epoch)].unknown_examples
-            if (int(epoch), key) not in named and len(examples) < UNKNOWN_EXAMPLES:
-                examples.append(f"{key!r} ({origin})")
-                named.add((int(epoch), key))
 
 
 def shard_set_keys(run_dir: Path, shards: str | None) -> tuple[Iterator[str], int]:

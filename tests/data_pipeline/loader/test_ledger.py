@@ -195,7 +195,8 @@ def test_a_run_without_a_ledger_is_told_in_one_line(tmp_path, capsys):
 
 def test_counts_spilled_over_many_buckets_equal_counts_in_one(tmp_path, monkeypatch):
     """The reader's tally in buckets (a few keys each, as a CC12M ledger's would be) counts
-    what one tally of every key counts: superseded steps, a tail, a sample read twice."""
+    what one tally of every key counts: superseded steps, a tail, a sample read twice, and
+    with ``keep_keys`` the same unread and repeated keys."""
     import data_pipeline.loader.ledger as ledger
 
     write_attempt(tmp_path, "00000000000001-r000", 2, 0, range(1, 5), {2, 4})
@@ -239,9 +240,43 @@ def tally_peak_bytes(run_dir: Path, samples: int) -> int:
 
 
 def test_the_tally_holds_a_few_bytes_a_key(tmp_path):
-    """A bucket's keys are held as one byte array, not a Python string and dictionary
-    entry each: the reader's peak grows by under 64 bytes a key (shard key or read) from
-    50,000 to 150,000 samples (13 here). Sets and a Counter of the same keys grew by 213."""
+    """A bucket's keys are held in numpy arrays of their bytes, not as a Python string and
+    dictionary entry each: the reader's peak grows by under 64 bytes a key (shard key or
+    read) from 50,000 to 150,000 samples. Sets and a Counter of the same keys grew by 213."""
     small = tally_peak_bytes(tmp_path / "small", 50_000)
     large = tally_peak_bytes(tmp_path / "large", 150_000)
     assert (large - small) / (2 * 100_000) < 64
+
+
+def test_keys_with_nul_tab_newline_or_backslash_are_judged_as_written(tmp_path, monkeypatch):
+    """A key is one field whatever it holds: shard keys with a tab, a newline or a
+    backslash are read once; reads of ``s00\\x00``, ``s0`` + tab + ``1`` and others the
+    shards do not hold are unknown (a NUL is not trimmed, a tab does not cut the key),
+    named with their lines, the first 5 an epoch, in one bucket or in many."""
+    import data_pipeline.loader.ledger as ledger
+
+    odd = ["s\t1", "s\n2", "s\\3", "s\\t4"]
+    shard_keys = SHARD_KEYS + odd
+    ghosts = ["s00\x00", "s0\t1", "s\\t1", "s\t", "s11\n", "s00 ", "\x00"]
+    writer = LedgerWriter(tmp_path, "00000000000001-r000", 0, 1)
+    writer.start(0)
+    writer.record(0, 1, {"keys": odd + ghosts[:3]}, torch.tensor(True))
+    writer.record(0, 2, {"keys": ghosts[3:] + ghosts[:1]}, torch.tensor(True))
+    writer.commit(2)
+    writer.close()
+    lines = {key: 2 if i < 3 else 3 for i, key in enumerate(ghosts)}
+    expected = EpochCount(len(shard_keys), once=4, unread=len(SHARD_KEYS), unknown=8)
+    whole = epoch_counts(tmp_path, shard_keys, keep_keys=True)
+    assert whole[0].unknown_examples == [f"{key!r} ({writer.path.name} line {lines[key]})"
+                                         for key in ghosts[:5]]
+    monkeypatch.setattr(ledger, "KEYS_IN_MEMORY", 3)
+    for counts in (whole, epoch_counts(tmp_path, shard_keys, keep_keys=True)):
+        named = counts[0].unknown_examples
+        assert len(named) == 5 and len(set(named)) == 5
+        assert set(named) <= {f"{key!r} ({writer.path.name} line {lines[key]})"
+                              for key in ghosts}
+        assert counts[0].unread_keys == sorted(SHARD_KEYS) and counts[0].more_keys == []
+        assert counts == {0: EpochCount(**{**expected.__dict__,
+                                           "unknown_examples": named,
+                                           "unread_keys": sorted(SHARD_KEYS),
+                                           "more_keys": []})}
