@@ -100,10 +100,17 @@ def read_bucket(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     epochs: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
     for fields in bucket_chunks(path):
         shard.append(encoded([key for epoch, key, _ in fields if epoch == SHARD_KEY]))
-        reads = [(int(epoch), key) for epoch, key, _ in fields if epoch != SHARD_KEY]
-        keys.append(encoded([key for _, key in reads]))
-        epochs.append(np.array([epoch for epoch, _ in reads], dtype=np.int64))
+        _, chunk_epochs, chunk_keys = chunk_reads(fields)
+        keys.append(chunk_keys)
+        epochs.append(chunk_epochs)
     return np.unique(np.concatenate(shard)), np.concatenate(keys), np.concatenate(epochs)
+
+
+def chunk_reads(fields: list[list[str]]) -> tuple[list[list[str]], np.ndarray, np.ndarray]:
+    """A chunk's reads (its lines but the shard keys), their epochs and their keys."""
+    reads = [line for line in fields if line[0] != SHARD_KEY]
+    return (reads, np.array([int(epoch) for epoch, _, _ in reads], dtype=np.int64),
+            encoded([key for _, key, _ in reads]))
 
 
 def encoded(keys: list[str]) -> np.ndarray:
@@ -130,9 +137,7 @@ def name_unknown_reads(path: Path, counts: dict[int, EpochCount],
     read them: a second pass over the bucket, taken only when it has unknown reads."""
     named: set[tuple[int, str]] = set()  # a key is in one bucket only: this bucket's
     for fields in bucket_chunks(path):
-        reads = [(int(epoch), key, where) for epoch, key, where in fields if epoch != SHARD_KEY]
-        epochs = np.array([epoch for epoch, _, _ in reads], dtype=np.int64)
-        keys = encoded([key for _, key, _ in reads])
+        reads, epochs, keys = chunk_reads(fields)
         for epoch, unknown in unknown_by_epoch.items():
             examples = counts[epoch].unknown_examples
             for i in np.flatnonzero((epochs == epoch) & sorted_member(keys, unknown)):
