@@ -16,8 +16,8 @@ from core.errors import first_line
 from evaluation.config import EvalConfig
 from evaluation.report import scalars
 from pretrain.run.tracking import experiment_id, quiet_store_errors
-from registry.evaluation_record import EVALUATION_TAG, EvaluationRecord
-from registry.promote import SCORE_TAG, promote
+from registry.evaluation_record import EvaluationRecord, keep_evaluation
+from registry.promote import promote, record_score
 from registry.versions import ModelRef
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,9 @@ def log_evaluation(uri: str, cfg: EvalConfig, experiment: str, run_name: str, re
         results["promotion"] = promote(client, ref.name, ref.version, promote_alias, score)
         log.info("promotion: %s", results["promotion"])
     elif ref.name is not None:
-        client.set_model_version_tag(ref.name, ref.version, SCORE_TAG, repr(float(score)))
+        record_score(client, ref.name, ref.version, score)
     if ref.name is not None:
-        client.set_model_version_tag(ref.name, ref.version, EVALUATION_TAG,
-                                     evaluation_record(results, cfg, run.info.run_id).to_json())
+        keep_evaluation(client, ref, evaluation_record(results, cfg, run.info.run_id))
     params = {k: str(v)[:6000] for k, v in flatten(cfg).items()}
     metrics = [Metric(k.replace("@", "_"), v, 0, 0) for k, v in scalars(results).items()]
     client.log_batch(run.info.run_id, metrics=metrics,

@@ -96,6 +96,11 @@ def read_evaluation(ref: ModelRef, uri: str) -> EvaluationRecord | None:
     return None if text is None else EvaluationRecord.from_json(text, where)
 
 
+def keep_evaluation(client: Any, ref: ModelRef, record: EvaluationRecord) -> None:
+    """Keep ``record`` on the registered version ``ref`` as its tag ``evaluation``."""
+    client.set_model_version_tag(ref.name, ref.version, EVALUATION_TAG, record.to_json())
+
+
 def unevaluated_line(ref_registered: bool) -> str:
     """The one line a card carries in place of figures."""
     if ref_registered:

@@ -11,10 +11,15 @@ from typing import Any
 SCORE_TAG = "knn_top1"  # model version tag: the evaluated kNN top-1, unrounded
 
 
+def record_score(client: Any, name: str, version: str, score: float) -> None:
+    """Keep ``score`` on ``name``/``version`` as its tag ``knn_top1``, unrounded."""
+    client.set_model_version_tag(name, version, SCORE_TAG, repr(float(score)))
+
+
 def promote(client: Any, name: str, version: str, alias: str, score: float) -> dict[str, Any]:
     """Set ``alias`` on ``name``/``version`` if ``score`` beats the holder's; returns the
     decision record."""
-    client.set_model_version_tag(name, version, SCORE_TAG, repr(float(score)))
+    record_score(client, name, version, score)
     try:
         holder = client.get_model_version_by_alias(name, alias)
     except Exception:  # the alias is not set yet

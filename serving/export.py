@@ -48,7 +48,7 @@ from registry.evaluation_record import (
     unevaluated_line,
 )
 from registry.package import EmbeddingModel
-from registry.versions import ModelRef
+from registry.versions import ModelRef, add_card_line
 from serving import open_clip_folder
 
 BUNDLED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # the bundled sentence model
@@ -320,11 +320,7 @@ def log_export(folder: Path, ref: ModelRef, uri: str, fmt: str) -> str:
     client.log_artifacts(ref.run_id, str(folder), artifact_path=f"export/{fmt}")
     link = f"runs:/{ref.run_id}/export/{fmt}"
     if ref.name and ref.version:
-        card = client.get_model_version(ref.name, ref.version).description or ""
-        line = f"Exported as {fmt}: `{link}` (load it as docs/export.md shows)."
-        if line not in card:
-            client.update_model_version(ref.name, ref.version,
-                                        description=f"{card}\n\n{line}".lstrip())
+        add_card_line(uri, ref, f"Exported as {fmt}: `{link}` (load it as docs/export.md shows).")
     return link
 
 

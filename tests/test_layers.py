@@ -62,11 +62,16 @@ def modules(layer: str) -> list[Path]:
     return sorted((REPO / layer).rglob("*.py"))
 
 
+# the benchmarks and the tests stand above every layer
+ABOVE_ALL = ("bench", "tests")
+
+
 def upward_imports(path: Path, layer: str) -> list[str]:
     allowed = set(LAYERS[: LAYERS.index(layer) + 1])
     return [f"{path.relative_to(REPO)}:{line} imports {module}"
             for line, module in imported_modules(path)
-            if module.split(".")[0] in LAYERS and module.split(".")[0] not in allowed]
+            if module.split(".")[0] in (*LAYERS, *ABOVE_ALL)
+            and module.split(".")[0] not in allowed]
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -74,6 +79,36 @@ def test_no_module_imports_from_a_layer_above(layer):
     assert modules(layer), f"layer {layer} has no modules"
     violations = [v for path in modules(layer) for v in upward_imports(path, layer)]
     assert not violations, "\n".join(violations)
+
+
+# MlflowClient's calls on the model registry: registration, resolution, tags, aliases
+REGISTRY_CALLS = {"create_registered_model", "create_model_version", "get_model_version",
+                  "get_model_version_by_alias", "search_model_versions",
+                  "update_model_version", "set_model_version_tag", "delete_model_version_tag",
+                  "set_registered_model_alias", "delete_registered_model_alias",
+                  "transition_model_version_stage", "register_model"}
+
+
+def registry_calls(path: Path, root: Path = REPO) -> list[str]:
+    """Where ``path`` calls the model registry (a method named in REGISTRY_CALLS)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{path.relative_to(root)}:{node.lineno} calls {node.func.attr}"
+            for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute) and node.func.attr in REGISTRY_CALLS]
+
+
+def test_only_the_registry_layer_calls_the_model_registry():
+    assert registry_calls(REPO / "registry" / "promote.py"), "the check sees no call at all"
+    violations = [v for layer in LAYERS if layer != "registry"
+                  for path in modules(layer) for v in registry_calls(path)]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_registry_check_sees_a_registry_call_elsewhere(tmp_path):
+    planted = tmp_path / "evaluation" / "tag.py"
+    planted.parent.mkdir()
+    planted.write_text("def tag(client):\n    client.set_model_version_tag('m', '1', 'k', 'v')\n")
+    assert registry_calls(planted, tmp_path) == ["evaluation/tag.py:2 calls set_model_version_tag"]
 
 
 # what lives under torch.distributed but communicates with no one
@@ -150,6 +185,15 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     assert upward_imports(bad, "data_pipeline") == [
         "data_pipeline/_layer_probe.py:2 imports pretrain.loop.trainer",
         "data_pipeline/_layer_probe.py:2 imports pretrain.loop.trainer.Trainer"]
+
+
+def test_the_check_sees_a_layer_importing_the_benchmarks(monkeypatch):
+    bad = REPO / "app" / "_layer_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        "from bench.common import write_json\n" if self == bad
+        else Path.read_bytes(self).decode()))
+    assert upward_imports(bad, "app") == ["app/_layer_probe.py:1 imports bench.common",
+                                          "app/_layer_probe.py:1 imports bench.common.write_json"]
 
 
 def module_file(name: str) -> Path | None:
