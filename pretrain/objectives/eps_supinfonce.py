@@ -1,5 +1,7 @@
 """epsilon-SupInfoNCE (Barbano et al., as restated by SINCERE, eq. 6); docs/objectives.md.
 
+per anchor i: -1/|P(i)| sum_{p in P(i)} log( e^{s_ip/tau} / (e^{s_ip/tau - eps}
+                                                      + sum_{n in Neg(i)} e^{s_in/tau}) )
 SINCERE with the lone positive term of each denominator replaced by exp(s_ip/tau - eps),
 a margin eps >= 0 between the positive and the negatives; eps = 0 is exactly SINCERE.
 """

@@ -1,5 +1,7 @@
 """Hoelder-FlatNCE (FlatNCE paper, Def. 3.6 and Prop. 3.7); ``docs/objectives.md``.
 
+With g+ = gamma s_ip/tau and g_j = gamma s_ij/tau over the negatives j in Neg(i):
+    v_i = logsumexp_j (g_j - g+),   loss_i = exp(v_i - detach(v_i)) - 1.
 The project's definition: FlatNCE applied to gamma * logits. The paper's form,
 m_gamma / detach(m_gamma) with the Hoelder mean m_gamma of exp(g_j - g+), has exactly
 1/gamma times this gradient (appendix eq. 30-34); the tests check that identity.

@@ -3,8 +3,8 @@
 The run reads these entries instead of checking names: configuration checks (labels,
 soft targets), the model (a text tower, learnable loss parameters), the loader (tokenised
 captions) and the objective's keyword arguments. Adding an objective is its file, an entry
-here, its test and its section in ``docs/objectives.md`` (docs/architecture.md, "Adding an
-objective"); the backbones and the engines keep their tables the same way.
+here and its row in ``docs/objectives.md``; the tests take it from here (docs/architecture.md,
+"Adding an objective"). The backbones and the engines keep their tables the same way.
 """
 
 from __future__ import annotations

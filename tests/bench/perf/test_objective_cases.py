@@ -1,6 +1,7 @@
 """The benchmarks take their objectives from the table: every entry, at its defaults and
-under its examples, is a case of ``bench.perf.objectives`` (and so of ``bench.perf.negatives`` and
-the GPU kit), and every entry has a recipe the learning benchmark trains."""
+under its examples, is a case of ``bench.perf.objectives`` (and so of ``bench.perf.negatives``
+and the GPU kit) and has a row in their docs tables, and every entry has a recipe the
+learning benchmark trains."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 import yaml
 
 from bench.learning import configs
-from bench.perf.objectives import objective_cases
+from bench.perf.negatives_tables import SHOWN
+from bench.perf.objectives import GROUPS, objective_cases
 from pretrain.objectives import OBJECTIVES, ObjectiveSpec, batch_loss
 from tests.pretrain.objectives.toy_decoupled import decoupled, plain_decoupled
 
@@ -41,6 +43,22 @@ def test_every_entry_is_a_case_at_its_defaults_and_under_each_example():
         defaults = spec.defaults()
         settings = 1 + sum(1 for e in spec.examples if e and defaults | dict(e) != defaults)
         assert sum(objective_of(case) == name for case in cases) == sources * settings, name
+
+
+def objectives_shown(rows: dict) -> set[str]:
+    """The objectives whose cases the docs' rows show (the peers' rows aside)."""
+    cases = [case for shown in rows.values() for case in ([shown] if isinstance(shown, str)
+                                                          else shown)]
+    return {objective_of(case) for case in cases if not case.split()[-1].endswith("Loss")}
+
+
+@pytest.mark.parametrize("rows", [GROUPS, SHOWN], ids=["objectives", "negatives"])
+def test_the_docs_rows_show_every_entry_of_the_table(rows, monkeypatch):
+    """Each benchmark's rows in the docs show a case of every objective; an entry the
+    rows leave out fails here, named."""
+    assert objectives_shown(rows) == set(OBJECTIVES), set(OBJECTIVES) ^ objectives_shown(rows)
+    monkeypatch.setitem(OBJECTIVES, "decoupled", ObjectiveSpec(decoupled, plain_decoupled))
+    assert objectives_shown(rows) != set(OBJECTIVES)
 
 
 def test_a_case_computes_what_the_objective_computes_on_what_its_entry_declares():
