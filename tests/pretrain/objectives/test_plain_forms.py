@@ -28,4 +28,3 @@ def test_the_production_path_equals_the_plain_form(case, tile_size, seed):
     reference = case.spec.plain(rows, TAU, **keywords)
     torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(b.grad_of(ours), b.grad_of(reference), rtol=1e-9, atol=1e-12)
-
