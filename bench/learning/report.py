@@ -80,22 +80,10 @@ def caption_table(results: Results) -> list[str]:
 
 
 def caption_signal_table(datasets: dict[str, Any]) -> list[str]:
-    import json
+    from bench.learning.caption_classes import caption_figures, table
 
-    from bench.learning.data import caption_signal
-    from data_pipeline.graph.class_graph import load_class_graph
-
-    lines = ["| caption set | cosine within a class | between classes | gap | "
-             "class from the caption: 20-NN | linear |", "| --- | --- | --- | --- | --- | --- |"]
-    for name, data in datasets.items():
-        if data.caption_graph is not None:
-            signal = caption_signal(load_class_graph(data.caption_graph)[0])
-            accuracy = json.loads((data.caption_graph.parent /
-                                   "caption_class_accuracy.json").read_text())
-            lines.append(f"| {name} | {signal['within']:.3f} | {signal['between']:.3f} | "
-                         f"{signal['gap']:.3f} | {accuracy['knn']:.3f} | "
-                         f"{accuracy['linear']:.3f} |")
-    return lines
+    return table({name: caption_figures(data) for name, data in datasets.items()
+                  if data.caption_graph is not None})
 
 
 def claims_section(claims: list[dict[str, Any]]) -> list[str]:
