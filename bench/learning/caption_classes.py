@@ -47,7 +47,8 @@ def table(sets: dict[str, dict[str, float]]) -> list[str]:
 
 def render_table(record: dict[str, Any]) -> list[str]:
     """``table``: the source, then :func:`table` of the record's caption sets."""
-    return [source_line(record), "", *table(record["figures"]["caption_sets"])]
+    sets = record["figures"]["caption_sets"]
+    return [source_line(record), "", *table({style: sets[style] for style in STYLES})]
 
 
 VIEWS = {"table": render_table}
