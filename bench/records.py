@@ -239,6 +239,25 @@ def commits(record: dict[str, Any]) -> set[str]:
     return found
 
 
+STATISTIC = re.compile(r"\d ± \d")  # a mean ± sd: a measured figure
+UNRECORDED = "no record holds"  # what a section says of figures it shows without a record
+
+
+def hand_statistics(page: Path) -> list[str]:
+    """Table rows of ``page`` that show a mean ± sd outside a cited block, in a section
+    (the text under one heading) that does not say it holds no record: a result copied
+    by hand."""
+    text = CITATION.sub("", page.read_text())
+    found = []
+    for section in re.split(r"\n(?=#{1,4} )", text):
+        if UNRECORDED in " ".join(section.lower().split()):
+            continue
+        heading = section.splitlines()[0] if section.startswith("#") else "(top)"
+        found += [f"{page.name}, {heading}: {line[:60]}" for line in section.splitlines()
+                  if line.startswith("|") and STATISTIC.search(line)]
+    return found
+
+
 def pages() -> list[Path]:
     """The pages that may cite records: the README and docs/."""
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -1,5 +1,6 @@
 """Figures in the docs equal their records: every block a page cites is its record's
-rendering, and every commit a record names is an ancestor of HEAD."""
+rendering, every commit a record names is an ancestor of HEAD, and a table of means ± sd
+outside a cited block sits in a section that says no record holds it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,19 @@ from bench.learning import xclr_record
 def test_every_cited_block_in_the_docs_equals_its_record():
     assert sum(len(records.citations(page)) for page in records.pages()) >= 1
     assert records.mismatches(records.pages()) == []
+
+
+def test_no_table_shows_a_mean_and_deviation_without_its_record_or_saying_so():
+    assert [line for page in records.pages() for line in records.hand_statistics(page)] == []
+
+
+def test_a_table_of_results_copied_by_hand_is_found(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Results\n\n| run | kNN |\n| --- | --- |\n| a | 0.5 ± 0.1 |\n\n"
+                    "## Recorded\n\n<!-- record: x/y table -->\n| b | 0.4 ± 0.1 |\n"
+                    "<!-- /record -->\n\n## Old\n\nNo record holds this table.\n\n"
+                    "| c | 0.3 ± 0.1 |\n")
+    assert records.hand_statistics(page) == ["page.md, # Results: | a | 0.5 ± 0.1 |"]
 
 
 def test_every_record_kept_is_cited_by_a_page():
