@@ -239,22 +239,30 @@ def commits(record: dict[str, Any]) -> set[str]:
     return found
 
 
-STATISTIC = re.compile(r"\d ± \d")  # a mean ± sd: a measured figure
-UNRECORDED = "no record holds"  # what a section says of figures it shows without a record
+STATISTIC = re.compile(r"\d\s*(?:±|\+/-)\s*\d")  # a mean ± sd: a measured figure
+UNRECORDED = "no record holds"  # what a table's lead paragraph says when it has no record
+CODE_BLOCK = re.compile(r"^```.*?^```", re.S | re.M)
 
 
 def hand_statistics(page: Path) -> list[str]:
-    """Table rows of ``page`` that show a mean ± sd outside a cited block, in a section
-    (the text under one heading) that does not say it holds no record: a result copied
-    by hand."""
-    text = CITATION.sub("", page.read_text())
-    found = []
-    for section in re.split(r"\n(?=#{1,4} )", text):
-        if UNRECORDED in " ".join(section.lower().split()):
+    """Table rows of ``page`` that show a mean ± sd outside a cited block and under a lead
+    paragraph (the last one before the table) that does not say no record holds it: a
+    result copied by hand. Figures in prose are not read."""
+    text = CODE_BLOCK.sub("", CITATION.sub("", page.read_text()))
+    found, heading, lead = [], "(top)", ""
+    for block in re.split(r"\n\s*\n", text):
+        lines = block.strip().splitlines()
+        if not lines:
             continue
-        heading = section.splitlines()[0] if section.startswith("#") else "(top)"
-        found += [f"{page.name}, {heading}: {line[:60]}" for line in section.splitlines()
-                  if line.startswith("|") and STATISTIC.search(line)]
+        if lines[0].startswith("#"):
+            heading, lead = lines[0], ""
+            lines = lines[1:]
+        if lines and all(line.lstrip().startswith("|") for line in lines):
+            if UNRECORDED not in " ".join(lead.lower().split()):
+                found += [f"{page.name}, {heading}: {line.strip()[:60]}" for line in lines
+                          if STATISTIC.search(line)]
+        elif lines:
+            lead = " ".join(lines)
     return found
 
 

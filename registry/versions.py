@@ -169,14 +169,10 @@ def download_verified(source: str, uri: str, record: str | None, directory: Path
                             f"encoder ({first_line(err)})") from None
 
 
-def add_card_line(uri: str, ref: ModelRef, line: str) -> None:
+def add_card_line(client: Any, ref: ModelRef, line: str) -> None:
     """Append ``line`` to the model card (description) of the registered version ``ref``,
     once: a line the card already holds is not added again."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri, registry_uri=uri)
     card = client.get_model_version(ref.name, ref.version).description or ""
     if line not in card:
         client.update_model_version(ref.name, ref.version,
                                     description=f"{card}\n\n{line}".lstrip())
-

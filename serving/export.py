@@ -320,7 +320,8 @@ def log_export(folder: Path, ref: ModelRef, uri: str, fmt: str) -> str:
     client.log_artifacts(ref.run_id, str(folder), artifact_path=f"export/{fmt}")
     link = f"runs:/{ref.run_id}/export/{fmt}"
     if ref.name and ref.version:
-        add_card_line(uri, ref, f"Exported as {fmt}: `{link}` (load it as docs/export.md shows).")
+        add_card_line(client, ref,
+                      f"Exported as {fmt}: `{link}` (load it as docs/export.md shows).")
     return link
 
 

@@ -81,20 +81,33 @@ def test_no_module_imports_from_a_layer_above(layer):
     assert not violations, "\n".join(violations)
 
 
-# MlflowClient's calls on the model registry: registration, resolution, tags, aliases
-REGISTRY_CALLS = {"create_registered_model", "create_model_version", "get_model_version",
-                  "get_model_version_by_alias", "search_model_versions",
-                  "update_model_version", "set_model_version_tag", "delete_model_version_tag",
-                  "set_registered_model_alias", "delete_registered_model_alias",
-                  "transition_model_version_stage", "register_model"}
+def registry_methods() -> set[str]:
+    """MlflowClient's methods on the model registry (versions, registered models, aliases
+    and their tags), and mlflow's own ``register_model``."""
+    from mlflow import MlflowClient
+
+    return {name for name in dir(MlflowClient) if not name.startswith("_") and (
+        "model_version" in name or "registered_model" in name)} | {
+        "get_latest_versions", "register_model"}
+
+
+REGISTRY_CALLS = registry_methods()
 
 
 def registry_calls(path: Path, root: Path = REPO) -> list[str]:
-    """Where ``path`` calls the model registry (a method named in REGISTRY_CALLS)."""
-    tree = ast.parse(path.read_text(), str(path))
-    return [f"{path.relative_to(root)}:{node.lineno} calls {node.func.attr}"
-            for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute) and node.func.attr in REGISTRY_CALLS]
+    """Where ``path`` calls the model registry: a method or function named in
+    REGISTRY_CALLS, or a call that registers as it logs (``registered_model_name=``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        name = (node.func.attr if isinstance(node.func, ast.Attribute)
+                else node.func.id if isinstance(node.func, ast.Name) else None)
+        if name in REGISTRY_CALLS:
+            found.append(f"{path.relative_to(root)}:{node.lineno} calls {name}")
+        if any(k.arg == "registered_model_name" for k in node.keywords):
+            found.append(f"{path.relative_to(root)}:{node.lineno} registers through {name}")
+    return found
 
 
 def test_only_the_registry_layer_calls_the_model_registry():
@@ -107,8 +120,16 @@ def test_only_the_registry_layer_calls_the_model_registry():
 def test_the_registry_check_sees_a_registry_call_elsewhere(tmp_path):
     planted = tmp_path / "evaluation" / "tag.py"
     planted.parent.mkdir()
-    planted.write_text("def tag(client):\n    client.set_model_version_tag('m', '1', 'k', 'v')\n")
-    assert registry_calls(planted, tmp_path) == ["evaluation/tag.py:2 calls set_model_version_tag"]
+    planted.write_text("from mlflow import register_model\n\n\ndef tag(client, log_model):\n"
+                       "    client.set_model_version_tag('m', '1', 'k', 'v')\n"
+                       "    client.get_registered_model('m')\n"
+                       "    register_model('runs:/r/encoder', 'm')\n"
+                       "    log_model(name='encoder', registered_model_name='m')\n")
+    assert sorted(registry_calls(planted, tmp_path)) == [
+        "evaluation/tag.py:5 calls set_model_version_tag",
+        "evaluation/tag.py:6 calls get_registered_model",
+        "evaluation/tag.py:7 calls register_model",
+        "evaluation/tag.py:8 registers through log_model"]
 
 
 # what lives under torch.distributed but communicates with no one
@@ -187,13 +208,14 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
         "data_pipeline/_layer_probe.py:2 imports pretrain.loop.trainer.Trainer"]
 
 
-def test_the_check_sees_a_layer_importing_the_benchmarks(monkeypatch):
+@pytest.mark.parametrize("above", ABOVE_ALL)
+def test_the_check_sees_a_layer_importing_the_benchmarks_or_the_tests(above, monkeypatch):
     bad = REPO / "app" / "_layer_probe.py"
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
-        "from bench.common import write_json\n" if self == bad
+        f"from {above}.common import helper\n" if self == bad
         else Path.read_bytes(self).decode()))
-    assert upward_imports(bad, "app") == ["app/_layer_probe.py:1 imports bench.common",
-                                          "app/_layer_probe.py:1 imports bench.common.write_json"]
+    assert upward_imports(bad, "app") == [f"app/_layer_probe.py:1 imports {above}.common",
+                                          f"app/_layer_probe.py:1 imports {above}.common.helper"]
 
 
 def module_file(name: str) -> Path | None:

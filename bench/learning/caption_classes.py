@@ -7,7 +7,8 @@ by a logistic regression fitted on 5/6 of them and scored on the rest.
     python -m bench.learning.caption_classes --out DIR --record   # its record
 
 Both caption styles are made in ``DIR`` with the project's own stages, over the same
-canvases (``bench/learning/data.py``); a folder made before is reused as it is.
+canvases (``bench/learning/data.py``); a folder made before is reused as it is, so
+``--record`` asks for a new one (a record's commit is the code that made its figures).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def main() -> None:
     if args.record and counts != (parser.get_default("train_samples"),
                                   parser.get_default("test_samples")):
         parser.error("--record keeps the benchmark's data: leave out the sample counts")
+    if args.record and (args.out / "data").exists():
+        parser.error(f"--record makes its data anew: {args.out / 'data'} exists (name a new "
+                     "--out)")
     seen = provenance(invocation())  # the tree the run starts from
     sets = {style: caption_figures(cluttered(args.out / "data", *counts, style))
             for style in STYLES}

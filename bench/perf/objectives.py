@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,20 @@ GROUPS = {
         "projnce[projection=learned]"],
     "clip / siglip": ["clip", "siglip"],
 }
+
+
+def objective_of(case: str) -> str:
+    """The objective a case label names: ``xclr[captions, top_k=5]`` -> ``xclr``."""
+    return case.split("[")[0]
+
+
+def shown_groups(measured: Collection[str]) -> dict[str, list[str]]:
+    """The docs' rows: :data:`GROUPS`, then a row of its own for each case at its defaults
+    (no ``=`` in its label) of a measured objective that no group shows, so that a new
+    entry of the table has its row with no edit here."""
+    grouped = {objective_of(case) for cases in GROUPS.values() for case in cases}
+    return {**GROUPS, **{case: [case] for case in measured
+                         if objective_of(case) not in grouped and "=" not in case}}
 
 
 def objective_cases(z: Tensor, ids: Tensor, labels: Tensor, captions: Tensor, graph: Tensor,
@@ -179,14 +193,14 @@ def _side_by_side(values: list[float | None], digits: int) -> str:
 
 
 def render_table(record: dict[str, Any]) -> list[str]:
-    """``table``: the source, then each of :data:`GROUPS` at N = 8,192 (ms, peak MiB, and the
+    """``table``: the source, then each of :func:`shown_groups` at N = 8,192 (ms, peak MiB, and the
     ratios the targets read), then the targets."""
     rows = {r["loss"]: r for r in record["figures"]["rows"] if r["N"] == TARGET_N}
     peers = ", ".join(f"{k} {v}" for k, v in record["figures"]["peers"].items())
     lines = [f"{source_line(record)} Peers: {peers}.", "",
              "| loss | ms | peak MiB | vs fastest peer | vs infonce | vs open_clip |",
              "| --- | --- | --- | --- | --- | --- |"]
-    for words, names in GROUPS.items():
+    for words, names in shown_groups(rows).items():
         group = [rows[name] for name in names]
         ms = " / ".join(f"{r['fwd_bwd_ms']:,.0f}" for r in group)
         versus_peer = [None if r["loss"] == "open_clip SigLipLoss" else r["vs_fastest_peer"]

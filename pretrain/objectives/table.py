@@ -2,8 +2,9 @@
 
 The run reads these entries instead of checking names: configuration checks (labels,
 soft targets), the model (a text tower, learnable loss parameters), the loader (tokenised
-captions) and the objective's keyword arguments. Adding an objective is its file, an entry
-here and its row in ``docs/objectives.md``; the tests take it from here (docs/architecture.md,
+captions) and the objective's keyword arguments. Adding an objective is its file and an
+entry here; the tests and the benchmarks take it from here, and ask for its row in
+``docs/objectives.md`` and its recipe for the learning benchmark (docs/architecture.md,
 "Adding an objective"). The backbones and the engines keep their tables the same way.
 """
 

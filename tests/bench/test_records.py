@@ -31,9 +31,13 @@ def test_a_table_of_results_copied_by_hand_is_found(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# Results\n\n| run | kNN |\n| --- | --- |\n| a | 0.5 ± 0.1 |\n\n"
                     "## Recorded\n\n<!-- record: x/y table -->\n| b | 0.4 ± 0.1 |\n"
-                    "<!-- /record -->\n\n## Old\n\nNo record holds this table.\n\n"
-                    "| c | 0.3 ± 0.1 |\n")
-    assert records.hand_statistics(page) == ["page.md, # Results: | a | 0.5 ± 0.1 |"]
+                    "<!-- /record -->\n\n## Old\n\nNo record\nholds this table:\n\n"
+                    "| c | 0.3 ± 0.1 |\n\n| c2 | 0.3+/-0.1 |\n\n## Mixed\n\nNo record holds "
+                    "the next.\n\nBut this one:\n\n| d | 0.2±0.1 |\n\n```bash\n# not a "
+                    "heading\n```\n\n| e | 0.1 +/- 0.1 |\n")
+    assert records.hand_statistics(page) == ["page.md, # Results: | a | 0.5 ± 0.1 |",
+                                             "page.md, ## Mixed: | d | 0.2±0.1 |",
+                                             "page.md, ## Mixed: | e | 0.1 +/- 0.1 |"]
 
 
 def test_every_record_kept_is_cited_by_a_page():
