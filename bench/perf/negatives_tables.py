@@ -7,7 +7,7 @@ from collections.abc import Collection
 from typing import Any
 
 from bench.perf.negatives import MAX_TILED_VS_DENSE, PEAK_N, PEAK_TOLERANCE
-from bench.perf.objectives import objective_of
+from bench.perf.objectives import unshown
 from bench.records import source_line
 
 # the docs' cells: words -> case, in two columns of seven
@@ -23,11 +23,8 @@ SHOWN = {"infonce": "infonce", "supcon": "supcon", "sincere": "sincere",
 
 
 def shown_cases(measured: Collection[str]) -> dict[str, str]:
-    """The docs' cells: :data:`SHOWN`, then each case at its defaults of a measured
-    objective that SHOWN leaves out, by its label (a new entry of the table, unedited here)."""
-    shown = {objective_of(case) for case in SHOWN.values()}
-    return {**SHOWN, **{case: case for case in measured
-                        if objective_of(case) not in shown and "=" not in case}}
+    """The docs' cells: :data:`SHOWN`, then each :func:`unshown` case by its label."""
+    return {**SHOWN, **{case: case for case in unshown(measured, SHOWN.values())}}
 
 
 def render_ratios(record: dict[str, Any]) -> list[str]:

@@ -70,13 +70,18 @@ def objective_of(case: str) -> str:
     return case.split("[")[0]
 
 
+def unshown(measured: Collection[str], shown: Collection[str]) -> list[str]:
+    """The cases at their defaults (no ``=`` in the label) of each measured objective that
+    no case in ``shown`` names: a new entry of the table, which a docs table shows with no
+    edit of its rows."""
+    named = {objective_of(case) for case in shown}
+    return [case for case in measured if objective_of(case) not in named and "=" not in case]
+
+
 def shown_groups(measured: Collection[str]) -> dict[str, list[str]]:
-    """The docs' rows: :data:`GROUPS`, then a row of its own for each case at its defaults
-    (no ``=`` in its label) of a measured objective that no group shows, so that a new
-    entry of the table has its row with no edit here."""
-    grouped = {objective_of(case) for cases in GROUPS.values() for case in cases}
-    return {**GROUPS, **{case: [case] for case in measured
-                         if objective_of(case) not in grouped and "=" not in case}}
+    """The docs' rows: :data:`GROUPS`, then a row of its own for each :func:`unshown` case."""
+    grouped = [case for cases in GROUPS.values() for case in cases]
+    return {**GROUPS, **{case: [case] for case in unshown(measured, grouped)}}
 
 
 def objective_cases(z: Tensor, ids: Tensor, labels: Tensor, captions: Tensor, graph: Tensor,
