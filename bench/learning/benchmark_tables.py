@@ -137,12 +137,51 @@ def render_gains(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _shown(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def claim_row(row: dict[str, Any]) -> str:
+    """One row of a claim as a phrase: what it measured, against what, seed by seed."""
+    said = []
+    if "value" in row:
+        against = f"{row['against']}'s " if "against" in row else ""
+        said.append(f"{row['value']} against {against}{row['reference']}")
+    if "knn" in row:
+        said.append(f"kNN {_shown(row['knn'])}")
+    if "gain" in row:
+        said.append(f"{100 * row['gain']:+.1f} points")
+    if "ahead" in row:
+        said.append(f"ahead at {row['ahead']} seeds, by {row['lead']} points")
+    if "probe" in row:
+        said.append(f"probe {row['probe']} against "
+                    f"{row.get('probe_supcon', row.get('probe_reference'))}")
+    said += [f"{key.replace('_', ' ')} {_shown(row[key])}" for key in CLAIM_FIGURES if key in row]
+    label = row.get("objective", f"{row.get('num_negatives')} negatives")
+    return f"{label} {', '.join(said)}"
+
+
+CLAIM_FIGURES = ("class_mean_cosine", "image_to_text_r1", "zero_shot_top1")
+CLAIM_TOTALS = ("untrained", "ceiling", "spearman_knn", "spearman_class_mean_cosine",
+                "siglip_over_clip_gain", "beats_frozen_tower_clip")
+
+
 def render_claims(record: dict[str, Any]) -> list[str]:
-    """``claims``: each claim's verdict as the benchmark checked it."""
+    """``claims``: each claim's verdict as the benchmark checked it, and the figures it
+    checked (a claim missing a configuration names it instead)."""
     verdicts = {True: "reproduces", False: "does not reproduce", None: "report"}
-    return [f"- ({c['claim']}) {c['title']}: **"
-            f"{'not run' if c.get('missing') else verdicts[c['reproduced']]}**"
-            for c in record["figures"]["claims"]]
+    lines = []
+    for c in record["figures"]["claims"]:
+        if c.get("missing"):
+            lines.append(f"- ({c['claim']}) {c['title']}: **not run** (no "
+                         f"{', '.join(c['missing'])})")
+            continue
+        totals = [f"{key.replace('_', ' ')} {_shown(c[key])}" for key in CLAIM_TOTALS
+                  if c.get(key) is not None]
+        rows = "; ".join([*map(claim_row, c.get("rows", [])), *totals])
+        lines.append(f"- ({c['claim']}) {c['title']}: **{verdicts[c['reproduced']]}**"
+                     + (f". {rows}." if rows else ""))
+    return lines
 
 
 VIEWS = {"main": render_main, "gains": render_gains, "claims": render_claims}

@@ -70,15 +70,36 @@ def claim_a(results: Results) -> dict[str, Any]:
             "ceiling": fmt(ceiling, ceiling_std), "rows": rows}
 
 
+def by_seed(results: Results, name: str, metric: Callable = knn) -> dict[int, float]:
+    """``metric`` of each finished seed of ``name`` (a result without its configuration
+    counts by its place)."""
+    return {r.get("configuration", {}).get("seed", i): metric(r)
+            for i, r in enumerate(results.get(name, [])) if "evaluation" in r}
+
+
+def seed_by_seed(results: Results, name: str, reference: str,
+                 metric: Callable = knn) -> dict[str, Any]:
+    """Where ``name`` stands against ``reference`` at the seeds both finished: at how many
+    it is ahead, and its smallest and largest lead (in points of ``metric``)."""
+    ours, theirs = by_seed(results, name, metric), by_seed(results, reference, metric)
+    leads = [100 * (ours[s] - theirs[s]) for s in sorted(ours.keys() & theirs.keys())]
+    if not leads:
+        return {}
+    least, most = f"{min(leads):+.1f}", f"{max(leads):+.1f}"
+    return {"ahead": f"{sum(lead > 0 for lead in leads)} of {len(leads)}",
+            "lead": least if least == most else f"{least} to {most}"}
+
+
 def _beats(results: Results, names: tuple[str, ...], reference: str,
            metric: Callable = knn) -> tuple[bool, list[dict[str, Any]]]:
     base, base_std, _ = stat(results, reference, metric)
     rows = []
     for name in names:
         mean, std, _ = stat(results, name, metric)
-        rows.append({"objective": name, "value": fmt(mean, std),
+        rows.append({"objective": name, "value": fmt(mean, std), "against": reference,
                      "reference": fmt(base, base_std), "passed": mean > base,
-                     "seeds": stat(results, name, metric)[2]})
+                     "seeds": stat(results, name, metric)[2],
+                     **seed_by_seed(results, name, reference, metric)})
     return all(r["passed"] for r in rows), rows
 
 

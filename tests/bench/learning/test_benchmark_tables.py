@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from bench.learning import benchmark_tables, runs
+from bench.learning.claims import check
 from bench.records import REPO, git, provenance
 
 
@@ -66,10 +67,27 @@ def test_the_gains_view_measures_each_seed_against_its_own_untrained_encoder():
 
 def test_the_claims_view_gives_each_verdict():
     claims = [{"claim": "a", "title": "t", "reproduced": True},
-              {"claim": "b", "title": "u", "reproduced": None, "missing": ["x"]},
+              {"claim": "b", "title": "u", "reproduced": None, "missing": ["x", "y"]},
               {"claim": "c", "title": "v", "reproduced": False}]
     assert benchmark_tables.render_claims(record_of({}, claims)) == [
-        "- (a) t: **reproduces**", "- (b) u: **not run**", "- (c) v: **does not reproduce**"]
+        "- (a) t: **reproduces**", "- (b) u: **not run** (no x, y)",
+        "- (c) v: **does not reproduce**"]
+
+
+def test_the_claims_view_shows_the_figures_each_claim_checked_seed_by_seed():
+    """Claim (h) from per-seed results: the lead is taken at each seed both finished (seed
+    2 of projnce_learned has no supcon beside it), not from the means."""
+    results = {"supcon": [result(0, 0.60, 0.70), result(1, 0.70, 0.72)],
+               "projnce_learned": [result(0, 0.65, 0.74), result(1, 0.68, 0.75),
+                                   result(2, 0.99, 0.99)]}
+    (line,) = [c for c in benchmark_tables.render_claims(record_of(results, check(results)))
+               if c.startswith("- (h)")]
+    assert line.endswith(": **reproduces**. projnce_learned 0.773 ± 0.188 against supcon's "
+                         "0.650 ± 0.071, ahead at 1 of 2 seeds, by -2.0 to +5.0 points, "
+                         "probe 0.827 ± 0.142 against 0.710 ± 0.014.")
+    (negatives,) = [c for c in benchmark_tables.render_claims(record_of(results, check(results)))
+                    if c.startswith("- (e)")]
+    assert negatives.endswith("**not run** (no supcon_k1, supcon_k4, supcon_k16, supcon_k64)")
 
 
 def test_a_smoke_run_is_not_recorded():
