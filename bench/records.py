@@ -239,15 +239,46 @@ def commits(record: dict[str, Any]) -> set[str]:
     return found
 
 
-STATISTIC = re.compile(r"\d\s*(?:±|\+/-)\s*\d")  # a mean ± sd: a measured figure
-UNRECORDED = "no record holds"  # what a table's lead paragraph says when it has no record
+STATISTIC = re.compile(r"[+-]?\d+(?:\.\d+)?\s*(?:±|\+/-)\s*\d+(?:\.\d+)?")  # mean ± sd
+UNRECORDED = "no record holds"  # what a table's or list's lead paragraph says, or a paragraph
 CODE_BLOCK = re.compile(r"^```.*?^```", re.S | re.M)
+NAMED = re.compile(r"`([\w.-]+/[\w.-]+)`")  # a record named in prose: `learning/main`
+
+
+def _unrecorded(text: str) -> bool:
+    return UNRECORDED in " ".join(text.lower().split())
+
+
+def _statistic(found: str) -> str:
+    mean, sd = re.split(r"\s*(?:±|\+/-)\s*", found)
+    return f"{mean} ± {sd}"
+
+
+def shown_anywhere(name: str) -> str:
+    """Every view of record ``name`` as its renderer shows it, one after another."""
+    record = read_record(name)
+    views = importlib.import_module(record["renderer"]).VIEWS
+    return "\n".join("\n".join(view(record)) for view in views.values())
+
+
+def _prose(paragraph: str, where: str) -> list[str]:
+    """A paragraph's means ± sd that no record it names shows (one that names none, and
+    does not say no record holds it, shows none)."""
+    found = [_statistic(m) for m in STATISTIC.findall(paragraph)]
+    if not found or _unrecorded(paragraph):
+        return []
+    named = [n for n in NAMED.findall(paragraph) if (RECORDS / f"{n}.json").is_file()]
+    shown = "\n".join(map(shown_anywhere, named))
+    return [f"{where}: {figure} ({'not in ' + ', '.join(named) if named else 'no record named'})"
+            for figure in found if figure not in shown]
 
 
 def hand_statistics(page: Path) -> list[str]:
-    """Table rows of ``page`` that show a mean ± sd outside a cited block and under a lead
-    paragraph (the last one before the table) that does not say no record holds it: a
-    result copied by hand. Figures in prose are not read."""
+    """Means ± sd on ``page`` outside a cited block that no record backs, one line each: a
+    table row under a lead paragraph (the last one before the table) that does not say no
+    record holds it; a list item likewise; a prose paragraph that neither says so nor names
+    (as `group/name`) a record one of whose views shows the figure. Figures without a spread
+    are not read."""
     text = CODE_BLOCK.sub("", CITATION.sub("", page.read_text()))
     found, heading, lead = [], "(top)", ""
     for block in re.split(r"\n\s*\n", text):
@@ -257,12 +288,18 @@ def hand_statistics(page: Path) -> list[str]:
         if lines[0].startswith("#"):
             heading, lead = lines[0], ""
             lines = lines[1:]
+        where = f"{page.name}, {heading}"
         if lines and all(line.lstrip().startswith("|") for line in lines):
-            if UNRECORDED not in " ".join(lead.lower().split()):
-                found += [f"{page.name}, {heading}: {line.strip()[:60]}" for line in lines
+            if not _unrecorded(lead):
+                found += [f"{where}: {line.strip()[:60]}" for line in lines
                           if STATISTIC.search(line)]
+        elif lines and lines[0].startswith(("- ", "* ")):
+            if not _unrecorded(lead):
+                items = re.split(r"\n(?=[-*] )", "\n".join(lines))
+                found += [line for item in items for line in _prose(item, where)]
         elif lines:
             lead = " ".join(lines)
+            found += _prose(lead, where)
     return found
 
 

@@ -66,8 +66,8 @@ def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path
 
 
 def write(results: Results, sweep: Results, datasets: dict[str, DataSet], out: Path,
-          seeds: list[int]) -> list[dict[str, Any]]:
-    claims = check(results)
+          seeds: list[int], part: str) -> list[dict[str, Any]]:
+    claims = check(results, ("main", "alt_text") if part == "all" else (part,))
     cluttered_set = datasets["cluttered"]
     write_json(out / "learning.json", {"machine": machine(), "seeds": seeds, "claims": claims,
                                        "results": results, "sweep": sweep})
@@ -171,7 +171,7 @@ def main() -> None:
                    for c in sweep_confs]
     results = run_all(confs, datasets, out, args.report_only, args.keep)
     sweep = run_all(sweep_confs, datasets, out, args.report_only, args.keep)
-    claims = write(results, sweep, datasets, out, args.seeds)
+    claims = write(results, sweep, datasets, out, args.seeds, args.part)
     if args.record:  # with the untrained floor of each seed, which every gain is against
         seeds = sorted({*args.seeds, *args.sweep_seeds})
         floor = run_all(configs.floor_and_ceiling("cluttered", seeds)[0], datasets, out,

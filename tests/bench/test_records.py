@@ -23,7 +23,7 @@ def test_every_cited_block_in_the_docs_equals_its_record():
     assert records.mismatches(records.pages()) == []
 
 
-def test_no_table_shows_a_mean_and_deviation_without_its_record_or_saying_so():
+def test_no_page_shows_a_mean_and_deviation_that_no_record_backs():
     assert [line for page in records.pages() for line in records.hand_statistics(page)] == []
 
 
@@ -77,6 +77,21 @@ def test_the_lever_view_is_the_mean_and_sample_deviation_of_each_seed(tmp_path, 
         "0.550 ± 0.071 |")
     kept = json.loads((tmp_path / "records" / f"{name}.json").read_text())
     assert {"command", "commit", "date", "machine"} <= set(kept)
+
+
+def test_a_mean_and_sd_in_prose_is_found_unless_a_record_it_names_shows_it(tmp_path,
+                                                                           monkeypatch):
+    name = lever_record(tmp_path, monkeypatch)  # its view shows +30.0 ± 14.1, 0.550 ± 0.071
+    page = tmp_path / "page.md"
+    page.write_text(f"# A\n\nThe gain was +30.0 ± 14.1 (`{name}`), the probe 0.550 +/- 0.071."
+                    f"\n\nPlanted: +31.0 ± 14.1 (`{name}`).\n\nUnnamed: 0.4 ± 0.1.\n\n"
+                    "Old runs: 0.3 ± 0.1; no record\nholds them.\n\n## B\n\nNo record holds "
+                    "the list:\n\n- x 0.2 ± 0.1\n\nThis one:\n\n- y 0.1 ± 0.1\n- z, "
+                    f"`{name}`: 0.550 ± 0.071\n")
+    assert records.hand_statistics(page) == [
+        f"page.md, # A: +31.0 ± 14.1 (not in {name})",
+        "page.md, # A: 0.4 ± 0.1 (no record named)",
+        "page.md, ## B: 0.1 ± 0.1 (no record named)"]
 
 
 def test_a_figure_changed_by_hand_is_found(tmp_path, monkeypatch):

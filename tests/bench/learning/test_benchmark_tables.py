@@ -109,3 +109,10 @@ def test_a_run_made_now_hands_back_the_provenance_its_file_keeps(tmp_path, monke
     assert made["provenance"]["commit"] == git("rev-parse", "HEAD")
     assert benchmark_tables.run_figures(made)["commit"] == made["provenance"]["commit"]
     assert runs.run(conf, None, tmp_path, floor=True) == made  # read back from its file
+
+
+def test_a_part_checks_its_own_claims():
+    """A record of one part says nothing of the other part's claims (not even "not run")."""
+    assert [c["claim"] for c in check({}, ("main",))] == list("abcdefgh")
+    assert [c["claim"] for c in check({}, ("alt_text",))] == ["i", "j"]
+    assert [c["claim"] for c in check({}, ("sweep",))] == []
