@@ -96,11 +96,8 @@ MAIN_COLUMNS = (("kNN (backbone)", "knn", True), ("kNN (projector)", "knn_projec
                 ("intra-class variance (projector)", "intra_class_variance", False))
 
 
-def render_main(record: dict[str, Any]) -> list[str]:
-    """``main``: every configuration of the record but the alt-text and sweep ones, with
-    its seeds; kNN and probe as mean ± sd, the geometry as the mean."""
-    names = [n for n in record["figures"]["order"]
-             if not n.startswith(("alt_", "sweep_", "digits_"))]
+def _table(record: dict[str, Any], names: list[str]) -> list[str]:
+    """``names`` with their seeds; kNN and probe as mean ± sd, the geometry as the mean."""
     lines = [source_line(record), commits(record, names), "",
              "| configuration | seeds | " + " | ".join(t for t, _, _ in MAIN_COLUMNS) + " |",
              "| --- | --- |" + " --- |" * len(MAIN_COLUMNS)]
@@ -110,6 +107,18 @@ def render_main(record: dict[str, Any]) -> list[str]:
         seeds = len(record["figures"]["runs"][name])
         lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
     return lines
+
+
+def render_main(record: dict[str, Any]) -> list[str]:
+    """``main``: every configuration of the record but the alt-text, sweep and plain-digit
+    ones."""
+    return _table(record, [n for n in record["figures"]["order"]
+                           if not n.startswith(("alt_", "sweep_", "digits_"))])
+
+
+def render_digits(record: dict[str, Any]) -> list[str]:
+    """``digits``: the configurations on the plain digits."""
+    return _table(record, [n for n in record["figures"]["order"] if n.startswith("digits_")])
 
 
 def over(shown: list[dict[str, Any]], figure: str) -> str:
@@ -184,4 +193,5 @@ def render_claims(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-VIEWS = {"main": render_main, "gains": render_gains, "claims": render_claims}
+VIEWS = {"main": render_main, "digits": render_digits, "gains": render_gains,
+         "claims": render_claims}

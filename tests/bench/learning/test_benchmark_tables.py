@@ -51,6 +51,17 @@ def test_the_main_view_shows_mean_and_sd_over_the_seeds_and_where_the_runs_ran()
         "| projnce_learned | 1 | 0.740 |  | 0.760 |  |  |"]
 
 
+def test_the_digits_view_shows_the_plain_digits_alone():
+    results = {"untrained": [result(0, 0.15, 0.17)], "digits_untrained": [result(0, 0.93, 0.9)],
+               "digits_supcon": [result(0, 0.98, 0.97), result(1, 0.99, 0.98)]}
+    record = record_of(results)
+    assert benchmark_tables.render_digits(record)[5:] == [
+        "| digits_untrained | 1 | 0.930 | 0.940 | 0.900 | -0.050 | 0.500 |",
+        "| digits_supcon | 2 | 0.985 ± 0.007 | 0.995 ± 0.007 | 0.975 ± 0.007 | -0.045 | 0.500 |"]
+    assert [line.split(" |")[0] for line in benchmark_tables.render_main(record)[5:]] == [
+        "| untrained"]
+
+
 def test_the_gains_view_measures_each_seed_against_its_own_untrained_encoder():
     # seeds in numeric order (2 before 10); seed 3 has no floor, so none of its figures show
     results = {"untrained": [result(10, 0.16, 0.1), result(2, 0.14, 0.1)],
