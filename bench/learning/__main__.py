@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,26 @@ MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES, *co
               *configs.BACKBONE_REFERENCES]
 
 
-def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path,
+class DataSets(Mapping[str, DataSet]):
+    """The benchmark's data sets, each made (shards and caption stores) when first read:
+    a part makes only those its configurations train on."""
+
+    def __init__(self, makers: dict[str, Callable[[], DataSet]]) -> None:
+        self._makers, self._made = makers, {}
+
+    def __getitem__(self, name: str) -> DataSet:
+        if name not in self._made:
+            self._made[name] = self._makers[name]()
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
+def run_all(confs: list[Configuration], datasets: Mapping[str, DataSet], root: Path,
             report_only: bool = False, kept: bool = False) -> Results:
     """One result per finished configuration; ``report_only`` trains nothing and leaves
     out the configurations that have no result yet (their claims say "not run");
@@ -65,7 +85,7 @@ def run_all(confs: list[Configuration], datasets: dict[str, DataSet], root: Path
     return results
 
 
-def write(results: Results, sweep: Results, datasets: dict[str, DataSet], out: Path,
+def write(results: Results, sweep: Results, datasets: Mapping[str, DataSet], out: Path,
           seeds: list[int], part: str) -> list[dict[str, Any]]:
     claims = check(results, ("main", "alt_text") if part == "all" else (part,))
     cluttered_set = datasets["cluttered"]
@@ -146,12 +166,11 @@ def main() -> None:
     seen = provenance(invocation())  # the tree the benchmark starts from
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    datasets = {"cluttered": cluttered(out / "data", args.train_samples, args.test_samples),
-                "alt_text": cluttered(out / "data", args.train_samples, args.test_samples,
-                                      "alt_text"),
-                "alt_text_centred": cluttered(out / "data", args.train_samples,
-                                              args.test_samples, "alt_text", center=True),
-                "digits": digits(out / "data")}
+    sizes = (out / "data", args.train_samples, args.test_samples)
+    datasets = DataSets({"cluttered": lambda: cluttered(*sizes),
+                         "alt_text": lambda: cluttered(*sizes, "alt_text"),
+                         "alt_text_centred": lambda: cluttered(*sizes, "alt_text", center=True),
+                         "digits": lambda: digits(out / "data")})
     only = set(args.only) if args.only else None
     confs: list[Configuration] = []
     if args.part in ("all", "main"):

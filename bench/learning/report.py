@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def caption_table(results: Results) -> list[str]:
     return lines
 
 
-def caption_signal_table(datasets: dict[str, Any]) -> list[str]:
+def caption_signal_table(datasets: Mapping[str, Any]) -> list[str]:
     from bench.learning.caption_classes import caption_figures, table
 
     return table({name: caption_figures(data) for name, data in datasets.items()
