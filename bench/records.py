@@ -261,24 +261,35 @@ def shown_anywhere(name: str) -> str:
     return "\n".join("\n".join(view(record)) for view in views.values())
 
 
+FIGURE = re.compile(r"(?<![\w.])[+-]?\d+\.\d{3}(?![\d.])")  # 0.931: three decimals, measured
+
+
+def _shows(text: str, figure: str) -> bool:
+    return re.search(rf"(?<![\d.]){re.escape(figure)}(?!\d)", text) is not None
+
+
 def _prose(paragraph: str, where: str) -> list[str]:
-    """A paragraph's means ± sd that no record it names shows (one that names none, and
-    does not say no record holds it, shows none)."""
-    found = [_statistic(m) for m in STATISTIC.findall(paragraph)]
-    if not found or _unrecorded(paragraph):
+    """A paragraph's figures that no record it names shows: each mean ± sd, and where it
+    names a record each figure of three decimals too (a paragraph that names none and
+    does not say no record holds it shows its means ± sd from nowhere)."""
+    if _unrecorded(paragraph):
         return []
+    statistics = [_statistic(m) for m in STATISTIC.findall(paragraph)]
     named = [n for n in NAMED.findall(paragraph) if (RECORDS / f"{n}.json").is_file()]
+    if not named:
+        return [f"{where}: {figure} (no record named)" for figure in statistics]
     shown = "\n".join(map(shown_anywhere, named))
-    return [f"{where}: {figure} ({'not in ' + ', '.join(named) if named else 'no record named'})"
-            for figure in found if figure not in shown]
+    alone = FIGURE.findall(STATISTIC.sub("", paragraph))
+    return [f"{where}: {figure} (not in {', '.join(named)})"
+            for figure in [*statistics, *alone] if not _shows(shown, figure)]
 
 
 def hand_statistics(page: Path) -> list[str]:
-    """Means ± sd on ``page`` outside a cited block that no record backs, one line each: a
-    table row under a lead paragraph (the last one before the table) that does not say no
-    record holds it; a list item likewise; a prose paragraph that neither says so nor names
-    (as `group/name`) a record one of whose views shows the figure. Figures without a spread
-    are not read."""
+    """Figures on ``page`` outside a cited block that no record backs, one line each: a
+    mean ± sd in a table row under a lead paragraph (the last one before the table) that
+    does not say no record holds it; in a list item likewise; a prose paragraph's figures
+    as :func:`_prose` reads them (a record named as `group/name`). Other figures in prose
+    that names no record are not read."""
     text = CODE_BLOCK.sub("", CITATION.sub("", page.read_text()))
     found, heading, lead = [], "(top)", ""
     for block in re.split(r"\n\s*\n", text):

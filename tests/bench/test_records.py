@@ -79,18 +79,19 @@ def test_the_lever_view_is_the_mean_and_sample_deviation_of_each_seed(tmp_path, 
     assert {"command", "commit", "date", "machine"} <= set(kept)
 
 
-def test_a_mean_and_sd_in_prose_is_found_unless_a_record_it_names_shows_it(tmp_path,
-                                                                           monkeypatch):
+def test_a_figure_in_prose_is_found_unless_a_record_it_names_shows_it(tmp_path, monkeypatch):
     name = lever_record(tmp_path, monkeypatch)  # its view shows +30.0 ± 14.1, 0.550 ± 0.071
     page = tmp_path / "page.md"
     page.write_text(f"# A\n\nThe gain was +30.0 ± 14.1 (`{name}`), the probe 0.550 +/- 0.071."
-                    f"\n\nPlanted: +31.0 ± 14.1 (`{name}`).\n\nUnnamed: 0.4 ± 0.1.\n\n"
+                    f"\n\nPlanted: +31.0 ± 14.1 (`{name}`).\n\nUnnamed: 0.4 ± 0.1, 0.123.\n\n"
+                    f"Per seed 0.500 and 0.400, tau 0.05; planted 0.501 (`{name}`).\n\n"
                     "Old runs: 0.3 ± 0.1; no record\nholds them.\n\n## B\n\nNo record holds "
                     "the list:\n\n- x 0.2 ± 0.1\n\nThis one:\n\n- y 0.1 ± 0.1\n- z, "
                     f"`{name}`: 0.550 ± 0.071\n")
     assert records.hand_statistics(page) == [
         f"page.md, # A: +31.0 ± 14.1 (not in {name})",
         "page.md, # A: 0.4 ± 0.1 (no record named)",
+        f"page.md, # A: 0.501 (not in {name})",
         "page.md, ## B: 0.1 ± 0.1 (no record named)"]
 
 
