@@ -101,10 +101,10 @@ def write(results: Results, sweep: Results, datasets: Mapping[str, DataSet], out
     report.plot_similarity(results, pairs, out / "similarity.png")
     lines = ["# Learning benchmark", "",
              f"Machine: {', '.join(f'{k} {v}' for k, v in machine().items())}. "
-             f"Seeds: {seeds}. Command: `python -m bench.learning`.", "",
-             "## Cluttered digits", "",
-             *report.results_table(results, ["untrained", *MAIN_ORDER, "cross_entropy"]),
-             ""]
+             f"Seeds: {seeds}. Command: `python -m bench.learning`.", ""]
+    main_names = [n for n in ["untrained", *MAIN_ORDER, "cross_entropy"] if n in results]
+    if main_names:
+        lines += ["## Cluttered digits", "", *report.results_table(results, main_names), ""]
     captions = report.caption_table(results)
     if captions:
         lines += ["Caption evaluation (retrieval among the test canvases' distinct captions, "
