@@ -160,10 +160,15 @@ def citations(page: Path) -> list[Citation]:
             for m in CITATION.finditer(text)]
 
 
+def views_of(record: dict[str, Any]) -> dict[str, Any]:
+    """The views a record's renderer offers: name -> function of the record."""
+    return importlib.import_module(record["renderer"]).VIEWS
+
+
 def rendered(name: str, view: str) -> str:
     """What record ``name`` shows as ``view``, by its renderer."""
     record = read_record(name)
-    views = importlib.import_module(record["renderer"]).VIEWS
+    views = views_of(record)
     if view not in views:
         raise ValueError(f"{name}: no view {view!r} ({', '.join(views)})")
     return "\n".join(views[view](record)) + "\n"
@@ -257,39 +262,46 @@ def _statistic(found: str) -> str:
 def shown_anywhere(name: str) -> str:
     """Every view of record ``name`` as its renderer shows it, one after another."""
     record = read_record(name)
-    views = importlib.import_module(record["renderer"]).VIEWS
-    return "\n".join("\n".join(view(record)) for view in views.values())
+    return "\n".join("\n".join(view(record)) for view in views_of(record).values())
 
 
-FIGURE = re.compile(r"(?<![\w.])[+-]?\d+\.\d{3}(?![\d.])")  # 0.931: three decimals, measured
+FIGURE = re.compile(r"(?<![\w.])[+-]?\d+\.\d{3}(?!\d|\.\d)")  # 0.931: three decimals, measured
+INLINE_CODE = re.compile(r"`[^`]*`")  # a key or command (`objective.temperature=0.1`)
 
 
 def _shows(text: str, figure: str) -> bool:
-    return re.search(rf"(?<![\d.]){re.escape(figure)}(?!\d)", text) is not None
+    """Whether ``text`` shows ``figure`` whole: not 0.074 inside -0.074, nor 7 inside 7.6."""
+    return re.search(rf"(?<![\d.+-]){re.escape(figure)}(?!\d|\.\d)", text) is not None
 
 
-def _prose(paragraph: str, where: str) -> list[str]:
-    """A paragraph's figures that no record it names shows: each mean ± sd, and where it
-    names a record each figure of three decimals too (a paragraph that names none and
-    does not say no record holds it shows its means ± sd from nowhere)."""
-    if _unrecorded(paragraph):
+def _prose(paragraph: str, where: str, lead: str = "") -> list[str]:
+    """A paragraph's figures that no record it (or the lead of its list) names shows: each
+    mean ± sd, and where it names a record each figure of three decimals too; one that
+    names none shows its means ± sd from nowhere. Saying that no record holds it exempts the
+    whole paragraph; a name of a record group (`learning/...`) that is not kept is named."""
+    if _unrecorded(paragraph) or _unrecorded(lead):
         return []
-    statistics = [_statistic(m) for m in STATISTIC.findall(paragraph)]
-    named = [n for n in NAMED.findall(paragraph) if (RECORDS / f"{n}.json").is_file()]
-    if not named:
+    groups = {group.name for group in RECORDS.iterdir() if group.is_dir()}
+    names = [n for n in NAMED.findall(f"{lead}\n{paragraph}") if n.split("/")[0] in groups]
+    missing = [n for n in names if not (RECORDS / f"{n}.json").is_file()]
+    if missing:
+        return [f"{where}: names {n}, which is not kept" for n in missing]
+    text = INLINE_CODE.sub("", paragraph)
+    statistics = [_statistic(m) for m in STATISTIC.findall(text)]
+    if not names:
         return [f"{where}: {figure} (no record named)" for figure in statistics]
-    shown = "\n".join(map(shown_anywhere, named))
-    alone = FIGURE.findall(STATISTIC.sub("", paragraph))
-    return [f"{where}: {figure} (not in {', '.join(named)})"
+    shown = "\n".join(map(shown_anywhere, names))
+    alone = FIGURE.findall(STATISTIC.sub("", text))
+    return [f"{where}: {figure} (not in {', '.join(names)})"
             for figure in [*statistics, *alone] if not _shows(shown, figure)]
 
 
 def hand_statistics(page: Path) -> list[str]:
     """Figures on ``page`` outside a cited block that no record backs, one line each: a
     mean ± sd in a table row under a lead paragraph (the last one before the table) that
-    does not say no record holds it; in a list item likewise; a prose paragraph's figures
-    as :func:`_prose` reads them (a record named as `group/name`). Other figures in prose
-    that names no record are not read."""
+    does not say no record holds it; a prose paragraph's figures, and a list item's with
+    its list's lead paragraph, as :func:`_prose` reads them (a record named as
+    `group/name`). Other figures in prose that names no record are not read."""
     text = CODE_BLOCK.sub("", CITATION.sub("", page.read_text()))
     found, heading, lead = [], "(top)", ""
     for block in re.split(r"\n\s*\n", text):
@@ -305,9 +317,8 @@ def hand_statistics(page: Path) -> list[str]:
                 found += [f"{where}: {line.strip()[:60]}" for line in lines
                           if STATISTIC.search(line)]
         elif lines and lines[0].startswith(("- ", "* ")):
-            if not _unrecorded(lead):
-                items = re.split(r"\n(?=[-*] )", "\n".join(lines))
-                found += [line for item in items for line in _prose(item, where)]
+            items = re.split(r"\n(?=[-*] )", "\n".join(lines))
+            found += [line for item in items for line in _prose(item, where, lead)]
         elif lines:
             lead = " ".join(lines)
             found += _prose(lead, where)

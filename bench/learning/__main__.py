@@ -31,7 +31,7 @@ from tqdm import tqdm
 from bench.common import machine, write_json
 from bench.learning import benchmark_tables, configs, finished, report
 from bench.learning.ceiling import train_cross_entropy
-from bench.learning.claims import Results, check
+from bench.learning.claims import Results, check, verdict
 from bench.learning.data import DataSet, cluttered, digits
 from bench.learning.runs import Configuration, run
 from bench.records import invocation, provenance, write_record
@@ -44,7 +44,8 @@ MAIN_ORDER = [*configs.OBJECTIVES, *configs.SMALL_BATCH, *configs.NEGATIVES, *co
 
 class DataSets(Mapping[str, DataSet]):
     """The benchmark's data sets, each made (shards and caption stores) when first read:
-    a part makes only those its configurations train on."""
+    the main and digits parts make no alt-text set (every part reads the cluttered set:
+    its report plots from it)."""
 
     def __init__(self, makers: dict[str, Callable[[], DataSet]]) -> None:
         self._makers, self._made = makers, {}
@@ -203,9 +204,7 @@ def main() -> None:
                               benchmark_tables.figures(found, claims))
         print(f"record: {record}")
     for claim in claims:
-        verdict = {True: "reproduces", False: "does NOT reproduce",
-                   None: "not run" if claim.get("missing") else "report"}
-        print(f"({claim['claim']}) {verdict[claim['reproduced']]}: {claim['title']}")
+        print(f"({claim['claim']}) {verdict(claim)}: {claim['title']}")
     print(f"report: {out / 'learning.md'}")
 
 

@@ -9,11 +9,12 @@ gathered by ``--report-only``: the record holds the runs the folder holds.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from typing import Any
 
-from bench.learning.claims import Results, diagnostic, knn, probe
+from bench.learning.claims import Results, diagnostic, knn, probe, verdict
 from bench.records import source_line
 
 
@@ -117,8 +118,16 @@ def render_main(record: dict[str, Any]) -> list[str]:
 
 
 def render_digits(record: dict[str, Any]) -> list[str]:
-    """``digits``: the configurations on the plain digits."""
-    return _table(record, [n for n in record["figures"]["order"] if n.startswith("digits_")])
+    """``digits``: the plain digits in a sentence: the untrained encoder, the range
+    of the objectives and the ceiling (kNN, mean over the seeds)."""
+    names = [n for n in record["figures"]["order"] if n.startswith("digits_")]
+    knn = {n: statistics.fmean(found) for n in names if (found := values(record, n, "knn"))}
+    floor, ceiling = knn.pop("digits_untrained", None), knn.pop("digits_cross_entropy", None)
+    if floor is None or ceiling is None or not knn:
+        return [source_line(record), "No plain-digit floor, objective and ceiling."]
+    return [source_line(record), commits(record, names),
+            f"kNN: untrained {floor:.3f}, the objectives {min(knn.values()):.3f} to "
+            f"{max(knn.values()):.3f}, the cross-entropy ceiling {ceiling:.3f}."]
 
 
 def over(shown: list[dict[str, Any]], figure: str) -> str:
@@ -150,6 +159,12 @@ def _shown(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def _given(value: Any) -> bool:
+    """Whether a claim states ``value``: not None, nor NaN (a mean over no seed)."""
+    return value is not None and value != "nan" and not (isinstance(value, float)
+                                                         and math.isnan(value))
+
+
 def claim_row(row: dict[str, Any]) -> str:
     """One row of a claim as a phrase: what it measured, against what, seed by seed."""
     said = []
@@ -159,12 +174,12 @@ def claim_row(row: dict[str, Any]) -> str:
     if "knn" in row:
         said.append(f"kNN {_shown(row['knn'])}")
     if "gain" in row:
-        said.append(f"{100 * row['gain']:+.1f} points")
+        said.append(f"{100 * row['gain']:+.1f} points"
+                    + ("" if row.get("passed", True) else f", short of {100 * row['needed']:+.0f}"))
     if "ahead" in row:
-        said.append(f"ahead at {row['ahead']} seeds, by {row['lead']} points")
+        said.append(f"ahead at {row['ahead']}, by {row['lead']}")
     if "probe" in row:
-        said.append(f"probe {row['probe']} against "
-                    f"{row.get('probe_supcon', row.get('probe_reference'))}")
+        said.append(f"probe {row['probe']} against {row['probe_reference']}")
     said += [f"{key.replace('_', ' ')} {_shown(row[key])}" for key in CLAIM_FIGURES if key in row]
     label = row.get("objective", f"{row.get('num_negatives')} negatives")
     return f"{label} {', '.join(said)}"
@@ -178,7 +193,6 @@ CLAIM_TOTALS = ("untrained", "ceiling", "spearman_knn", "spearman_class_mean_cos
 def render_claims(record: dict[str, Any]) -> list[str]:
     """``claims``: each claim's verdict as the benchmark checked it, and the figures it
     checked (a claim missing a configuration names it instead)."""
-    verdicts = {True: "reproduces", False: "does not reproduce", None: "report"}
     lines = []
     for c in record["figures"]["claims"]:
         if c.get("missing"):
@@ -186,9 +200,9 @@ def render_claims(record: dict[str, Any]) -> list[str]:
                          f"{', '.join(c['missing'])})")
             continue
         totals = [f"{key.replace('_', ' ')} {_shown(c[key])}" for key in CLAIM_TOTALS
-                  if c.get(key) is not None]
+                  if _given(c.get(key))]
         rows = "; ".join([*map(claim_row, c.get("rows", [])), *totals])
-        lines.append(f"- ({c['claim']}) {c['title']}: **{verdicts[c['reproduced']]}**"
+        lines.append(f"- ({c['claim']}) {c['title']}: **{verdict(c)}**"
                      + (f". {rows}." if rows else ""))
     return lines
 

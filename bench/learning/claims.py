@@ -71,27 +71,30 @@ def claim_a(results: Results) -> dict[str, Any]:
 
 
 def by_seed(results: Results, name: str, metric: Callable = knn) -> dict[int, float]:
-    """``metric`` of each finished seed of ``name`` (a result without its configuration
-    counts by its place)."""
-    return {r.get("configuration", {}).get("seed", i): metric(r)
-            for i, r in enumerate(results.get(name, [])) if "evaluation" in r}
+    """``metric`` of each finished seed of ``name``."""
+    return {r["configuration"]["seed"]: metric(r) for r in results.get(name, [])
+            if "evaluation" in r}
 
 
-def seed_by_seed(results: Results, name: str, reference: str,
-                 metric: Callable = knn) -> dict[str, Any]:
+def seed_by_seed(results: Results, name: str, reference: str, metric: Callable = knn,
+                 points: bool = True) -> dict[str, Any]:
     """Where ``name`` stands against ``reference`` at the seeds both finished: at how many
-    it is ahead, and its smallest and largest lead (in points of ``metric``)."""
+    it is ahead, and its smallest and largest lead (accuracy points, or the metric's own
+    units where ``points`` is false)."""
     ours, theirs = by_seed(results, name, metric), by_seed(results, reference, metric)
-    leads = [100 * (ours[s] - theirs[s]) for s in sorted(ours.keys() & theirs.keys())]
+    leads = [ours[s] - theirs[s] for s in sorted(ours.keys() & theirs.keys())]
     if not leads:
         return {}
-    least, most = f"{min(leads):+.1f}", f"{max(leads):+.1f}"
-    return {"ahead": f"{sum(lead > 0 for lead in leads)} of {len(leads)}",
-            "lead": least if least == most else f"{least} to {most}"}
+    shown = [f"{100 * lead:+.1f}" if points else f"{lead:+.3f}" for lead in (min(leads),
+                                                                              max(leads))]
+    seeds = "seed" if len(leads) == 1 else "seeds"
+    return {"ahead": f"{sum(lead > 0 for lead in leads)} of {len(leads)} {seeds}",
+            "lead": (shown[0] if shown[0] == shown[1] else f"{shown[0]} to {shown[1]}")
+            + (" points" if points else "")}
 
 
 def _beats(results: Results, names: tuple[str, ...], reference: str,
-           metric: Callable = knn) -> tuple[bool, list[dict[str, Any]]]:
+           metric: Callable = knn, points: bool = True) -> tuple[bool, list[dict[str, Any]]]:
     base, base_std, _ = stat(results, reference, metric)
     rows = []
     for name in names:
@@ -99,7 +102,7 @@ def _beats(results: Results, names: tuple[str, ...], reference: str,
         rows.append({"objective": name, "value": fmt(mean, std), "against": reference,
                      "reference": fmt(base, base_std), "passed": mean > base,
                      "seeds": stat(results, name, metric)[2],
-                     **seed_by_seed(results, name, reference, metric)})
+                     **seed_by_seed(results, name, reference, metric, points)})
     return all(r["passed"] for r in rows), rows
 
 
@@ -114,7 +117,8 @@ def claim_c(results: Results) -> dict[str, Any]:
     measures the embedding its loss trains). On backbone features every encoder here has
     a margin near 0: all features share a large common component, so the nearest same-class
     and other-class cosines are both close to 1 and their difference says little."""
-    ok, rows = _beats(results, ("sincere",), "supcon", diagnostic("margin", "projector"))
+    ok, rows = _beats(results, ("sincere",), "supcon", diagnostic("margin", "projector"),
+                      points=False)
     return {"claim": "c", "title": "SINCERE's target-noise margin exceeds SupCon's "
             "(SINCERE, Table 3; projector space)", "reproduced": ok, "rows": rows}
 
@@ -125,7 +129,9 @@ def claim_d(results: Results) -> dict[str, Any]:
     return {"claim": "d", "title": "at batch 16, flatnce is at least infonce (FlatNCE)",
             "reproduced": flat >= info,
             "rows": [{"objective": "flatnce_b16", "value": fmt(flat, flat_std),
-                      "reference": fmt(info, info_std), "passed": flat >= info}]}
+                      "against": "infonce_b16", "reference": fmt(info, info_std),
+                      "passed": flat >= info,
+                      **seed_by_seed(results, "flatnce_b16", "infonce_b16")}]}
 
 
 def _rank_correlation(values: list[float]) -> float:
@@ -171,7 +177,7 @@ def claim_g(results: Results) -> dict[str, Any]:
     _, rows = _beats(results, names, "supcon")
     _, probes = _beats(results, names, "supcon", probe)
     for row, probe_row in zip(rows, probes, strict=True):
-        row["probe"], row["probe_supcon"] = probe_row["value"], probe_row["reference"]
+        row["probe"], row["probe_reference"] = probe_row["value"], probe_row["reference"]
     return {"claim": "g", "title": "ProjNCE's projections against SupCon (report)",
             "reproduced": None, "rows": rows}
 
@@ -181,7 +187,7 @@ def claim_h(results: Results) -> dict[str, Any]:
     57.66 against 42.89, Jeong & Hero Table 2), by the backbone kNN and the linear probe."""
     knn_ok, rows = _beats(results, ("projnce_learned",), "supcon")
     probe_ok, probes = _beats(results, ("projnce_learned",), "supcon", probe)
-    rows[0]["probe"], rows[0]["probe_supcon"] = probes[0]["value"], probes[0]["reference"]
+    rows[0]["probe"], rows[0]["probe_reference"] = probes[0]["value"], probes[0]["reference"]
     return {"claim": "h", "title": "ProjNCE with learned class embeddings (ProjNCE-MLP) beats "
             "supcon (ProjNCE Table 2)", "reproduced": knn_ok and probe_ok, "rows": rows}
 
@@ -250,6 +256,14 @@ CLAIMS = {claim_a: ("untrained", *SELF_SUPERVISED, *SUPERVISED),
           claim_h: ("supcon", "projnce_learned"),
           claim_i: ("untrained", *IMAGE_TEXT),
           claim_j: ("alt_clip_scratch", "alt_infonce", "alt_xclr_captions")}
+
+
+def verdict(claim: dict[str, Any]) -> str:
+    """A checked claim's verdict: its inequality's, "report" for a claim that states none,
+    or "not run" for one missing a configuration."""
+    if claim.get("missing"):
+        return "not run"
+    return {True: "reproduces", False: "does not reproduce", None: "report"}[claim["reproduced"]]
 
 
 ALT_TEXT_CLAIMS = (claim_i, claim_j)  # the alt-text part's; every other claim is the main part's

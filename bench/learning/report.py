@@ -20,6 +20,7 @@ from bench.learning.claims import (  # noqa: E402
     knn,
     probe,
     stat,
+    verdict,
 )
 from bench.learning.runs import KS  # noqa: E402
 
@@ -90,9 +91,7 @@ def caption_signal_table(datasets: Mapping[str, Any]) -> list[str]:
 def claims_section(claims: list[dict[str, Any]]) -> list[str]:
     lines = []
     for claim in claims:
-        verdict = {True: "**reproduces**", False: "**does not reproduce**",
-                   None: "not run" if claim.get("missing") else "report"}[claim["reproduced"]]
-        lines += [f"### ({claim['claim']}) {claim['title']}: {verdict}", ""]
+        lines += [f"### ({claim['claim']}) {claim['title']}: **{verdict(claim)}**", ""]
         extra = {k: v for k, v in claim.items()
                  if k not in ("claim", "title", "reproduced", "rows")}
         if extra:

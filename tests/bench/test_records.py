@@ -87,12 +87,19 @@ def test_a_figure_in_prose_is_found_unless_a_record_it_names_shows_it(tmp_path, 
                     f"Per seed 0.500 and 0.400, tau 0.05; planted 0.501 (`{name}`).\n\n"
                     "Old runs: 0.3 ± 0.1; no record\nholds them.\n\n## B\n\nNo record holds "
                     "the list:\n\n- x 0.2 ± 0.1\n\nThis one:\n\n- y 0.1 ± 0.1\n- z, "
-                    f"`{name}`: 0.550 ± 0.071\n")
+                    f"`{name}`: 0.550 ± 0.071\n\nAs `{name}` shows:\n\n- w 0.550 ± 0.071\n\n"
+                    f"## C\n\nAt a sentence's end 0.777. Cut short +30.0 ± 14, no space "
+                    f"+30.0±14.1, a lost sign -0.500 (`{name}`).\n\nA key `x=0.123 ± 0.1`.\n\n"
+                    "Misspelt: 0.550 ± 0.071 (`learning/scratchh`).\n")
     assert records.hand_statistics(page) == [
         f"page.md, # A: +31.0 ± 14.1 (not in {name})",
         "page.md, # A: 0.4 ± 0.1 (no record named)",
         f"page.md, # A: 0.501 (not in {name})",
-        "page.md, ## B: 0.1 ± 0.1 (no record named)"]
+        "page.md, ## B: 0.1 ± 0.1 (no record named)",
+        f"page.md, ## C: +30.0 ± 14 (not in {name})",
+        f"page.md, ## C: 0.777 (not in {name})",
+        f"page.md, ## C: -0.500 (not in {name})",
+        "page.md, ## C: names learning/scratchh, which is not kept"]
 
 
 def test_a_figure_changed_by_hand_is_found(tmp_path, monkeypatch):

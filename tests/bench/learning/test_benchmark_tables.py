@@ -19,7 +19,8 @@ def result(seed: int, knn: float, probe: float, commit: str | None = None,
     evaluation = {"knn": {"backbone": {"k20": {"top1": knn}},
                           "projector": {"k20": {"top1": knn + 0.01}}},
                   "linear_probe": {"top1": probe},
-                  "diagnostics": {"backbone": geometry, "projector": geometry}}
+                  "diagnostics": {"backbone": geometry, "projector": geometry},
+                  "similarity": {"backbone": {"rank_correlation_caption_graph": 0.1}}}
     if captions:
         evaluation["retrieval"] = {"image_to_text": {"R@1": 0.3}}
         evaluation["zero_shot"] = {"accuracy": {"top1": 0.6 + seed / 10}}
@@ -51,15 +52,19 @@ def test_the_main_view_shows_mean_and_sd_over_the_seeds_and_where_the_runs_ran()
         "| projnce_learned | 1 | 0.740 |  | 0.760 |  |  |"]
 
 
-def test_the_digits_view_shows_the_plain_digits_alone():
+def test_the_digits_view_gives_the_floor_the_objectives_range_and_the_ceiling():
     results = {"untrained": [result(0, 0.15, 0.17)], "digits_untrained": [result(0, 0.93, 0.9)],
-               "digits_supcon": [result(0, 0.98, 0.97), result(1, 0.99, 0.98)]}
+               "digits_supcon": [result(0, 0.98, 0.97), result(1, 0.99, 0.98)],
+               "digits_infonce": [result(0, 0.97, 0.97)],
+               "digits_cross_entropy": [result(0, 0.994, 0.99)]}
     record = record_of(results)
-    assert benchmark_tables.render_digits(record)[5:] == [
-        "| digits_untrained | 1 | 0.930 | 0.940 | 0.900 | -0.050 | 0.500 |",
-        "| digits_supcon | 2 | 0.985 ± 0.007 | 0.995 ± 0.007 | 0.975 ± 0.007 | -0.045 | 0.500 |"]
+    assert benchmark_tables.render_digits(record)[2] == (
+        "kNN: untrained 0.930, the objectives 0.970 to 0.985, the cross-entropy ceiling 0.994.")
     assert [line.split(" |")[0] for line in benchmark_tables.render_main(record)[5:]] == [
         "| untrained"]
+    without = record_of({"untrained": [result(0, 0.15, 0.17)]})
+    assert benchmark_tables.render_digits(without)[1] == (
+        "No plain-digit floor, objective and ceiling.")
 
 
 def test_the_gains_view_measures_each_seed_against_its_own_untrained_encoder():
@@ -120,6 +125,30 @@ def test_a_run_made_now_hands_back_the_provenance_its_file_keeps(tmp_path, monke
     assert made["provenance"]["commit"] == git("rev-parse", "HEAD")
     assert benchmark_tables.run_figures(made)["commit"] == made["provenance"]["commit"]
     assert runs.run(conf, None, tmp_path, floor=True) == made  # read back from its file
+
+
+def test_a_claim_says_what_fell_short_in_its_own_units_and_no_nan():
+    """Claim (a) names the margin a row missed; claim (c) compares a cosine margin, not an
+    accuracy, so its per-seed lead is in cosine; claim (a) without a ceiling states none."""
+    results = {"untrained": [result(0, 0.15, 0.17), result(1, 0.15, 0.17)],
+               "supcon": [result(0, 0.60, 0.70), result(1, 0.70, 0.72)],
+               "sincere": [result(0, 0.62, 0.70), result(1, 0.72, 0.72)],
+               "infonce": [result(0, 0.25, 0.3), result(1, 0.35, 0.3)]}
+    for name, margins in (("supcon", (0.010, 0.030)), ("sincere", (0.015, 0.028))):
+        for found, margin in zip(results[name], margins, strict=True):
+            found["evaluation"]["diagnostics"]["projector"] = {
+                **found["evaluation"]["diagnostics"]["projector"], "margin": margin}
+    lines = {line[3]: line for line in
+             benchmark_tables.render_claims(record_of(results, check(results, ("main",))))}
+    assert lines["c"].endswith("**reproduces**. sincere 0.021 ± 0.009 against supcon's "
+                               "0.020 ± 0.014, ahead at 1 of 2 seeds, by -0.002 to +0.005.")
+    a = {**results, **{name: results["supcon"] for name in
+                       ("flatnce", "holder_flatnce", "xclr_class_graph", "projnce_centroid")}}
+    a["infonce"] = [result(0, 0.28, 0.3), result(1, 0.28, 0.3)]  # +13 points: short of +15
+    (line,) = [c for c in benchmark_tables.render_claims(record_of(a, check(a, ("main",))))
+               if c.startswith("- (a)")]
+    assert "infonce kNN 0.280 ± 0.000, +13.0 points, short of +15; flatnce" in line
+    assert line.endswith("+50.0 points; untrained 0.150.")  # no ceiling ran: none stated
 
 
 def test_a_part_checks_its_own_claims():
