@@ -84,10 +84,12 @@ def test_the_gains_view_measures_each_seed_against_its_own_untrained_encoder():
 def test_the_claims_view_gives_each_verdict():
     claims = [{"claim": "a", "title": "t", "reproduced": True},
               {"claim": "b", "title": "u", "reproduced": None, "missing": ["x", "y"]},
-              {"claim": "c", "title": "v", "reproduced": False}]
+              {"claim": "c", "title": "v", "reproduced": False},
+              {"claim": "i", "title": "w", "reproduced": False,  # a ratio over no gain
+               "siglip_over_clip_gain": float("nan"), "untrained": 0.15}]
     assert benchmark_tables.render_claims(record_of({}, claims)) == [
         "- (a) t: **reproduces**", "- (b) u: **not run** (no x, y)",
-        "- (c) v: **does not reproduce**"]
+        "- (c) v: **does not reproduce**", "- (i) w: **does not reproduce**. untrained 0.150."]
 
 
 def test_the_claims_view_shows_the_figures_each_claim_checked_seed_by_seed():
