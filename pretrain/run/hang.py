@@ -276,15 +276,18 @@ class HangWatch:
         return f"rank {self.rank}"
 
     def timed_out(self, step: int) -> str:
-        """A collective of ``step`` timed out here: the line naming who stopped (the process
-        ends on it, :class:`Hang`), also written under ``<run>/hangs/``; this rank's step
-        timer is released (it exits now)."""
+        """A collective of ``step`` timed out here: the line naming who stopped, logged at
+        once (the process ends on it, :class:`Hang`, but its unwinding may outlast the
+        stopped rank's step timer, whose kill restarts the group and so ends this process
+        before its exit line) and written under ``<run>/hangs/``; this rank's step timer is
+        released (it exits now)."""
         if self.timer is not None:
             with contextlib.suppress(OSError):
                 self.timer.release(self.scope)
         line = (who_stopped(self.store, self.world, self.rank, step, self.timeout_s)
                 if self.store is not None else f"hang at step {step}: rank {self.rank} "
                 f"waited {self.timeout_s:.0f} s in a collective")
+        log.error("%s", line)
         folder = self.run_dir / "hangs"
         folder.mkdir(parents=True, exist_ok=True)
         record = {"step": step, "rank": self.rank, "line": line, "time": time.time()}
