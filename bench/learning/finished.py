@@ -4,8 +4,9 @@ The main part alone is 81 runs, more than one sitting on 2 CPU cores. With ``--k
 run's ``result.json`` (its figures and provenance: command, commit, date, machine) is
 copied to ``bench/learning/finished_runs/<name>.json`` when it finishes, and a kept run is
 restored into the run folder instead of trained again when its configuration equals the
-table's and its recipe and data code are unchanged since its commit, so a benchmark
-committed part by part continues from another checkout.
+table's, its recipe holds the values it held at its commit (comments aside) and the data
+code is unchanged since, so a benchmark committed part by part continues from another
+checkout.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import shutil
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from bench.learning.runs import REPO, Configuration, result_path
 from bench.records import git
@@ -46,9 +49,15 @@ def same_configuration(result: dict[str, Any], conf: Configuration) -> bool:
 
 
 def unchanged_since(commit: str | None, conf: Configuration) -> bool:
-    """Whether ``conf``'s recipe and the data code are as they were at ``commit``."""
-    return bool(commit) and git("diff", "--quiet", str(commit), "--", conf.recipe,
-                                *DATA_SOURCES, cwd=REPO) is not None
+    """Whether ``conf``'s recipe holds the values it held at ``commit`` (its comments may
+    have changed) and the data code is as it was."""
+    if not commit:
+        return False
+    then = git("show", f"{commit}:{conf.recipe}", cwd=REPO)
+    now = REPO / conf.recipe
+    return (then is not None and now.is_file()
+            and yaml.safe_load(then) == yaml.safe_load(now.read_text())
+            and git("diff", "--quiet", str(commit), "--", *DATA_SOURCES, cwd=REPO) is not None)
 
 
 def restore(conf: Configuration, root: Path, folder: Path | None = None) -> bool:

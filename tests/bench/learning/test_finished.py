@@ -54,15 +54,46 @@ def test_a_kept_run_of_another_configuration_is_trained_again(tmp_path, capsys):
         "table's supcon-s1; trained again\n")
 
 
-def test_a_kept_run_whose_recipe_changed_since_is_trained_again(tmp_path, capsys):
-    conf = TABLE["supcon-s1"]
-    changed_it = git("log", "-1", "--format=%H", "--", conf.recipe)  # the recipe before it
-    before = git("rev-parse", f"{changed_it}^")
+def recipe_history(tmp_path, monkeypatch, *edits) -> tuple[runs.Configuration, list[str]]:
+    """A checkout of its own holding supcon-s1's recipe, committed as read here and then
+    after each edit (old text, new text); :mod:`finished` reads it. The commits, oldest
+    first."""
+    conf, repo = TABLE["supcon-s1"], tmp_path / "repo"
+    recipe = repo / conf.recipe
+    recipe.parent.mkdir(parents=True)
+    recipe.write_text((REPO / conf.recipe).read_text())
+    for command in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        git(*command, cwd=repo)
+    commits = []
+    for old, new in [("", ""), *edits]:
+        recipe.write_text(recipe.read_text().replace(old, new, 1) if old else recipe.read_text())
+        git("add", "-A", cwd=repo)
+        git("commit", "-q", "--allow-empty", "-m", "recipe", cwd=repo)
+        commits.append(git("rev-parse", "HEAD", cwd=repo))
+    monkeypatch.setattr(finished, "REPO", repo)
+    return conf, commits
+
+
+def test_a_kept_run_whose_recipe_changed_since_is_trained_again(tmp_path, monkeypatch, capsys):
+    conf, (before, _) = recipe_history(tmp_path, monkeypatch, ("temperature: 0.2",
+                                                               "temperature: 0.3"))
     write(tmp_path / "kept" / "supcon-s1.json", made(conf, before))
     assert not finished.restore(conf, tmp_path / "out", tmp_path / "kept")
     assert capsys.readouterr().out == (
         f"{tmp_path / 'kept' / 'supcon-s1'}.json: its recipe or data code changed since "
         f"{before[:7]}; trained again\n")
+
+
+def test_a_kept_run_whose_recipe_changed_only_in_its_comments_is_restored(tmp_path, monkeypatch):
+    conf, (before, _) = recipe_history(tmp_path, monkeypatch, ("# ", "# (reworded) "))
+    write(tmp_path / "kept" / "supcon-s1.json", made(conf, before))
+    assert finished.restore(conf, tmp_path / "out", tmp_path / "kept")
+
+
+def test_a_kept_run_of_a_commit_without_its_recipe_is_trained_again(tmp_path, monkeypatch):
+    conf, _ = recipe_history(tmp_path, monkeypatch)
+    write(tmp_path / "kept" / "supcon-s1.json", made(conf, "0" * 40))
+    assert not finished.restore(conf, tmp_path / "out", tmp_path / "kept")
 
 
 def test_a_file_that_is_not_a_kept_run_is_named_and_trained_again(tmp_path, capsys):
