@@ -21,6 +21,7 @@ import yaml
 
 from bench.learning.runs import REPO, Configuration, result_path
 from bench.records import git
+from core.config import read_yaml
 
 FINISHED = REPO / "bench" / "learning" / "finished_runs"
 # what makes a run's data, beside its recipe: unchanged since a kept run's commit
@@ -53,11 +54,15 @@ def unchanged_since(commit: str | None, conf: Configuration) -> bool:
     have changed) and the data code is as it was."""
     if not commit:
         return False
-    then = git("show", f"{commit}:{conf.recipe}", cwd=REPO)
-    now = REPO / conf.recipe
-    return (then is not None and now.is_file()
-            and yaml.safe_load(then) == yaml.safe_load(now.read_text())
-            and git("diff", "--quiet", str(commit), "--", *DATA_SOURCES, cwd=REPO) is not None)
+    then, now = git("show", f"{commit}:{conf.recipe}", cwd=REPO), REPO / conf.recipe
+    if then is None or not now.is_file():
+        return False
+    try:  # each value as written: 1 and 1.0 differ, as they may for the field they set
+        same_values = read_yaml(then) == read_yaml(now.read_text())
+    except yaml.YAMLError:
+        return False
+    return same_values and git("diff", "--quiet", str(commit), "--", *DATA_SOURCES,
+                               cwd=REPO) is not None
 
 
 def restore(conf: Configuration, root: Path, folder: Path | None = None) -> bool:

@@ -54,45 +54,73 @@ def test_a_kept_run_of_another_configuration_is_trained_again(tmp_path, capsys):
         "table's supcon-s1; trained again\n")
 
 
-def recipe_history(tmp_path, monkeypatch, *edits) -> tuple[runs.Configuration, list[str]]:
-    """A checkout of its own holding supcon-s1's recipe, committed as read here and then
-    after each edit (old text, new text); :mod:`finished` reads it. The commits, oldest
-    first."""
+def history(tmp_path, monkeypatch, *edits) -> tuple[runs.Configuration, list[str]]:
+    """A checkout of its own holding supcon-s1's recipe and the data code as read here,
+    committed, then committed again after each edit ``(path, old, new)`` (``new`` None:
+    the file removed); :mod:`finished` reads it. The commits, oldest first."""
     conf, repo = TABLE["supcon-s1"], tmp_path / "repo"
-    recipe = repo / conf.recipe
-    recipe.parent.mkdir(parents=True)
-    recipe.write_text((REPO / conf.recipe).read_text())
-    for command in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
-        git(*command, cwd=repo)
+    for path in (conf.recipe, *finished.DATA_SOURCES):
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text((REPO / path).read_text())
+    def run_git(*args: str) -> str:
+        out = git("-c", "user.email=t@t", "-c", "user.name=t", "-c", "commit.gpgsign=false",
+                  *args, cwd=repo)
+        assert out is not None, args
+        return out
+    run_git("init", "-q")
     commits = []
-    for old, new in [("", ""), *edits]:
-        recipe.write_text(recipe.read_text().replace(old, new, 1) if old else recipe.read_text())
-        git("add", "-A", cwd=repo)
-        git("commit", "-q", "--allow-empty", "-m", "recipe", cwd=repo)
-        commits.append(git("rev-parse", "HEAD", cwd=repo))
+    for path, old, new in [(conf.recipe, "", ""), *edits]:
+        file = repo / path
+        if new is None:
+            file.unlink()
+        else:
+            assert old in file.read_text()
+            file.write_text(file.read_text().replace(old, new, 1))
+        run_git("add", "-A")
+        run_git("commit", "-q", "--allow-empty", "-m", "edit")
+        commits.append(run_git("rev-parse", "HEAD"))
     monkeypatch.setattr(finished, "REPO", repo)
     return conf, commits
 
 
+def restored_after(tmp_path, monkeypatch, *edits) -> bool:
+    """Whether a run kept at the first commit of :func:`history` is restored after it."""
+    conf, commits = history(tmp_path, monkeypatch, *edits)
+    write(tmp_path / "kept" / "supcon-s1.json", made(conf, commits[0]))
+    return finished.restore(conf, tmp_path / "out", tmp_path / "kept")
+
+
 def test_a_kept_run_whose_recipe_changed_since_is_trained_again(tmp_path, monkeypatch, capsys):
-    conf, (before, _) = recipe_history(tmp_path, monkeypatch, ("temperature: 0.2",
-                                                               "temperature: 0.3"))
-    write(tmp_path / "kept" / "supcon-s1.json", made(conf, before))
-    assert not finished.restore(conf, tmp_path / "out", tmp_path / "kept")
+    conf = TABLE["supcon-s1"]
+    assert not restored_after(tmp_path, monkeypatch, (conf.recipe, "temperature: 0.2",
+                                                      "temperature: 0.3"))
+    before = git("rev-list", "--max-parents=0", "HEAD", cwd=tmp_path / "repo")
     assert capsys.readouterr().out == (
         f"{tmp_path / 'kept' / 'supcon-s1'}.json: its recipe or data code changed since "
         f"{before[:7]}; trained again\n")
 
 
-def test_a_kept_run_whose_recipe_changed_only_in_its_comments_is_restored(tmp_path, monkeypatch):
-    conf, (before, _) = recipe_history(tmp_path, monkeypatch, ("# ", "# (reworded) "))
-    write(tmp_path / "kept" / "supcon-s1.json", made(conf, before))
-    assert finished.restore(conf, tmp_path / "out", tmp_path / "kept")
+@pytest.mark.parametrize("edit", [
+    ("temperature: 0.2", "temperature: 0.20"),  # a value written otherwise: as a change
+    ("#", "# (reworded)"),  # a comment alone: not a change
+], ids=["value written otherwise", "comment"])
+def test_a_kept_run_is_restored_only_while_its_recipe_holds_its_values(tmp_path, monkeypatch,
+                                                                       edit):
+    conf = TABLE["supcon-s1"]
+    assert restored_after(tmp_path, monkeypatch, (conf.recipe, *edit)) == (edit[0] == "#")
+
+
+def test_a_kept_run_whose_data_code_changed_since_is_trained_again(tmp_path, monkeypatch):
+    source = finished.DATA_SOURCES[0]
+    assert not restored_after(tmp_path, monkeypatch, (source, "\n", "\n# edited\n"))
 
 
 def test_a_kept_run_of_a_commit_without_its_recipe_is_trained_again(tmp_path, monkeypatch):
-    conf, _ = recipe_history(tmp_path, monkeypatch)
-    write(tmp_path / "kept" / "supcon-s1.json", made(conf, "0" * 40))
+    conf, commits = history(tmp_path, monkeypatch, (TABLE["supcon-s1"].recipe, "", None))
+    made_without = commits[-1]  # the recipe removed, then written back here
+    recipe = finished.REPO / conf.recipe
+    recipe.write_text((REPO / conf.recipe).read_text())
+    write(tmp_path / "kept" / "supcon-s1.json", made(conf, made_without))
     assert not finished.restore(conf, tmp_path / "out", tmp_path / "kept")
 
 
