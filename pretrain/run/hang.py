@@ -12,8 +12,9 @@ Two of torch's own timeouts, in this order, both following the run's step time
    it exits, and torchrun restarts the group as for a crash.
 2. **The step timer** (torch's ``FileTimerClient``, served on each node by
    :mod:`pretrain.run.step_timer`): a rank whose steps stop for
-   ``E + train.hang.kill_after_s`` is killed with its process group by SIGKILL, which
-   stops even a frozen process: its agent needs no 30 s of SIGTERM first.
+   ``E + NAMING_S + train.hang.kill_after_s`` (the waiting rank has named it by then) is
+   killed with its process group by SIGKILL, which stops even a frozen process: its
+   agent needs no 30 s of SIGTERM first.
 3. **The rendezvous** (torchrun's): the restarted group waits for its nodes; a node whose
    agent is frozen too misses its heartbeats and is left out.
 
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 
 TIMER_FILE = "TORCHELASTIC_TIMER_FILE"  # the node's step-timer server's pipe (torchrun passes it)
 BEAT_S = 1.0  # seconds between heartbeats
+READ_S = 5.0  # the longest wait for the store's answer to one reading of the heartbeats
+NAMING_S = 3 * BEAT_S + 2 * READ_S  # the longest naming: two readings, 3 beats apart
 STEP_TIME = "step_time.json"  # under <run>/hangs/: the run's median step and its world
 RESTART_STEPS = 2  # a restart's steps on the long timeout: the loader's start, compile
 
@@ -69,7 +72,7 @@ class HangConfig:
     enabled: bool = True  # heartbeats, the collective timeout and the step timer follow the run
     floor_s: float = 15.0  # the least wait for a peer: above the pauses of a healthy job
     factor: float = 10.0  # a wait of this many median steps is a hang
-    kill_after_s: float = 10.0  # after the waiting ranks' timeout, the stopped rank is killed
+    kill_after_s: float = 10.0  # after the waiting ranks' timeout and naming, the kill
     warmup_steps: int = 10  # a fresh run's steps on the long timeout, measuring its step
 
     def validate(self) -> None:
@@ -118,7 +121,7 @@ class Heartbeat:
         self.stopped.set()
 
 
-def read_beats(store: dist.Store, world: int, wait_s: float = 5.0,
+def read_beats(store: dist.Store, world: int, wait_s: float = READ_S,
                ) -> dict[int, list[str]] | None:
     """Every rank's last heartbeat; None when the store does not answer within ``wait_s``
     (a client's own timeout does not end a read from a server that froze: a thread
@@ -251,15 +254,16 @@ class HangWatch:
 
     def _arm(self, expiry_s: float) -> None:
         """The collective timeout to ``expiry_s`` (when it moved by more than a tenth), and
-        the step timer to it plus ``kill_after_s`` (at least two median steps: a waiting
-        rank's collective began up to a step after its timer was armed); no step timer
-        while the timeout is the long one (warmup, long phases)."""
+        the step timer to it plus the naming's longest (:data:`NAMING_S`: the kill comes
+        after the waiting rank has named this one) plus ``kill_after_s`` (at least two
+        median steps: a waiting rank's collective began up to a step after its timer was
+        armed); no step timer while the timeout is the long one (warmup, long phases)."""
         if abs(expiry_s - self.timeout_s) > 0.1 * self.timeout_s:
             if self.world > 1 and dist.is_initialized():
                 dist.set_timeout(timedelta(seconds=expiry_s))
             self.timeout_s = expiry_s
         if self.timer is not None:
-            margin = max(self.cfg.kill_after_s, 2 * (self.step_s or 0.0))
+            margin = NAMING_S + max(self.cfg.kill_after_s, 2 * (self.step_s or 0.0))
             try:
                 if expiry_s >= self.long_s:  # a long phase is bounded by its collectives
                     self.timer.release(self.scope)

@@ -38,6 +38,14 @@ def training_process(agent: subprocess.Popen) -> psutil.Process:
     raise AssertionError("no training process under the agent")
 
 
+def not_rank_0(agents: list[subprocess.Popen]) -> psutil.Process:
+    """The training process of rank 1, whichever agent holds it (ranks follow the nodes'
+    addresses and pids, not the order they joined); rank 0's serves the job's store,
+    whose freeze is another finding (``tests/launch/test_partition.py``)."""
+    ranks = {process.environ()["RANK"]: process for process in map(training_process, agents)}
+    return ranks["1"]
+
+
 def last_step(run: Path) -> int:
     rows = step_rows((run / "train.log").read_text()) if (run / "train.log").exists() else {}
     return max(rows, default=0)
@@ -74,7 +82,7 @@ def test_a_straggler_restarts_nothing_and_a_frozen_rank_is_named_killed_and_heal
     agents, log_path = start_job(digits_shards, tmp_path)
     run = tmp_path / "run"
     wait_for(lambda: last_step(run) >= 20, 300, agents, log_path)
-    straggler = training_process(agents[1])
+    straggler = not_rank_0(agents)
     paused = [straggler, *straggler.children(recursive=True)]
     for process in paused:
         process.send_signal(signal.SIGSTOP)
@@ -85,7 +93,7 @@ def test_a_straggler_restarts_nothing_and_a_frozen_rank_is_named_killed_and_heal
     assert "hang at step" not in log_path.read_text()
     assert "resumed from" not in (run / "train.log").read_text()
 
-    frozen = training_process(agents[1])
+    frozen = not_rank_0(agents)
     rank, pid = frozen.environ()["RANK"], frozen.pid
     before = last_step(run)
     stopped = time.monotonic()
@@ -95,13 +103,14 @@ def test_a_straggler_restarts_nothing_and_a_frozen_rank_is_named_killed_and_heal
     healed_s = time.monotonic() - stopped
     assert [a.wait(timeout=300) for a in agents] == [0, 0], log_path.read_text()[-4000:]
     text = log_path.read_text()
-    named = re.findall(r"rank\d+ pretrain\.run\.hang ERROR: hang at step (\d+): rank (\d+) "
-                       r"waited (\d+) s in a collective for "
-                       rf"rank {rank} on \S+ \(pid {pid}, no heartbeat\)", text)
+    named = re.search(r"rank\d+ pretrain\.run\.hang ERROR: hang at step \d+: rank \d+ "
+                      r"waited (\d+) s in a collective for "
+                      rf"rank {rank} on \S+ \(pid {pid}, no heartbeat\)", text)
     assert named, "\n".join(line for line in text.splitlines() if re.search(
         r"hang|step timer|exitcode|SIGTERM|SIGKILL|error", line))[-4000:]
-    assert f"step timer: rank {rank} (pid {pid}) on" in text
+    killed = text.find(f"step timer: rank {rank} (pid {pid}) on")
+    assert killed > named.start(), "the step timer killed the frozen rank before it was named"
     assert "restarted after a hang at step" in (run / "train.log").read_text()
     assert healed_s < 90, healed_s
-    print(f"healed in {healed_s:.1f} s; waited {named[0][2]} s")
+    print(f"healed in {healed_s:.1f} s; waited {named[1]} s")
     assert_every_epoch_once(run, SETTINGS["train.epochs"])
